@@ -1,0 +1,34 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv when missing and
+# install through constraints.txt, which pins torch to the CPU wheel already on the machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+PIP_INSTALL := $(BIN)/python -m pip install --quiet -c constraints.txt
+
+.PHONY: demo test lint typecheck install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP_INSTALL) -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nn-handler demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check nn_handler tests examples benchmarks
+	$(BIN)/ruff format --check nn_handler tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

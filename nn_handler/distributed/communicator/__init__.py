@@ -1,0 +1,19 @@
+"""Communicators: one strategy object for all collectives (see :class:`Communicator`)."""
+
+from nn_handler.distributed.communicator.base import (
+    DEBUG_ENV_VAR,
+    Communicator,
+    ReduceOp,
+    debug_from_env,
+)
+from nn_handler.distributed.communicator.null import NullCommunicator
+from nn_handler.distributed.communicator.torch_backend import TorchCommunicator
+
+__all__ = [
+    "DEBUG_ENV_VAR",
+    "Communicator",
+    "NullCommunicator",
+    "ReduceOp",
+    "TorchCommunicator",
+    "debug_from_env",
+]

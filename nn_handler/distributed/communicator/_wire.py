@@ -1,0 +1,67 @@
+"""What travels on the wire besides user tensors: bytes and tensor metadata as int64 tensors."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+#: Every dtype a tensor collective can carry; the index is the code sent to other ranks.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+MAX_DIMS = 16
+META_SIZE = 2 + MAX_DIMS
+
+
+def encode_meta(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[dtype code, ndim, dims... padded with -1] as an int64 tensor of fixed length."""
+    meta = torch.full((META_SIZE,), -1, dtype=torch.int64)
+    meta[0] = _CODES.get(tensor.dtype, -1)
+    meta[1] = tensor.dim()
+    dims = list(tensor.shape)[:MAX_DIMS]
+    if dims:
+        meta[2 : 2 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+    return meta.to(device)
+
+
+def decode_meta(meta: torch.Tensor) -> tuple[torch.dtype | None, tuple[int, ...]]:
+    values = meta.tolist()
+    code, ndim = int(values[0]), int(values[1])
+    dtype = DTYPES[code] if 0 <= code < len(DTYPES) else None
+    return dtype, tuple(int(d) for d in values[2 : 2 + min(ndim, MAX_DIMS)])
+
+
+def describe_meta(dtype: torch.dtype | None, shape: tuple[int, ...]) -> str:
+    name = str(dtype).replace("torch.", "") if dtype is not None else "unsupported dtype"
+    return f"{name}{list(shape)}"
+
+
+def bytes_to_tensor(payload: bytes, length: int, device: torch.device) -> torch.Tensor:
+    """``payload`` as a uint8 tensor padded with zeros to ``length``."""
+    buffer = torch.zeros(length, dtype=torch.uint8)
+    if payload:
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buffer.to(device)
+
+
+def tensor_to_bytes(tensor: torch.Tensor, length: int) -> bytes:
+    return tensor[:length].cpu().numpy().tobytes()
+
+
+def signature_hash(signature: str) -> int:
+    """A stable 63-bit hash of a collective's signature text (equal on every rank and run)."""
+    digest = hashlib.blake2b(signature.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

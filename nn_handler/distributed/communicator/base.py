@@ -1,0 +1,476 @@
+"""The Communicator: one strategy object for every collective, on tensors and Python objects.
+
+The public methods here validate and convert inputs (numbers, nested dicts/lists of tensors,
+device moves, variable first dimensions, pickling) and then call five small hooks that a backend
+implements: ``_do_barrier``, ``_do_all_reduce``, ``_do_broadcast``, ``_do_all_gather`` (equal
+shapes) and ``_do_gather`` (equal shapes). Backends never see user data directly.
+
+Every public method is a collective: every rank of the group must call it, in the same order,
+or the group stalls until its timeout. Turn on debug mode (``debug=True`` or the environment
+variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes into a
+:class:`~nn_handler.errors.CollectiveMismatchError` on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal, TypeVar, get_args
+
+import numpy as np
+import torch
+
+from nn_handler.distributed.communicator import _tree, _wire
+from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
+
+ReduceOp = Literal["sum", "mean", "min", "max", "product"]
+BackendReduceOp = Literal["sum", "min", "max", "product"]
+REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
+DEBUG_ENV_VAR = "NN_HANDLER_DEBUG_COLLECTIVES"
+
+T = TypeVar("T")
+
+
+def debug_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """True when ``NN_HANDLER_DEBUG_COLLECTIVES`` is set to 1/true/yes/on."""
+    value = (env if env is not None else os.environ).get(DEBUG_ENV_VAR, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def to_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    """Seconds or a timedelta, validated to be positive."""
+    if timeout is None:
+        return None
+    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if delta.total_seconds() <= 0:
+        raise ConfigError(f"timeout must be positive, got {timeout!r}.")
+    return delta
+
+
+def _reduce_transport(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if dtype == torch.bool else dtype
+
+
+def _copy_transport(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def _dumps(obj: Any) -> tuple[bytes, BaseException | None]:
+    """Pickle ``obj`` (cloudpickle for lambdas and local classes); on failure return the error
+    text as the payload, and the error."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as first:
+        try:
+            import cloudpickle
+
+            return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+        except Exception:
+            text = "".join(traceback.format_exception_only(type(first), first)).strip()
+            return text.encode(), first
+
+
+def format_error(error: BaseException) -> str:
+    """The error's type, message and traceback as text, to send to other ranks."""
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+class Communicator(ABC):
+    """Collectives on tensors, numbers, nested containers of them, and picklable objects.
+
+    Every public method must be called by every rank of the group, in the same order.
+    In a group of one process every collective is an identity and costs no communication.
+    """
+
+    def __init__(self, *, debug: bool | None = None) -> None:
+        self._debug = debug_from_env() if debug is None else bool(debug)
+
+    # ----------------------------------------------------------------- identity of this rank
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the communicator's group."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of processes in the communicator's group."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device on which tensors travel (CUDA for nccl, CPU for gloo)."""
+
+    @property
+    def debug(self) -> bool:
+        """Whether every collective is checked for matching calls across ranks first."""
+        return self._debug
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, debug={self.debug})"
+        )
+
+    # ----------------------------------------------------------------- backend hooks
+    @abstractmethod
+    def _do_barrier(self, timeout: timedelta | None) -> None: ...
+
+    @abstractmethod
+    def _do_all_reduce(self, tensor: torch.Tensor, op: BackendReduceOp) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _do_broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _do_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _do_gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None: ...
+
+    # ----------------------------------------------------------------- tensor collectives
+    def barrier(self, timeout: float | timedelta | None = None) -> None:
+        """Wait until every rank arrives. Every rank must call this.
+
+        With ``timeout`` (seconds or timedelta) on gloo, a rank that does not arrive in time
+        makes the call raise :class:`~nn_handler.errors.DistributedError` naming the missing
+        ranks; other backends wait up to the process group's timeout.
+        """
+        delta = to_timedelta(timeout)
+        if self.world_size == 1:
+            return
+        self._check_signature("barrier()")
+        self._do_barrier(delta)
+
+    def all_reduce(self, data: T, op: ReduceOp = "sum") -> T:
+        """Reduce ``data`` across ranks; every rank gets the result. Every rank must call this.
+
+        ``data`` is a tensor, a Python number, or nested dicts/lists/tuples of them, with the
+        same structure and shapes on every rank. ``op`` is sum, mean, min, max or product.
+        Returns a new value of the same structure (inputs are not modified); tensors come back on
+        their original device, numbers as Python numbers. Integer inputs average to float64;
+        bool tensors reduce as int64.
+        """
+        checked = self._check_op(op)
+        leaves, spec = self._prepare(data, f"all_reduce(op={checked})")
+        values = self._reduce_leaves(leaves, "sum" if checked == "mean" else checked)
+        if checked == "mean":
+            values = [self._mean(v) for v in values]
+        result: T = _tree.unflatten(spec, iter(values))
+        return result
+
+    def broadcast(self, data: T, src: int = 0) -> T:
+        """Every rank gets rank ``src``'s ``data``. Every rank must call this.
+
+        ``data`` is a tensor, a number or nested containers of them; receivers pass the same
+        structure, shapes and dtypes (their values are ignored). Returns a new value.
+        """
+        self._check_rank("src", src)
+        leaves, spec = self._prepare(data, f"broadcast(src={src})")
+        if self.world_size == 1:
+            values = [leaf.clone() for leaf in leaves]
+        else:
+            values = _tree.packed_apply(
+                leaves, self.device, _copy_transport, lambda b: self._do_broadcast(b, src)
+            )
+            values = [v.to(leaf.dtype) for v, leaf in zip(values, leaves, strict=True)]
+        result: T = _tree.unflatten(spec, iter(values))
+        return result
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank gets the list of all ranks' tensors, by rank. Every rank must call this.
+
+        The first dimension may differ per rank (the result is exact: padding is removed);
+        dtype and the other dimensions must match, or every rank raises
+        :class:`~nn_handler.errors.CollectiveMismatchError` listing each rank's shape.
+        """
+        self._require_tensor(tensor, "all_gather")
+        self._check_signature("all_gather(tensor)")
+        if self.world_size == 1:
+            return [tensor.detach().clone()]
+        return self._gather_variable(tensor.detach(), None, "all_gather") or []
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor]:
+        """Rank ``dst`` gets the list of all ranks' tensors; other ranks get ``[]``.
+
+        Every rank must call this. First dimensions may differ per rank, as in
+        :meth:`all_gather`.
+        """
+        self._require_tensor(tensor, "gather")
+        self._check_rank("dst", dst)
+        self._check_signature(f"gather(tensor, dst={dst})")
+        if self.world_size == 1:
+            return [tensor.detach().clone()]
+        return self._gather_variable(tensor.detach(), dst, "gather") or []
+
+    def gather_into_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All ranks' tensors concatenated along dimension 0 (stacked for 0-d tensors), on every
+        rank. Every rank must call this. First dimensions may differ per rank."""
+        parts = self.all_gather(tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    # ----------------------------------------------------------------- object collectives
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
+
+        Each rank pickles first and all ranks agree before payloads move: an object that cannot
+        be pickled on some rank raises :class:`~nn_handler.errors.RankFailedError` naming that
+        rank on every rank, and the group stays usable. Unpickling trusts the group's members.
+        """
+        self._check_signature("all_gather_object(obj)")
+        if self.world_size == 1:
+            return [obj]
+        payload, error = _dumps(obj)
+        blobs, failed = self._exchange_payloads(payload, error)
+        if failed:
+            raise RankFailedError("all_gather_object: pickling the object", failed) from error
+        return [pickle.loads(blob) for blob in blobs]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
+        """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
+
+        Every rank must call this. Pickling failures raise on every rank, as in
+        :meth:`all_gather_object`.
+        """
+        self._check_rank("dst", dst)
+        self._check_signature(f"gather_object(obj, dst={dst})")
+        if self.world_size == 1:
+            return [obj]
+        payload, error = _dumps(obj)
+        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
+        statuses = [s.tolist() for s in self._do_all_gather(status.to(self.device))]
+        if any(flag for flag, _ in statuses):
+            _, failed = self._exchange_payloads(payload, error)
+            raise RankFailedError("gather_object: pickling the object", failed) from error
+        longest = max(length for _, length in statuses)
+        parts = self._do_gather(_wire.bytes_to_tensor(payload, longest, self.device), dst)
+        if parts is None:
+            return []
+        return [
+            pickle.loads(_wire.tensor_to_bytes(part, length))
+            for part, (_, length) in zip(parts, statuses, strict=True)
+        ]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
+
+        Every rank must call this. If ``src`` cannot pickle it, every rank raises
+        :class:`~nn_handler.errors.RankFailedError` naming ``src``.
+        """
+        self._check_rank("src", src)
+        self._check_signature(f"broadcast_object(obj, src={src})")
+        if self.world_size == 1:
+            return obj
+        payload, error = _dumps(obj) if self.rank == src else (b"", None)
+        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
+        failed_flag, length = self._do_broadcast(status.to(self.device), src).tolist()
+        data = self._do_broadcast(_wire.bytes_to_tensor(payload, length, self.device), src)
+        blob = _wire.tensor_to_bytes(data, length)
+        if failed_flag:
+            message = {src: blob.decode(errors="replace")}
+            raise RankFailedError("broadcast_object: pickling the object", message) from error
+        return obj if self.rank == src else pickle.loads(blob)
+
+    # ----------------------------------------------------------------- agreement and helpers
+    def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
+        """Agree across ranks on whether a step succeeded. Every rank must call this.
+
+        Pass the exception this rank caught (or None). If any rank passes one, every rank raises
+        :class:`~nn_handler.errors.RankFailedError` naming the failed ranks with their original
+        tracebacks (chained as ``__cause__`` on the failing rank). In one process the original
+        exception is re-raised unchanged.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        self._check_signature("raise_if_any_failed()")
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
+        flags = [int(f.item()) for f in self._do_all_gather(flag)]
+        if not any(flags):
+            return
+        text = format_error(error) if error is not None else ""
+        texts = self._all_gather_bytes(text.encode())
+        failed = {r: t.decode(errors="replace") for r, t in enumerate(texts) if flags[r]}
+        raise RankFailedError(what, failed) from error
+
+    def reduce_dict(self, input_dict: Mapping[str, Any], average: bool = True) -> dict[str, Any]:
+        """Reduce a dict of numbers/tensors over ranks, NaN-aware; every rank gets the result.
+
+        Every rank must call this with the same keys, even when its values are NaN or inf.
+        The rule, per key and element: ranks whose value is NaN contribute a zero sum and a zero
+        count; the result is the sum of the others (``average=False``) or that sum divided by
+        how many ranks were not NaN (``average=True``). When every rank is NaN the result is
+        NaN. Infinities are ordinary values (+inf and -inf together give NaN). Tensors come back
+        as tensors on their device, numbers as floats.
+        """
+        if not isinstance(input_dict, Mapping):
+            raise ConfigError(
+                f"reduce_dict expects a dict of numbers or tensors, got "
+                f"{type(input_dict).__name__}."
+            )
+        leaves, spec = self._prepare(dict(input_dict), f"reduce_dict(average={average})")
+        sums, counts = [], []
+        for leaf in leaves:
+            value = leaf if leaf.is_floating_point() else leaf.to(torch.float64)
+            missing = torch.isnan(value)
+            sums.append(torch.where(missing, torch.zeros_like(value), value))
+            counts.append((~missing).to(value.dtype))
+        totals = self._reduce_leaves(sums + counts, "sum")
+        results = []
+        for total, count in zip(totals[: len(leaves)], totals[len(leaves) :], strict=True):
+            nan = torch.full_like(total, float("nan"))
+            value = total / count if average else total
+            results.append(torch.where(count > 0, value, nan))
+        reduced: dict[str, Any] = _tree.unflatten(spec, iter(results))
+        return reduced
+
+    def shared_random_seed(self) -> int:
+        """A random int in [0, 2**31) that is the same on every rank (rank 0's draw from
+        numpy's global generator, so seeded runs repeat). Every rank must call this."""
+        seed = int(np.random.randint(2**31))
+        if self.world_size == 1:
+            return seed
+        self._check_signature("shared_random_seed()")
+        tensor = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        return int(self._do_broadcast(tensor, 0).item())
+
+    # ----------------------------------------------------------------- internals
+    def _check_op(self, op: str) -> ReduceOp:
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"op={op!r} is not a reduction; use one of {list(REDUCE_OPS)}.")
+        return op  # type: ignore[return-value]
+
+    def _check_rank(self, name: str, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an int rank, got {value!r}.")
+        if not 0 <= value < self.world_size:
+            raise ConfigError(
+                f"{name}={value} is not a rank of this group (0..{self.world_size - 1})."
+            )
+
+    @staticmethod
+    def _require_tensor(value: Any, what: str) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"{what} takes a torch.Tensor, got {type(value).__name__}; use "
+                f"{what}_object for other Python objects."
+            )
+
+    def _prepare(self, data: Any, what: str) -> tuple[list[torch.Tensor], _tree.Spec]:
+        """Flatten ``data``; in debug mode first agree with the other ranks on the call."""
+        try:
+            leaves, spec = _tree.flatten(data)
+        except ConfigError as error:
+            self._check_signature(f"{what} with invalid input ({error})")
+            raise
+        self._check_signature(f"{what} {_tree.describe(spec)}")
+        return leaves, spec
+
+    def _check_signature(self, signature: str) -> None:
+        """Debug mode: raise CollectiveMismatchError on every rank unless all signatures match."""
+        if not self._debug or self.world_size == 1:
+            return
+        digest = torch.tensor([_wire.signature_hash(signature)], dtype=torch.int64)
+        digests = {int(d.item()) for d in self._do_all_gather(digest.to(self.device))}
+        if len(digests) == 1:
+            return
+        signatures = [s.decode() for s in self._all_gather_bytes(signature.encode())]
+        raise CollectiveMismatchError(
+            "collective debug check",
+            signatures,
+            hint="Every rank must call the same collectives, in the same order, with the same "
+            "structure, dtypes and shapes.",
+        )
+
+    def _reduce_leaves(self, leaves: list[torch.Tensor], op: BackendReduceOp) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return [leaf.to(_reduce_transport(leaf.dtype), copy=True) for leaf in leaves]
+        return _tree.packed_apply(
+            leaves, self.device, _reduce_transport, lambda b: self._do_all_reduce(b, op)
+        )
+
+    def _mean(self, total: torch.Tensor) -> torch.Tensor:
+        if total.is_floating_point() or total.is_complex():
+            return total / self.world_size
+        return total.to(torch.float64) / self.world_size
+
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        blobs, _ = self._exchange_payloads(payload, None)
+        return blobs
+
+    def _exchange_payloads(
+        self, payload: bytes, error: BaseException | None
+    ) -> tuple[list[bytes], dict[int, str]]:
+        """All-gather byte strings; also returns the text of ranks that flagged an error."""
+        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
+        statuses = [s.tolist() for s in self._do_all_gather(status.to(self.device))]
+        longest = max(length for _, length in statuses)
+        parts = self._do_all_gather(_wire.bytes_to_tensor(payload, longest, self.device))
+        blobs = [
+            _wire.tensor_to_bytes(part, length)
+            for part, (_, length) in zip(parts, statuses, strict=True)
+        ]
+        failed = {
+            rank: blob.decode(errors="replace")
+            for rank, (blob, (flag, _)) in enumerate(zip(blobs, statuses, strict=True))
+            if flag
+        }
+        return blobs, failed
+
+    def _gather_variable(
+        self, tensor: torch.Tensor, dst: int | None, what: str
+    ) -> list[torch.Tensor] | None:
+        """Gather tensors whose first dimension may differ: exchange shapes, pad, gather, trim."""
+        metas = self._do_all_gather(_wire.encode_meta(tensor, self.device))
+        decoded = [_wire.decode_meta(meta) for meta in metas]
+        shapes = self._check_gatherable(decoded, what)
+        dtype = _copy_transport(tensor.dtype)
+        buffer = tensor.to(device=self.device, dtype=dtype)
+        if tensor.dim() > 0:
+            longest = max(shape[0] for shape in shapes)
+            if tensor.shape[0] < longest:
+                pad = buffer.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+                buffer = torch.cat([buffer, pad])
+        buffer = buffer.contiguous()
+        parts = self._do_all_gather(buffer) if dst is None else self._do_gather(buffer, dst)
+        if parts is None:
+            return None
+        return [
+            (part[: shape[0]] if shape else part).to(device=tensor.device, dtype=tensor.dtype)
+            for part, shape in zip(parts, shapes, strict=True)
+        ]
+
+    @staticmethod
+    def _check_gatherable(
+        decoded: list[tuple[torch.dtype | None, tuple[int, ...]]], what: str
+    ) -> list[tuple[int, ...]]:
+        first_dtype, first_shape = decoded[0]
+        consistent = all(
+            dtype is not None
+            and dtype == first_dtype
+            and len(shape) == len(first_shape)
+            and shape[1:] == first_shape[1:]
+            and len(shape) <= _wire.MAX_DIMS
+            for dtype, shape in decoded
+        )
+        if not consistent:
+            raise CollectiveMismatchError(
+                what,
+                [_wire.describe_meta(dtype, shape) for dtype, shape in decoded],
+                hint="Tensors may differ in their first dimension only; dtype, number of "
+                f"dimensions (at most {_wire.MAX_DIMS}) and the other dimensions must match.",
+            )
+        return [shape for _, shape in decoded]

@@ -1,0 +1,235 @@
+"""DistributedContext: who this process is, which device it uses, and the process group's life."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from torch._C._distributed_c10d import HashStore
+
+from nn_handler.config import DistributedConfig
+from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
+from nn_handler.distributed.device import resolve_device
+from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
+from nn_handler.distributed.local_groups import (
+    LOCAL_GROUPS,
+    create_local_process_group,
+    destroy_local_process_group,
+)
+from nn_handler.errors import ConfigError, DistributedError
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> nccl on CUDA devices, gloo otherwise. nccl without CUDA is a ConfigError."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"backend 'nccl' needs CUDA, but this process uses device {device} (CUDA is not "
+            f"available or a CPU device was asked for). Use backend='gloo' (or 'auto') on CPU."
+        )
+    return backend
+
+
+def _info_from_group(info: DistributedInfo) -> DistributedInfo:
+    """Reconcile ``info`` with an already-initialised default group."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if info.world_size == world_size and info.rank == rank:
+        return info
+    if info.launcher not in ("single", "manual"):
+        raise DistributedError(
+            f"the initialised process group has rank {rank} of {world_size}, but the "
+            f"{info.launcher} environment says rank {info.rank} of {info.world_size}. Initialise "
+            f"the group with the launcher's RANK/WORLD_SIZE."
+        )
+    # The group was initialised by hand: assume one machine, as a manual launch does.
+    return dataclasses.replace(
+        info,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        node_rank=0,
+        launcher="manual",
+    )
+
+
+class DistributedContext:
+    """Where this process stands in the run and the lifecycle of its process group.
+
+    Build it from the environment (the default) or explicit ``rank``/``world_size``, then call
+    :meth:`setup` on every rank (or use it as a context manager). With more than one process
+    setup initialises the default process group, or adopts one that is already initialised.
+    :meth:`teardown` destroys only the groups this context created and is idempotent.
+    Configuration errors (inconsistent environment, nccl without CUDA, an unknown device) are
+    raised by the constructor, before any socket is opened.
+    """
+
+    def __init__(
+        self,
+        config: DistributedConfig | None = None,
+        *,
+        info: DistributedInfo | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config or DistributedConfig()
+        source = os.environ if env is None else env
+        self._info = info or parse_distributed_env(source, rank=rank, world_size=world_size)
+        self.device = resolve_device(self.config.device, self._info.local_rank)
+        self.backend = resolve_backend(self.config.backend, self.device)
+        self._owns_group = False
+        self._owns_local_group = False
+        self._communicator: Communicator | None = None
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def info(self) -> DistributedInfo:
+        """Who this process is (reconciled with the process group once set up)."""
+        return self._info
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._info.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._info.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True once a torch.distributed group is in use by this context."""
+        return isinstance(self._communicator, TorchCommunicator)
+
+    @property
+    def communicator(self) -> Communicator:
+        """The Communicator for this run; available after :meth:`setup`."""
+        if self._communicator is None:
+            raise DistributedError("DistributedContext.communicator: call setup() first.")
+        return self._communicator
+
+    @property
+    def should_initialize(self) -> bool:
+        """Whether setup creates a process group (config.enabled, else world_size > 1)."""
+        if self.config.enabled is not None:
+            return self.config.enabled
+        return self._info.world_size > 1
+
+    # ----------------------------------------------------------------- lifecycle
+    def init_method(self) -> str:
+        """The rendezvous URL passed to init_process_group."""
+        if self.config.init_method:
+            return self.config.init_method
+        info = self._info
+        if info.master_addr and info.master_port:
+            host = f"[{info.master_addr}]" if ":" in info.master_addr else info.master_addr
+            return f"tcp://{host}:{info.master_port}"
+        raise ConfigError(
+            f"rank {info.rank} of {info.world_size} has no rendezvous address: set MASTER_ADDR "
+            f"and MASTER_PORT (torchrun does), or pass "
+            f"DistributedConfig(init_method='tcp://HOST:PORT')."
+        )
+
+    def setup(self) -> DistributedContext:
+        """Join the run. Every rank must call this. Returns self.
+
+        Initialises the default process group when :attr:`should_initialize` (or adopts an
+        already-initialised one) and builds the communicator. Raises DistributedError when
+        the rendezvous fails or the existing group contradicts the environment.
+        """
+        if self._communicator is not None:
+            return self
+        debug = self.config.debug_collectives or None
+        if dist.is_available() and dist.is_initialized():
+            self._info = _info_from_group(self._info)
+        elif self.should_initialize:
+            self._init_process_group()
+        if dist.is_available() and dist.is_initialized():
+            comm_device = self.device if self.device.type == "cuda" else None
+            self._communicator = TorchCommunicator(device=comm_device, debug=debug)
+        else:
+            self._communicator = NullCommunicator(debug=debug)
+        logger.debug("rank {} joined: {} on {}", self.rank, self._info, self.device)
+        return self
+
+    def _init_process_group(self) -> None:
+        if not dist.is_available():
+            raise DistributedError("torch.distributed is not available in this torch build.")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        info = self._info
+        if info.world_size == 1 and not self.config.init_method and not info.master_port:
+            init: dict[str, object] = {"store": HashStore()}
+            where = "an in-process store"
+        else:
+            where = self.init_method()
+            init = {"init_method": where}
+        try:
+            dist.init_process_group(
+                self.backend,
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=self.config.timeout,
+                **init,  # type: ignore[arg-type]
+            )
+        except Exception as error:
+            raise DistributedError(
+                f"rank {info.rank} could not initialise the {self.backend} process group of "
+                f"{info.world_size} via {where}: {error}. Check that every rank uses the same "
+                f"MASTER_ADDR/MASTER_PORT and that the port is free on the master."
+            ) from error
+        self._owns_group = True
+
+    def create_local_process_group(self, num_workers_per_machine: int | None = None) -> None:
+        """Create the per-machine groups (default size: the launcher's local world size).
+
+        Every rank must call this after :meth:`setup`. The groups are destroyed by teardown.
+        """
+        size = num_workers_per_machine or self._info.local_world_size
+        existed = LOCAL_GROUPS.get() is not None
+        create_local_process_group(size)
+        self._owns_local_group = self._owns_local_group or not existed
+
+    def teardown(self) -> None:
+        """Destroy the groups this context created. Idempotent; every rank must call it."""
+        if self._owns_local_group:
+            destroy_local_process_group()
+            self._owns_local_group = False
+        if self._owns_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+        self._communicator = None
+
+    def __enter__(self) -> DistributedContext:
+        return self.setup()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.teardown()
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedContext(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, backend={self.backend!r})"
+        )
+
+
+__all__ = ["DistributedContext", "resolve_backend"]

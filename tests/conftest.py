@@ -1,0 +1,52 @@
+"""Shared fixtures: every test starts and ends without process groups or a local group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nn_handler.distributed.local_groups import LOCAL_GROUPS
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _clean_distributed_state() -> Iterator[None]:
+    LOCAL_GROUPS.clear()
+    yield
+    LOCAL_GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+DISTRIBUTED_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_ID",
+    "NN_HANDLER_DEBUG_COLLECTIVES",
+)
+
+
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start in a clean single-process environment whatever the shell exported."""
+    for name in DISTRIBUTED_VARIABLES:
+        monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,50 @@
+"""The harness itself: results come back by rank; failures and hangs fail fast with tracebacks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import GroupRunError, run_group
+
+
+def _sum_ranks(rank: int, world_size: int) -> tuple[int, float, str]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, float(t.item()), os.environ["OMP_NUM_THREADS"]
+
+
+def test_results_come_back_by_rank_from_a_real_gloo_group() -> None:
+    assert run_group(_sum_ranks, 2) == [(0, 1.0, "1"), (1, 1.0, "1")]
+
+
+def _rank1_raises_while_rank0_waits(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # would wait for the process group timeout
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback_and_the_waiting_ranks_stacks() -> None:
+    start = time.monotonic()
+    with pytest.raises(GroupRunError) as info:
+        run_group(_rank1_raises_while_rank0_waits, 2, timeout=60)
+    assert time.monotonic() - start < 30
+    text = str(info.value)
+    assert "ValueError: boom on rank 1" in text
+    assert "rank 0: exit code" in text and "_rank1_raises_while_rank0_waits" in text
+
+
+def _hang(rank: int, world_size: int) -> None:
+    time.sleep(600)
+
+
+def test_a_hang_is_killed_at_the_deadline_with_each_ranks_stacks() -> None:
+    with pytest.raises(GroupRunError) as info:
+        run_group(_hang, 2, timeout=8)
+    text = str(info.value)
+    assert "deadline of 8s passed" in text
+    assert text.count("in _hang") == 2  # both ranks' stacks point at the sleeping line

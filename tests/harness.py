@@ -1,0 +1,205 @@
+"""Run a function in N real processes joined by a real gloo process group, without ever hanging.
+
+``run_group(fn, world_size)`` spawns ``world_size`` processes; each calls
+``fn(rank, world_size, *args)`` and the list of return values (by rank) comes back. Every run
+is bounded by a deadline. When a rank fails, the survivors get a short grace period, then are
+killed; when the deadline passes, every live rank first dumps its Python stacks (faulthandler on
+SIGUSR1). Either way the test fails with each rank's exit code, traceback and stacks.
+
+Modes:
+- ``init="harness"``: the harness joins a FileStore gloo group before ``fn`` and leaves it after.
+- ``init="env"``: the harness exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
+  MASTER_ADDR=127.0.0.1 / MASTER_PORT=<free port> in each child, as a launcher would, and ``fn``
+  initialises the group itself (through the library under test).
+- ``init="none"``: nothing; ``fn`` sees only the variables given in ``env``.
+Each child gets OMP_NUM_THREADS=1 and GLOO_SOCKET_IFNAME=lo (loopback only).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import cloudpickle
+
+InitMode = Literal["harness", "env", "none"]
+EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
+
+#: Seconds the surviving ranks get to finish on their own after one rank failed.
+FAILURE_GRACE_S = 3.0
+
+_STACKS_FILE: Any = None  # kept open for faulthandler in each child
+
+
+class GroupRunError(AssertionError):
+    """A rank failed, died or hung; the message holds every rank's traceback and stacks."""
+
+
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A TCP port free on 127.0.0.1 now (from [low, high) when given)."""
+    candidates = range(low, high) if low is not None and high is not None else [0]
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def _worker(
+    payload: bytes,
+    rank: int,
+    world_size: int,
+    workdir: str,
+    init: InitMode,
+    env: dict[str, str],
+    timeout_s: float,
+) -> None:
+    global _STACKS_FILE
+    os.environ.update(env)
+    _STACKS_FILE = open(Path(workdir, f"rank{rank}.stacks"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        fn, args = cloudpickle.loads(payload)
+        if init == "harness":
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{Path(workdir, 'store')}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        result = fn(rank, world_size, *args)
+        tmp = Path(workdir, f"rank{rank}.result.tmp")
+        tmp.write_bytes(cloudpickle.dumps(result))
+        os.replace(tmp, Path(workdir, f"rank{rank}.result"))
+    except BaseException:
+        Path(workdir, f"rank{rank}.error").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        if init == "harness" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _child_env(rank: int, world_size: int, init: InitMode, port: int, env: EnvSpec) -> dict[str, str]:
+    child = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    if init == "env":
+        child.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    if env is not None:
+        child.update(env(rank) if callable(env) else env)
+    return child
+
+
+def _report(workdir: Path, procs: list[Any], reason: str) -> str:
+    sections = [reason]
+    for rank, proc in enumerate(procs):
+        error = workdir / f"rank{rank}.error"
+        stacks = workdir / f"rank{rank}.stacks"
+        lines = [f"===== rank {rank}: exit code {proc.exitcode} ====="]
+        if error.exists():
+            lines.append(error.read_text().rstrip())
+        if stacks.exists() and stacks.read_text().strip():
+            lines.append("-- stacks at the deadline / kill --")
+            lines.append(stacks.read_text().rstrip())
+        sections.append("\n".join(lines))
+    return "\n".join(sections)
+
+
+def run_group(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    init: InitMode = "harness",
+    env: EnvSpec = None,
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real processes; results by rank.
+
+    Raises :class:`GroupRunError` with every rank's traceback (and stacks for ranks that were
+    still running) when a rank fails, dies, or the run passes ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    payload = cloudpickle.dumps((fn, args))
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="nnh-group-") as tmp:
+        workdir = Path(tmp)
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    payload,
+                    rank,
+                    world_size,
+                    tmp,
+                    init,
+                    _child_env(rank, world_size, init, port, env),
+                    timeout,
+                ),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        first_failure: float | None = None
+        reason = ""
+        while True:
+            codes = [proc.exitcode for proc in procs]
+            if all(code is not None for code in codes):
+                if any(codes):
+                    reason = "a rank failed"
+                break
+            now = time.monotonic()
+            if any(code not in (None, 0) for code in codes):
+                first_failure = first_failure or now
+                if now - first_failure > FAILURE_GRACE_S:
+                    reason = "a rank failed; the others did not finish and were killed"
+                    break
+            if now > deadline:
+                reason = f"deadline of {timeout:.0f}s passed; live ranks were killed"
+                break
+            time.sleep(0.02)
+        if reason:
+            live = [proc for proc in procs if proc.exitcode is None]
+            for proc in live:
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5 if live else 0)
+            for proc in live:
+                proc.kill()
+            for proc in procs:
+                proc.join(5)
+            raise GroupRunError(_report(workdir, procs, f"run_group({fn.__name__}): {reason}"))
+        for proc in procs:
+            proc.join()
+        return [
+            cloudpickle.loads((workdir / f"rank{rank}.result").read_bytes())
+            for rank in range(world_size)
+        ]
