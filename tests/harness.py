@@ -100,7 +100,9 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _child_env(rank: int, world_size: int, init: InitMode, port: int, env: EnvSpec) -> dict[str, str]:
+def _child_env(
+    rank: int, world_size: int, init: InitMode, port: int, env: EnvSpec
+) -> dict[str, str]:
     child = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     if init == "env":
         child.update(

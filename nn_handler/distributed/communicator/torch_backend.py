@@ -11,6 +11,9 @@ from typing_extensions import override
 from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator
 from nn_handler.errors import DistributedError
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
     "min": dist.ReduceOp.MIN,
@@ -113,10 +116,10 @@ class TorchCommunicator(Communicator):
 
     @override
     def _do_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        tensor = tensor.contiguous()
-        out = tensor.new_empty((self._world_size, *tensor.shape))
-        dist.all_gather_into_tensor(out, tensor, group=self._group)
-        return list(out.unbind(0))
+        flat = tensor.reshape(-1).contiguous()
+        out = flat.new_empty((self._world_size * flat.numel(),))
+        _all_gather_single(out, flat, group=self._group)
+        return [part.view(tensor.shape) for part in out.chunk(self._world_size)]
 
     @override
     def _do_gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:

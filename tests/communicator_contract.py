@@ -1,0 +1,183 @@
+"""The Communicator contract: checks that hold for any backend and any world size.
+
+Each check takes a communicator and asserts what every rank must see, computed from its rank and
+the world size. ``run_all`` runs them in order: the tests call it with a NullCommunicator in
+process and with TorchCommunicator on every rank of real gloo groups.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError
+
+
+def _triangle(w: int) -> int:
+    return w * (w + 1) // 2
+
+
+def check_all_reduce_tensor_ops(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    t = torch.tensor([r + 1.0, 2.0 * (r + 1)])
+    before = t.clone()
+    assert torch.equal(comm.all_reduce(t), torch.tensor([1.0, 2.0]) * _triangle(w))
+    assert torch.equal(t, before), "all_reduce must not modify its input"
+    assert torch.allclose(comm.all_reduce(t, "mean"), torch.tensor([1.0, 2.0]) * (w + 1) / 2)
+    assert torch.equal(comm.all_reduce(t, "min"), torch.tensor([1.0, 2.0]))
+    assert torch.equal(comm.all_reduce(t, "max"), torch.tensor([1.0, 2.0]) * w)
+    assert comm.all_reduce(t, "product")[0].item() == math.factorial(w)
+    assert comm.all_reduce(torch.tensor([r], dtype=torch.int32)).dtype == torch.int32
+
+
+def check_all_reduce_numbers_and_nesting(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    total = comm.all_reduce(r + 1)
+    assert total == _triangle(w) and isinstance(total, int)
+    mean = comm.all_reduce(r + 1, "mean")
+    assert mean == pytest.approx((w + 1) / 2) and isinstance(mean, float)
+    big = comm.all_reduce(2**60 + r, "max")
+    assert big == 2**60 + w - 1, "ints travel as int64, exactly"
+    nested = {"loss": float(r), "parts": [torch.full((2, 2), float(r)), (r, True)]}
+    out = comm.all_reduce(nested)
+    assert set(out) == {"loss", "parts"} and isinstance(out["parts"][1], tuple)
+    assert out["loss"] == pytest.approx(_triangle(w - 1))
+    assert torch.equal(out["parts"][0], torch.full((2, 2), float(_triangle(w - 1))))
+    assert out["parts"][1] == (_triangle(w - 1), w)
+    flags = comm.all_reduce(torch.tensor([r == 0, True]))
+    assert flags.dtype == torch.int64 and flags.tolist() == [1, w]
+
+
+def check_broadcast(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    src = w - 1
+    got = comm.broadcast(torch.full((3,), float(r)), src=src)
+    assert torch.equal(got, torch.full((3,), float(src)))
+    data = {"step": r * 10, "mask": torch.tensor([r % 2 == 0, True])}
+    out = comm.broadcast(data, src=src)
+    assert out["step"] == src * 10
+    assert out["mask"].dtype == torch.bool and out["mask"].tolist() == [src % 2 == 0, True]
+
+
+def check_all_gather_variable_first_dim(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    mine = torch.full((r, 3), float(r))  # rank 0 sends an empty (0, 3) tensor
+    parts = comm.all_gather(mine)
+    assert [tuple(p.shape) for p in parts] == [(i, 3) for i in range(w)]
+    assert all(torch.equal(p, torch.full((i, 3), float(i))) for i, p in enumerate(parts))
+    exact = comm.all_gather(torch.tensor([2**62 + r], dtype=torch.int64))
+    assert [int(p.item()) for p in exact] == [2**62 + i for i in range(w)]
+    scalars = comm.all_gather(torch.tensor(float(r)))
+    assert [p.item() for p in scalars] == [float(i) for i in range(w)]
+    bools = comm.all_gather(torch.tensor([r % 2 == 1]))
+    assert [p.dtype for p in bools] == [torch.bool] * w
+    merged = comm.gather_into_tensor(torch.arange(r + 1))
+    assert merged.tolist() == [j for i in range(w) for j in range(i + 1)]
+
+
+def check_gather(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    dst = w - 1
+    parts = comm.gather(torch.full((r + 1,), r), dst=dst)
+    if r == dst:
+        assert [p.tolist() for p in parts] == [[i] * (i + 1) for i in range(w)]
+    else:
+        assert parts == []
+
+
+def check_object_collectives(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    obj = {"rank": r, "name": "x" * (r * 100), "items": list(range(r)), "none": None}
+    gathered = comm.all_gather_object(obj)
+    assert [g["rank"] for g in gathered] == list(range(w))
+    assert gathered[r] == obj
+    assert comm.all_gather_object(lambda x: x + r)[0](1) == 1, "cloudpickle for lambdas"
+    dst = w - 1
+    on_dst = comm.gather_object(("r", r), dst=dst)
+    assert on_dst == ([("r", i) for i in range(w)] if r == dst else [])
+    src = w - 1
+    assert comm.broadcast_object({"cfg": r, "lr": 0.1} if r == src else None, src=src) == {
+        "cfg": src,
+        "lr": 0.1,
+    }
+
+
+def check_reduce_dict_nan_rule(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    values = {
+        "acc": float(r),
+        "loss": float("nan") if r == 0 else float(r),  # NaN on rank 0 only
+        "all_nan": float("nan"),
+        "tensor": torch.tensor([float(r), float("nan")]),
+    }
+    mean = comm.reduce_dict(values)
+    assert mean["acc"] == pytest.approx((w - 1) / 2)
+    if w == 1:
+        assert math.isnan(mean["loss"])
+    else:  # the mean over the ranks that had a value: 1..w-1
+        assert mean["loss"] == pytest.approx(w / 2)
+    assert math.isnan(mean["all_nan"])
+    assert mean["tensor"][0].item() == pytest.approx((w - 1) / 2)
+    assert math.isnan(mean["tensor"][1].item())
+    total = comm.reduce_dict({"loss": float("nan") if r == 0 else 1.0}, average=False)
+    if w == 1:
+        assert math.isnan(total["loss"]), "every rank NaN: the sum is NaN"
+    else:
+        assert total["loss"] == w - 1
+    inf = comm.reduce_dict({"x": float("inf") if r == 0 else 1.0})
+    assert inf["x"] == float("inf"), "infinities are ordinary values"
+
+
+def check_seed_barrier_and_agreement(comm: Communicator) -> None:
+    seed = comm.shared_random_seed()
+    assert 0 <= seed < 2**31
+    assert comm.all_gather_object(seed) == [seed] * comm.world_size
+    comm.barrier()
+    comm.barrier(timeout=30)
+    comm.raise_if_any_failed(None, "a step that worked everywhere")
+
+
+def check_bad_input_is_a_config_error_on_every_rank(comm: Communicator) -> None:
+    w = comm.world_size
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: comm.all_reduce(torch.ones(1), "avg"), "op='avg'"),  # type: ignore[arg-type]
+        (lambda: comm.all_reduce({"a": "text"}), "data['a'] is a str"),
+        (lambda: comm.broadcast(torch.ones(1), src=w), f"src={w}"),
+        (lambda: comm.gather(torch.ones(1), dst=-1), "dst=-1"),
+        (lambda: comm.all_gather([1, 2]), "all_gather_object"),  # type: ignore[arg-type]
+        (lambda: comm.reduce_dict([1.0]), "dict"),  # type: ignore[arg-type]
+        (lambda: comm.barrier(timeout=0), "timeout"),
+    ]
+    for call, culprit in cases:
+        with pytest.raises(ConfigError, match=culprit.replace("[", r"\[").replace("(", r"\(")):
+            call()
+    comm.barrier()  # the group is still aligned
+
+
+CHECKS: list[Callable[[Communicator], None]] = [
+    check_all_reduce_tensor_ops,
+    check_all_reduce_numbers_and_nesting,
+    check_broadcast,
+    check_all_gather_variable_first_dim,
+    check_gather,
+    check_object_collectives,
+    check_reduce_dict_nan_rule,
+    check_seed_barrier_and_agreement,
+    check_bad_input_is_a_config_error_on_every_rank,
+]
+
+
+def run_all(comm: Communicator) -> list[str]:
+    """Run every check; returns the names that ran (for the caller to assert on)."""
+    for check in CHECKS:
+        check(comm)
+    return [check.__name__ for check in CHECKS]
+
+
+def unpicklable() -> object:
+    return threading.Lock()
