@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|gpu|mps|(cuda|gpu):\d+)$")
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|gpu|mps|(cuda|gpu):[0-9]+)$")
 
 Backend = Literal["auto", "gloo", "nccl", "mpi"]
 

@@ -90,7 +90,7 @@ def resolve_device_spec(
         return _cuda_for_local_rank(local_rank, hw.cuda_device_count)
     if spec.startswith(("cuda:", "gpu:")):
         index_text = spec.split(":", 1)[1]
-        if not index_text.isdigit():
+        if not (index_text.isascii() and index_text.isdecimal()):
             raise ConfigError(f"device {device!r}: the CUDA index must be a non-negative integer.")
         if not hw.cuda_device_count:
             return _fallback(spec, "CUDA is not available")

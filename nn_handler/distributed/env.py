@@ -100,6 +100,10 @@ def _check_min(name: str, value: int, minimum: int) -> None:
         raise ConfigError(f"DistributedInfo.{name}={value} must be >= {minimum}.")
 
 
+def _is_ascii_int(text: str) -> bool:
+    return text.isascii() and text.isdecimal()
+
+
 def _env_int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
     raw = env[name]
     try:
@@ -300,7 +304,7 @@ def _parse_slurm(env: Mapping[str, str]) -> DistributedInfo:
 
 def _slurm_local_world_size(env: Mapping[str, str], node_rank: int, world_size: int) -> int:
     raw = env.get("SLURM_NTASKS_PER_NODE", "").strip()
-    if raw.isdigit():
+    if _is_ascii_int(raw):
         return _env_int(env, "SLURM_NTASKS_PER_NODE", 1)
     if "SLURM_TASKS_PER_NODE" in env:
         per_node = expand_slurm_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
@@ -353,7 +357,7 @@ def _expand_ranges(body: str, nodelist: str) -> list[str]:
     values: list[str] = []
     for part in body.split(","):
         lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not _is_ascii_int(lo) or (sep and not _is_ascii_int(hi)):
             raise ConfigError(
                 f"SLURM_JOB_NODELIST={nodelist!r}: range {part!r} is not 'N' or 'N-M'."
             )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from nn_handler.distributed.env import parse_distributed_env
 from nn_handler.errors import ConfigError, DistributedError
 
 
@@ -69,18 +70,19 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
             f"world size {world_size} is not a multiple of num_workers_per_machine={n}; pass "
             f"the number of processes on each machine (torchrun's --nproc-per-node)."
         )
-    env_size = os.environ.get("LOCAL_WORLD_SIZE")
-    if env_size is not None and env_size.strip().isdigit() and int(env_size) != n:
-        raise ConfigError(
-            f"num_workers_per_machine={n} disagrees with LOCAL_WORLD_SIZE={env_size} set by "
-            f"the launcher; pass {env_size}."
-        )
-    env_rank = os.environ.get("LOCAL_RANK")
-    if env_rank is not None and env_rank.strip().isdigit() and int(env_rank) != rank % n:
-        raise ConfigError(
-            f"rank {rank} would be local rank {rank % n} with num_workers_per_machine={n}, but "
-            f"LOCAL_RANK={env_rank}: ranks are not placed machine by machine."
-        )
+    if "LOCAL_WORLD_SIZE" in os.environ:  # a launcher says how ranks are placed: agree with it
+        launcher = parse_distributed_env(os.environ)
+        if launcher.local_world_size != n:
+            raise ConfigError(
+                f"num_workers_per_machine={n} disagrees with LOCAL_WORLD_SIZE="
+                f"{launcher.local_world_size} set by the launcher; pass "
+                f"{launcher.local_world_size}."
+            )
+        if launcher.local_rank != rank % n:
+            raise ConfigError(
+                f"rank {rank} would be local rank {rank % n} with num_workers_per_machine={n}, "
+                f"but LOCAL_RANK={launcher.local_rank}: ranks are not placed machine by machine."
+            )
     existing = LOCAL_GROUPS.get()
     if existing is not None:
         if existing.size == n:

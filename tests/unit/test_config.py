@@ -1,0 +1,51 @@
+"""DistributedConfig validation."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from nn_handler.config import DistributedConfig
+
+
+def test_defaults_follow_the_seeds() -> None:
+    config = DistributedConfig()
+    assert config.timeout == timedelta(minutes=60) and config.backend == "auto"
+    assert config.enabled is None and not config.debug_collectives
+
+
+def test_config_is_frozen_and_rejects_unknown_fields() -> None:
+    with pytest.raises(ValidationError, match="bakcend"):
+        DistributedConfig(bakcend="gloo")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="frozen"):
+        DistributedConfig().backend = "gloo"  # type: ignore[misc]
+
+
+def test_bad_values_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="backend"):
+        DistributedConfig(backend="tcp")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="timeout must be positive"):
+        DistributedConfig(timeout=timedelta(0))
+
+
+def test_timeout_accepts_seconds_and_loads_from_a_dict() -> None:
+    config = DistributedConfig.model_validate({"timeout": 30, "device": " CUDA:1 "})
+    assert config.timeout == timedelta(seconds=30) and config.device == "cuda:1"
+
+
+@given(st.text(max_size=12))
+def test_device_strings_are_accepted_exactly_when_resolvable(text: str) -> None:
+    valid = text.strip().lower() in {"auto", "cpu", "cuda", "gpu", "mps"} or (
+        text.strip().lower().partition(":")[0] in {"cuda", "gpu"}
+        and text.strip().lower().partition(":")[2].isdigit()
+        and text.strip().lower().partition(":")[2].isascii()
+    )
+    if valid:
+        assert DistributedConfig(device=text).device == text.strip().lower()
+    else:
+        with pytest.raises(ValidationError, match="device"):
+            DistributedConfig(device=text)
