@@ -128,7 +128,7 @@ def test_local_rank_at_or_beyond_local_world_size_is_rejected(
         "LOCAL_RANK": str(local),
         "LOCAL_WORLD_SIZE": str(local_world),
     }
-    with pytest.raises(ConfigError, match="LOCAL_RANK=.*LOCAL_WORLD_SIZE"):
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=.*LOCAL_WORLD_SIZE"):
         parse_distributed_env(env)
 
 
