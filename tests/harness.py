@@ -205,3 +205,31 @@ def run_group(
             cloudpickle.loads((workdir / f"rank{rank}.result").read_bytes())
             for rank in range(world_size)
         ]
+
+
+def run_command(
+    command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Run ``command`` in its own session, bounded by ``timeout`` seconds; (exit code, output).
+
+    On timeout the whole session (a launcher and all its workers) is killed and the test fails
+    with the output so far.
+    """
+    import subprocess
+
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise GroupRunError(f"{command} passed {timeout:.0f}s and was killed:\n{output}") from None
+    return proc.returncode, output

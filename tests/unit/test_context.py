@@ -1,0 +1,78 @@
+"""DistributedContext in one process: lifecycle, adoption, and errors raised before any socket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+
+from nn_handler import DistributedConfig, DistributedContext, NullCommunicator, TorchCommunicator
+from nn_handler.errors import ConfigError, DistributedError
+
+
+def test_single_process_needs_no_process_group() -> None:
+    with DistributedContext() as ctx:
+        assert isinstance(ctx.communicator, NullCommunicator)
+        assert not ctx.is_distributed and not dist.is_initialized()
+        assert (ctx.rank, ctx.world_size, ctx.backend) == (0, 1, "gloo")
+    ctx.teardown()  # idempotent
+
+
+def test_communicator_before_setup_is_a_clear_error() -> None:
+    with pytest.raises(DistributedError, match="call setup"):
+        _ = DistributedContext().communicator
+
+
+def test_enabled_creates_a_group_of_one_and_teardown_destroys_it() -> None:
+    ctx = DistributedContext(DistributedConfig(enabled=True)).setup()
+    assert dist.is_initialized() and isinstance(ctx.communicator, TorchCommunicator)
+    assert ctx.communicator.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+    ctx.teardown()
+    assert not dist.is_initialized()
+    ctx.teardown()
+
+
+def test_an_existing_group_is_adopted_and_left_alone() -> None:
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    ctx = DistributedContext().setup()
+    assert isinstance(ctx.communicator, TorchCommunicator)
+    ctx.teardown()
+    assert dist.is_initialized(), "teardown destroys only what the context created"
+
+
+def test_an_existing_group_that_contradicts_the_launcher_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedError, match="rank 0 of 1, but the torchrun environment"):
+        DistributedContext().setup()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_nccl_without_cuda_suggests_gloo_at_construction() -> None:
+    with pytest.raises(ConfigError, match="backend='gloo'"):
+        DistributedContext(DistributedConfig(backend="nccl"))
+
+
+def test_inconsistent_environment_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="RANK=3 is not below WORLD_SIZE=2"):
+        DistributedContext()
+
+
+def test_no_rendezvous_address_is_named_before_any_socket_opens() -> None:
+    ctx = DistributedContext(rank=0, world_size=2, env={})
+    with pytest.raises(ConfigError, match="set MASTER_ADDR and MASTER_PORT"):
+        ctx.setup()
+    assert not dist.is_initialized()
+
+
+def test_a_failed_rendezvous_is_a_distributed_error_naming_the_address() -> None:
+    config = DistributedConfig(init_method="bogus://nowhere")
+    ctx = DistributedContext(config, rank=0, world_size=2, env={})
+    with pytest.raises(DistributedError, match="bogus://nowhere"):
+        ctx.setup()

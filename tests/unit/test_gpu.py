@@ -1,0 +1,45 @@
+"""What needs a CUDA device: nccl with world size 1, CUDA collectives, the memory printers.
+
+Skipped cleanly on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nn_handler import DistributedConfig, DistributedContext, TorchCommunicator
+from nn_handler import distributed as nd
+from nn_handler.errors import ConfigError
+from tests import communicator_contract as contract
+from tests.conftest import cuda_only
+
+pytestmark = [pytest.mark.gpu, cuda_only]
+
+
+def test_nccl_group_of_one_meets_the_contract_on_cuda() -> None:
+    config = DistributedConfig(enabled=True, backend="nccl", device="cuda")
+    with DistributedContext(config) as ctx:
+        comm = ctx.communicator
+        assert isinstance(comm, TorchCommunicator) and comm.backend == "nccl"
+        assert comm.device == torch.device("cuda", 0)
+        contract.run_all(comm)
+        on_gpu = torch.arange(4.0, device="cuda")
+        assert comm.all_reduce(on_gpu).device == on_gpu.device
+        assert comm.all_gather(on_gpu)[0].device == on_gpu.device
+
+
+def test_auto_backend_is_nccl_on_cuda() -> None:
+    assert DistributedContext(DistributedConfig(device="cuda")).backend == "nccl"
+
+
+def test_memory_printers_report_a_real_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    keep = torch.empty(1024, 1024, device="cuda")
+    nd.print_gpu_memory_usage(0)
+    nd.print_gpu_memory_stats(torch.device("cuda", 0))
+    out = capsys.readouterr().out
+    assert "cuda:0 memory: allocated" in out and "MiB" in out
+    assert "memory statistics" in out and "driver free" in out
+    del keep
+    with pytest.raises(ConfigError, match="does not exist"):
+        nd.print_gpu_memory_usage(torch.cuda.device_count())
