@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,3 +78,17 @@ def test_a_failed_rendezvous_is_a_distributed_error_naming_the_address() -> None
     ctx = DistributedContext(config, rank=0, world_size=2, env={})
     with pytest.raises(DistributedError, match="bogus://nowhere"):
         ctx.setup()
+
+
+def test_the_configured_timeout_reaches_the_process_group() -> None:
+    config = DistributedConfig(enabled=True, timeout=timedelta(seconds=123))
+    with DistributedContext(config):
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        assert backend.options._timeout == timedelta(seconds=123)
+
+
+def test_the_debug_flag_in_the_config_reaches_the_communicator() -> None:
+    with DistributedContext(DistributedConfig(debug_collectives=True)) as ctx:
+        assert ctx.communicator.debug
+    with DistributedContext(DistributedConfig(enabled=True, debug_collectives=True)) as ctx:
+        assert isinstance(ctx.communicator, TorchCommunicator) and ctx.communicator.debug

@@ -79,6 +79,20 @@ def format_error(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
+def _reduce_dict_one_process(input_dict: Mapping[str, Any]) -> dict[str, Any] | None:
+    """reduce_dict's result in a group of one (NaN stays NaN), or None for nested input."""
+    result: dict[str, Any] = {}
+    for key, value in input_dict.items():
+        if isinstance(value, torch.Tensor):
+            floating = value.is_floating_point()
+            result[key] = value.detach().to(value.dtype if floating else torch.float64, copy=True)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            result[key] = float(value)
+        else:
+            return None
+    return result
+
+
 class Communicator(ABC):
     """Collectives on tensors, numbers, nested containers of them, and picklable objects.
 
@@ -321,6 +335,10 @@ class Communicator(ABC):
                 f"reduce_dict expects a dict of numbers or tensors, got "
                 f"{type(input_dict).__name__}."
             )
+        if self.world_size == 1:
+            single = _reduce_dict_one_process(input_dict)
+            if single is not None:
+                return single
         leaves, spec = self._prepare(dict(input_dict), f"reduce_dict(average={average})")
         sums, counts = [], []
         for leaf in leaves:
