@@ -178,6 +178,11 @@ class Communicator(ABC):
         bool tensors reduce as int64.
         """
         checked = self._check_op(op)
+        if self.world_size == 1 and isinstance(data, torch.Tensor):
+            # One process: a copy in the reduction's dtype; no flattening, no communication.
+            single = data.detach().to(_reduce_transport(data.dtype), copy=True)
+            result_tensor = self._mean(single) if checked == "mean" else single
+            return result_tensor  # type: ignore[return-value]
         leaves, spec = self._prepare(data, f"all_reduce(op={checked})")
         values = self._reduce_leaves(leaves, "sum" if checked == "mean" else checked)
         if checked == "mean":

@@ -1,0 +1,140 @@
+"""Per-call cost of the Communicator against raw torch.distributed.
+
+    python benchmarks/communicator_overhead.py [--quick] [--out results.json]
+
+1. In one process: NullCommunicator calls (what a single-process training step pays).
+2. In a 2-process gloo group on 127.0.0.1: TorchCommunicator.all_reduce vs dist.all_reduce on
+   the same tensor, interleaved A B A B per repetition (warm-up excluded), reported as the median
+   and spread of per-repetition ratios, because absolute times on shared machines drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nn_handler import NullCommunicator, TorchCommunicator
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def single_process(repeats: int, calls: int) -> dict[str, float]:
+    comm = NullCommunicator()
+    t = torch.ones(4)
+    cases: dict[str, Callable[[], object]] = {
+        "tensor.clone() (reference)": t.clone,
+        "all_reduce(tensor)": lambda: comm.all_reduce(t),
+        "all_reduce(float)": lambda: comm.all_reduce(0.5),
+        "reduce_dict(2 floats)": lambda: comm.reduce_dict({"loss": 0.5, "acc": 0.9}),
+        "barrier()": comm.barrier,
+    }
+    return {
+        name: statistics.median(_per_call_us(fn, calls) for _ in range(repeats))
+        for name, fn in cases.items()
+    }
+
+
+def _group_worker(rank: int, port: int, repeats: int, calls: int, numel: int, out: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    comm = TorchCommunicator()
+    t = torch.ones(numel)
+
+    def raw() -> None:
+        buffer = t.clone()  # ours returns a new tensor; give raw the same copy
+        dist.all_reduce(buffer)
+
+    def ours() -> None:
+        comm.all_reduce(t)
+
+    for fn in (raw, ours):  # warm-up
+        _per_call_us(fn, calls)
+    ratios, raw_us, ours_us = [], [], []
+    for _ in range(repeats):
+        a = _per_call_us(raw, calls)
+        b = _per_call_us(ours, calls)
+        raw_us.append(a)
+        ours_us.append(b)
+        ratios.append(b / a)
+    if rank == 0:
+        out.put(
+            {
+                "numel": numel,
+                "raw_us_median": statistics.median(raw_us),
+                "ours_us_median": statistics.median(ours_us),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+            }
+        )
+    dist.destroy_process_group()
+
+
+def two_process_gloo(repeats: int, calls: int, numel: int) -> dict[str, float]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_group_worker, args=(r, port, repeats, calls, numel, queue))
+        for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    result: dict[str, float] = queue.get(timeout=300)
+    for proc in procs:
+        proc.join(60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
+    parser.add_argument("--out", help="write the results as JSON to this path")
+    args = parser.parse_args()
+    repeats, calls = (3, 200) if args.quick else (15, 2000)
+    results = {
+        "machine": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "command": " ".join(sys.argv),
+        "single_process_us_per_call": single_process(repeats, calls),
+        "gloo_world2_all_reduce": [two_process_gloo(repeats, calls // 4, n) for n in (4, 65536)],
+    }
+    print(json.dumps(results, indent=2))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The benchmark scripts run (quick mode) and write the fields the report reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import run_command
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.mark.distributed
+def test_communicator_overhead_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    script = BENCHMARKS / "communicator_overhead.py"
+    code, output = run_command(
+        [sys.executable, str(script), "--quick", "--out", str(out)], timeout=120
+    )
+    assert code == 0, output
+    results = json.loads(out.read_text())
+    assert {"machine", "command", "single_process_us_per_call", "gloo_world2_all_reduce"} <= set(
+        results
+    )
+    assert all(v > 0 for v in results["single_process_us_per_call"].values())
+    for row in results["gloo_world2_all_reduce"]:
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
