@@ -254,3 +254,32 @@ def test_nodelist_examples() -> None:
 def test_malformed_nodelists_are_config_errors(nodelist: str, culprit: str) -> None:
     with pytest.raises(ConfigError, match=culprit):
         expand_slurm_nodelist(nodelist)
+
+
+@given(st.integers(65536, 10**6))
+def test_master_port_beyond_tcp_range_is_rejected(port: int) -> None:
+    with pytest.raises(ConfigError, match=f"MASTER_PORT={port} is not a TCP port"):
+        parse_distributed_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(port)})
+
+
+@pytest.mark.parametrize(
+    ("fields", "culprit"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank=2 is not below world_size=2"),
+        ({"local_rank": 1, "local_world_size": 1}, "local_rank=1 is not below"),
+        ({"local_world_size": 4, "world_size": 2}, "local_world_size=4 exceeds"),
+        ({"world_size": 0}, "world_size=0 must be >= 1"),
+        ({"rank": -1}, "rank=-1 must be >= 0"),
+        ({"rank": True}, "rank must be an int"),
+        ({"master_port": 0}, "master_port=0"),
+    ],
+)
+def test_inconsistent_distributed_info_names_the_field(fields: dict, culprit: str) -> None:
+    with pytest.raises(ConfigError, match=culprit):
+        DistributedInfo(**fields)
+
+
+def test_slurm_local_id_beyond_the_nodes_tasks_is_rejected() -> None:
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "2"}
+    with pytest.raises(ConfigError, match="SLURM_LOCALID=2 is not below the 2 tasks on node 0"):
+        parse_distributed_env({**env, "SLURM_NTASKS_PER_NODE": "2"})
