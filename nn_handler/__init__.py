@@ -12,6 +12,11 @@ from nn_handler.distributed import (
     DistributedInfo,
     NullCommunicator,
     TorchCommunicator,
+    launch,
+    launch_distributed_training,
+    main_process_first,
+    on_rank,
+    record,
     resolve_device,
 )
 from nn_handler.errors import (
@@ -21,6 +26,8 @@ from nn_handler.errors import (
     DistributedError,
     NNHandlerError,
     RankFailedError,
+    WorkerFailedError,
+    WorkerTimeoutError,
 )
 from nn_handler.log import enable_logging
 
@@ -41,7 +48,14 @@ __all__ = [
     "NullCommunicator",
     "RankFailedError",
     "TorchCommunicator",
+    "WorkerFailedError",
+    "WorkerTimeoutError",
     "__version__",
     "enable_logging",
+    "launch",
+    "launch_distributed_training",
+    "main_process_first",
+    "on_rank",
+    "record",
     "resolve_device",
 ]

@@ -11,10 +11,13 @@ from datetime import timedelta
 
 import torch
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from nn_handler.config import DistributedConfig
 from nn_handler.distributed.context import DistributedContext
 
 
+@record  # torchrun's report then names the real exception of a failing rank
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nn_handler.demo")
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])

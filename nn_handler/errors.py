@@ -9,6 +9,7 @@ Messages say what was expected, what was received, on which rank, and how to fix
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class NNHandlerError(Exception):
@@ -23,25 +24,85 @@ class DistributedError(NNHandlerError, RuntimeError):
     """A distributed operation failed or cannot run (not initialised, bad backend, timeout)."""
 
 
-class RankFailedError(DistributedError):
+class WorkerFailedError(DistributedError):
+    """Work failed in one or more worker processes (ranks or devices); raised so none is lost.
+
+    Attributes:
+        failed: for each failed worker (by index), its error's type, message and traceback.
+        unit: what a worker index means ('rank' or 'device').
+    """
+
+    def __init__(
+        self, what: str, messages: Mapping[int, str], unit: str = "worker", note: str = ""
+    ) -> None:
+        self.what = what
+        self.unit = unit
+        self.note = note
+        self.failed: dict[int, str] = dict(sorted(messages.items()))
+        details = "\n".join(
+            f"--- {unit} {index} ---\n{text.rstrip()}" for index, text in self.failed.items()
+        )
+        message = f"{what} failed on {unit}(s) {list(self.failed)}:\n{details}"
+        super().__init__(message + (f"\n{note}" if note else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_worker_error, (type(self), self.what, self.failed, self.unit, self.note))
+
+
+def _rebuild_worker_error(
+    cls: type[WorkerFailedError], what: str, failed: dict[int, str], unit: str, note: str
+) -> WorkerFailedError:
+    error = cls.__new__(cls)
+    WorkerFailedError.__init__(error, what, failed, unit, note)
+    return error
+
+
+class RankFailedError(WorkerFailedError):
     """An operation failed on one or more ranks; raised on every rank so none is left waiting.
 
     Attributes:
-        failed_ranks: the global ranks on which the operation failed, sorted.
+        failed_ranks: the ranks on which the operation failed, sorted.
         rank_messages: for each failed rank, the original error's type, message and traceback.
     """
 
-    def __init__(self, what: str, rank_messages: Mapping[int, str]) -> None:
-        self.what = what
-        self.rank_messages: dict[int, str] = dict(sorted(rank_messages.items()))
-        self.failed_ranks: list[int] = list(self.rank_messages)
-        details = "\n".join(
-            f"--- rank {rank} ---\n{text.rstrip()}" for rank, text in self.rank_messages.items()
-        )
-        super().__init__(f"{what} failed on rank(s) {self.failed_ranks}:\n{details}")
+    def __init__(self, what: str, rank_messages: Mapping[int, str], note: str = "") -> None:
+        super().__init__(what, rank_messages, unit="rank", note=note)
 
-    def __reduce__(self) -> tuple[type[RankFailedError], tuple[str, dict[int, str]]]:
-        return (type(self), (self.what, self.rank_messages))
+    @property
+    def failed_ranks(self) -> list[int]:
+        return list(self.failed)
+
+    @property
+    def rank_messages(self) -> dict[int, str]:
+        return self.failed
+
+
+class WorkerTimeoutError(DistributedError):
+    """Worker processes were still running at a deadline and were killed.
+
+    Attributes:
+        running: indices of the workers that were still running.
+        stacks: the Python stacks each of them dumped before it was killed.
+    """
+
+    def __init__(
+        self, what: str, running: Sequence[int], stacks: Mapping[int, str], unit: str = "rank"
+    ) -> None:
+        self.what = what
+        self.running = list(running)
+        self.stacks = dict(stacks)
+        self.unit = unit
+        dumps = "\n".join(
+            f"--- {unit} {index} ---\n{self.stacks.get(index, '(no stack dumped)').rstrip()}"
+            for index in self.running
+        )
+        super().__init__(
+            f"{what} passed its deadline; {unit}(s) {self.running} were still running and were "
+            f"killed. Where they were:\n{dumps}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.running, self.stacks, self.unit))
 
 
 class CollectiveMismatchError(DistributedError):
@@ -75,4 +136,6 @@ __all__ = [
     "DistributedError",
     "NNHandlerError",
     "RankFailedError",
+    "WorkerFailedError",
+    "WorkerTimeoutError",
 ]

@@ -4,6 +4,8 @@
 document (dist_utils names of seed 000, helios.core.distributed names of seed 004).
 """
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from nn_handler.distributed.communicator import (
     Communicator,
     NullCommunicator,
@@ -11,6 +13,7 @@ from nn_handler.distributed.communicator import (
     TorchCommunicator,
 )
 from nn_handler.distributed.context import DistributedContext
+from nn_handler.distributed.decorators import main_process_first, on_rank
 from nn_handler.distributed.device import resolve_device
 from nn_handler.distributed.env import (
     DistributedInfo,
@@ -38,6 +41,7 @@ from nn_handler.distributed.functional import (
     shared_random_seed,
     synchronize,
 )
+from nn_handler.distributed.launcher import launch, launch_distributed_training
 from nn_handler.distributed.lifecycle import (
     init_dist,
     initialize_ddp,
@@ -48,6 +52,11 @@ from nn_handler.distributed.local_groups import (
     create_local_process_group,
     destroy_local_process_group,
     get_local_process_group,
+)
+from nn_handler.distributed.parallel import (
+    ParallelExecutor,
+    parallel_on_all_devices,
+    parallelize_on_gpus,
 )
 from nn_handler.distributed.printing import (
     global_print,
@@ -61,6 +70,7 @@ __all__ = [
     "DistributedContext",
     "DistributedInfo",
     "NullCommunicator",
+    "ParallelExecutor",
     "ReduceOp",
     "TorchCommunicator",
     "all_gather",
@@ -85,11 +95,18 @@ __all__ = [
     "is_dist_active",
     "is_main_process",
     "is_using_torchrun",
+    "launch",
+    "launch_distributed_training",
     "local_print",
+    "main_process_first",
+    "on_rank",
+    "parallel_on_all_devices",
+    "parallelize_on_gpus",
     "parse_distributed_env",
     "print_gpu_memory_stats",
     "print_gpu_memory_usage",
     "reduce_dict",
+    "record",
     "resolve_device",
     "safe_barrier",
     "shared_random_seed",

@@ -32,3 +32,42 @@ def test_collectives_example_runs_under_torchrun() -> None:
     code, output = run_command(command, timeout=120)
     assert code == 0, output
     assert "world size 2: gathered (7, 4)" in output and "'rows': 3.5" in output
+
+
+EXAMPLES = EXAMPLE.parent
+
+
+def test_parallel_devices_example_runs_as_seed_002_documents() -> None:
+    code, output = run_command([sys.executable, str(EXAMPLES / "parallel_devices.py")], timeout=120)
+    assert code == 0, output
+    assert "my_model_forward: output of shape (128, 1)" in output
+    assert "[[2, 4, 6], [2, 4, 6]]" in output
+
+
+@pytest.mark.distributed
+def test_launch_training_example_trains_a_small_model_on_two_processes() -> None:
+    command = [sys.executable, str(EXAMPLES / "launch_training.py"), "--epochs", "30"]
+    code, output = run_command(command, timeout=180)
+    assert code == 0, output
+    accuracy = float(output.split("'accuracy': ")[1].split("}")[0])
+    assert accuracy > 0.9, output
+
+
+@pytest.mark.distributed
+def test_rank_decorators_example_alone_and_under_torchrun() -> None:
+    script = str(EXAMPLES / "rank_decorators.py")
+    code, output = run_command([sys.executable, script], timeout=60)
+    assert code == 0 and "caught the original error: OSError('disk full')" in output, output
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        script,
+    ]
+    code, output = run_command(torchrun, timeout=120)
+    assert code == 0, output
+    assert "rank 1: save_checkpoint returned None" in output
+    assert "rank 1 caught: @on_rank(0) flaky failed on rank(s) [0]" in output
