@@ -17,6 +17,7 @@ Each child gets OMP_NUM_THREADS=1 and GLOO_SOCKET_IFNAME=lo (loopback only).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -207,29 +208,63 @@ def run_group(
         ]
 
 
-def run_command(
-    command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
-) -> tuple[int, str]:
-    """Run ``command`` in its own session, bounded by ``timeout`` seconds; (exit code, output).
+def run_commands(
+    commands: list[list[str]], *, timeout: float, env: Mapping[str, str] | None = None
+) -> list[tuple[int, str]]:
+    """Run ``commands`` concurrently, each in its own session, all bounded by ``timeout``
+    seconds; returns (exit code, output) for each.
 
-    On timeout the whole session (a launcher and all its workers) is killed and the test fails
+    On timeout every session (a launcher and all its workers) is killed and the test fails
     with the output so far.
     """
     import subprocess
 
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env,
-        start_new_session=True,
-    )
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
+            start_new_session=True,
+        )
+        for command in commands
+    ]
+    end = time.monotonic() + timeout
+    outputs: list[str] = []
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        for proc in procs:
+            output, _ = proc.communicate(timeout=max(0.1, end - time.monotonic()))
+            outputs.append(output)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise GroupRunError(f"{command} passed {timeout:.0f}s and was killed:\n{output}") from None
-    return proc.returncode, output
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        leftovers = [proc.communicate()[0] for proc in procs[len(outputs) :]]
+        raise GroupRunError(
+            f"{commands} passed {timeout:.0f}s and were killed:\n" + "\n".join(outputs + leftovers)
+        ) from None
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs, strict=True)]
+
+
+def run_command(
+    command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Run one command in its own session, bounded by ``timeout``; (exit code, output)."""
+    return run_commands([command], timeout=timeout, env=env)[0]
+
+
+def torchrun_command(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
+    """The command line of a single-machine torchrun job on 127.0.0.1 with a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]

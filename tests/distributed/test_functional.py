@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from nn_handler import distributed as nd
 from nn_handler.distributed.local_groups import LOCAL_GROUPS
 from nn_handler.errors import ConfigError
 from nn_handler.utils import dd_helpers, ddp
-from tests.harness import free_port, run_command, run_group
+from tests.harness import free_port, run_command, run_group, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -138,19 +137,7 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "torchrun_functional.py"
 
 @pytest.mark.parametrize("entry", ["init_dist", "initialize_ddp"])
 def test_functional_api_under_real_torchrun(entry: str, tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(SCRIPT),
-        entry,
-        str(tmp_path),
-    ]
-    code, output = run_command(command, timeout=120)
+    code, output = run_command(torchrun_command(SCRIPT, entry, str(tmp_path)), timeout=120)
     assert code == 0, output
     for rank in (0, 1):
         line = (tmp_path / f"rank{rank}.txt").read_text()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, run_command
+from tests.harness import free_port, run_command, run_commands, torchrun_command
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).parents[2]
@@ -32,28 +29,8 @@ def test_two_torchrun_agents_form_one_four_process_job(tmp_path: Path) -> None:
         str(ROOT / "examples" / "multinode_torchrun.py"),
         str(tmp_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    agents = [
-        subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = []
-    try:
-        for agent in agents:
-            out, _ = agent.communicate(timeout=150)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for agent in agents:
-            os.killpg(agent.pid, signal.SIGKILL)
-        pytest.fail("the two-node torchrun job passed 150s: " + "\n".join(outputs))
-    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    outcomes = run_commands([command, command], timeout=150)  # two agents, two "machines"
+    assert [code for code, _ in outcomes] == [0, 0], "\n".join(out for _, out in outcomes)
     lines = {int(p.stem[4:]): p.read_text() for p in tmp_path.glob("rank*.txt")}
     assert sorted(lines) == [0, 1, 2, 3]
     for rank, line in lines.items():
@@ -66,16 +43,8 @@ def test_two_torchrun_agents_form_one_four_process_job(tmp_path: Path) -> None:
 
 
 def test_torchrun_names_the_real_root_cause_of_a_failing_rank() -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(ROOT / "tests" / "scripts" / "torchrun_failing.py"),
-    ]
-    code, output = run_command(command, timeout=120)
+    script = ROOT / "tests" / "scripts" / "torchrun_failing.py"
+    code, output = run_command(torchrun_command(script), timeout=120)
     assert code != 0
     root_cause = output.split("Root Cause (first observed failure):")[-1]
     assert "rank      : 1" in root_cause, output

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, run_command
+from tests.harness import run_command, torchrun_command
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "collectives.py"
 
@@ -20,16 +20,7 @@ def test_collectives_example_runs_alone() -> None:
 
 @pytest.mark.distributed
 def test_collectives_example_runs_under_torchrun() -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(EXAMPLE),
-    ]
-    code, output = run_command(command, timeout=120)
+    code, output = run_command(torchrun_command(EXAMPLE), timeout=120)
     assert code == 0, output
     assert "world size 2: gathered (7, 4)" in output and "'rows': 3.5" in output
 
@@ -58,16 +49,7 @@ def test_rank_decorators_example_alone_and_under_torchrun() -> None:
     script = str(EXAMPLES / "rank_decorators.py")
     code, output = run_command([sys.executable, script], timeout=60)
     assert code == 0 and "caught the original error: OSError('disk full')" in output, output
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        script,
-    ]
-    code, output = run_command(torchrun, timeout=120)
+    code, output = run_command(torchrun_command(script), timeout=120)
     assert code == 0, output
     assert "rank 1: save_checkpoint returned None" in output
     assert "rank 1 caught: @on_rank(0) flaky failed on rank(s) [0]" in output
