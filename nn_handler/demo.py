@@ -10,7 +10,6 @@ import argparse
 from datetime import timedelta
 
 import torch
-
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from nn_handler.config import DistributedConfig
