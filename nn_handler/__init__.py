@@ -5,7 +5,8 @@ The same code runs in one process, under ``torchrun`` on one or many machines, a
 
 from loguru import logger
 
-from nn_handler.config import DistributedConfig
+from nn_handler.config import DistributedConfig, LoaderConfig
+from nn_handler.data import LoaderFactory
 from nn_handler.distributed import (
     Communicator,
     DistributedContext,
@@ -44,6 +45,8 @@ __all__ = [
     "DistributedContext",
     "DistributedError",
     "DistributedInfo",
+    "LoaderConfig",
+    "LoaderFactory",
     "NNHandlerError",
     "NullCommunicator",
     "RankFailedError",

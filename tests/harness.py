@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -98,6 +99,7 @@ def _worker(
         os._exit(1)
     finally:
         if init == "harness" and dist.is_initialized():
+            gc.collect()  # DDP objects in reference cycles must die before their group does
             dist.destroy_process_group()
 
 

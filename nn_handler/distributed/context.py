@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from collections.abc import Mapping
 from types import TracebackType
@@ -22,6 +23,16 @@ from nn_handler.distributed.local_groups import (
     destroy_local_process_group,
 )
 from nn_handler.errors import ConfigError, DistributedError
+
+
+def collect_before_destroy() -> None:
+    """Free unreachable objects that still use a process group before destroying it.
+
+    DistributedDataParallel modules sit in reference cycles; if the garbage collector frees one
+    after its group is destroyed (at interpreter exit, say), the C++ reducer aborts the process
+    ("terminate called without an active exception") even though the work succeeded.
+    """
+    gc.collect()
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -210,6 +221,7 @@ class DistributedContext:
             destroy_local_process_group()
             self._owns_local_group = False
         if self._owns_group and dist.is_available() and dist.is_initialized():
+            collect_before_destroy()
             dist.destroy_process_group()
         self._owns_group = False
         self._communicator = None

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.config import Backend, DistributedConfig
-from nn_handler.distributed.context import DistributedContext
+from nn_handler.distributed.context import DistributedContext, collect_before_destroy
 from nn_handler.distributed.device import resolve_device
 from nn_handler.distributed.env import parse_distributed_env
 from nn_handler.distributed.functional import is_dist_active
@@ -50,6 +50,7 @@ def shutdown_dist() -> None:
     Every rank must call this."""
     destroy_local_process_group()
     if is_dist_active():
+        collect_before_destroy()
         dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ registry, :data:`LOCAL_GROUPS`, that :func:`create_local_process_group` sets and
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -123,6 +124,7 @@ def destroy_local_process_group() -> None:
     """Destroy the local group if one exists (idempotent). Every rank must call this."""
     local = LOCAL_GROUPS.clear()
     if local is not None and local.group is not None and _is_active():
+        gc.collect()  # see context.collect_before_destroy: free DDP reducers first
         dist.destroy_process_group(local.group)
 
 

@@ -7,12 +7,16 @@ takes part in the collective, so a NaN on one rank never desynchronises the grou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from pydantic import ValidationError
+from torch.utils.data import DataLoader, Dataset
 
-from nn_handler.distributed.functional import communicator
+from nn_handler.config import LoaderConfig, LoaderMode
+from nn_handler.data.factory import LoaderFactory
+from nn_handler.distributed.functional import communicator, get_dist_info
 from nn_handler.errors import ConfigError
 
 
@@ -58,4 +62,67 @@ def broadcast_if_ddp(data: Any, src: int = 0) -> Any:
     return communicator().broadcast_object(data, src)
 
 
-__all__ = ["aggregate_loss", "aggregate_metrics", "broadcast_data", "broadcast_if_ddp"]
+def _loader(
+    dataset: Dataset[Any],
+    loader_kwargs: Mapping[str, Any],
+    device: torch.device | str,
+    log_fn: Callable[[str], None] | None,
+    is_eval: bool,
+    mode: LoaderMode,
+) -> tuple[DataLoader[Any], Any]:
+    kwargs = dict(loader_kwargs)
+    collate_fn = kwargs.pop("collate_fn", None)
+    try:
+        config = LoaderConfig(mode=mode, **kwargs)
+    except ValidationError as error:
+        raise ConfigError(f"loader_kwargs: {error}") from None
+    factory = LoaderFactory(config, get_dist_info(), torch.device(device), log_fn)
+    loader = (
+        factory.eval_loader(dataset, collate_fn)
+        if is_eval
+        else factory.train_loader(dataset, collate_fn)
+    )
+    return loader, loader.sampler
+
+
+def _create_distributed_loader(
+    dataset: Dataset[Any],
+    loader_kwargs: Mapping[str, Any],
+    device: torch.device | str,
+    log_fn: Callable[[str], None] | None,
+    is_eval: bool = False,
+) -> tuple[DataLoader[Any], Any]:
+    """A DataLoader with a DistributedSampler for this rank, and the sampler.
+
+    ``loader_kwargs``: LoaderConfig fields (batch_size, shuffle, num_workers, pin_memory,
+    persistent_workers, prefetch_factor, drop_last, seed) and ``collate_fn``. Training loaders
+    give every rank the same number of batches; ``is_eval=True`` visits every sample exactly
+    once, unshuffled (an ExactEvalSampler, a DistributedSampler without padding). ``log_fn``
+    receives the final settings once, on rank 0. Call ``loader.set_epoch(epoch)`` each epoch.
+    """
+    return _loader(dataset, loader_kwargs, device, log_fn, is_eval, "distributed")
+
+
+def _create_rank_cached_dataloader(
+    dataset: Dataset[Any],
+    loader_kwargs: Mapping[str, Any],
+    device: torch.device | str,
+    log_fn: Callable[[str], None] | None,
+    is_eval: bool = False,
+) -> tuple[DataLoader[Any], Any]:
+    """A DataLoader over this rank's shard, read once into memory, and its batch sampler.
+
+    Same arguments as :func:`_create_distributed_loader`; later epochs never call the
+    dataset's ``__getitem__``.
+    """
+    return _loader(dataset, loader_kwargs, device, log_fn, is_eval, "rank_cached")
+
+
+__all__ = [
+    "_create_distributed_loader",
+    "_create_rank_cached_dataloader",
+    "aggregate_loss",
+    "aggregate_metrics",
+    "broadcast_data",
+    "broadcast_if_ddp",
+]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
 from nn_handler import DistributedConfig, DistributedContext, NullCommunicator, TorchCommunicator
+from nn_handler.distributed import shutdown_dist
 from nn_handler.errors import ConfigError, DistributedError
 
 
@@ -92,3 +95,25 @@ def test_the_debug_flag_in_the_config_reaches_the_communicator() -> None:
         assert ctx.communicator.debug
     with DistributedContext(DistributedConfig(enabled=True, debug_collectives=True)) as ctx:
         assert isinstance(ctx.communicator, TorchCommunicator) and ctx.communicator.debug
+
+
+def _ddp_in_a_cycle() -> weakref.ref[torch.nn.Module]:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    model(torch.ones(1, 2)).sum().backward()
+    model.cycle = [model]  # type: ignore[assignment]  # unreachable after return, but not freed
+    return weakref.ref(model)
+
+
+@pytest.mark.parametrize("close", ["teardown", "shutdown_dist"])
+def test_unreachable_ddp_modules_are_freed_before_the_group_is_destroyed(close: str) -> None:
+    # Freed after its group is gone, a DDP reducer aborts the process at exit (SIGABRT).
+    ctx = DistributedContext(DistributedConfig(enabled=True)).setup()
+    gc.disable()
+    try:
+        ref = _ddp_in_a_cycle()
+        assert ref() is not None, "only the garbage collector can free it"
+        ctx.teardown() if close == "teardown" else shutdown_dist()
+        assert ref() is None
+        assert not dist.is_initialized()
+    finally:
+        gc.enable()

@@ -1,0 +1,121 @@
+"""Property tests: shard and step arithmetic, against torch's own samplers and loaders."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from nn_handler.config import LoaderConfig
+from nn_handler.data import LoaderFactory, ShardBatchSampler
+from nn_handler.data.sharding import (
+    eval_indices,
+    eval_steps,
+    train_samples_per_rank,
+    train_shard,
+    train_steps_per_rank,
+)
+from nn_handler.distributed.env import DistributedInfo
+from nn_handler.errors import ConfigError
+
+sizes = st.integers(1, 300)
+worlds = st.integers(1, 9)
+batches = st.integers(1, 40)
+
+
+@given(sizes, worlds, batches, st.booleans())
+def test_every_rank_takes_the_same_number_of_training_steps(
+    n: int, world: int, batch: int, drop_last: bool
+) -> None:
+    samples = train_samples_per_rank(n, world, drop_last)
+    assume(not drop_last or samples >= batch)
+    steps = train_steps_per_rank(n, world, batch, drop_last)
+    dataset = TensorDataset(torch.arange(n))
+    for rank in range(world):
+        sampler = DistributedSampler(dataset, world, rank, shuffle=False, drop_last=drop_last)
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last)
+        assert len(sampler) == samples and len(loader) == steps
+        shard = train_shard(list(range(n)), world, rank, drop_last)
+        assert shard == list(sampler), "the same rule as DistributedSampler"
+        cached = ShardBatchSampler(len(shard), batch, True, drop_last, 0, rank)
+        assert len(cached) == steps == len(list(cached))
+
+
+@given(sizes, worlds, batches)
+def test_drop_last_without_a_full_batch_is_an_error_not_an_empty_epoch(
+    n: int, world: int, batch: int
+) -> None:
+    assume(n // world < batch)
+    with pytest.raises(ConfigError, match="no full batch"):
+        train_steps_per_rank(n, world, batch, drop_last=True)
+
+
+@given(sizes, worlds, st.booleans(), st.randoms(use_true_random=False))
+def test_training_shards_are_equal_complete_and_only_repeat_the_padding(
+    n: int, world: int, drop_last: bool, rng: object
+) -> None:
+    order = list(range(n))
+    rng.shuffle(order)  # type: ignore[attr-defined]
+    shards = [train_shard(order, world, rank, drop_last) for rank in range(world)]
+    assert len({len(s) for s in shards}) == 1
+    counts = Counter(i for shard in shards for i in shard)
+    if drop_last:
+        assert max(counts.values(), default=1) == 1 and len(counts) == (n // world) * world
+    else:
+        assert set(counts) == set(range(n)), "every sample is trained on"
+        padding = math.ceil(n / world) * world - n
+        assert sum(c - 1 for c in counts.values()) == padding
+
+
+@given(sizes, worlds, batches)
+def test_evaluation_visits_every_sample_exactly_once(n: int, world: int, batch: int) -> None:
+    visited = [i for rank in range(world) for i in eval_indices(n, world, rank)]
+    assert sorted(visited) == list(range(n))
+    steps = [eval_steps(n, world, rank, batch) for rank in range(world)]
+    assert max(steps) - min(steps) <= 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 4), st.integers(1, 8), st.booleans(), st.booleans())
+def test_factory_loaders_match_the_arithmetic_in_both_modes(
+    n: int, world: int, batch: int, drop_last: bool, cached: bool
+) -> None:
+    assume(not drop_last or n // world >= batch)
+    dataset = TensorDataset(torch.arange(n))
+    config = LoaderConfig(
+        batch_size=batch, drop_last=drop_last, mode="rank_cached" if cached else "distributed"
+    )
+    seen: list[int] = []
+    for rank in range(world):
+        info = DistributedInfo(rank, rank, world, world)
+        factory = LoaderFactory(config, info, torch.device("cpu"))
+        train = factory.train_loader(dataset)
+        train.set_epoch(2)
+        assert sum(1 for _ in train) == train_steps_per_rank(n, world, batch, drop_last)
+        seen.extend(i for (b,) in factory.eval_loader(dataset) for i in b.tolist())
+    assert sorted(seen) == list(range(n))
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "batch_size": st.integers(-5, 0),
+            "num_workers": st.integers(-5, -1),
+            "prefetch_factor": st.integers(-5, 0),
+            "seed": st.integers(-10, -1),
+            "mode": st.text(max_size=5),
+        },
+    ).filter(bool)
+)
+def test_loader_config_rejects_bad_values_naming_the_field(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError) as info:
+        LoaderConfig(**bad)  # type: ignore[arg-type]
+    assert any(name in str(info.value) for name in bad)
