@@ -28,3 +28,21 @@ def test_communicator_overhead_quick_mode_writes_its_fields(tmp_path: Path) -> N
     assert all(v > 0 for v in results["single_process_us_per_call"].values())
     for row in results["gloo_world2_all_reduce"]:
         assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+
+
+@pytest.mark.distributed
+def test_loader_cache_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    out = tmp_path / "loader.json"
+    script = BENCHMARKS / "loader_cache.py"
+    code, output = run_command(
+        [sys.executable, str(script), "--quick", "--out", str(out)], timeout=180
+    )
+    assert code == 0, output
+    results = json.loads(out.read_text())
+    assert results["world_size"] == 2 and len(results["per_rank"]) == 2
+    for timings in results["per_rank"]:
+        assert set(timings) == {"distributed_w0", "distributed_w1", "rank_cached"}
+        batches = {v["batches_per_epoch"] for v in timings.values()}
+        assert batches == {16}, "every variant gives each rank the same number of batches"
+    for ratio in results["ratios"]:
+        assert ratio["later_epoch_speedup_vs_distributed_w0"] > 0

@@ -43,3 +43,18 @@ def test_memory_printers_report_a_real_gpu(capsys: pytest.CaptureFixture[str]) -
     del keep
     with pytest.raises(ConfigError, match="does not exist"):
         nd.print_gpu_memory_usage(torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("mode", ["distributed", "rank_cached"])
+def test_loaders_pin_memory_for_cuda(mode: str) -> None:
+    from torch.utils.data import TensorDataset
+
+    from nn_handler import LoaderConfig, LoaderFactory
+    from nn_handler.distributed.env import DistributedInfo
+
+    factory = LoaderFactory(
+        LoaderConfig(batch_size=4, mode=mode), DistributedInfo(), torch.device("cuda", 0)
+    )
+    assert factory.settings["pin_memory"] is True
+    (batch,) = next(iter(factory.train_loader(TensorDataset(torch.randn(16, 3)))))
+    assert batch.is_pinned()
