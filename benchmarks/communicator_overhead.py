@@ -10,18 +10,15 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -114,26 +111,13 @@ def two_process_gloo(repeats: int, calls: int, numel: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
-    parser.add_argument("--out", help="write the results as JSON to this path")
-    args = parser.parse_args()
+    args = common.parse_args(__doc__ or "")
     repeats, calls = (3, 200) if args.quick else (15, 2000)
     results = {
-        "machine": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-        "command": " ".join(sys.argv),
         "single_process_us_per_call": single_process(repeats, calls),
         "gloo_world2_all_reduce": [two_process_gloo(repeats, calls // 4, n) for n in (4, 65536)],
     }
-    print(json.dumps(results, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
+    common.report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,11 @@ and 1, and for rank-cached loading. Ratios are taken within one run, on each ran
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from typing import Any
 
+import common
 import torch
 from torch.utils.data import Dataset
 
@@ -79,10 +75,7 @@ def _rank_worker(n: int, later_epochs: int, batch_size: int) -> dict[str, dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="2k samples, for smoke tests")
-    parser.add_argument("--out", help="write the results as JSON to this path")
-    args = parser.parse_args()
+    args = common.parse_args(__doc__ or "")
     n, later_epochs = (2000, 2) if args.quick else (20000, 3)
     per_rank = launch(_rank_worker, 2, n, later_epochs, 64, backend="gloo", deadline=600)
     ratios: list[dict[str, Any]] = []
@@ -100,23 +93,13 @@ def main() -> None:
             }
         )
     results = {
-        "machine": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-        "command": " ".join(sys.argv),
         "samples": n,
         "world_size": 2,
         "batch_size": 64,
         "per_rank": per_rank,
         "ratios": ratios,
     }
-    print(json.dumps(results, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
+    common.report(results, args.out)
 
 
 if __name__ == "__main__":

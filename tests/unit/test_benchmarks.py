@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,15 +14,20 @@ from tests.harness import run_command
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
 
+def run_quick(script: str, tmp_path: Path) -> dict[str, Any]:
+    """Run a benchmark in --quick mode; its JSON results, with the shared fields checked."""
+    out = tmp_path / "results.json"
+    command = [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)]
+    code, output = run_command(command, timeout=180)
+    assert code == 0, output
+    results: dict[str, Any] = json.loads(out.read_text())
+    assert {"machine", "command"} <= set(results) and results["machine"]["torch"]
+    return results
+
+
 @pytest.mark.distributed
 def test_communicator_overhead_quick_mode_writes_its_fields(tmp_path: Path) -> None:
-    out = tmp_path / "overhead.json"
-    script = BENCHMARKS / "communicator_overhead.py"
-    code, output = run_command(
-        [sys.executable, str(script), "--quick", "--out", str(out)], timeout=120
-    )
-    assert code == 0, output
-    results = json.loads(out.read_text())
+    results = run_quick("communicator_overhead.py", tmp_path)
     assert {"machine", "command", "single_process_us_per_call", "gloo_world2_all_reduce"} <= set(
         results
     )
@@ -32,13 +38,7 @@ def test_communicator_overhead_quick_mode_writes_its_fields(tmp_path: Path) -> N
 
 @pytest.mark.distributed
 def test_loader_cache_quick_mode_writes_its_fields(tmp_path: Path) -> None:
-    out = tmp_path / "loader.json"
-    script = BENCHMARKS / "loader_cache.py"
-    code, output = run_command(
-        [sys.executable, str(script), "--quick", "--out", str(out)], timeout=180
-    )
-    assert code == 0, output
-    results = json.loads(out.read_text())
+    results = run_quick("loader_cache.py", tmp_path)
     assert results["world_size"] == 2 and len(results["per_rank"]) == 2
     for timings in results["per_rank"]:
         assert set(timings) == {"distributed_w0", "distributed_w1", "rank_cached"}
