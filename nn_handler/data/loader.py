@@ -36,6 +36,7 @@ class EpochDataLoader(DataLoader[Any]):
         generator = torch.Generator()
         generator.manual_seed(derive_seed(seed, rank, 0))
         super().__init__(dataset, generator=generator, **kwargs)
+        self._seed_generator = generator
         self.seed = seed
         self.rank = rank
         self.epoch = 0
@@ -48,8 +49,7 @@ class EpochDataLoader(DataLoader[Any]):
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
             if callable(set_sampler_epoch):
                 set_sampler_epoch(epoch)
-        assert self.generator is not None  # set in __init__
-        self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
+        self._seed_generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
 
 
 __all__ = ["EpochDataLoader"]

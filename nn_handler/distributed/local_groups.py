@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from nn_handler.distributed.communicator.torch_backend import TorchCommunicator
 from nn_handler.distributed.env import parse_distributed_env
 from nn_handler.errors import ConfigError, DistributedError
 
@@ -58,8 +59,9 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
     machine by machine, as torchrun and srun do. Returns this process's local group (None in a
     single process, where the only valid value is 1). Calling it again with the same value
     returns the existing group. Raises :class:`ConfigError` when the world size is not a
-    multiple of ``num_workers_per_machine``, or when it disagrees with LOCAL_WORLD_SIZE /
-    LOCAL_RANK set by the launcher.
+    multiple of ``num_workers_per_machine``; when it disagrees with LOCAL_WORLD_SIZE /
+    LOCAL_RANK set by the launcher on any rank, every rank raises
+    :class:`~nn_handler.errors.RankFailedError` naming those ranks.
     """
     n = num_workers_per_machine
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -71,19 +73,15 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
             f"world size {world_size} is not a multiple of num_workers_per_machine={n}; pass "
             f"the number of processes on each machine (torchrun's --nproc-per-node)."
         )
+    placement: ConfigError | None = None
     if "LOCAL_WORLD_SIZE" in os.environ:  # a launcher says how ranks are placed: agree with it
-        launcher = parse_distributed_env(os.environ)
-        if launcher.local_world_size != n:
-            raise ConfigError(
-                f"num_workers_per_machine={n} disagrees with LOCAL_WORLD_SIZE="
-                f"{launcher.local_world_size} set by the launcher; pass "
-                f"{launcher.local_world_size}."
-            )
-        if launcher.local_rank != rank % n:
-            raise ConfigError(
-                f"rank {rank} would be local rank {rank % n} with num_workers_per_machine={n}, "
-                f"but LOCAL_RANK={launcher.local_rank}: ranks are not placed machine by machine."
-            )
+        placement = _check_placement(rank, n)
+    if world_size > 1:
+        # The placement can be wrong on some ranks only: they must all raise, or the others
+        # would wait in new_group forever.
+        TorchCommunicator().raise_if_any_failed(placement, "create_local_process_group")
+    elif placement is not None:
+        raise placement
     existing = LOCAL_GROUPS.get()
     if existing is not None:
         if existing.size == n:
@@ -101,6 +99,21 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
                 mine = group
     LOCAL_GROUPS.set(LocalGroup(group=mine, rank=rank % n, size=n))
     return mine
+
+
+def _check_placement(rank: int, n: int) -> ConfigError | None:
+    launcher = parse_distributed_env(os.environ)
+    if launcher.local_world_size != n:
+        return ConfigError(
+            f"num_workers_per_machine={n} disagrees with LOCAL_WORLD_SIZE="
+            f"{launcher.local_world_size} set by the launcher; pass {launcher.local_world_size}."
+        )
+    if launcher.local_rank != rank % n:
+        return ConfigError(
+            f"rank {rank} would be local rank {rank % n} with num_workers_per_machine={n}, but "
+            f"LOCAL_RANK={launcher.local_rank}: ranks are not placed machine by machine."
+        )
+    return None
 
 
 def get_local_process_group() -> dist.ProcessGroup | None:

@@ -30,7 +30,12 @@ from typing import Any
 
 import cloudpickle
 
-from nn_handler.errors import RankFailedError, WorkerFailedError, WorkerTimeoutError
+from nn_handler.errors import (
+    DistributedError,
+    RankFailedError,
+    WorkerFailedError,
+    WorkerTimeoutError,
+)
 
 #: Set in every worker to its position (0..count-1): the rank, or the index of its device.
 WORKER_INDEX_VARIABLE = "NN_HANDLER_WORKER_INDEX"
@@ -137,21 +142,29 @@ def run_in_processes(
             raise WorkerTimeoutError(what, running, {o.index: o.stacks for o in outcomes}, unit)
         failed = [o for o in outcomes if not o.succeeded and not o.killed]
         if failed:
-            note = ""
+            root = next((o for o in failed if o.index == first), failed[0])
+            note = f"The first to fail was {unit} {root.index}."
             survivors = [o.index for o in outcomes if o.killed]
             if survivors:
-                note = f"{unit}(s) {survivors} were terminated after the failure."
+                note += f" {unit}(s) {survivors} were terminated after the failure."
             messages = {o.index: o.describe_failure() for o in failed}
-            root = next((o for o in failed if o.index == first), failed[0])
-            note = f"The first to fail was {unit} {root.index}." + (f" {note}" if note else "")
             error = (
                 RankFailedError(what, messages, note=note)
                 if unit == "rank"
                 else WorkerFailedError(what, messages, unit=unit, note=note)
             )
-            cause = root.exception
-            raise error from cause
-        return [cloudpickle.loads(o.result_path.read_bytes()) for o in outcomes]
+            raise error from root.exception
+        return [_load_result(o, what, unit) for o in outcomes]
+
+
+def _load_result(outcome: WorkerOutcome, what: str, unit: str) -> Any:
+    try:
+        return cloudpickle.loads(outcome.result_path.read_bytes())
+    except Exception as error:
+        raise DistributedError(
+            f"{what}: {unit} {outcome.index} returned a value this process cannot unpickle "
+            f"({type(error).__name__}: {error}); return plain types, tensors or arrays."
+        ) from error
 
 
 def _wait(

@@ -18,7 +18,7 @@ from nn_handler.distributed import (
     get_local_rank,
     get_local_size,
 )
-from nn_handler.errors import ConfigError, DistributedError
+from nn_handler.errors import ConfigError, DistributedError, RankFailedError
 from tests.harness import free_port, run_group
 
 pytestmark = pytest.mark.distributed
@@ -33,8 +33,9 @@ def _context_from_launcher_env(rank: int, world_size: int) -> dict[str, Any]:
         seen["local"] = (get_local_rank(), get_local_size(), get_local_process_group() is not None)
         with pytest.raises(ConfigError, match=r"world size 2 is not a multiple of .*=3"):
             create_local_process_group(3)
-        with pytest.raises(ConfigError, match="disagrees with LOCAL_WORLD_SIZE=2"):
+        with pytest.raises(RankFailedError, match="disagrees with LOCAL_WORLD_SIZE=2") as info:
             create_local_process_group(1)
+        assert info.value.failed_ranks == [0, 1]
         adopted = DistributedContext(config).setup()  # a second context adopts the group
         adopted.teardown()
         seen["alive_after_adopter_teardown"] = dist.is_initialized()
@@ -115,3 +116,20 @@ def test_a_slurm_launch_finds_its_master_in_the_nodelist() -> None:
     for rank, (info, mean) in enumerate(results):
         assert (info.launcher, info.rank, info.master_addr) == ("slurm", rank, "127.0.0.1")
         assert info.master_port == port and mean == 0.5
+
+
+def _misplaced_rank(rank: int, world_size: int) -> tuple[list[int], str]:
+    try:
+        create_local_process_group(2)
+    except RankFailedError as error:
+        return error.failed_ranks, str(error)
+    raise AssertionError("no error")
+
+
+def test_a_rank_misplaced_on_its_machine_fails_every_rank_instead_of_hanging() -> None:
+    def both_say_local_rank_zero(rank: int) -> dict[str, str]:
+        return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+
+    for failed, text in run_group(_misplaced_rank, 2, env=both_say_local_rank_zero, timeout=60):
+        assert failed == [1], "only rank 1 is misplaced, yet rank 0 hears of it too"
+        assert "rank 1 would be local rank 1" in text and "LOCAL_RANK=0" in text

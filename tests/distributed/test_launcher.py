@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ import torch.distributed as dist
 
 from nn_handler import launch, launch_distributed_training
 from nn_handler.distributed import communicator, get_dist_info, get_rank, get_world_size
-from nn_handler.errors import ConfigError, RankFailedError, WorkerTimeoutError
+from nn_handler.distributed.processes import run_in_processes
+from nn_handler.errors import ConfigError, DistributedError, RankFailedError, WorkerTimeoutError
 from tests.harness import run_command
 
 pytestmark = pytest.mark.distributed
@@ -100,7 +103,7 @@ def _hang() -> None:
 
 def test_a_hang_is_turned_into_an_error_at_the_deadline_naming_the_ranks() -> None:
     with pytest.raises(WorkerTimeoutError) as info:
-        launch(_hang, 2, deadline=8)
+        launch(_hang, 2, deadline=15)  # room for a slow start: the stacks must be in _hang
     assert info.value.running == [0, 1]
     assert "in _hang" in info.value.stacks[0] and "in _hang" in info.value.stacks[1]
 
@@ -130,3 +133,18 @@ def test_bad_arguments_fail_before_any_process_starts() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="backend='gloo'"):
             launch(_hang, 2, backend="nccl")
+
+
+def _returns_a_foreign_object(folder: str, index: int) -> object:
+    sys.path.insert(0, folder)  # only this worker can import the module
+    import child_only_module  # type: ignore[import-not-found]
+
+    return child_only_module.Thing()
+
+
+def test_a_result_the_parent_cannot_unpickle_is_named(tmp_path: Path) -> None:
+    (tmp_path / "child_only_module.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(DistributedError, match="rank 0 returned a value this process cannot"):
+        run_in_processes(
+            functools.partial(_returns_a_foreign_object, str(tmp_path)), 1, what="foreign"
+        )
