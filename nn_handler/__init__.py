@@ -5,7 +5,16 @@ The same code runs in one process, under ``torchrun`` on one or many machines, a
 
 from loguru import logger
 
-from nn_handler.config import DistributedConfig, LoaderConfig
+from nn_handler.config import (
+    DistributedConfig,
+    EarlyStoppingConfig,
+    EmaConfig,
+    HandlerConfig,
+    LoaderConfig,
+    LoggingConfig,
+    PrecisionConfig,
+    TrainerConfig,
+)
 from nn_handler.data import LoaderFactory
 from nn_handler.distributed import (
     Communicator,
@@ -26,11 +35,21 @@ from nn_handler.errors import (
     ConfigError,
     DistributedError,
     NNHandlerError,
+    NonFiniteError,
     RankFailedError,
     WorkerFailedError,
     WorkerTimeoutError,
 )
+from nn_handler.handler import NNHandler
 from nn_handler.log import enable_logging
+from nn_handler.training import (
+    History,
+    Hook,
+    ModelEma,
+    TensorBoardLogger,
+    Trainer,
+    accuracy,
+)
 
 logger.disable("nn_handler")
 
@@ -45,15 +64,29 @@ __all__ = [
     "DistributedContext",
     "DistributedError",
     "DistributedInfo",
+    "EarlyStoppingConfig",
+    "EmaConfig",
+    "HandlerConfig",
+    "History",
+    "Hook",
     "LoaderConfig",
     "LoaderFactory",
+    "LoggingConfig",
+    "ModelEma",
+    "NNHandler",
     "NNHandlerError",
+    "NonFiniteError",
+    "PrecisionConfig",
     "NullCommunicator",
     "RankFailedError",
+    "TensorBoardLogger",
     "TorchCommunicator",
+    "Trainer",
+    "TrainerConfig",
     "WorkerFailedError",
     "WorkerTimeoutError",
     "__version__",
+    "accuracy",
     "enable_logging",
     "launch",
     "launch_distributed_training",

@@ -125,6 +125,11 @@ class CollectiveMismatchError(DistributedError):
         return (type(self), (self.what, self.signatures))
 
 
+class NonFiniteError(NNHandlerError, FloatingPointError):
+    """The loss or the gradients were NaN/inf before an optimizer step (raised on every rank
+    alike, when TrainerConfig(nonfinite='raise'))."""
+
+
 class CheckpointError(NNHandlerError, RuntimeError):
     """A checkpoint could not be written or read."""
 
@@ -135,6 +140,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "NNHandlerError",
+    "NonFiniteError",
     "RankFailedError",
     "WorkerFailedError",
     "WorkerTimeoutError",

@@ -1,7 +1,4 @@
-"""Validated configuration (pydantic v2, frozen, extra fields forbidden).
-
-Config objects are validated once, at the edge; code below receives these objects, never dicts.
-"""
+"""Configuration of the distributed run and of the loaders."""
 
 from __future__ import annotations
 

@@ -1,0 +1,28 @@
+"""Validated configuration (pydantic v2, frozen, extra fields forbidden).
+
+Config objects are validated once, at the edge; code below receives these objects, never dicts.
+"""
+
+from nn_handler.config.distributed import Backend, DistributedConfig, LoaderConfig, LoaderMode
+from nn_handler.config.handler import HandlerConfig, LoggingConfig
+from nn_handler.config.training import (
+    EarlyStoppingConfig,
+    EmaConfig,
+    PrecisionConfig,
+    PrecisionName,
+    TrainerConfig,
+)
+
+__all__ = [
+    "Backend",
+    "DistributedConfig",
+    "EarlyStoppingConfig",
+    "EmaConfig",
+    "HandlerConfig",
+    "LoaderConfig",
+    "LoaderMode",
+    "LoggingConfig",
+    "PrecisionConfig",
+    "PrecisionName",
+    "TrainerConfig",
+]

@@ -1,0 +1,110 @@
+"""HandlerConfig: every section NNHandler needs, loadable from a dict, JSON or YAML."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nn_handler.config.distributed import DistributedConfig, LoaderConfig
+from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
+from nn_handler.errors import ConfigError
+
+
+class LoggingConfig(BaseModel):
+    """Logs of a run. The library adds no log sink unless asked: ``enabled=True`` makes
+    NNHandler add one for its lifetime (see :func:`nn_handler.enable_logging`).
+
+    Attributes:
+        enabled: print nn_handler's logs (epoch summaries, skipped steps, loader settings).
+        level: the loguru level.
+        all_ranks: every rank prints (default: rank 0 only); records carry the rank either way.
+        file: also write to this file; '{rank}' in the name gives one file per rank
+            (e.g. 'logs/rank{rank}.log'), otherwise rank 0 writes it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    level: str = "INFO"
+    all_ranks: bool = False
+    file: str | None = None
+
+
+class HandlerConfig(BaseModel):
+    """Everything NNHandler needs, validated once at construction.
+
+    Build it in code, or load it with :meth:`from_dict` / :meth:`from_file` (JSON or YAML);
+    validation errors name the field (e.g. ``trainer.accumulate_grad_batches``).
+    ``precision`` also accepts the bare name (``precision="bf16"``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_shorthand(cls, value: Any) -> Any:
+        return {"precision": value} if isinstance(value, str) else value
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> HandlerConfig:
+        """Validate a (nested) dict; errors are ConfigErrors naming each bad field."""
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as error:
+            raise ConfigError(_describe(error, source)) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HandlerConfig:
+        """Load a JSON (.json) or YAML (.yaml/.yml) file."""
+        target = Path(path)
+        try:
+            text = target.read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {target}: {error}") from error
+        suffix = target.suffix.lower()
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                raise ConfigError(
+                    f"config file {target} must end in .json, .yaml or .yml, not {suffix!r}."
+                )
+        except (json.JSONDecodeError, ValueError) as error:
+            if isinstance(error, ConfigError):
+                raise
+            raise ConfigError(f"config file {target} is not valid {suffix[1:]}: {error}") from error
+        except Exception as error:  # yaml.YAMLError
+            raise ConfigError(f"config file {target} is not valid YAML: {error}") from error
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"config file {target} must hold a mapping of sections, got {type(data).__name__}."
+            )
+        return cls.from_dict(data, source=str(target))
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid {source}:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+__all__ = ["HandlerConfig", "LoggingConfig"]

@@ -1,0 +1,130 @@
+"""Configuration of the training loop: trainer, precision, EMA, early stopping."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PrecisionName = Literal["32", "bf16", "fp16", "amp"]
+Interval = Literal["epoch", "step"]
+NonFinitePolicy = Literal["skip", "raise", "off"]
+Mode = Literal["min", "max"]
+
+
+class PrecisionConfig(BaseModel):
+    """Numerical precision of forward and backward.
+
+    Attributes:
+        precision: '32' (full precision), 'bf16' (torch.autocast to bfloat16, CPU and CUDA),
+            'fp16' (autocast to float16 with a torch.amp.GradScaler; CUDA only: on CPU it is a
+            ConfigError) or 'amp' (seed 003's ``use_amp=True``: fp16 on CUDA, bf16 elsewhere).
+        init_scale: the GradScaler's initial loss scale (fp16 only).
+        growth_interval: steps without overflow before the GradScaler grows the scale.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    precision: PrecisionName = "32"
+    init_scale: float = Field(default=2.0**16, gt=0)
+    growth_interval: int = Field(default=2000, ge=1)
+
+
+class EmaConfig(BaseModel):
+    """Exponential moving average of the weights (seed 003's ``use_ema``/``ema_decay``).
+
+    Attributes:
+        enabled: keep an EMA copy of the model.
+        decay: ``ema = decay * ema + (1 - decay) * weights`` at every update.
+        warmup: use ``min(decay, (1 + n) / (10 + n))`` for the n-th update, so the EMA is not
+            dominated by the initial weights early in training.
+        update_every: update after every N-th optimizer step.
+        start_step: the first optimizer step that updates the EMA (before it, the EMA copies
+            the weights).
+        buffers: 'copy' the model's buffers (BatchNorm statistics) into the EMA, or 'average'
+            the floating-point ones like the weights.
+        validate: run validation on the EMA weights.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    decay: float = Field(default=0.9999, gt=0.0, lt=1.0)
+    warmup: bool = False
+    update_every: int = Field(default=1, ge=1)
+    start_step: int = Field(default=0, ge=0)
+    buffers: Literal["copy", "average"] = "copy"
+    validate_with_ema: bool = True
+
+
+class EarlyStoppingConfig(BaseModel):
+    """Stop when a monitored epoch metric stops improving (the same decision on every rank).
+
+    Attributes:
+        monitor: a History key such as 'val_loss' or 'val_accuracy'.
+        mode: 'min' when lower is better, 'max' when higher is better.
+        patience: epochs without improvement before stopping.
+        min_delta: the smallest change that counts as an improvement.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    monitor: str = "val_loss"
+    mode: Mode = "min"
+    patience: int = Field(default=5, ge=1)
+    min_delta: float = Field(default=0.0, ge=0.0)
+
+
+class TrainerConfig(BaseModel):
+    """How the Trainer runs the loop.
+
+    Attributes:
+        epochs: default number of epochs for ``train`` (its ``epochs`` argument overrides it).
+        accumulate_grad_batches: micro-batches per optimizer step. Gradients synchronise only
+            on the last micro-batch of each window; the last, possibly shorter, window of an
+            epoch also steps and synchronises.
+        gradient_clip_val: clip the gradient norm to this value (after unscaling under fp16).
+        gradient_clip_norm_type: the p of the clipped p-norm.
+        scheduler_interval: step the LR scheduler every 'epoch' or every optimizer 'step'.
+        scheduler_monitor: the History key given to ReduceLROnPlateau-style schedulers.
+        sync_batchnorm: convert BatchNorm layers to synchronised ones when world size > 1.
+        compile: wrap the model with torch.compile (``compile_kwargs`` are passed through).
+        find_unused_parameters: passed to DistributedDataParallel.
+        nonfinite: what to do when any rank's loss or gradients are NaN/inf before a step:
+            'skip' the step on every rank (and log it), 'raise' on every rank, or 'off'.
+        early_stopping: stop on a monitored metric (None: never).
+        log_every_n_steps: how often the rank-0 progress bar shows the running loss (the only
+            host synchronisation the loop adds for display).
+        progress_bar: a tqdm bar on rank 0.
+        non_blocking: copy batches to the device asynchronously (with pinned memory).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epochs: int = Field(default=1, ge=1)
+    accumulate_grad_batches: int = Field(default=1, ge=1)
+    gradient_clip_val: float | None = Field(default=None, gt=0)
+    gradient_clip_norm_type: float = Field(default=2.0, gt=0)
+    scheduler_interval: Interval = "epoch"
+    scheduler_monitor: str = "val_loss"
+    sync_batchnorm: bool = False
+    compile: bool = False
+    compile_kwargs: dict[str, Any] = Field(default_factory=dict)
+    find_unused_parameters: bool = False
+    nonfinite: NonFinitePolicy = "skip"
+    early_stopping: EarlyStoppingConfig | None = None
+    log_every_n_steps: int = Field(default=50, ge=1)
+    progress_bar: bool = True
+    non_blocking: bool = True
+
+
+__all__ = [
+    "EarlyStoppingConfig",
+    "EmaConfig",
+    "Interval",
+    "Mode",
+    "NonFinitePolicy",
+    "PrecisionConfig",
+    "PrecisionName",
+    "TrainerConfig",
+]

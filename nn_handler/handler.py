@@ -1,0 +1,206 @@
+"""NNHandler: builds the run's parts from one HandlerConfig and wires them; no training logic.
+
+    handler = NNHandler(model, optimizer=lambda p: torch.optim.Adam(p, 1e-3),
+                        loss_fn=nn.CrossEntropyLoss(), config=HandlerConfig(...))
+    history = handler.train(train_dataset, val_dataset, epochs=10)
+
+The same script runs in one process, under ``nn_handler.launch``, under torchrun and under
+SLURM: the DistributedContext reads where this process stands from the environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from nn_handler.config import HandlerConfig, LoggingConfig
+from nn_handler.data.factory import LoaderFactory
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.distributed.context import DistributedContext
+from nn_handler.errors import ConfigError
+from nn_handler.log import enable_logging
+from nn_handler.training.history import History
+from nn_handler.training.hooks import Hook
+from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
+
+ConfigLike = HandlerConfig | Mapping[str, Any] | str | Path | None
+
+
+def as_handler_config(config: ConfigLike) -> HandlerConfig:
+    """A HandlerConfig from an instance, a dict, or a JSON/YAML file path."""
+    if config is None:
+        return HandlerConfig()
+    if isinstance(config, HandlerConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return HandlerConfig.from_file(config)
+    if isinstance(config, Mapping):
+        return HandlerConfig.from_dict(config)
+    raise ConfigError(
+        f"config must be a HandlerConfig, a dict or a path to a JSON/YAML file, got "
+        f"{type(config).__name__}."
+    )
+
+
+def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
+    if not config.enabled:
+        return []
+    sinks = [enable_logging(config.level, all_ranks=config.all_ranks)]
+    if config.file is not None and ("{rank}" in config.file or rank == 0):
+        path = Path(config.file.format(rank=rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sinks.append(
+            logger.add(
+                path,
+                level=config.level,
+                filter=lambda record: (
+                    record["name"] is not None and record["name"].startswith("nn_handler")
+                ),
+                format="{time:YYYY-MM-DD HH:mm:ss.SSS} | rank {extra[rank]} | {level: <7} | "
+                "{message}",
+            )
+        )
+    return sinks
+
+
+class NNHandler:
+    """One model's training run: a DistributedContext, a Communicator, a LoaderFactory and a
+    Trainer, built from one config.
+
+    Every rank constructs it the same way (construction joins the process group when the
+    environment describes several processes) and calls ``train``/``evaluate``/``predict``
+    alike. ``communicator`` replaces the context's (a test double, say); ``context`` is a
+    DistributedContext to use (the caller then owns it). ``trainer_class`` is the Trainer
+    subclass to use. Call :meth:`close` (or use ``with``) to leave the group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        loss_fn: Any = None,
+        scheduler: Any = None,
+        config: ConfigLike = None,
+        communicator: Communicator | None = None,
+        *,
+        metrics: Mapping[str, Metric] | None = None,
+        hooks: Iterable[Hook] = (),
+        trainer_class: type[Trainer] = Trainer,
+        context: DistributedContext | None = None,
+    ) -> None:
+        self.config = as_handler_config(config)
+        self._owns_context = context is None
+        self.context = context or DistributedContext(self.config.distributed)
+        self.context.setup()
+        self.communicator = communicator or self.context.communicator
+        self._sinks = _add_log_sinks(self.config.logging, self.context.rank)
+        self.loaders = LoaderFactory.from_context(self.config.loader, self.context)
+        self.trainer = trainer_class(
+            model,
+            optimizer,
+            loss_fn,
+            scheduler,
+            config=self.config.trainer,
+            precision=self.config.precision,
+            ema=self.config.ema,
+            communicator=self.communicator,
+            device=self.context.device,
+            metrics=metrics,
+            hooks=hooks,
+        )
+
+    # ----------------------------------------------------------------- parts
+    @property
+    def model(self) -> nn.Module:
+        """The user's model (on the device, without DDP or compile wrappers)."""
+        return self.trainer.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.context.device
+
+    @property
+    def history(self) -> History:
+        return self.trainer.history
+
+    @property
+    def rank(self) -> int:
+        return self.communicator.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.communicator.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.communicator.rank == 0
+
+    # ----------------------------------------------------------------- work
+    def _train_loader(self, data: Any) -> Iterable[Any]:
+        return data if isinstance(data, DataLoader) else self.loaders.train_loader(_dataset(data))
+
+    def _eval_loader(self, data: Any) -> Iterable[Any]:
+        return data if isinstance(data, DataLoader) else self.loaders.eval_loader(_dataset(data))
+
+    def train(self, train_data: Any, val_data: Any = None, epochs: int | None = None) -> History:
+        """Train on a dataset (loaders built by the LoaderFactory) or a ready DataLoader, until
+        ``epochs`` epochs are complete in total (default: config.trainer.epochs); validate on
+        ``val_data`` after each epoch. Every rank must call this. Returns the History."""
+        train_loader = self._train_loader(train_data)
+        val_loader = self._eval_loader(val_data) if val_data is not None else None
+        return self.trainer.fit(train_loader, val_loader, epochs)
+
+    def evaluate(self, data: Any, use_ema: bool | None = None) -> dict[str, float]:
+        """Exact loss and metrics over ``data`` (every sample once); the same on every rank.
+        Every rank must call this."""
+        return self.trainer.evaluate(self._eval_loader(data), use_ema)
+
+    def predict(self, data: Any, use_ema: bool | None = None) -> torch.Tensor:
+        """Every sample's output in dataset order, on every rank. Every rank must call this."""
+        return self.trainer.predict(self._eval_loader(data), use_ema)
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Leave the process group this handler joined (not one of a context passed in) and
+        remove its log sinks. Idempotent; every rank must call it."""
+        if self._owns_context:
+            self.context.teardown()
+        for sink in self._sinks:
+            logger.remove(sink)
+        self._sinks = []
+
+    def __enter__(self) -> NNHandler:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"NNHandler({type(self.model).__name__}, rank={self.rank}/{self.world_size}, "
+            f"device={self.device}, precision={self.trainer.precision.name!r})"
+        )
+
+
+def _dataset(data: Any) -> Dataset[Any]:
+    if isinstance(data, Dataset):
+        return data
+    raise ConfigError(
+        f"expected a torch Dataset or DataLoader, got {type(data).__name__}; wrap tensors in "
+        f"torch.utils.data.TensorDataset."
+    )
+
+
+__all__ = ["ConfigLike", "NNHandler", "as_handler_config"]

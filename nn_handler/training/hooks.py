@@ -1,0 +1,103 @@
+"""Hooks: code that runs at fixed points of the loop, holding a weak reference to the trainer.
+
+Subclass :class:`Hook` and override what you need. The trainer calls only the methods a hook
+overrides, so an unused point costs nothing in the hot path. ``after_train`` runs in
+``finally``, also when training raised.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nn_handler.errors import NNHandlerError
+
+if TYPE_CHECKING:
+    from nn_handler.training.trainer import Trainer
+
+HOOK_POINTS = (
+    "before_train",
+    "after_train",
+    "before_epoch",
+    "after_epoch",
+    "before_step",
+    "after_step",
+    "after_validation",
+)
+
+
+class Hook:
+    """Base class of trainer hooks; every method is a no-op.
+
+    - ``before_train`` / ``after_train``: once per ``fit`` (after_train also on error).
+    - ``before_epoch`` / ``after_epoch``: around each epoch; ``trainer.history.last`` holds
+      the finished epoch's record in after_epoch.
+    - ``before_step`` / ``after_step``: around each batch (``trainer.state`` tells which).
+    - ``after_validation(metrics)``: with the reduced validation metrics (same on every rank).
+    Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only.
+    """
+
+    _trainer_ref: weakref.ReferenceType[Trainer] | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if trainer is None:
+            raise NNHandlerError(f"{type(self).__name__} is not attached to a live Trainer.")
+        return trainer
+
+    def attach(self, trainer: Trainer) -> None:
+        self._trainer_ref = weakref.ref(trainer)
+
+    def before_train(self) -> None:
+        """Before the first epoch."""
+
+    def after_train(self) -> None:
+        """After the last epoch, or when training raised."""
+
+    def before_epoch(self) -> None:
+        """Before each epoch."""
+
+    def after_epoch(self) -> None:
+        """After each epoch, with its record in ``trainer.history``."""
+
+    def before_step(self) -> None:
+        """Before each batch."""
+
+    def after_step(self) -> None:
+        """After each batch (``trainer.state.last_loss`` is a device tensor: no host sync)."""
+
+    def after_validation(self, metrics: dict[str, float]) -> None:
+        """After each validation run, with its reduced metrics."""
+
+
+class HookList:
+    """The hooks of one trainer, indexed by the points each one overrides."""
+
+    def __init__(self, hooks: Iterable[Hook], trainer: Trainer) -> None:
+        self.hooks = list(hooks)
+        for hook in self.hooks:
+            if not isinstance(hook, Hook):
+                raise NNHandlerError(
+                    f"hooks must be nn_handler Hook instances, got {type(hook).__name__}; "
+                    f"subclass nn_handler.training.Hook."
+                )
+            hook.attach(trainer)
+        self._by_point: dict[str, list[Hook]] = {
+            point: [h for h in self.hooks if _overrides(h, point)] for point in HOOK_POINTS
+        }
+
+    def has(self, point: str) -> bool:
+        return bool(self._by_point[point])
+
+    def call(self, point: str, *args: Any) -> None:
+        for hook in self._by_point[point]:
+            getattr(hook, point)(*args)
+
+
+def _overrides(hook: Hook, point: str) -> bool:
+    return getattr(type(hook), point) is not getattr(Hook, point)
+
+
+__all__ = ["HOOK_POINTS", "Hook", "HookList"]

@@ -1,0 +1,173 @@
+"""Exact distributed metrics: per-key sums and counts on the device, reduced once.
+
+Nothing here synchronises with the host while accumulating; :meth:`WeightedMeans.compute`
+makes one all_reduce (plus one small object gather for the key set) per call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from nn_handler.distributed.communicator import Communicator
+
+MetricFn = Callable[[Any, Any], torch.Tensor | float]
+
+
+@runtime_checkable
+class StatefulMetric(Protocol):
+    """A torchmetrics-style metric: ``update(outputs, targets)``, ``compute()``, ``reset()``.
+
+    torchmetrics Metric objects synchronise themselves across ranks in ``compute``; with the
+    exact-evaluation loader (no padded samples) their result is exact.
+    """
+
+    def update(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def compute(self) -> Any: ...
+
+    def reset(self) -> None: ...
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of class scores ``outputs`` (N, C) against labels ``targets`` (N,)."""
+    return (outputs.argmax(dim=1) == targets).float().mean()
+
+
+class WeightedMeans:
+    """Sample-weighted means of named values over every rank, NaN-aware.
+
+    ``update(values, n)`` adds per-batch means weighted by the batch's sample count ``n``; a
+    NaN value is left out of its key's sum and count. ``compute(comm)`` returns, on every rank,
+    each key's total over all ranks divided by its count (NaN when no rank counted any): the
+    mean one process would compute over all samples. Every rank must call ``compute``, also
+    a rank that saw no batch.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+
+    def update(self, values: Mapping[str, torch.Tensor | float], n: int) -> None:
+        for key, value in values.items():
+            tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensor = tensor.to(torch.float64)
+            valid = ~torch.isnan(tensor)
+            weighted = torch.where(valid, tensor * n, 0.0)
+            counted = valid.to(torch.float64) * n
+            if key in self._sums:
+                self._sums[key] += weighted
+                self._counts[key] += counted
+            else:
+                self._sums[key] = weighted
+                self._counts[key] = counted
+
+    def reset(self) -> None:
+        self._sums.clear()
+        self._counts.clear()
+
+    def local_mean(self, key: str) -> float:
+        """This rank's running mean of ``key`` (a host sync; for display only)."""
+        if key not in self._sums:
+            return math.nan
+        count = float(self._counts[key])
+        return float(self._sums[key]) / count if count else math.nan
+
+    def compute(self, comm: Communicator, device: torch.device | None = None) -> dict[str, float]:
+        """Every rank gets the exact global mean of every key any rank saw. Every rank must
+        call this."""
+        keys = sorted(self._sums)
+        if comm.world_size > 1:
+            union: set[str] = set()
+            for rank_keys in comm.all_gather_object(keys):
+                union.update(rank_keys)
+            keys = sorted(union)
+        if not keys:  # the union: empty on every rank alike
+            return {}
+        where = device or next(iter(self._sums.values()), torch.zeros(())).device
+        zero = torch.zeros((), dtype=torch.float64, device=where)
+        sums = [self._sums.get(k, zero).to(where) for k in keys]
+        counts = [self._counts.get(k, zero).to(where) for k in keys]
+        totals = comm.all_reduce(torch.stack(sums + counts)).cpu().tolist()
+        means: dict[str, float] = {}
+        for i, key in enumerate(keys):
+            count = totals[len(keys) + i]
+            means[key] = totals[i] / count if count else math.nan
+        return means
+
+
+class RunningLoss:
+    """The training loss of one epoch, kept without per-step host synchronisation.
+
+    ``add(loss, n)`` only appends the detached loss tensor; every ``fold_every`` batches the
+    pending values are folded into a device sum and count in a few tensor ops. Non-finite
+    losses (skipped steps) are left out of the mean but their samples are still counted in
+    ``samples``. ``compute(comm)`` reduces sum, count and samples in one all_reduce.
+    """
+
+    def __init__(self, fold_every: int = 50) -> None:
+        self.fold_every = fold_every
+        self._pending: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+        self._sum: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+        self.samples = 0
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self._pending.append(loss)
+        self._sizes.append(n)
+        self.samples += n
+        if len(self._pending) >= self.fold_every:
+            self.fold()
+
+    def fold(self) -> None:
+        if not self._pending:
+            return
+        losses = torch.stack(self._pending).to(torch.float64)
+        sizes = torch.tensor(self._sizes, dtype=torch.float64, device=losses.device)
+        finite = torch.isfinite(losses)
+        total = torch.where(finite, losses * sizes, 0.0).sum()
+        count = (finite * sizes).sum()
+        self._sum = total if self._sum is None else self._sum + total
+        self._count = count if self._count is None else self._count + count
+        self._pending.clear()
+        self._sizes.clear()
+
+    def local_mean(self) -> float:
+        """This rank's mean so far (a host sync: for the rank-0 progress bar only)."""
+        self.fold()
+        if self._sum is None or self._count is None or not float(self._count):
+            return math.nan
+        return float(self._sum / self._count)
+
+    def compute(self, comm: Communicator, device: torch.device | None = None) -> tuple[float, int]:
+        """(exact mean loss over every rank's finite batches, samples seen by all ranks).
+        Every rank must call this."""
+        self.fold()
+        where = device or (self._sum.device if self._sum is not None else torch.device("cpu"))
+        local = torch.zeros(3, dtype=torch.float64, device=where)
+        if self._sum is not None and self._count is not None:
+            local[0] = self._sum
+            local[1] = self._count
+        local[2] = self.samples
+        total, count, samples = comm.all_reduce(local).cpu().tolist()
+        return (total / count if count else math.nan), int(samples)
+
+
+def compute_stateful(metric: StatefulMetric) -> float:
+    """A stateful metric's value as a float (torchmetrics syncs across ranks in compute)."""
+    value = metric.compute()
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+__all__ = [
+    "MetricFn",
+    "RunningLoss",
+    "StatefulMetric",
+    "WeightedMeans",
+    "accuracy",
+    "compute_stateful",
+]

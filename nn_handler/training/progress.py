@@ -1,0 +1,34 @@
+"""The rank-0 progress bar (tqdm); every other rank, or a disabled bar, does nothing."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm.auto import tqdm
+
+
+class ProgressBar:
+    """One epoch's bar: ``update()`` per batch, ``show(**values)`` for the postfix."""
+
+    def __init__(self, enabled: bool, total: int | None, description: str) -> None:
+        self._bar = (
+            tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, file=sys.stderr)
+            if enabled
+            else None
+        )
+
+    def update(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def show(self, **values: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+__all__ = ["ProgressBar"]

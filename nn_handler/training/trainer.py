@@ -1,0 +1,556 @@
+"""Trainer: the training loop, extended by subclassing and hooks.
+
+The loop, in pseudocode (every rank runs it on its own shard)::
+
+    for epoch in range(done, epochs):
+        loader.set_epoch(epoch)
+        for each batch:                      # window = accumulate_grad_batches micro-batches
+            run_step(batch)                  # forward (autocast), backward; on the last
+                                             # micro-batch of a window: sync, clip, step, EMA
+        train_loss <- one all_reduce         # no host sync inside the epoch
+        metrics <- evaluate(val_loader)      # exact: every sample once, sums and counts
+        scheduler.step(); history.append(record); early stopping (same decision everywhere)
+
+Override ``training_step``, ``validation_step``, ``predict_step``, ``compute_loss`` or
+``configure_optimizers``; call :meth:`forward` inside them so the right model runs (the DDP
+model while training, the plain or EMA model while evaluating).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Mapping, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
+from nn_handler.data.exact import gather_in_dataset_order
+from nn_handler.distributed.communicator import Communicator, NullCommunicator
+from nn_handler.errors import ConfigError, NonFiniteError
+from nn_handler.training.batch import batch_size_of, move_to_device
+from nn_handler.training.early_stopping import EarlyStopping
+from nn_handler.training.ema import ModelEma
+from nn_handler.training.history import History, Record
+from nn_handler.training.hooks import Hook, HookList
+from nn_handler.training.metrics import (
+    MetricFn,
+    RunningLoss,
+    StatefulMetric,
+    WeightedMeans,
+    compute_stateful,
+)
+from nn_handler.training.precision import Precision
+from nn_handler.training.progress import ProgressBar
+from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+Metric = MetricFn | StatefulMetric
+
+
+@dataclass
+class TrainerState:
+    """Where the loop is; read it from hooks, never write it.
+
+    Attributes:
+        epoch: epochs completed (during an epoch: its 0-based index).
+        global_step: optimizer steps taken, skipped ones included.
+        batch_index: the batch within the epoch.
+        skipped_steps: optimizer steps skipped for non-finite values, in this epoch.
+        step_synced: whether the last batch ended an accumulation window (an optimizer step).
+        last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
+        should_stop: set when early stopping (or a hook) ends training after this epoch.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_index: int = 0
+    skipped_steps: int = 0
+    step_synced: bool = False
+    last_loss: torch.Tensor | None = None
+    should_stop: bool = False
+
+
+def _length(loader: Iterable[Any]) -> int | None:
+    if isinstance(loader, Sized):
+        try:
+            return len(loader)
+        except TypeError:
+            return None
+    return None
+
+
+def _set_epoch(loader: Iterable[Any], epoch: int) -> None:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates: list[Any] = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+    ]
+    for target in candidates:
+        if target is not None and callable(getattr(target, "set_epoch", None)):
+            target.set_epoch(epoch)
+            return
+
+
+class Trainer:
+    """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
+
+    The model is moved to ``device``, converted to synchronised BatchNorm and wrapped in
+    DistributedDataParallel when the communicator spans more than one rank (device_ids for
+    CUDA, none for CPU), then compiled if configured. ``optimizer`` and ``scheduler`` are
+    instances or factories (``lambda params: torch.optim.Adam(params)``,
+    ``lambda opt: StepLR(opt, 10)``) called after wrapping.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        scheduler: Any = None,
+        *,
+        config: TrainerConfig | None = None,
+        precision: PrecisionConfig | None = None,
+        ema: EmaConfig | None = None,
+        communicator: Communicator | None = None,
+        device: torch.device | str | None = None,
+        metrics: Mapping[str, Metric] | None = None,
+        hooks: Iterable[Hook] = (),
+    ) -> None:
+        self.config = config or TrainerConfig()
+        self.comm = communicator or NullCommunicator()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.loss_fn = loss_fn
+        self.precision = Precision(precision or PrecisionConfig(), self.device)
+        self.log = logger.bind(rank=self.comm.rank)
+        self.module = self._prepare_module(model)
+        self._ddp: DistributedDataParallel | None = None
+        self.model = self._wrap(self.module)
+        self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
+        self._check_scheduler()
+        self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
+        self.metrics: dict[str, Metric] = dict(metrics or {})
+        self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}
+        for metric in self._stateful.values():
+            if isinstance(metric, nn.Module):
+                metric.to(self.device)
+        self.history = History()
+        self.state = TrainerState()
+        self.early_stopping = (
+            EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
+        )
+        self.hooks = HookList(hooks, self)
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
+        self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
+        self._active: nn.Module = self.model
+
+    # ----------------------------------------------------------------- construction
+    @property
+    def is_main_process(self) -> bool:
+        return self.comm.rank == 0
+
+    def _prepare_module(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if isinstance(model, DistributedDataParallel):
+            raise ConfigError(
+                "pass the plain model, not a DistributedDataParallel wrapper: the Trainer wraps "
+                "it itself when world size > 1."
+            )
+        model = model.to(self.device)
+        if self.config.sync_batchnorm and self.comm.world_size > 1:
+            model = convert_sync_batchnorm(model, self.device)
+        return model
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        wrapped = module
+        if self.comm.world_size > 1 and dist.is_available() and dist.is_initialized():
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self._ddp = DistributedDataParallel(
+                module,
+                device_ids=device_ids,
+                find_unused_parameters=self.config.find_unused_parameters,
+            )
+            wrapped = self._ddp
+        if self.config.compile:
+            wrapped = torch.compile(wrapped, **self.config.compile_kwargs)  # type: ignore[assignment]
+        return wrapped
+
+    def configure_optimizers(
+        self, optimizer: torch.optim.Optimizer | OptimizerFactory | None, scheduler: Any
+    ) -> tuple[torch.optim.Optimizer | None, Any]:
+        """Build the optimizer and scheduler (override to construct them yourself).
+
+        Called once, after the model is wrapped; factories receive ``self.model.parameters()``
+        and the optimizer respectively.
+        """
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise ConfigError(
+                    f"optimizer must be a torch.optim.Optimizer or a factory taking the "
+                    f"parameters, got {type(optimizer).__name__}."
+                )
+            optimizer = optimizer(self.model.parameters())
+        if scheduler is not None and optimizer is None:
+            raise ConfigError("a scheduler needs an optimizer: pass optimizer= as well.")
+        if scheduler is not None and not hasattr(scheduler, "step") and callable(scheduler):
+            scheduler = scheduler(optimizer)
+        return optimizer, scheduler
+
+    def _check_scheduler(self) -> None:
+        plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if plateau and self.config.scheduler_interval == "step":
+            raise ConfigError(
+                "ReduceLROnPlateau steps on an epoch metric: use "
+                "TrainerConfig(scheduler_interval='epoch')."
+            )
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The run's settings, flat (for experiment loggers)."""
+        params: dict[str, Any] = {f"trainer.{k}": v for k, v in self.config.model_dump().items()}
+        params["precision"] = self.precision.name
+        params["world_size"] = self.comm.world_size
+        params["ema"] = self.ema is not None
+        if self.optimizer is not None:
+            params["optimizer"] = type(self.optimizer).__name__
+            params["lr"] = self.optimizer.param_groups[0]["lr"]
+        return params
+
+    # ----------------------------------------------------------------- override points
+    def forward(self, inputs: Any) -> Any:
+        """Run the active model: the DDP-wrapped one in training, the plain (or EMA) one in
+        evaluation."""
+        return self._active(inputs)
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, targets) of a batch; the default takes a pair. Override for other layouts."""
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:
+            return batch[0], batch[1]
+        raise ConfigError(
+            f"the default steps expect (inputs, targets) batches, got {type(batch).__name__}"
+            f"{f' of length {len(batch)}' if isinstance(batch, (list, tuple)) else ''}; "
+            f"override Trainer.split_batch or training_step/validation_step."
+        )
+
+    def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss of one batch; the default calls ``loss_fn(outputs, targets)``."""
+        if self.loss_fn is None:
+            raise ConfigError("no loss_fn: pass loss_fn= or override Trainer.compute_loss.")
+        return self.loss_fn(outputs, targets)
+
+    def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """The loss of one training batch (a tensor, or a dict with a 'loss' entry)."""
+        inputs, targets = self.split_batch(batch)
+        return self.compute_loss(self.forward(inputs), targets)
+
+    def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
+        """Per-batch means to average over the validation set (weighted by batch size).
+
+        The default returns the loss and every metric function's value, and updates stateful
+        (torchmetrics) metrics.
+        """
+        inputs, targets = self.split_batch(batch)
+        outputs = self.forward(inputs)
+        values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
+        for name, metric in self.metrics.items():
+            if isinstance(metric, StatefulMetric):
+                metric.update(outputs, targets)
+            else:
+                values[name] = metric(outputs, targets)
+        return values
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        """Per-sample outputs of one batch (dim 0 = samples); the default runs the model on
+        the batch's inputs (its first element when it is a tuple or list)."""
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        output: torch.Tensor = self.forward(inputs)
+        return output
+
+    # ----------------------------------------------------------------- one step
+    def run_step(self, batch: Any, sync: bool = True, window: int = 1) -> torch.Tensor:
+        """One micro-batch: forward and backward, then the optimizer step when ``sync``.
+
+        ``window`` is the number of micro-batches accumulated into this optimizer step; the
+        loss is divided by it so the gradient is the window's mean. Returns the detached loss.
+        """
+        batch = move_to_device(batch, self.device, self._non_blocking)
+        # Gradients are synchronised across ranks only on the last micro-batch of a window.
+        skip_sync = self._ddp.no_sync() if self._ddp is not None and not sync else None
+        with skip_sync or contextlib.nullcontext():
+            with self.precision.autocast():
+                loss = self._loss_of(self.training_step(batch))
+            to_backward = loss / window if window > 1 else loss
+            if self._guard:
+                # A NaN/inf loss makes this rank's gradients NaN; DDP's averaging then carries
+                # it to every rank, so one check of the synced gradients decides for all ranks.
+                to_backward = to_backward * (loss.detach() * 0 + 1)
+            self.precision.backward(to_backward)
+        if sync:
+            self.optimizer_step()
+        return loss.detach()
+
+    def optimizer_step(self) -> bool:
+        """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
+        optimizer stepped. Also updates the EMA and a per-step scheduler, and zeroes grads."""
+        optimizer = self._require_optimizer()
+        self.precision.unscale(optimizer)
+        if self.config.gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(
+                self._params,
+                self.config.gradient_clip_val,
+                norm_type=self.config.gradient_clip_norm_type,
+            )
+        stepped = self._grads_finite() if self._guard else True
+        if stepped:
+            if self.precision.scaler is not None:
+                scale = self.precision.scaler.get_scale()
+                self.precision.step(optimizer)
+                stepped = self.precision.scaler.get_scale() >= scale
+            else:
+                self.precision.step(optimizer)
+        else:
+            self._on_nonfinite()
+        if stepped:
+            if self.ema is not None:
+                self.ema.update()
+            if self.scheduler is not None and self.config.scheduler_interval == "step":
+                self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        return stepped
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return True
+        # The max-norm never overflows, and is NaN as soon as one element is: the same
+        # decision on every rank, since the gradients are already synchronised.
+        norms = torch._foreach_norm(grads, float("inf"))
+        return bool(torch.isfinite(torch.stack(norms)).all())
+
+    def _on_nonfinite(self) -> None:
+        where = f"epoch {self.state.epoch + 1}, optimizer step {self.state.global_step + 1}"
+        if self.config.nonfinite == "raise":
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank at {where}; every "
+                f"rank stops here. Use TrainerConfig(nonfinite='skip') to skip such steps."
+            )
+        self.state.skipped_steps += 1
+        self.log.warning("skipped the optimizer step at {}: NaN/inf loss or gradients", where)
+
+    def _loss_of(self, output: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return output
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            return output["loss"]
+        keys = f" with keys {sorted(output)}" if isinstance(output, Mapping) else ""
+        raise ConfigError(
+            f"training_step must return the loss tensor or a dict with a 'loss' tensor, got "
+            f"{type(output).__name__}{keys}."
+        )
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ConfigError(
+                "training needs an optimizer: pass optimizer= (an instance or a factory such as "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)) or override "
+                "configure_optimizers."
+            )
+        return self.optimizer
+
+    # ----------------------------------------------------------------- epochs
+    def train_epoch(self, loader: Iterable[Any], epochs: int) -> Record:
+        """One pass over ``loader``; returns the epoch's train loss, samples and timing."""
+        self._require_optimizer()
+        self.model.train()
+        total = _length(loader)
+        accumulate = self.config.accumulate_grad_batches
+        if accumulate > 1 and total is None:
+            raise ConfigError(
+                "gradient accumulation needs a loader with len() (to close the last window of "
+                "an epoch on every rank alike); set accumulate_grad_batches=1 or pass a sized "
+                "loader."
+            )
+        running = RunningLoss(self.config.log_every_n_steps)
+        show = self.config.progress_bar and self.is_main_process
+        bar = ProgressBar(show, total, f"epoch {self.state.epoch + 1}/{epochs}")
+        self.state.skipped_steps = 0
+        started = time.perf_counter()
+        try:
+            for index, batch in enumerate(loader):
+                start = index - index % accumulate
+                end = start + accumulate if total is None else min(start + accumulate, total)
+                self.state.batch_index = index
+                self.state.step_synced = index + 1 == end
+                self.hooks.call("before_step")
+                loss = self.run_step(batch, self.state.step_synced, end - start)
+                self.state.last_loss = loss
+                running.add(loss, batch_size_of(batch))
+                self.hooks.call("after_step")
+                bar.update()
+                if show and (index + 1) % self.config.log_every_n_steps == 0:
+                    elapsed = time.perf_counter() - started
+                    bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
+        finally:
+            bar.close()
+        loss_value, samples = running.compute(self.comm, self.device)
+        elapsed = time.perf_counter() - started
+        return {
+            "train_loss": loss_value,
+            "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
+            "epoch_time": elapsed,
+            "skipped_steps": float(self.state.skipped_steps),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
+        """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
+        this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
+        EmaConfig's validate_with_ema)."""
+        module = self._eval_module(use_ema)
+        was_training = module.training
+        module.eval()
+        means = WeightedMeans()
+        self._active = module
+        try:
+            for batch in loader:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+                with self.precision.autocast():
+                    values = self.validation_step(batch)
+                means.update(values, batch_size_of(batch))
+            results = means.compute(self.comm, self.device)
+            for name, metric in self._stateful.items():
+                results[name] = compute_stateful(metric)
+                metric.reset()
+        finally:
+            self._active = self.model
+            module.train(was_training)
+        self.hooks.call("after_validation", results)
+        return results
+
+    @torch.no_grad()
+    def predict(self, loader: Iterable[Any], use_ema: bool | None = None) -> torch.Tensor:
+        """Every sample's output, in dataset order, on every rank; every rank must call this.
+
+        With more than one rank ``loader`` must be an evaluation loader (with ``indices``:
+        ``LoaderFactory.eval_loader``), so the outputs can be put back in dataset order.
+        """
+        indices = getattr(loader, "indices", None)
+        if indices is None and self.comm.world_size > 1:
+            raise ConfigError(
+                "predict with several ranks needs an evaluation loader from "
+                "LoaderFactory.eval_loader (it knows each sample's dataset index); pass the "
+                "dataset to NNHandler.predict instead of a DataLoader."
+            )
+        module = self._eval_module(use_ema)
+        was_training = module.training
+        module.eval()
+        self._active = module
+        outputs: list[torch.Tensor] = []
+        try:
+            for batch in loader:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+                with self.precision.autocast():
+                    outputs.append(self.predict_step(batch).float())
+        finally:
+            self._active = self.model
+            module.train(was_training)
+        local = torch.cat(outputs) if outputs else torch.empty(0, device=self.device)
+        if indices is None:
+            return local
+        return gather_in_dataset_order(local, indices, self.comm)  # type: ignore[no-any-return]
+
+    def _eval_module(self, use_ema: bool | None) -> nn.Module:
+        if use_ema is None:
+            use_ema = self.ema is not None and self.ema.config.validate_with_ema
+        if use_ema and self.ema is None:
+            raise ConfigError("use_ema=True but EMA is off: set EmaConfig(enabled=True).")
+        # The plain module, never the DDP wrapper: ranks may see different batch counts here.
+        return self.ema.module if use_ema and self.ema is not None else self.module
+
+    # ----------------------------------------------------------------- the loop
+    def fit(
+        self,
+        train_loader: Iterable[Any],
+        val_loader: Iterable[Any] | None = None,
+        epochs: int | None = None,
+    ) -> History:
+        """Train until ``epochs`` epochs are complete in total (default: config.epochs), so a
+        resumed trainer continues where it stopped. Every rank must call this. Returns the
+        History (the same on every rank)."""
+        epochs = epochs if epochs is not None else self.config.epochs
+        if epochs < 1:
+            raise ConfigError(f"epochs must be at least 1, got {epochs}.")
+        self.state.should_stop = False
+        try:
+            self.hooks.call("before_train")
+            while self.state.epoch < epochs and not self.state.should_stop:
+                self._run_epoch(train_loader, val_loader, epochs)
+        finally:
+            self.hooks.call("after_train")
+        return self.history
+
+    def _run_epoch(
+        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+    ) -> None:
+        _set_epoch(train_loader, self.state.epoch)
+        self.hooks.call("before_epoch")
+        record: Record = {"epoch": float(self.state.epoch + 1)}
+        record.update(self.train_epoch(train_loader, epochs))
+        record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
+        if val_loader is not None:
+            record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+        self._step_scheduler_per_epoch(record)
+        self.history.append(record)
+        self.state.epoch += 1
+        if self.early_stopping is not None and self.early_stopping.update(record, self.state.epoch):
+            self.state.should_stop = True
+        self.hooks.call("after_epoch")
+        self.state.should_stop = self._agree(self.state.should_stop)
+        self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
+        if self.state.should_stop and self.early_stopping is not None:
+            self.log.info(
+                "early stopping: {} has not improved for {} epochs (best {:.6g} at epoch {})",
+                self.early_stopping.config.monitor,
+                self.early_stopping.wait,
+                self.early_stopping.best,
+                self.early_stopping.best_epoch,
+            )
+
+    def _step_scheduler_per_epoch(self, record: Record) -> None:
+        if self.scheduler is None or self.config.scheduler_interval != "epoch":
+            return
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            monitor = self.config.scheduler_monitor
+            if monitor not in record:
+                raise ConfigError(
+                    f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "
+                    f"{sorted(record)}; set TrainerConfig(scheduler_monitor=...)."
+                )
+            self.scheduler.step(record[monitor])
+        else:
+            self.scheduler.step()
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, on every rank (one tiny broadcast per epoch)."""
+        if self.comm.world_size == 1:
+            return flag
+        decision = self.comm.broadcast(torch.tensor([int(flag)], device=self.device), src=0)
+        return bool(decision.item())
+
+
+def _summary(record: Record) -> str:
+    shown = {k: v for k, v in record.items() if k != "epoch" and (k != "skipped_steps" or v)}
+    return ", ".join(f"{k}={v:.4g}" for k, v in shown.items())
+
+
+__all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

@@ -1,0 +1,303 @@
+"""NNHandler and Trainer in real 2-rank gloo groups: DDP equivalence with one process, every
+feature together, the NaN guard, subclasses and hooks, exact evaluation and prediction.
+
+One spawned group runs every check (the group is the expensive part); the single-process
+references are computed in the test process with the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import (
+    DistributedContext,
+    HandlerConfig,
+    Hook,
+    NNHandler,
+    NonFiniteError,
+    Trainer,
+    accuracy,
+)
+from tests.harness import run_group
+from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
+
+pytestmark = pytest.mark.distributed
+
+# Per-rank batch 4 on 2 ranks against batch 8 in one process; 40 samples = 5 batches per
+# epoch per rank, so accumulation over 2 leaves a final window of 1 that must still sync.
+EQUIVALENCE = {
+    "loader": {"batch_size": 4, "shuffle": True, "seed": 3},
+    "trainer": {"accumulate_grad_batches": 2, "progress_bar": False},
+}
+
+
+def _config(base: dict[str, Any], world_size: int, **trainer: Any) -> HandlerConfig:
+    data = {key: dict(value) for key, value in base.items()}
+    data["loader"]["batch_size"] = base["loader"]["batch_size"] * (2 // world_size)
+    data["trainer"].update(trainer)
+    return HandlerConfig.from_dict(data)
+
+
+def equivalence_run(world_size: int, batchnorm: bool, context: Any = None) -> dict[str, Any]:
+    config = _config(EQUIVALENCE, world_size, sync_batchnorm=batchnorm)
+    handler = NNHandler(
+        mlp(batchnorm=batchnorm), sgd, nn.CrossEntropyLoss(), config=config, context=context
+    )
+    handler.train(regression_data(), epochs=2)
+    return state_of(handler.model)
+
+
+class NaNOnRankOne(Trainer):
+    """Rank 1 alone produces a NaN loss on its third batch of the first epoch."""
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        loss = super().training_step(batch)
+        assert isinstance(loss, torch.Tensor)
+        if self.comm.rank == 1 and self.state.epoch == 0 and self.state.batch_index == 2:
+            return loss * float("nan")
+        return loss
+
+
+class TwoHeads(nn.Module):
+    """A model with two outputs: class scores and a reconstruction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 16)
+        self.classes = nn.Linear(16, 3)
+        self.reconstruction = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.body(x))
+        return self.classes(hidden), self.reconstruction(hidden)
+
+
+class TwoLossTrainer(Trainer):
+    """The documented subclass: cross-entropy on one output plus reconstruction on the other."""
+
+    def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        scores, rebuilt = self.forward(x)
+        classification = nn.functional.cross_entropy(scores, y)
+        reconstruction = nn.functional.mse_loss(rebuilt, x)
+        return {"loss": classification + 0.5 * reconstruction, "ce": classification}
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        scores, rebuilt = self.forward(x)
+        return {
+            "loss": nn.functional.cross_entropy(scores, y),
+            "reconstruction": nn.functional.mse_loss(rebuilt, x),
+            "accuracy": accuracy(scores, y),
+        }
+
+
+class EventRecorder(Hook):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def before_train(self) -> None:
+        self.events.append(f"before_train@{self.trainer.comm.rank}")
+
+    def after_step(self) -> None:
+        if self.trainer.state.step_synced:
+            self.events.append(f"step{self.trainer.state.global_step}")
+
+    def after_validation(self, metrics: dict[str, float]) -> None:
+        self.events.append(f"val:{sorted(metrics)}")
+
+    def after_train(self) -> None:
+        self.events.append("after_train")
+
+
+def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
+    context = DistributedContext().setup()
+    out: dict[str, Any] = {}
+    out["plain"] = equivalence_run(world_size, batchnorm=False, context=context)
+    out["syncbn"] = equivalence_run(world_size, batchnorm=True, context=context)
+
+    # Every feature together.
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 4},
+            "precision": "bf16",
+            "ema": {"enabled": True, "decay": 0.9, "warmup": True},
+            "trainer": {
+                "accumulate_grad_batches": 3,
+                "gradient_clip_val": 0.5,
+                "sync_batchnorm": True,
+                "scheduler_interval": "step",
+                "early_stopping": {"monitor": "val_loss", "patience": 2, "min_delta": 10.0},
+                "progress_bar": rank == 0,
+            },
+        }
+    )
+    handler = NNHandler(
+        mlp(batchnorm=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        nn.CrossEntropyLoss(),
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        config=config,
+        metrics={"accuracy": accuracy},
+        context=context,
+    )
+    history = handler.train(regression_data(), regression_data(n=23, seed=1), epochs=6)
+    assert handler.trainer.ema is not None
+    out["features"] = {
+        "records": history.records,
+        "model": state_of(handler.model),
+        "ema": state_of(handler.trainer.ema.module),
+        "lr": handler.trainer.optimizer.param_groups[0]["lr"] if handler.trainer.optimizer else 0,
+        "synced_bn": type(handler.model[1]).__name__,
+    }
+
+    # A NaN on rank 1 only: skipped on every rank, or raised on every rank.
+    nan_config = HandlerConfig.from_dict({"loader": {"batch_size": 4}, "trainer": {"epochs": 2}})
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config=nan_config,
+        trainer_class=NaNOnRankOne,
+        context=context,
+    )
+    history = handler.train(regression_data())
+    out["nan_skip"] = {"skipped": history["skipped_steps"], "model": state_of(handler.model)}
+    raise_config = nan_config.model_copy(
+        update={"trainer": nan_config.trainer.model_copy(update={"nonfinite": "raise"})}
+    )
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config=raise_config,
+        trainer_class=NaNOnRankOne,
+        context=context,
+    )
+    try:
+        handler.train(regression_data())
+        out["nan_raise"] = "no error"
+    except NonFiniteError as error:
+        out["nan_raise"] = str(error)
+        out["nan_raise_steps"] = handler.trainer.state.global_step
+
+    # A subclass with a two-output loss and a custom hook.
+    recorder = EventRecorder()
+    handler = NNHandler(
+        TwoHeads(),
+        sgd,
+        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
+        trainer_class=TwoLossTrainer,
+        hooks=[recorder],
+        context=context,
+    )
+    history = handler.train(regression_data(), regression_data(n=11, seed=2), epochs=2)
+    out["subclass"] = {"events": recorder.events, "keys": history.keys()}
+
+    # Exact evaluation and prediction over 23 samples (ranks hold 12 and 11).
+    handler = NNHandler(
+        mlp(seed=5),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 5}},
+        metrics={"accuracy": accuracy},
+        context=context,
+    )
+    val = regression_data(n=23, seed=1)
+    out["evaluate"] = handler.evaluate(val)
+    out["predict"] = handler.predict(val)
+    context.teardown()
+    return out
+
+
+def _without_timing(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    timing = ("epoch_time", "samples_per_sec")
+    return [{k: v for k, v in record.items() if k not in timing} for record in records]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_group(_all_checks, 2, init="env", timeout=150)
+
+
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
+    results: list[dict[str, Any]],
+) -> None:
+    reference = equivalence_run(1, batchnorm=False)
+    for rank in (0, 1):
+        assert max_difference(results[rank]["plain"], reference) < 1e-5, f"rank {rank}"
+
+
+def test_synchronised_batchnorm_on_cpu_matches_one_process_with_the_whole_batch(
+    results: list[dict[str, Any]],
+) -> None:
+    reference = equivalence_run(1, batchnorm=True)  # running stats included
+    assert "1.running_mean" in reference
+    for rank in (0, 1):
+        assert max_difference(results[rank]["syncbn"], reference) < 1e-5, f"rank {rank}"
+
+
+def test_every_feature_together_keeps_the_ranks_identical(
+    results: list[dict[str, Any]],
+) -> None:
+    zero, one = results[0]["features"], results[1]["features"]
+    assert _without_timing(zero["records"]) == _without_timing(one["records"])
+    # min_delta=10 never counts as improvement after the first epoch: stop after 1 + 2.
+    assert len(zero["records"]) == 3
+    assert max_difference(zero["model"], one["model"]) == 0.0
+    assert max_difference(zero["ema"], one["ema"]) == 0.0, "EMA diverged across ranks"
+    assert max_difference(zero["ema"], zero["model"]) > 0.0, "EMA is not averaging"
+    assert all(torch.isfinite(v.double()).all() for v in zero["model"].values())
+    assert zero["synced_bn"] == "SyncBatchNorm"
+    # 20 samples per rank / batch 4 = 5 batches, windows 3+2 = 2 steps per epoch, 6 steps:
+    # StepLR(step_size=2, gamma=0.5) halved the rate 3 times.
+    assert zero["lr"] == pytest.approx(1e-2 / 8)
+    assert {"train_loss", "val_loss", "val_accuracy", "lr"} <= zero["records"][0].keys()
+
+
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(results: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        assert results[rank]["nan_skip"]["skipped"] == [1.0, 0.0], f"rank {rank}"
+    zero, one = results[0]["nan_skip"]["model"], results[1]["nan_skip"]["model"]
+    assert max_difference(zero, one) == 0.0
+    assert all(torch.isfinite(v).all() for v in zero.values())
+
+
+def test_a_nan_on_one_rank_raises_on_every_rank_when_configured(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        assert "NaN/inf" in results[rank]["nan_raise"], f"rank {rank}"
+        assert results[rank]["nan_raise_steps"] == 2  # stopped at the third step, on both
+
+
+def test_a_subclass_and_a_custom_hook_run_on_both_ranks(results: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        events = results[rank]["subclass"]["events"]
+        assert events[0] == f"before_train@{rank}" and events[-1] == "after_train"
+        # 20 samples per rank, batch 5: 4 steps per epoch.
+        assert [e for e in events if e.startswith("step")] == [f"step{i}" for i in range(1, 9)]
+        assert events.count("val:['accuracy', 'loss', 'reconstruction']") == 2
+        assert "val_reconstruction" in results[rank]["subclass"]["keys"]
+
+
+def test_evaluation_and_prediction_are_exact_and_in_dataset_order(
+    results: list[dict[str, Any]],
+) -> None:
+    model = mlp(seed=5)
+    val = regression_data(n=23, seed=1)
+    x, y = val.tensors
+    with torch.no_grad():
+        logits = model(x)
+    expected_loss = float(nn.functional.cross_entropy(logits, y))
+    expected_accuracy = float(accuracy(logits, y))
+    for rank in (0, 1):
+        metrics = results[rank]["evaluate"]
+        assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
+        assert metrics["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
+        assert torch.allclose(results[rank]["predict"], logits, atol=1e-6)
