@@ -46,3 +46,22 @@ def test_loader_cache_quick_mode_writes_its_fields(tmp_path: Path) -> None:
         assert batches == {16}, "every variant gives each rank the same number of batches"
     for ratio in results["ratios"]:
         assert ratio["later_epoch_speedup_vs_distributed_w0"] > 0
+
+
+def test_ema_update_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    results = run_quick("ema_update.py", tmp_path)
+    assert results["tensors"] == 200
+    for row in results["results"].values():
+        low, high = row["ratio_spread"]
+        assert low <= row["ratio_to_bare_median"] <= high and row["ms_per_update"] > 0
+    assert set(results["results"]) >= {"foreach_lerp (bare)", "nn_handler ModelEma.update"}
+
+
+@pytest.mark.distributed
+def test_training_step_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    results = run_quick("training_step.py", tmp_path)
+    assert [row["case"] for row in results["results"]] == ["tiny_mlp", "small_cnn"]
+    for row in results["results"]:
+        low, high = row["ratio_spread"]
+        assert low <= row["ratio_median"] <= high
+        assert row["raw_ms_per_step"] > 0 and row["nn_handler_ms_per_step"] > 0

@@ -1,0 +1,164 @@
+"""Per-step cost of NNHandler.train against a hand-written DDP loop (world size 2, gloo).
+
+    python benchmarks/training_step.py [--quick] [--out results.json]
+
+Both run in the same 2-process gloo group on 127.0.0.1, on the same model, data, seed and
+number of steps: a tiny MLP (32->64->10, batch 64: overhead-dominated) and a small CNN on
+1x28x28 (compute-dominated). NNHandler runs with its defaults on (progress bar on rank 0, epoch
+metrics, the NaN guard). Each repetition times one epoch of each, back to back (A B A B ...,
+warm-up excluded); the report gives the median seconds per step and the median and spread of
+per-repetition ratios NNHandler / raw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import common
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from nn_handler import DistributedContext, NNHandler
+
+
+def tiny_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 10),
+    )
+
+
+CASES = {
+    "tiny_mlp": (tiny_mlp, (32,), 64),
+    "small_cnn": (small_cnn, (1, 28, 28), 32),
+}
+
+
+def _dataset(shape: tuple[int, ...], samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, *shape, generator=generator)
+    y = torch.randint(0, 10, (samples,), generator=generator)
+    return TensorDataset(x, y)
+
+
+def _raw_epoch(model: nn.Module, optimizer: Any, loader: Any, epoch: int) -> None:
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+
+def _worker(rank: int, port: int, case: str, steps: int, repeats: int, out: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
+    build, shape, batch = CASES[case]
+    dataset = _dataset(shape, steps * batch * 2)
+    torch.manual_seed(0)
+    raw_model = DistributedDataParallel(build())
+    raw_optimizer = torch.optim.SGD(raw_model.parameters(), lr=0.01)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, 2, rank, seed=0)
+    raw_loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
+    torch.manual_seed(0)
+    handler = NNHandler(
+        build(),
+        lambda p: torch.optim.SGD(p, lr=0.01),
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": batch}},
+        context=DistributedContext(),
+    )
+    raw_s: list[float] = []
+    ours_s: list[float] = []
+    sink = io.StringIO()  # the rank-0 progress bar draws here, not on the terminal
+    with contextlib.redirect_stderr(sink):
+        for repeat in range(repeats + 1):  # repetition 0 is the warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            _raw_epoch(raw_model, raw_optimizer, raw_loader, repeat)
+            raw_time = (time.perf_counter() - start) / steps
+            dist.barrier()
+            start = time.perf_counter()
+            handler.train(dataset, epochs=repeat + 1)
+            ours_time = (time.perf_counter() - start) / steps
+            if repeat:
+                raw_s.append(raw_time)
+                ours_s.append(ours_time)
+    if rank == 0:
+        ratios = [o / r for o, r in zip(ours_s, raw_s, strict=True)]
+        out.put(
+            {
+                "case": case,
+                "steps_per_epoch": steps,
+                "batch_per_rank": batch,
+                "raw_ms_per_step": statistics.median(raw_s) * 1e3,
+                "nn_handler_ms_per_step": statistics.median(ours_s) * 1e3,
+                "ratio_median": statistics.median(ratios),
+                "ratio_spread": [min(ratios), max(ratios)],
+            }
+        )
+    handler.close()
+    dist.destroy_process_group()
+
+
+def run_case(case: str, steps: int, repeats: int) -> dict[str, Any]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, case, steps, repeats, queue)) for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    result: dict[str, Any] = queue.get(timeout=900)
+    for proc in procs:
+        proc.join(60)
+    return result
+
+
+def main() -> None:
+    args = common.parse_args(__doc__ or "")
+    plan = (
+        {"tiny_mlp": (20, 3), "small_cnn": (5, 2)}
+        if args.quick
+        else {
+            "tiny_mlp": (200, 15),
+            "small_cnn": (40, 9),
+        }
+    )
+    results = [run_case(case, steps, repeats) for case, (steps, repeats) in plan.items()]
+    common.report({"benchmark": "training_step", "world_size": 2, "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
