@@ -57,9 +57,12 @@ class Precision:
         with torch.autocast(device_type=self.device.type, dtype=self.dtype):
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        scaled.backward()  # type: ignore[no-untyped-call]
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
+        """Backpropagate ``loss`` (scaled under fp16), seeded with ``gradient`` if given."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss if gradient is None else loss * gradient)
+            gradient = None
+        loss.backward(gradient)  # type: ignore[no-untyped-call]
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

@@ -46,6 +46,7 @@ from nn_handler.training.metrics import (
     WeightedMeans,
     compute_stateful,
 )
+from nn_handler.training.nonfinite import GradientFiniteCheck
 from nn_handler.training.precision import Precision
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
@@ -150,6 +151,7 @@ class Trainer:
         self.hooks = HookList(hooks, self)
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
+        self._finite = GradientFiniteCheck(self._params)
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
 
@@ -288,12 +290,13 @@ class Trainer:
         with skip_sync or contextlib.nullcontext():
             with self.precision.autocast():
                 loss = self._loss_of(self.training_step(batch))
-            to_backward = loss / window if window > 1 else loss
             if self._guard:
-                # A NaN/inf loss makes this rank's gradients NaN; DDP's averaging then carries
-                # it to every rank, so one check of the synced gradients decides for all ranks.
-                to_backward = to_backward * (loss.detach() * 0 + 1)
-            self.precision.backward(to_backward)
+                # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so
+                # this rank's gradients turn NaN and DDP's averaging carries that to every
+                # rank; one check of the synchronised gradients then decides for all ranks.
+                self.precision.backward(loss, loss.detach().mul(0.0).add_(1.0 / window))
+            else:
+                self.precision.backward(loss / window if window > 1 else loss)
         if sync:
             self.optimizer_step()
         return loss.detach()
@@ -309,7 +312,7 @@ class Trainer:
                 self.config.gradient_clip_val,
                 norm_type=self.config.gradient_clip_norm_type,
             )
-        stepped = self._grads_finite() if self._guard else True
+        stepped = self._finite.all_finite() if self._guard else True
         if stepped:
             if self.precision.scaler is not None:
                 scale = self.precision.scaler.get_scale()
@@ -327,15 +330,6 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         return stepped
-
-    def _grads_finite(self) -> bool:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return True
-        # The max-norm never overflows, and is NaN as soon as one element is: the same
-        # decision on every rank, since the gradients are already synchronised.
-        norms = torch._foreach_norm(grads, float("inf"))
-        return bool(torch.isfinite(torch.stack(norms)).all())
 
     def _on_nonfinite(self) -> None:
         where = f"epoch {self.state.epoch + 1}, optimizer step {self.state.global_step + 1}"
