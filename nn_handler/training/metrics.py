@@ -53,8 +53,10 @@ class WeightedMeans:
 
     def update(self, values: Mapping[str, torch.Tensor | float], n: int) -> None:
         for key, value in values.items():
-            tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
-            tensor = tensor.to(torch.float64)
+            if isinstance(value, torch.Tensor):
+                tensor = value.detach().to(torch.float64)
+            else:  # Python numbers keep their double precision
+                tensor = torch.tensor(float(value), dtype=torch.float64)
             valid = ~torch.isnan(tensor)
             weighted = torch.where(valid, tensor * n, 0.0)
             counted = valid.to(torch.float64) * n

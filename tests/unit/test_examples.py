@@ -53,3 +53,12 @@ def test_rank_decorators_example_alone_and_under_torchrun() -> None:
     assert code == 0, output
     assert "rank 1: save_checkpoint returned None" in output
     assert "rank 1 caught: @on_rank(0) flaky failed on rank(s) [0]" in output
+
+
+def test_custom_trainer_example_trains_with_its_subclass_and_hook() -> None:
+    pytest.importorskip("sklearn")
+    code, output = run_command([sys.executable, str(EXAMPLES / "custom_trainer.py")], timeout=120)
+    assert code == 0, output
+    assert "epoch 6: val_accuracy=" in output and "reconstruction=" in output
+    final = float(output.split("final: val_accuracy=")[1].split()[0])
+    assert final >= 0.9, output

@@ -58,3 +58,29 @@ def test_loaders_pin_memory_for_cuda(mode: str) -> None:
     assert factory.settings["pin_memory"] is True
     (batch,) = next(iter(factory.train_loader(TensorDataset(torch.randn(16, 3)))))
     assert batch.is_pinned()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "amp"])
+def test_handler_trains_on_cuda_in_reduced_precision(precision: str) -> None:
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from tests.training_helpers import mlp, regression_data, sgd
+
+    with NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={
+            "distributed": {"device": "cuda"},
+            "precision": precision,
+            "ema": {"enabled": True},
+            "trainer": {"gradient_clip_val": 1.0},
+        },
+    ) as handler:
+        history = handler.train(regression_data(), regression_data(n=10), epochs=2)
+        assert handler.trainer.precision.name == ("fp16" if precision == "amp" else precision)
+        assert (handler.trainer.precision.scaler is not None) == (precision != "bf16")
+        assert next(handler.model.parameters()).device.type == "cuda"
+        assert torch.isfinite(torch.tensor(history["train_loss"])).all()
+        assert handler.predict(regression_data(n=10)).shape == (10, 3)

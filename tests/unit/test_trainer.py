@@ -525,3 +525,28 @@ def test_predict_in_one_process_returns_every_output_in_order() -> None:
     assert torch.allclose(handler.predict(data), expected)
     ready = DataLoader(data, batch_size=3)
     assert torch.allclose(handler.predict(ready), expected)
+
+
+def test_every_epoch_reshuffles_reproducibly_through_set_epoch() -> None:
+    def first_batches() -> list[list[float]]:
+        seen: list[list[float]] = []
+
+        class Record(Trainer):
+            def training_step(self, batch: Any) -> torch.Tensor:
+                if self.state.batch_index == 0:
+                    seen.append(batch[0][:, 0].tolist())
+                return super().training_step(batch)
+
+        handler = NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            trainer_class=Record,
+            config={"loader": {"batch_size": 8, "seed": 7}},
+        )
+        handler.train(regression_data(), epochs=3)
+        return seen
+
+    once, again = first_batches(), first_batches()
+    assert once == again, "the same seed gives the same order"
+    assert once[0] != once[1] != once[2], "each epoch draws a new order"
