@@ -6,10 +6,13 @@ import argparse
 import json
 import os
 import platform
+import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -35,3 +38,20 @@ def report(results: dict[str, Any], out: str | None) -> None:
     if out:
         with open(out, "w") as handle:
             json.dump(full, handle, indent=2)
+
+
+def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300) -> Any:
+    """Spawn ``worker(rank, port, *args, queue)`` on ranks 0 and 1 (a free port on 127.0.0.1
+    for their gloo rendezvous); return the first result rank 0 puts on the queue."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=timeout)
+    for proc in procs:
+        proc.join(60)
+    return result

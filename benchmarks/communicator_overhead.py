@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +20,6 @@ from typing import Any
 import common
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nn_handler import NullCommunicator, TorchCommunicator
 
@@ -93,20 +91,7 @@ def _group_worker(rank: int, port: int, repeats: int, calls: int, numel: int, ou
 
 
 def two_process_gloo(repeats: int, calls: int, numel: int) -> dict[str, float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_group_worker, args=(r, port, repeats, calls, numel, queue))
-        for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    result: dict[str, float] = queue.get(timeout=300)
-    for proc in procs:
-        proc.join(60)
+    result: dict[str, float] = common.run_two_ranks(_group_worker, repeats, calls, numel)
     return result
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -24,7 +23,6 @@ from typing import Any
 import common
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -130,19 +128,7 @@ def _worker(rank: int, port: int, case: str, steps: int, repeats: int, out: Any)
 
 
 def run_case(case: str, steps: int, repeats: int) -> dict[str, Any]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, case, steps, repeats, queue)) for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    result: dict[str, Any] = queue.get(timeout=900)
-    for proc in procs:
-        proc.join(60)
+    result: dict[str, Any] = common.run_two_ranks(_worker, case, steps, repeats, timeout=900)
     return result
 
 

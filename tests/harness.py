@@ -210,6 +210,24 @@ def run_group(
         ]
 
 
+def slurm_env(port: int, world_size: int = 2) -> Callable[[int], dict[str, str]]:
+    """Per-rank SLURM variables of a one-node allocation whose master is 127.0.0.1 and whose
+    job id makes nn_handler derive ``port`` (12000 + id % 20000; pick it in [12000, 32000))."""
+
+    def for_rank(rank: int) -> dict[str, str]:
+        return {
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": str(world_size),
+            "SLURM_NODEID": "0",
+            "SLURM_TASKS_PER_NODE": str(world_size),
+            "SLURM_JOB_NODELIST": "127.0.0.[1-2]",  # the first host is the master
+            "SLURM_JOB_ID": str(port - 12000),
+        }
+
+    return for_rank
+
+
 def run_commands(
     commands: list[list[str]], *, timeout: float, env: Mapping[str, str] | None = None
 ) -> list[tuple[int, str]]:

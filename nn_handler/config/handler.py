@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nn_handler.config.distributed import DistributedConfig, LoaderConfig
@@ -68,28 +69,20 @@ class HandlerConfig(BaseModel):
     def from_file(cls, path: str | Path) -> HandlerConfig:
         """Load a JSON (.json) or YAML (.yaml/.yml) file."""
         target = Path(path)
+        suffix = target.suffix.lower()
+        if suffix not in (".json", ".yaml", ".yml"):
+            raise ConfigError(
+                f"config file {target} must end in .json, .yaml or .yml, not {suffix!r}."
+            )
         try:
             text = target.read_text()
         except OSError as error:
             raise ConfigError(f"cannot read config file {target}: {error}") from error
-        suffix = target.suffix.lower()
         try:
-            if suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                raise ConfigError(
-                    f"config file {target} must end in .json, .yaml or .yml, not {suffix!r}."
-                )
-        except (json.JSONDecodeError, ValueError) as error:
-            if isinstance(error, ConfigError):
-                raise
-            raise ConfigError(f"config file {target} is not valid {suffix[1:]}: {error}") from error
-        except Exception as error:  # yaml.YAMLError
-            raise ConfigError(f"config file {target} is not valid YAML: {error}") from error
+            data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as error:
+            kind = "JSON" if suffix == ".json" else "YAML"
+            raise ConfigError(f"config file {target} is not valid {kind}: {error}") from error
         if data is None:
             data = {}
         if not isinstance(data, Mapping):

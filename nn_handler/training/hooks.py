@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from nn_handler.errors import NNHandlerError
+from nn_handler.errors import ConfigError, NNHandlerError
 
 if TYPE_CHECKING:
     from nn_handler.training.trainer import Trainer
@@ -79,7 +79,7 @@ class HookList:
         self.hooks = list(hooks)
         for hook in self.hooks:
             if not isinstance(hook, Hook):
-                raise NNHandlerError(
+                raise ConfigError(
                     f"hooks must be nn_handler Hook instances, got {type(hook).__name__}; "
                     f"subclass nn_handler.training.Hook."
                 )

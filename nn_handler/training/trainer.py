@@ -415,12 +415,16 @@ class Trainer:
         module.eval()
         means = WeightedMeans()
         self._active = module
-        try:
+
+        def validate() -> None:
             for batch in loader:
                 batch = move_to_device(batch, self.device, self._non_blocking)
                 with self.precision.autocast():
                     values = self.validation_step(batch)
                 means.update(values, batch_size_of(batch))
+
+        try:
+            self._together("evaluate: the validation loop", validate)
             results = means.compute(self.comm, self.device)
             for name, metric in self._stateful.items():
                 results[name] = compute_stateful(metric)
@@ -428,7 +432,9 @@ class Trainer:
         finally:
             self._active = self.model
             module.train(was_training)
-        self.hooks.call("after_validation", results)
+        self._together(
+            "after_validation hooks", lambda: self.hooks.call("after_validation", results)
+        )
         return results
 
     @torch.no_grad()
@@ -450,11 +456,15 @@ class Trainer:
         module.eval()
         self._active = module
         outputs: list[torch.Tensor] = []
-        try:
+
+        def run() -> None:
             for batch in loader:
                 batch = move_to_device(batch, self.device, self._non_blocking)
                 with self.precision.autocast():
                     outputs.append(self.predict_step(batch).float())
+
+        try:
+            self._together("predict: the prediction loop", run)
         finally:
             self._active = self.model
             module.train(was_training)
@@ -486,7 +496,7 @@ class Trainer:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
         self.state.should_stop = False
         try:
-            self.hooks.call("before_train")
+            self._together("before_train hooks", lambda: self.hooks.call("before_train"))
             while self.state.epoch < epochs and not self.state.should_stop:
                 self._run_epoch(train_loader, val_loader, epochs)
         finally:
@@ -497,7 +507,7 @@ class Trainer:
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
         _set_epoch(train_loader, self.state.epoch)
-        self.hooks.call("before_epoch")
+        self._together("before_epoch hooks", lambda: self.hooks.call("before_epoch"))
         record: Record = {"epoch": float(self.state.epoch + 1)}
         record.update(self.train_epoch(train_loader, epochs))
         record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
@@ -506,9 +516,7 @@ class Trainer:
         self._step_scheduler_per_epoch(record)
         self.history.append(record)
         self.state.epoch += 1
-        if self.early_stopping is not None and self.early_stopping.update(record, self.state.epoch):
-            self.state.should_stop = True
-        self.hooks.call("after_epoch")
+        self._together("early stopping and after_epoch hooks", self._end_epoch)
         self.state.should_stop = self._agree(self.state.should_stop)
         self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
         if self.state.should_stop and self.early_stopping is not None:
@@ -519,6 +527,24 @@ class Trainer:
                 self.early_stopping.best,
                 self.early_stopping.best_epoch,
             )
+
+    def _end_epoch(self) -> None:
+        stopper = self.early_stopping
+        if stopper is not None and stopper.update(self.history.last, self.state.epoch):
+            self.state.should_stop = True
+        self.hooks.call("after_epoch")
+
+    def _together(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on this rank, then agree with every rank on whether it failed
+        anywhere: a hook or validation step that raises on one rank raises RankFailedError on
+        every rank instead of leaving the others waiting in their next collective (one tiny
+        all_gather; in one process the original error is re-raised unchanged)."""
+        error: Exception | None = None
+        try:
+            action()
+        except Exception as caught:
+            error = caught
+        self.comm.raise_if_any_failed(error, what)
 
     def _step_scheduler_per_epoch(self, record: Record) -> None:
         if self.scheduler is None or self.config.scheduler_interval != "epoch":

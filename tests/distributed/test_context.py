@@ -19,7 +19,7 @@ from nn_handler.distributed import (
     get_local_size,
 )
 from nn_handler.errors import ConfigError, DistributedError, RankFailedError
-from tests.harness import free_port, run_group
+from tests.harness import free_port, run_group, slurm_env
 
 pytestmark = pytest.mark.distributed
 
@@ -100,19 +100,7 @@ def _slurm_task(rank: int, world_size: int) -> tuple[Any, float]:
 
 def test_a_slurm_launch_finds_its_master_in_the_nodelist() -> None:
     port = free_port(12000, 32000)  # SLURM ports derive from the job id into this range
-
-    def slurm_env(rank: int) -> dict[str, str]:
-        return {
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank),
-            "SLURM_NTASKS": "2",
-            "SLURM_NODEID": "0",
-            "SLURM_TASKS_PER_NODE": "2",
-            "SLURM_JOB_NODELIST": "127.0.0.[1-2]",  # the first host is the master
-            "SLURM_JOB_ID": str(port - 12000),
-        }
-
-    results = run_group(_slurm_task, 2, init="none", env=slurm_env)
+    results = run_group(_slurm_task, 2, init="none", env=slurm_env(port))
     for rank, (info, mean) in enumerate(results):
         assert (info.launcher, info.rank, info.master_addr) == ("slurm", rank, "127.0.0.1")
         assert info.master_port == port and mean == 0.5

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nn_handler import NNHandler, launch
-from tests.harness import free_port, run_command, run_group, torchrun_command
+from tests.harness import free_port, run_command, run_group, slurm_env, torchrun_command
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
 pytestmark = pytest.mark.distributed
@@ -65,19 +65,7 @@ def _slurm_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_the_same_handler_code_runs_in_a_slurm_allocation() -> None:
     port = free_port(12000, 32000)  # SLURM ports derive from the job id into this range
-
-    def slurm_env(rank: int) -> dict[str, str]:
-        return {
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank),
-            "SLURM_NTASKS": "2",
-            "SLURM_NODEID": "0",
-            "SLURM_TASKS_PER_NODE": "2",
-            "SLURM_JOB_NODELIST": "127.0.0.1",
-            "SLURM_JOB_ID": str(port - 12000),
-        }
-
-    results = run_group(_slurm_rank, 2, init="none", env=slurm_env, timeout=90)
+    results = run_group(_slurm_rank, 2, init="none", env=slurm_env(port), timeout=90)
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
     assert results[0]["loss"] == results[1]["loss"]
     assert max_difference(results[0]["state"], results[1]["state"]) == 0.0

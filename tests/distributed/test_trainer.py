@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from nn_handler import (
+    ConfigError,
     DistributedContext,
     HandlerConfig,
     Hook,
     NNHandler,
     NonFiniteError,
+    RankFailedError,
     Trainer,
     accuracy,
 )
@@ -211,6 +213,41 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     val = regression_data(n=23, seed=1)
     out["evaluate"] = handler.evaluate(val)
     out["predict"] = handler.predict(val)
+    try:
+        handler.predict(torch.utils.data.DataLoader(val, batch_size=5))
+    except ConfigError as error:
+        out["predict_plain_loader"] = str(error)
+
+    # Failures on one rank outside the step reach every rank instead of hanging the others.
+    class FailsOnRankZero(Hook):
+        def after_epoch(self) -> None:
+            if self.trainer.comm.rank == 0:
+                raise OSError("disk full while logging")
+
+    class ValidationFailsOnRankOne(Trainer):
+        def validation_step(self, batch: Any) -> Any:
+            if self.comm.rank == 1:
+                raise ValueError("bad validation batch")
+            return super().validation_step(batch)
+
+    failures = {
+        "hook": dict(hooks=[FailsOnRankZero()]),
+        "validation": dict(trainer_class=ValidationFailsOnRankOne),
+    }
+    for name, extra in failures.items():
+        handler = NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            config={"loader": {"batch_size": 5}},
+            context=context,
+            **extra,  # type: ignore[arg-type]
+        )
+        try:
+            handler.train(regression_data(), val, epochs=2)
+            out[f"fail_{name}"] = "no error"
+        except RankFailedError as error:
+            out[f"fail_{name}"] = (error.failed_ranks, str(error))
     context.teardown()
     return out
 
@@ -301,3 +338,20 @@ def test_evaluation_and_prediction_are_exact_and_in_dataset_order(
         assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert metrics["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
         assert torch.allclose(results[rank]["predict"], logits, atol=1e-6)
+
+
+def test_a_hook_or_validation_failing_on_one_rank_fails_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        failed, text = results[rank]["fail_hook"]
+        assert failed == [0] and "after_epoch hooks" in text and "disk full" in text
+        failed, text = results[rank]["fail_validation"]
+        assert failed == [1] and "validation loop" in text and "bad validation batch" in text
+
+
+def test_predict_with_several_ranks_asks_for_an_evaluation_loader(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        assert "LoaderFactory.eval_loader" in results[rank]["predict_plain_loader"]
