@@ -13,6 +13,7 @@ per-repetition ratios NNHandler / raw.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import statistics
@@ -79,6 +80,16 @@ def _worker(rank: int, port: int, case: str, steps: int, repeats: int, out: Any)
         world_size=2,
         timeout=timedelta(seconds=120),
     )
+    result = _measure(rank, case, steps, repeats)
+    if rank == 0:
+        out.put(result)
+    # Every DDP wrapper is gone with _measure's frame; collect it before the group goes, or a
+    # reducer freed after destroy_process_group can hang the process at exit.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     build, shape, batch = CASES[case]
     dataset = _dataset(shape, steps * batch * 2)
     torch.manual_seed(0)
@@ -110,21 +121,17 @@ def _worker(rank: int, port: int, case: str, steps: int, repeats: int, out: Any)
             if repeat:
                 raw_s.append(raw_time)
                 ours_s.append(ours_time)
-    if rank == 0:
-        ratios = [o / r for o, r in zip(ours_s, raw_s, strict=True)]
-        out.put(
-            {
-                "case": case,
-                "steps_per_epoch": steps,
-                "batch_per_rank": batch,
-                "raw_ms_per_step": statistics.median(raw_s) * 1e3,
-                "nn_handler_ms_per_step": statistics.median(ours_s) * 1e3,
-                "ratio_median": statistics.median(ratios),
-                "ratio_spread": [min(ratios), max(ratios)],
-            }
-        )
     handler.close()
-    dist.destroy_process_group()
+    ratios = [o / r for o, r in zip(ours_s, raw_s, strict=True)]
+    return {
+        "case": case,
+        "steps_per_epoch": steps,
+        "batch_per_rank": batch,
+        "raw_ms_per_step": statistics.median(raw_s) * 1e3,
+        "nn_handler_ms_per_step": statistics.median(ours_s) * 1e3,
+        "ratio_median": statistics.median(ratios),
+        "ratio_spread": [min(ratios), max(ratios)],
+    }
 
 
 def run_case(case: str, steps: int, repeats: int) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class NNHandler:
     def close(self) -> None:
         """Leave the process group this handler joined (not one of a context passed in) and
         remove its log sinks. Idempotent; every rank must call it."""
+        self.trainer.release_wrappers()
         if self._owns_context:
             self.context.teardown()
         for sink in self._sinks:

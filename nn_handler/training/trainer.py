@@ -187,6 +187,16 @@ class Trainer:
             wrapped = torch.compile(wrapped, **self.config.compile_kwargs)  # type: ignore[assignment]
         return wrapped
 
+    def release_wrappers(self) -> None:
+        """Drop the DDP (and compile) wrappers, keeping the plain module for evaluation.
+
+        Call before the process group is destroyed (NNHandler.close does): a DDP reducer
+        freed after ``destroy_process_group`` can hang or abort the process at exit.
+        """
+        self._ddp = None
+        self.model = self.module
+        self._active = self.module
+
     def configure_optimizers(
         self, optimizer: torch.optim.Optimizer | OptimizerFactory | None, scheduler: Any
     ) -> tuple[torch.optim.Optimizer | None, Any]:

@@ -42,17 +42,24 @@ def test_digits_cnn_reaches_95_percent_with_two_gloo_ranks_under_torchrun(
 def _train_small() -> dict[str, Any]:
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"loader": {"batch_size": 4}}) as h:
         history = h.train(regression_data(), epochs=2)
-        return {
-            "world": h.world_size,
-            "rank": h.rank,
-            "loss": history["train_loss"],
-            "state": state_of(h.model),
-        }
+        wrapped = type(h.trainer.model).__name__
+    return {
+        "world": h.world_size,
+        "rank": h.rank,
+        "loss": history["train_loss"],
+        "state": state_of(h.model),
+        "wrapped": wrapped,
+        # close() drops the DDP wrapper before the group goes (a late reducer can hang exit)
+        "after_close": type(h.trainer.model).__name__,
+    }
 
 
 def test_the_same_handler_code_runs_under_launch_and_in_one_process() -> None:
     results = launch(_train_small, 2, deadline=90)
     assert [r["rank"] for r in results] == [0, 1] and results[0]["world"] == 2
+    assert [(r["wrapped"], r["after_close"]) for r in results] == [
+        ("DistributedDataParallel", "Sequential")
+    ] * 2
     assert max_difference(results[0]["state"], results[1]["state"]) == 0.0
     single = _train_small()
     assert single["world"] == 1 and len(single["loss"]) == 2
