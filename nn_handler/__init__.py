@@ -6,6 +6,7 @@ The same code runs in one process, under ``torchrun`` on one or many machines, a
 from loguru import logger
 
 from nn_handler.config import (
+    CheckpointConfig,
     DistributedConfig,
     EarlyStoppingConfig,
     EmaConfig,
@@ -30,6 +31,7 @@ from nn_handler.distributed import (
     resolve_device,
 )
 from nn_handler.errors import (
+    PREEMPTED_EXIT_CODE,
     CheckpointError,
     CollectiveMismatchError,
     ConfigError,
@@ -37,6 +39,7 @@ from nn_handler.errors import (
     NNHandlerError,
     NonFiniteError,
     RankFailedError,
+    TrainingPreempted,
     WorkerFailedError,
     WorkerTimeoutError,
 )
@@ -56,6 +59,7 @@ logger.disable("nn_handler")
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointConfig",
     "CheckpointError",
     "CollectiveMismatchError",
     "Communicator",
@@ -76,10 +80,12 @@ __all__ = [
     "NNHandler",
     "NNHandlerError",
     "NonFiniteError",
+    "PREEMPTED_EXIT_CODE",
     "PrecisionConfig",
     "NullCommunicator",
     "RankFailedError",
     "TensorBoardLogger",
+    "TrainingPreempted",
     "TorchCommunicator",
     "Trainer",
     "TrainerConfig",

@@ -131,7 +131,33 @@ class NonFiniteError(NNHandlerError, FloatingPointError):
 
 
 class CheckpointError(NNHandlerError, RuntimeError):
-    """A checkpoint could not be written or read."""
+    """A checkpoint could not be written or read (the message names the path and the cause)."""
+
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status of a run stopped by SIGTERM after its emergency checkpoint (EX_TEMPFAIL:
+"try again"; relaunching resumes from that checkpoint)."""
+
+
+class TrainingPreempted(SystemExit):
+    """Training stopped on SIGTERM after every rank agreed and the checkpoint was written.
+
+    A ``SystemExit`` (not an ``Exception``), so an uncaught one ends the process quietly with
+    status :data:`PREEMPTED_EXIT_CODE` (or the configured code) instead of a traceback.
+
+    Attributes:
+        checkpoint: the emergency checkpoint's path (None when it could not be written in time).
+        global_step: the optimizer steps completed before stopping.
+    """
+
+    def __init__(self, code: int, checkpoint: str | None, global_step: int) -> None:
+        super().__init__(code)
+        self.checkpoint = checkpoint
+        self.global_step = global_step
+
+    def __str__(self) -> str:
+        where = self.checkpoint or "no checkpoint (it did not finish in time)"
+        return f"preempted after optimizer step {self.global_step}; saved {where}"
 
 
 __all__ = [
@@ -141,7 +167,9 @@ __all__ = [
     "DistributedError",
     "NNHandlerError",
     "NonFiniteError",
+    "PREEMPTED_EXIT_CODE",
     "RankFailedError",
+    "TrainingPreempted",
     "WorkerFailedError",
     "WorkerTimeoutError",
 ]

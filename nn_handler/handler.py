@@ -20,12 +20,14 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from nn_handler.checkpoint.io import load_file
 from nn_handler.config import HandlerConfig, LoggingConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.errors import ConfigError
 from nn_handler.log import enable_logging
+from nn_handler.training.checkpointing import check_checkpoint
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
@@ -114,7 +116,9 @@ class NNHandler:
             device=self.context.device,
             metrics=metrics,
             hooks=hooks,
+            checkpoint=self.config.checkpoint,
         )
+        self.trainer.run_config = {"handler": self.config.model_dump(mode="json")}
 
     # ----------------------------------------------------------------- parts
     @property
@@ -165,6 +169,52 @@ class NNHandler:
     def predict(self, data: Any, use_ema: bool | None = None) -> torch.Tensor:
         """Every sample's output in dataset order, on every rank. Every rank must call this."""
         return self.trainer.predict(self._eval_loader(data), use_ema)
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: str | Path) -> Path:
+        """Write a full checkpoint (weights, optimizer, scheduler, scaler, EMA, history, config,
+        data position, every rank's RNG) to ``path`` atomically; rank 0 writes. Every rank
+        must call this."""
+        return self.trainer.save_checkpoint(path)
+
+    def resume(
+        self, path: str | Path = "latest", *, allow_world_size_change: bool = False
+    ) -> Path | None:
+        """Load a checkpoint (a file, a folder or "latest" in config.checkpoint.dir) so that
+        the next ``train`` continues the run exactly. Every rank must call this."""
+        return self.trainer.resume(path, allow_world_size_change=allow_world_size_change)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        loss_fn: Any = None,
+        scheduler: Any = None,
+        config: ConfigLike = None,
+        communicator: Communicator | None = None,
+        **kwargs: Any,
+    ) -> NNHandler:
+        """A handler restored from a checkpoint file, on this machine's hardware.
+
+        The config defaults to the checkpoint's own. Weights (and EMA weights, history and
+        position) always load; the optimizer and scheduler states load when you pass them.
+        A GPU checkpoint loads on CPU and the other way round; another world size is allowed
+        when the checkpoint was written between epochs (the data is re-sharded; a warning
+        says so). Every rank must call this.
+        """
+        checkpoint = load_file(path)
+        if config is None:
+            saved = check_checkpoint(checkpoint, str(path)).get("config") or {}
+            config = saved.get("handler") if isinstance(saved, Mapping) else None
+        handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
+        try:
+            handler.trainer.load_state_dict(checkpoint, str(path), allow_world_size_change=True)
+        except BaseException:
+            handler.close()
+            raise
+        return handler
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:

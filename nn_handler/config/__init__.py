@@ -3,6 +3,7 @@
 Config objects are validated once, at the edge; code below receives these objects, never dicts.
 """
 
+from nn_handler.config.checkpoint import CheckpointConfig, ResumePolicy
 from nn_handler.config.distributed import Backend, DistributedConfig, LoaderConfig, LoaderMode
 from nn_handler.config.handler import HandlerConfig, LoggingConfig
 from nn_handler.config.training import (
@@ -15,6 +16,7 @@ from nn_handler.config.training import (
 
 __all__ = [
     "Backend",
+    "CheckpointConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
@@ -24,5 +26,6 @@ __all__ = [
     "LoggingConfig",
     "PrecisionConfig",
     "PrecisionName",
+    "ResumePolicy",
     "TrainerConfig",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.distributed import DistributedConfig, LoaderConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.errors import ConfigError
@@ -51,6 +52,7 @@ class HandlerConfig(BaseModel):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("precision", mode="before")
     @classmethod

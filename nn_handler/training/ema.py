@@ -12,25 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from nn_handler.checkpoint.model_state import unwrap_model
 from nn_handler.config.training import EmaConfig
 
 _Group = tuple[list[torch.Tensor], list[torch.Tensor]]
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            inner = model._orig_mod
-            if not isinstance(inner, nn.Module):
-                return model
-            model = inner
-        else:
-            return model
 
 
 def _grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_Group]:

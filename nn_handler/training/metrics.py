@@ -145,6 +145,23 @@ class RunningLoss:
             return math.nan
         return float(self._sum / self._count)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The exact partial state (pending values unfolded, so a resumed epoch sums alike)."""
+        return {
+            "pending": [t.detach() for t in self._pending],
+            "sizes": list(self._sizes),
+            "sum": self._sum,
+            "count": self._count,
+            "samples": self.samples,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
+        self._pending = [t.to(device) for t in state["pending"]]
+        self._sizes = [int(n) for n in state["sizes"]]
+        self._sum = None if state["sum"] is None else state["sum"].to(device)
+        self._count = None if state["count"] is None else state["count"].to(device)
+        self.samples = int(state["samples"])
+
     def compute(self, comm: Communicator, device: torch.device | None = None) -> tuple[float, int]:
         """(exact mean loss over every rank's finite batches, samples seen by all ranks).
         Every rank must call this."""

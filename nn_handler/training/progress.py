@@ -17,9 +17,9 @@ class ProgressBar:
             else None
         )
 
-    def update(self) -> None:
-        if self._bar is not None:
-            self._bar.update(1)
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None and n:
+            self._bar.update(n)
 
     def show(self, **values: float) -> None:
         if self._bar is not None:

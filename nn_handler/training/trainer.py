@@ -19,9 +19,11 @@ model while training, the plain or EMA model while evaluating).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,11 +32,29 @@ from loguru import logger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.manager import CheckpointManager, agree_on, restart_count
+from nn_handler.checkpoint.rng import capture_rng, restore_rng
+from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.data.exact import gather_in_dataset_order
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
-from nn_handler.errors import ConfigError, NonFiniteError
+from nn_handler.distributed.failure import fail_together
+from nn_handler.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    RankFailedError,
+    TrainingPreempted,
+)
 from nn_handler.training.batch import batch_size_of, move_to_device
+from nn_handler.training.checkpointing import (
+    ResumePoint,
+    apply_checkpoint,
+    build_checkpoint,
+    check_data,
+    describe_loader,
+)
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.history import History, Record
@@ -48,12 +68,15 @@ from nn_handler.training.metrics import (
 )
 from nn_handler.training.nonfinite import GradientFiniteCheck
 from nn_handler.training.precision import Precision
+from nn_handler.training.preemption import PreemptionWatch
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 Metric = MetricFn | StatefulMetric
+#: Errors every rank raises together (after agreeing), so the group needs no abort.
+AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError)
 
 
 @dataclass
@@ -125,6 +148,7 @@ class Trainer:
         device: torch.device | str | None = None,
         metrics: Mapping[str, Metric] | None = None,
         hooks: Iterable[Hook] = (),
+        checkpoint: CheckpointConfig | None = None,
     ) -> None:
         self.config = config or TrainerConfig()
         self.comm = communicator or NullCommunicator()
@@ -154,6 +178,27 @@ class Trainer:
         self._finite = GradientFiniteCheck(self._params)
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
+        self.checkpoint_config = checkpoint or CheckpointConfig()
+        self.checkpoints = (
+            CheckpointManager(self.checkpoint_config, self.comm)
+            if self.checkpoint_config.dir is not None
+            else None
+        )
+        #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
+        #: whole HandlerConfig here).
+        self.run_config: dict[str, Any] = {
+            "trainer": self.config.model_dump(mode="json"),
+            "precision": (precision or PrecisionConfig()).model_dump(mode="json"),
+            "ema": (ema or EmaConfig()).model_dump(mode="json"),
+            "checkpoint": self.checkpoint_config.model_dump(mode="json"),
+        }
+        self.epoch_rng: dict[str, Any] | None = None
+        self.batches_done = 0
+        self.data_description: dict[str, Any] = {}
+        self._resume: ResumePoint | None = None
+        self._running: RunningLoss | None = None
+        self._watch: PreemptionWatch | None = None
+        self._first_fit = True
 
     # ----------------------------------------------------------------- construction
     @property
@@ -385,12 +430,15 @@ class Trainer:
                 "loader."
             )
         running = RunningLoss(self.config.log_every_n_steps)
+        self._running = running
         show = self.config.progress_bar and self.is_main_process
         bar = ProgressBar(show, total, f"epoch {self.state.epoch + 1}/{epochs}")
         self.state.skipped_steps = 0
         started = time.perf_counter()
         try:
-            for index, batch in enumerate(loader):
+            batches, first = self._batches(loader, running)
+            bar.update(first)
+            for index, batch in enumerate(batches, start=first):
                 start = index - index % accumulate
                 end = start + accumulate if total is None else min(start + accumulate, total)
                 self.state.batch_index = index
@@ -399,13 +447,18 @@ class Trainer:
                 loss = self.run_step(batch, self.state.step_synced, end - start)
                 self.state.last_loss = loss
                 running.add(loss, batch_size_of(batch))
+                if self.state.step_synced:
+                    self.batches_done = index + 1
                 self.hooks.call("after_step")
                 bar.update()
                 if show and (index + 1) % self.config.log_every_n_steps == 0:
                     elapsed = time.perf_counter() - started
                     bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
+                if self.state.step_synced:
+                    self._after_optimizer_step()
         finally:
             bar.close()
+            self._running = None
         loss_value, samples = running.compute(self.comm, self.device)
         elapsed = time.perf_counter() - started
         return {
@@ -414,6 +467,40 @@ class Trainer:
             "epoch_time": elapsed,
             "skipped_steps": float(self.state.skipped_steps),
         }
+
+    def _batches(self, loader: Iterable[Any], running: RunningLoss) -> tuple[Iterator[Any], int]:
+        """The epoch's batch iterator and the index of its first batch: after a mid-epoch
+        resume, the batches already trained are read and discarded (so the data order and
+        the RNG streams continue exactly) and the partial loss and RNG state are restored."""
+        iterator = iter(loader)
+        point, self._resume = self._resume, None
+        if point is None or not point.batches_done:
+            return iterator, 0
+        for done in range(point.batches_done):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise CheckpointError(
+                    f"the checkpoint stopped after batch {point.batches_done} of epoch "
+                    f"{self.state.epoch + 1}, but the loader ended after {done} batches; resume "
+                    f"with the same data and batch size."
+                ) from None
+        if point.running is not None:
+            running.load_state_dict(point.running, self.device)
+        self.state.skipped_steps = point.skipped_steps
+        if point.step_rng is not None:
+            restore_rng(point.step_rng)
+        return iterator, point.batches_done
+
+    def _after_optimizer_step(self) -> None:
+        """Step checkpoints and the preemption check (the same steps on every rank)."""
+        every = self.checkpoint_config.every_n_steps
+        step = self.state.global_step
+        config = self.checkpoint_config
+        if self.checkpoints is not None and config.save_last and every and step % every == 0:
+            self.save_periodic()
+        if self._watch is not None and self._watch.agreed(step):
+            self._preempt()
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
@@ -504,18 +591,80 @@ class Trainer:
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
-        self.state.should_stop = False
+        failed = True
         try:
-            self._together("before_train hooks", lambda: self.hooks.call("before_train"))
-            while self.state.epoch < epochs and not self.state.should_stop:
-                self._run_epoch(train_loader, val_loader, epochs)
+            with self._failing_together():
+                self._auto_resume()
+                if self._resume is None:
+                    self.state.should_stop = False
+                else:
+                    check_data(self._resume, train_loader, self.comm.rank)
+                self._together("before_train hooks", lambda: self.hooks.call("before_train"))
+                with self._preemption_watch():
+                    while self.state.epoch < epochs and not self.state.should_stop:
+                        self._run_epoch(train_loader, val_loader, epochs)
+                    self._save_final()
+            failed = False
         finally:
-            self.hooks.call("after_train")
+            self._after_train(failed)
         return self.history
+
+    def _after_train(self, failed: bool) -> None:
+        try:
+            self.hooks.call("after_train")
+        except Exception:
+            if not failed:
+                raise
+            self.log.exception("an after_train hook raised while training was failing")
+
+    @contextlib.contextmanager
+    def _failing_together(self) -> Iterator[None]:
+        """Turn an error on one rank into a stop on every rank (see distributed/failure.py):
+        never a hang until the process-group timeout."""
+        try:
+            yield
+        except AGREED_ERRORS:
+            raise
+        except Exception as error:
+            if self.comm.world_size == 1:
+                raise
+            failure = fail_together(
+                error,
+                self.comm.rank,
+                self.comm.world_size,
+                f"training (epoch {self.state.epoch + 1}, step {self.state.global_step})",
+                self.release_wrappers,
+            )
+            if failure is error:
+                raise
+            raise failure from error
+
+    def _preemption_watch(self) -> contextlib.AbstractContextManager[Any]:
+        config = self.checkpoint_config
+        if self.checkpoints is None or not config.handle_sigterm:
+            return contextlib.nullcontext()
+        self._watch = PreemptionWatch(self.comm, self.device, config.preemption_check_every_n_steps)
+        return self._watch
+
+    def _auto_resume(self) -> None:
+        first, self._first_fit = self._first_fit, False
+        policy = self.checkpoint_config.resume
+        if not first or self._resume is not None or self.checkpoints is None:
+            return
+        if policy == "auto" or (policy == "on_restart" and restart_count(os.environ) > 0):
+            found = self.resume("latest", missing_ok=True)
+            if found is None:
+                self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
+            else:
+                self.log.info("resume={!r}: resumed from {}", policy, found)
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
+        if self._resume is not None and self._resume.start_rng is not None:
+            restore_rng(self._resume.start_rng)
+        self.epoch_rng = capture_rng()
+        self.data_description = describe_loader(train_loader)
         _set_epoch(train_loader, self.state.epoch)
         self._together("before_epoch hooks", lambda: self.hooks.call("before_epoch"))
         record: Record = {"epoch": float(self.state.epoch + 1)}
@@ -526,8 +675,10 @@ class Trainer:
         self._step_scheduler_per_epoch(record)
         self.history.append(record)
         self.state.epoch += 1
+        self.batches_done = 0
         self._together("early stopping and after_epoch hooks", self._end_epoch)
         self.state.should_stop = self._agree(self.state.should_stop)
+        self._save_after_epoch(record)
         self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
         if self.state.should_stop and self.early_stopping is not None:
             self.log.info(
@@ -537,6 +688,157 @@ class Trainer:
                 self.early_stopping.best,
                 self.early_stopping.best_epoch,
             )
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any] | None:
+        """The full checkpoint (see training/checkpointing.py) on rank 0, None on the other
+        ranks. Every rank must call this (it gathers every rank's RNG state)."""
+        return build_checkpoint(self, self._running)
+
+    def load_state_dict(
+        self,
+        checkpoint: Mapping[str, Any],
+        source: str = "checkpoint",
+        allow_world_size_change: bool = False,
+    ) -> None:
+        """Restore a checkpoint from :meth:`state_dict`; the next ``fit`` continues exactly
+        where it was written (mid-epoch too). Every rank must call this with the same one."""
+        self._resume = apply_checkpoint(self, checkpoint, source, allow_world_size_change)
+        self._first_fit = False
+
+    def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:
+        """Write the full checkpoint to ``path`` atomically (rank 0 writes). Every rank must
+        call this; all raise CheckpointError if the write failed."""
+        checkpoint = self.state_dict()
+        manager = self.checkpoints
+        if manager is None:
+            manager = CheckpointManager(CheckpointConfig(dir=str(Path(path).parent)), self.comm)
+        return manager.write(checkpoint, path, budget_s)
+
+    def save_periodic(self, budget_s: float | None = None) -> Path:
+        """Write the periodic checkpoint of the current position (named by epoch and step) and
+        point latest.json at it. Every rank must call this."""
+        manager = self._require_manager("save_periodic")
+        checkpoint = self.state_dict()
+        return manager.save_periodic(checkpoint, self.state.epoch, self.state.global_step, budget_s)
+
+    def resume(
+        self,
+        path: str | Path = "latest",
+        *,
+        allow_world_size_change: bool = False,
+        missing_ok: bool = False,
+    ) -> Path | None:
+        """Load a checkpoint so that the next ``fit`` continues the run exactly.
+
+        ``path`` is a checkpoint file, a checkpoint folder, or "latest" (the newest complete
+        checkpoint in CheckpointConfig.dir; an unreadable newest one falls back to the previous).
+        Rank 0 chooses the file and every rank loads it (map_location: this rank's device).
+        Returns the path, or None when ``missing_ok`` and there is none. Every rank must call
+        this; a failure on any rank raises CheckpointError on every rank.
+        """
+        latest = str(path) == "latest" or Path(path).is_dir()
+        if latest:
+            target, checkpoint = self._load_latest(path, missing_ok)
+            if target is None:
+                return None
+        else:
+            target, problem, checkpoint = Path(path), None, None
+            try:
+                checkpoint = load_file(target, self.device)
+            except Exception as error:
+                problem = error
+            agree_on(self.comm, problem, f"loading checkpoint {target}")
+        self.load_state_dict(checkpoint, str(target), allow_world_size_change)
+        return target
+
+    def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
+        if str(path) == "latest":
+            manager = self._require_manager("resume('latest')")
+        else:
+            manager = CheckpointManager(CheckpointConfig(dir=str(path)), self.comm)
+        name: str | None = None
+        checkpoint: Any = None
+        problem: BaseException | None = None
+        if self.comm.rank == 0:
+            try:
+                found = manager.load_latest(self.device)
+                if found is not None:
+                    name, checkpoint = str(found[0]), found[1]
+            except Exception as error:
+                problem = error
+        if self.comm.world_size > 1:
+            name = self.comm.broadcast_object(name)
+            if name is not None and self.comm.rank != 0:
+                try:
+                    checkpoint = load_file(name, self.device)
+                except Exception as error:
+                    problem = error
+        agree_on(self.comm, problem, f"loading the latest checkpoint in {manager.dir}")
+        if name is None:
+            if missing_ok:
+                return None, None
+            raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
+        return Path(name), checkpoint
+
+    def _require_manager(self, what: str) -> CheckpointManager:
+        if self.checkpoints is None:
+            raise ConfigError(
+                f"{what} needs a checkpoint folder: set CheckpointConfig(dir=...) "
+                f"(HandlerConfig.checkpoint.dir)."
+            )
+        return self.checkpoints
+
+    def _save_after_epoch(self, record: Record) -> None:
+        manager, config = self.checkpoints, self.checkpoint_config
+        if manager is None:
+            return
+        path: Path | None = None
+        every = config.every_n_epochs
+        if config.save_last and every is not None and self.state.epoch % every == 0:
+            path = self.save_periodic()
+        if config.save_best:
+            if config.monitor not in record:
+                raise ConfigError(
+                    f"save_best monitors {config.monitor!r}, but the epoch record has only "
+                    f"{sorted(record)}; set CheckpointConfig(monitor=...)."
+                )
+            value = float(record[config.monitor])
+            if manager.improves(value):
+                checkpoint = self.state_dict() if path is None else None
+                manager.update_best(value, path, checkpoint)
+        if self._watch is not None and self._watch.agreed(self.state.global_step, force=True):
+            self._preempt()
+
+    def _save_final(self) -> None:
+        manager = self.checkpoints
+        if manager is None or not self.checkpoint_config.save_last:
+            return
+        if manager.last_saved_step != self.state.global_step:
+            self.save_periodic()
+
+    def _preempt(self) -> None:
+        """Every rank agreed that a SIGTERM arrived: write the emergency checkpoint (within
+        the budget) and leave with TrainingPreempted."""
+        manager = self._require_manager("preemption")
+        config = self.checkpoint_config
+        path: Path | None = None
+        if manager.last_saved_step == self.state.global_step and manager.candidates():
+            path = manager.candidates()[0]
+        else:
+            try:
+                path = self.save_periodic(budget_s=config.preemption_budget_s)
+            except CheckpointError as error:
+                self.log.error("no emergency checkpoint: {}", error)
+        self.log.warning(
+            "preempted after optimizer step {}: exiting with status {} (checkpoint {})",
+            self.state.global_step,
+            config.preemption_exit_code,
+            path,
+        )
+        raise TrainingPreempted(
+            config.preemption_exit_code, str(path) if path else None, self.state.global_step
+        )
 
     def _end_epoch(self) -> None:
         stopper = self.early_stopping

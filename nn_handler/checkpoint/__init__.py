@@ -1,0 +1,27 @@
+"""Checkpoints: atomic files, safe loading, prefix-tolerant weights, RNG states, rotation.
+
+The Trainer's checkpoints (what they hold, how a run resumes) are in
+:mod:`nn_handler.training.checkpointing`; this layer knows nothing of the Trainer.
+"""
+
+from nn_handler.checkpoint.io import atomic_save, load_file, remove_orphans
+from nn_handler.checkpoint.manager import CheckpointManager, restart_count
+from nn_handler.checkpoint.model_state import (
+    load_model_state,
+    model_state_dict,
+    strip_wrapper_prefixes,
+)
+from nn_handler.checkpoint.rng import capture_rng, restore_rng
+
+__all__ = [
+    "CheckpointManager",
+    "atomic_save",
+    "capture_rng",
+    "load_file",
+    "load_model_state",
+    "model_state_dict",
+    "remove_orphans",
+    "restart_count",
+    "restore_rng",
+    "strip_wrapper_prefixes",
+]

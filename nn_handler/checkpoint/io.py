@@ -1,0 +1,215 @@
+"""Atomic checkpoint files and safe loading.
+
+A write goes to a temporary file in the target folder, is flushed and fsynced, then
+``os.replace``-d over the target and the folder is fsynced: a reader sees the old file or the
+new one, never a torn one, even when the writer is killed mid-write. Loading always uses
+``torch.load(weights_only=True)``, so a checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nn_handler.errors import CheckpointError
+
+TMP_MARKER = ".tmp-"
+
+
+def _temporary(target: Path) -> Path:
+    return target.with_name(f".{target.name}{TMP_MARKER}{os.getpid()}")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some network file systems
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_target(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``path`` durably, on error
+    it is removed and ``path`` is untouched."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(target)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(target.parent)
+
+
+def atomic_save(obj: Any, path: str | Path) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically and durably; returns the path."""
+    target = Path(path)
+    try:
+        with atomic_target(target) as tmp:
+            torch.save(obj, tmp)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint {target}: {error}") from error
+    return target
+
+
+def atomic_write_json(data: Any, path: str | Path) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically and durably."""
+    target = Path(path)
+    with atomic_target(target) as tmp:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+    return target
+
+
+def atomic_link(source: str | Path, path: str | Path) -> Path:
+    """Make ``path`` name the same file as ``source`` (a hard link, replaced atomically; a
+    copy where hard links are not supported)."""
+    target = Path(path)
+    with atomic_target(target) as tmp:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            import shutil
+
+            shutil.copyfile(source, tmp)
+    return target
+
+
+def remove_orphans(folder: str | Path) -> list[Path]:
+    """Delete temporary files left in ``folder`` by writers that were killed mid-save.
+
+    Call it only when no save into ``folder`` is in flight (the CheckpointManager does, on
+    rank 0, when it starts). Returns the removed paths.
+    """
+    base = Path(folder)
+    if not base.is_dir():
+        return []
+    removed = []
+    for candidate in base.iterdir():
+        if candidate.name.startswith(".") and TMP_MARKER in candidate.name:
+            with contextlib.suppress(OSError):
+                candidate.unlink()
+                removed.append(candidate)
+    return removed
+
+
+def _describe_size(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size} bytes"
+    except OSError:
+        return "size unknown"
+
+
+def load_file(
+    path: str | Path,
+    map_location: torch.device | str | None = None,
+    trusted: Iterable[type[Any] | Any] = (),
+    mmap: bool = False,
+) -> Any:
+    """``torch.load(path, weights_only=True)`` with errors that name the path, size and cause.
+
+    ``map_location`` defaults to CPU, so a checkpoint written on a GPU loads anywhere.
+    ``trusted`` lists extra classes to allow (``torch.serialization.safe_globals``); an
+    object of any other class is refused with a CheckpointError that says how to allow it.
+    """
+    source = Path(path)
+    if not source.is_file():
+        raise CheckpointError(f"no checkpoint file at {source}.")
+    where = map_location if map_location is not None else "cpu"
+    try:
+        with torch.serialization.safe_globals(list(trusted)):
+            return torch.load(source, map_location=where, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        text = str(error)
+        if "weights_only" in text or "Unsupported global" in text:
+            raise CheckpointError(
+                f"checkpoint {source} ({_describe_size(source)}) holds a pickled object that "
+                f"weights-only loading refuses: {_first_line(text, 'Unsupported global')}. If "
+                f"you trust this file, allow the class: pass trusted=[TheClass] or call "
+                f"torch.serialization.add_safe_globals([TheClass]) before loading."
+            ) from error
+        raise CheckpointError(_unreadable(source, error)) from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise CheckpointError(_unreadable(source, error)) from error
+
+
+def _first_line(text: str, needle: str) -> str:
+    for line in text.splitlines():
+        if needle in line:
+            return line.strip()
+    return text.splitlines()[0].strip() if text else "unknown object"
+
+
+def _unreadable(source: Path, error: BaseException) -> str:
+    size = _describe_size(source)
+    hint = "it is empty" if size == "0 bytes" else "it is truncated, corrupt or not a torch file"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"cannot read checkpoint {source} ({size}): {hint} ({type(error).__name__}: {first})."
+
+
+def unsafe_entries(obj: Any, prefix: str = "") -> list[str]:
+    """Key paths in ``obj`` holding values that weights-only loading refuses (e.g. functions or
+    custom classes); empty when every value is a tensor, number, string, container, dtype..."""
+    found: list[str] = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found += unsafe_entries(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for index, value in enumerate(obj):
+            found += unsafe_entries(value, f"{prefix}[{index}]")
+    elif not isinstance(obj, _SAFE_LEAVES):
+        found.append(f"{prefix or '(root)'} ({type(obj).__name__})")
+    return found
+
+
+_SAFE_LEAVES = (
+    torch.Tensor,
+    torch.Size,
+    torch.dtype,
+    torch.device,
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    complex,
+    type(None),
+)
+
+
+__all__ = [
+    "atomic_link",
+    "atomic_save",
+    "atomic_target",
+    "atomic_write_json",
+    "fsync_dir",
+    "load_file",
+    "remove_orphans",
+    "unsafe_entries",
+]

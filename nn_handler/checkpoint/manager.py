@@ -1,0 +1,252 @@
+"""CheckpointManager: where checkpoints go, which to keep, and which one is the latest.
+
+Layout of ``config.dir``::
+
+    ckpt-e0003-s00000120.pt   periodic checkpoints (epochs completed, optimizer steps), newest
+                              ``keep_last`` kept
+    best.pt                   the best one by ``config.monitor`` (a hard link, no extra write)
+    latest.json               names the newest complete checkpoint; written after it, atomically
+
+Rank 0 writes; every rank calls :meth:`write` and raises the same CheckpointError if rank 0
+failed, so no rank trains on believing a checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+from nn_handler.checkpoint.io import (
+    atomic_link,
+    atomic_save,
+    atomic_write_json,
+    load_file,
+    remove_orphans,
+)
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import CheckpointError
+
+LATEST = "latest.json"
+BEST = "best.pt"
+_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
+
+
+def periodic_name(epoch: int, step: int) -> str:
+    return f"ckpt-e{epoch:04d}-s{step:08d}.pt"
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times torchrun (TORCHELASTIC_RESTART_COUNT) or SLURM (SLURM_RESTART_COUNT) has
+    restarted this job; 0 for a first start. Unparseable values count as 0."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
+
+
+def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -> None:
+    """Raise the same CheckpointError on every rank if ``what`` failed on any (``error`` is this
+    rank's failure, or None). Every rank must call this."""
+    text = None if error is None else str(error) if isinstance(error, str) else _text(error)
+    texts = comm.all_gather_object(text) if comm.world_size > 1 else [text]
+    failed = {rank: t for rank, t in enumerate(texts) if t is not None}
+    if not failed:
+        return
+    if isinstance(error, CheckpointError) and comm.world_size == 1:
+        raise error
+    details = "; ".join(f"rank {rank}: {t}" for rank, t in failed.items())
+    cause = error if isinstance(error, BaseException) else None
+    raise CheckpointError(f"{what} failed on rank(s) {list(failed)}: {details}") from cause
+
+
+def _text(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+class CheckpointManager:
+    """Writes, rotates and finds the checkpoints of one run in ``config.dir``.
+
+    Construct it on every rank; rank 0 creates the folder and removes temporary files that a
+    killed save left behind.
+    """
+
+    def __init__(self, config: CheckpointConfig, communicator: Communicator) -> None:
+        if config.dir is None:
+            raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
+        self.config = config
+        self.comm = communicator
+        self.dir = Path(config.dir)
+        self.best_value: float | None = None
+        self.last_saved_step: int | None = None
+        if self.comm.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for orphan in remove_orphans(self.dir):
+                logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
+
+    # ----------------------------------------------------------------- writing
+    def write(
+        self, checkpoint: Mapping[str, Any] | None, path: str | Path, budget_s: float | None = None
+    ) -> Path:
+        """Write ``checkpoint`` (used on rank 0 only) atomically to ``path``; every rank must
+        call this and returns once the file is complete. ``budget_s`` bounds the write: past it
+        the save is abandoned (the file does not appear) and CheckpointError is raised."""
+        target = Path(path)
+        error: str | None = None
+        if self.comm.rank == 0:
+            error = _write_on_main(checkpoint, target, budget_s)
+        return self._agree(error, target)
+
+    def _agree(self, error: str | None, target: Path) -> Path:
+        agree_on(self.comm, error, f"writing checkpoint {target}")
+        return target
+
+    def save_periodic(
+        self, checkpoint: Mapping[str, Any] | None, epoch: int, step: int, budget_s: float | None
+    ) -> Path:
+        """Write the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
+        latest.json at it and delete periodic ones beyond ``keep_last``. Every rank must call
+        this."""
+        path = self.write(checkpoint, self.dir / periodic_name(epoch, step), budget_s)
+        error: str | None = None
+        if self.comm.rank == 0:
+            try:
+                atomic_write_json(
+                    {
+                        "checkpoint": path.name,
+                        "epoch": epoch,
+                        "global_step": step,
+                        "time": time.time(),
+                    },
+                    self.dir / LATEST,
+                )
+                self._prune(keep=path)
+            except OSError as caught:
+                error = f"{type(caught).__name__}: {caught}"
+        self._agree(error, self.dir / LATEST)
+        self.last_saved_step = step
+        return path
+
+    def update_best(self, value: float, source: Path | None, checkpoint: Any = None) -> bool:
+        """If ``value`` improves on the best so far, make best.pt this checkpoint (a hard link
+        to ``source``, or a write of ``checkpoint``). Every rank must call this with the same
+        value; returns whether it improved."""
+        if math.isnan(value) or not self.improves(value):
+            return False
+        self.best_value = value
+        target = self.dir / BEST
+        if source is None:
+            self.write(checkpoint, target)
+            return True
+        error: str | None = None
+        if self.comm.rank == 0:
+            try:
+                atomic_link(source, target)
+            except OSError as caught:
+                error = f"{type(caught).__name__}: {caught}"
+        self._agree(error, target)
+        return True
+
+    def improves(self, value: float) -> bool:
+        if self.best_value is None:
+            return True
+        return value < self.best_value if self.config.mode == "min" else value > self.best_value
+
+    def _prune(self, keep: Path) -> None:
+        periodic = sorted(self.periodic(), key=_order, reverse=True)
+        for old in periodic[self.config.keep_last :]:
+            if old != keep:
+                old.unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------- finding
+    def periodic(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return [p for p in self.dir.iterdir() if _PERIODIC.match(p.name)]
+
+    def candidates(self) -> list[Path]:
+        """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
+        ordered = sorted(self.periodic(), key=_order, reverse=True)
+        pointed = self._pointed()
+        if pointed is not None:
+            ordered = [pointed] + [p for p in ordered if p != pointed]
+        return ordered
+
+    def _pointed(self) -> Path | None:
+        pointer = self.dir / LATEST
+        try:
+            name = json.loads(pointer.read_text())["checkpoint"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("ignoring unreadable {}: {}", pointer, error)
+            return None
+        target = self.dir / str(name)
+        return target if target.is_file() else None
+
+    def load_latest(
+        self, map_location: torch.device | str | None = None
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """The newest readable checkpoint and its contents, or None when there is none; an
+        unreadable newest one is reported and the previous complete one is used."""
+        for candidate in self.candidates():
+            try:
+                return candidate, load_file(candidate, map_location)
+            except CheckpointError as error:
+                logger.warning("{}; trying the previous checkpoint", error)
+        return None
+
+
+def _order(path: Path) -> tuple[int, int]:
+    match = _PERIODIC.match(path.name)
+    return (int(match.group(2)), int(match.group(1))) if match else (-1, -1)
+
+
+def _write_on_main(
+    checkpoint: Mapping[str, Any] | None, target: Path, budget_s: float | None
+) -> str | None:
+    if checkpoint is None:
+        return "no checkpoint contents were given on rank 0"
+    if budget_s is None:
+        try:
+            atomic_save(dict(checkpoint), target)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+    outcome: list[str | None] = []
+
+    def save() -> None:
+        try:
+            atomic_save(dict(checkpoint), target)
+            outcome.append(None)
+        except Exception as error:
+            outcome.append(f"{type(error).__name__}: {error}")
+
+    # A daemon thread: if the budget runs out the process may exit while it is still writing;
+    # the temporary file it leaves is removed at the next start and the target never appears.
+    writer = threading.Thread(target=save, name="nn_handler-checkpoint", daemon=True)
+    writer.start()
+    writer.join(budget_s)
+    if writer.is_alive():
+        return f"the save did not finish within its budget of {budget_s:g} s"
+    return outcome[0] if outcome else "the save thread ended without a result"
+
+
+__all__ = [
+    "BEST",
+    "agree_on",
+    "LATEST",
+    "CheckpointManager",
+    "periodic_name",
+    "restart_count",
+]

@@ -1,0 +1,67 @@
+"""Configuration of checkpoints, resuming and preemption."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nn_handler.config.training import Mode
+
+ResumePolicy = Literal["never", "on_restart", "auto"]
+
+
+class CheckpointConfig(BaseModel):
+    """Where and when the Trainer writes checkpoints, and when it resumes from them.
+
+    Nothing is written unless ``dir`` is set. Checkpoints are written by rank 0, atomically
+    (a killed save leaves the previous checkpoint intact), and ``dir/latest.json`` names the
+    newest complete one.
+
+    Attributes:
+        dir: the checkpoint folder (shared by all ranks of a multi-machine run).
+        save_last: write periodic checkpoints (the resumable ones, named by latest.json).
+        every_n_epochs: write one after every N-th epoch (None: not per epoch).
+        every_n_steps: also write one after every N-th optimizer step (None: not per step).
+        keep_last: how many periodic checkpoints to keep (the oldest are deleted).
+        save_best: keep ``best.pt``, the checkpoint with the best ``monitor`` value so far.
+        monitor: the History key save_best watches (e.g. 'val_loss', 'val_accuracy').
+        mode: 'min' when lower is better, 'max' when higher is better.
+        resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
+            restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0), 'auto'
+            whenever ``dir`` holds one, 'never' starts afresh.
+        handle_sigterm: on SIGTERM, every rank stops after the current step, writes an
+            emergency checkpoint and exits with ``preemption_exit_code``.
+        preemption_check_every_n_steps: how often ranks agree on whether a SIGTERM arrived
+            (one tiny all_reduce; in one process the check is free).
+        preemption_budget_s: the longest the emergency checkpoint may take; past it the save is
+            abandoned (the previous checkpoint stays the latest) and the run exits anyway.
+        preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dir: str | None = None
+    save_last: bool = True
+    every_n_epochs: int | None = Field(default=1, ge=1)
+    every_n_steps: int | None = Field(default=None, ge=1)
+    keep_last: int = Field(default=1, ge=1)
+    save_best: bool = False
+    monitor: str = "val_loss"
+    mode: Mode = "min"
+    resume: ResumePolicy = "on_restart"
+    handle_sigterm: bool = True
+    preemption_check_every_n_steps: int = Field(default=1, ge=1)
+    preemption_budget_s: float = Field(default=120.0, gt=0)
+    preemption_exit_code: int = Field(default=75, ge=1, le=255)
+
+    @model_validator(mode="after")
+    def _something_to_save(self) -> CheckpointConfig:
+        if self.save_last and self.every_n_epochs is None and self.every_n_steps is None:
+            raise ValueError(
+                "save_last needs every_n_epochs or every_n_steps (or set save_last=False)"
+            )
+        return self
+
+
+__all__ = ["CheckpointConfig", "ResumePolicy"]

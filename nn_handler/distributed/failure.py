@@ -1,0 +1,111 @@
+"""Stop every rank when one raises outside a collective agreement, instead of hanging.
+
+When a rank fails in the middle of a training step, its peers are (or soon will be) blocked in
+a collective it will never join. The failing rank publishes its traceback in the process
+group's key-value store, then destroys its process group: the peers' pending collectives fail
+at once (gloo closes the connections), they read the published traceback and raise
+:class:`~nn_handler.errors.RankFailedError` with it. The failing rank waits (briefly) until the
+peers have read it, because with ``mp.spawn``-style launches rank 0 hosts the store.
+
+With nccl, peers blocked inside a CUDA kernel notice only at the process-group timeout (or when
+torchrun's agent stops them, which it does as soon as the failing process exits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from loguru import logger
+
+from nn_handler.distributed.communicator.base import format_error
+from nn_handler.distributed.context import collect_before_destroy
+from nn_handler.errors import RankFailedError
+
+_PREFIX = "nn_handler/failure"
+ACK_WAIT_S = 5.0
+
+
+def _default_store() -> Any:
+    """The default group's store, or None (torch exposes it only privately)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    getter: Callable[[], Any] | None = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except Exception:
+        return None
+
+
+def _published(store: Any, world_size: int, kind: str, skip: int) -> list[int]:
+    ranks = []
+    for rank in range(world_size):
+        if rank == skip:
+            continue
+        try:
+            if store.check([f"{_PREFIX}/{kind}/{rank}"]):
+                ranks.append(rank)
+        except Exception:
+            return ranks
+    return ranks
+
+
+def fail_together(
+    error: BaseException,
+    rank: int,
+    world_size: int,
+    what: str,
+    release: Callable[[], None],
+) -> BaseException:
+    """The exception this rank should raise after ``error`` ended its step, having made sure
+    every other rank stops too. Call it on every rank that caught an unexpected exception
+    while the others may be in a collective; ``release`` drops objects (DDP wrappers) that
+    must go before the group is destroyed. The process group is destroyed.
+
+    Returns ``error`` itself on a rank that failed first, and a RankFailedError carrying the
+    first failures' tracebacks on ranks whose collectives broke because a peer failed.
+    """
+    store = _default_store()
+    if store is None or world_size == 1:
+        return error
+    earlier = _published(store, world_size, "error", skip=rank)
+    if earlier:
+        texts: dict[int, str] = {}
+        for peer in earlier:
+            try:
+                texts[peer] = store.get(f"{_PREFIX}/error/{peer}").decode(errors="replace")
+            except Exception:  # the store went away with the failed rank
+                texts[peer] = "(its traceback could not be read)"
+        _try(lambda: store.set(f"{_PREFIX}/ack/{rank}", "1"))
+        _abort(release)
+        return RankFailedError(what, texts, note=f"rank {rank} stopped because of it.")
+    _try(lambda: store.set(f"{_PREFIX}/error/{rank}", format_error(error)))
+    _abort(release)
+    deadline = time.monotonic() + ACK_WAIT_S
+    peers = world_size - 1
+    while time.monotonic() < deadline:
+        done = set(_published(store, world_size, "ack", rank))
+        done |= set(_published(store, world_size, "error", rank))
+        if len(done) >= peers:
+            break
+        time.sleep(0.05)
+    return error
+
+
+def _try(action: Callable[[], None]) -> None:
+    try:
+        action()
+    except Exception as caught:  # the store is best effort; the abort is what unblocks peers
+        logger.debug("failure store unavailable: {}", caught)
+
+
+def _abort(release: Callable[[], None]) -> None:
+    release()
+    collect_before_destroy()
+    if dist.is_initialized():
+        _try(dist.destroy_process_group)
+
+
+__all__ = ["ACK_WAIT_S", "fail_together"]

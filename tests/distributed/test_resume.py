@@ -1,0 +1,128 @@
+"""Exact resume and failure propagation in real 2-rank gloo groups.
+
+One group runs the resume scenarios (uninterrupted, stopped after an epoch, SIGTERM'd on rank 1
+mid-epoch) with and without EMA + bf16 + accumulation; a second group checks that an error
+on one rank mid-step stops both ranks promptly, with the original traceback.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import (
+    PREEMPTED_EXIT_CODE,
+    DistributedContext,
+    HandlerConfig,
+    NNHandler,
+    RankFailedError,
+    Trainer,
+)
+from nn_handler.checkpoint import load_file
+from tests.harness import run_group
+from tests.resume_helpers import EPOCHS, scenario, same
+from tests.training_helpers import mlp, regression_data, sgd
+
+pytestmark = pytest.mark.distributed
+
+
+def _resume_group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    context = DistributedContext().setup()
+    out = {}
+    for features in (False, True):
+        base = Path(folder) / f"features{int(features)}"
+        out[features] = scenario(base, world_size, features, context=context)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="nnh-resume-") as folder:
+        return run_group(_resume_group, 2, args=(folder,), timeout=240)
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "ema-bf16-accumulate"])
+@pytest.mark.parametrize("stop", ["epoch", "step"])
+def test_two_rank_resume_is_bit_identical(
+    resumed: list[dict[str, Any]], features: bool, stop: str
+) -> None:
+    for rank in (0, 1):
+        full, again = resumed[rank][features]["full"], resumed[rank][features][stop]
+        assert full["global_step"] == again["global_step"]
+        assert len(full["history"]) == EPOCHS
+        for part in ("model", "optimizer", "ema", "history"):
+            assert same(full[part], again[part]), (rank, part)
+    # Both ranks agree on the stop: the same model on both, and rank 0's weights after resume
+    # equal rank 1's.
+    assert same(resumed[0][features]["step"]["model"], resumed[1][features]["step"]["model"])
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "ema-bf16-accumulate"])
+def test_sigterm_on_one_rank_stops_both_after_the_same_step(
+    resumed: list[dict[str, Any]], features: bool
+) -> None:
+    # SigtermAt(7) signals rank 0 only; rank 1 never received a signal but stops too.
+    code0, step0, path0 = resumed[0][features]["preempted"]
+    code1, step1, path1 = resumed[1][features]["preempted"]
+    assert code0 == code1 == PREEMPTED_EXIT_CODE
+    assert step0 == step1 == 7
+    assert path0 == path1 and path0 is not None and "s00000007" in path0
+
+
+class FailsOnRankOne(Trainer):
+    """Rank 1 raises inside its third training step; rank 0 is then in a collective."""
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        if self.comm.rank == 1 and self.state.global_step == 2:
+            raise ValueError("bad batch on rank 1")
+        return super().training_step(batch)
+
+
+def _failure_group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 4},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {"dir": folder, "every_n_steps": 2},
+        }
+    )
+    handler = NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=config, trainer_class=FailsOnRankOne
+    )
+    started = time.monotonic()
+    try:
+        handler.train(regression_data(), epochs=2)
+    except Exception as error:
+        result = {
+            "type": type(error).__name__,
+            "text": str(error),
+            "cause": type(error.__cause__).__name__ if error.__cause__ else None,
+            "seconds": time.monotonic() - started,
+        }
+    else:
+        result = {"type": None}
+    handler.close()
+    return result
+
+
+def test_an_error_on_one_rank_stops_every_rank_with_its_traceback() -> None:
+    with tempfile.TemporaryDirectory(prefix="nnh-fail-") as folder:
+        # The group's timeout is 120 s: a hang would show as ~120 s, not a few.
+        results = run_group(_failure_group, 2, args=(folder,), init="env", timeout=120)
+        latest = load_file(Path(folder) / "ckpt-e0000-s00000002.pt")
+    assert results[1]["type"] == "ValueError"
+    assert "bad batch on rank 1" in results[1]["text"]
+    assert results[0]["type"] == "RankFailedError"
+    assert "rank(s) [1]" in results[0]["text"]
+    assert "bad batch on rank 1" in results[0]["text"]  # rank 1's original traceback
+    assert "FailsOnRankOne" in results[0]["text"] or "training_step" in results[0]["text"]
+    assert max(r["seconds"] for r in results) < 30
+    # The checkpoint on disk is the last complete one, written before the failure.
+    assert latest["trainer"]["global_step"] == 2
+    assert RankFailedError.__name__ == results[0]["type"]
