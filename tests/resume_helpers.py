@@ -54,9 +54,9 @@ class SigtermAt(Hook):
 
     def after_step(self) -> None:
         trainer = self.trainer
-        if trainer.comm.rank == self.rank and trainer.state.global_step == self.step:
-            if trainer.state.step_synced:
-                os.kill(os.getpid(), signal.SIGTERM)
+        at_step = trainer.state.global_step == self.step and trainer.state.step_synced
+        if trainer.comm.rank == self.rank and at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def handler(folder: Path, world_size: int, features: bool, context: Any, **kw: Any) -> NNHandler:

@@ -26,7 +26,7 @@ from nn_handler import (
 )
 from nn_handler.checkpoint import load_file
 from tests.harness import run_group
-from tests.resume_helpers import EPOCHS, scenario, same
+from tests.resume_helpers import EPOCHS, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
 
 pytestmark = pytest.mark.distributed
