@@ -31,6 +31,7 @@ from nn_handler.checkpoint.io import (
     atomic_write_json,
     load_file,
     remove_orphans,
+    unsafe_entries,
 )
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -217,6 +218,14 @@ def _write_on_main(
 ) -> str | None:
     if checkpoint is None:
         return "no checkpoint contents were given on rank 0"
+    unsafe = unsafe_entries(checkpoint)
+    if unsafe:
+        logger.warning(
+            "checkpoint {} holds values that weights-only loading refuses: {}; loading it will "
+            "need trusted=[...] (torch.serialization.add_safe_globals)",
+            target,
+            ", ".join(unsafe[:5]),
+        )
     if budget_s is None:
         try:
             atomic_save(dict(checkpoint), target)

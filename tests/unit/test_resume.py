@@ -1,0 +1,183 @@
+"""Exact resume in one process, and the error paths of saving and resuming."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    ConfigError,
+    HandlerConfig,
+    NNHandler,
+    TrainingPreempted,
+)
+from nn_handler.checkpoint import load_file
+from nn_handler.checkpoint.manager import LATEST
+from tests.resume_helpers import EPOCHS, SigtermAt, same, scenario
+from tests.training_helpers import mlp, regression_data, sgd
+
+DATA = regression_data()
+VAL = regression_data(n=16, seed=1)
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "ema-bf16-accumulate"])
+def test_one_process_resume_is_bit_identical(tmp_path: Path, features: bool) -> None:
+    results = scenario(tmp_path, 1, features)
+    code, step, path = results["preempted"]
+    assert code == PREEMPTED_EXIT_CODE and step == 7 and path is not None
+    for stop in ("epoch", "step"):
+        for part in ("model", "optimizer", "ema", "history", "global_step"):
+            assert same(results["full"][part], results[stop][part]), (stop, part)
+    assert len(results["full"]["history"]) == EPOCHS
+
+
+def _simple(folder: Path, hooks: Any = (), **checkpoint: Any) -> NNHandler:
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {"dir": str(folder), **checkpoint},
+        }
+    )
+    return NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=hooks)
+
+
+def test_resume_latest_without_checkpoints_or_folder(tmp_path: Path) -> None:
+    with _simple(tmp_path) as h:
+        with pytest.raises(CheckpointError, match="no complete checkpoint"):
+            h.resume("latest")
+        assert h.trainer.resume("latest", missing_ok=True) is None
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as h,
+        pytest.raises(ConfigError, match=r"CheckpointConfig\(dir=\.\.\.\)"),
+    ):
+        h.resume("latest")
+
+
+def test_resume_refuses_a_file_that_is_not_a_training_checkpoint(tmp_path: Path) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "weights.pt")
+    with (
+        _simple(tmp_path / "run") as h,
+        pytest.raises(
+            CheckpointError, match=r"not an nn_handler training checkpoint.*NNHandler.load"
+        ),
+    ):
+        h.resume(tmp_path / "weights.pt")
+
+
+def _saved_mid_epoch(folder: Path) -> Path:
+    with _simple(folder, every_n_steps=2, keep_last=5) as h:
+        h.train(DATA, epochs=1)
+    return folder / "ckpt-e0000-s00000004.pt"
+
+
+def test_world_size_change_is_refused_or_resharded_between_epochs(tmp_path: Path) -> None:
+    mid = load_file(_saved_mid_epoch(tmp_path))
+    after = load_file(tmp_path / "ckpt-e0001-s00000005.pt")
+    for checkpoint in (mid, after):
+        checkpoint["world_size"] = 2
+    with _simple(tmp_path / "other") as h:
+        with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\) after an epoch"):
+            h.trainer.load_state_dict(after, "after.pt")
+        with pytest.raises(CheckpointError, match=r"mid-epoch .*cannot be re-sharded"):
+            h.trainer.load_state_dict(mid, "mid.pt", allow_world_size_change=True)
+        h.trainer.load_state_dict(after, "after.pt", allow_world_size_change=True)
+        assert h.trainer.state.epoch == 1 and h.trainer.state.global_step == 5
+
+
+def test_a_shorter_loader_cannot_reach_a_mid_epoch_position(tmp_path: Path) -> None:
+    path = _saved_mid_epoch(tmp_path)
+    with _simple(tmp_path / "other") as h:
+        h.resume(path)
+        with pytest.raises(CheckpointError, match="only 2 batches per epoch"):
+            h.train(regression_data(n=16), epochs=2)
+
+
+def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None:
+    config = HandlerConfig.from_dict(
+        {"trainer": {"accumulate_grad_batches": 2, "progress_bar": False}}
+    )
+
+    class SaveMidWindow(SigtermAt):
+        def after_step(self) -> None:
+            if self.trainer.state.batch_index == 0:
+                self.trainer.save_checkpoint(tmp_path / "x.pt")
+
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[SaveMidWindow(0)]) as h,
+        pytest.raises(ConfigError, match=r"accumulation window.*step_synced"),
+    ):
+        h.train(DATA, epochs=1)
+
+
+def test_handler_save_and_load_on_this_hardware(tmp_path: Path) -> None:
+    with _simple(tmp_path, every_n_epochs=None, save_last=False) as h:
+        h.train(DATA, VAL, epochs=2)
+        path = h.save(tmp_path / "final.pt")
+        expected = {k: v.clone() for k, v in h.model.state_dict().items()}
+        history = h.history.records
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final.pt"]
+    with NNHandler.load(path, mlp(seed=9), loss_fn=nn.CrossEntropyLoss()) as loaded:
+        assert same(dict(loaded.model.state_dict()), expected)
+        assert loaded.config.loader.batch_size == 8  # the checkpoint's own config
+        assert loaded.history.records == history
+        assert loaded.trainer.optimizer is None
+        metrics = loaded.evaluate(VAL)
+        assert set(metrics) == {"loss"}
+    with NNHandler.load(path, mlp(seed=9), sgd, nn.CrossEntropyLoss()) as loaded:
+        assert loaded.trainer.optimizer is not None
+        assert loaded.trainer.optimizer.state_dict()["state"]  # momentum buffers restored
+
+
+def test_save_best_keeps_the_best_epoch_and_needs_its_metric(tmp_path: Path) -> None:
+    with _simple(tmp_path, save_best=True, keep_last=1) as h:
+        h.train(DATA, VAL, epochs=3)
+        losses = h.history["val_loss"]
+    best = load_file(tmp_path / "best.pt")
+    assert best["trainer"]["epoch"] == losses.index(min(losses)) + 1
+    with (
+        _simple(tmp_path / "b", save_best=True, monitor="val_accuracy") as h,
+        pytest.raises(ConfigError, match="save_best monitors 'val_accuracy'"),
+    ):
+        h.train(DATA, VAL, epochs=1)
+
+
+def test_resume_falls_back_when_the_newest_checkpoint_is_torn(tmp_path: Path) -> None:
+    with _simple(tmp_path, keep_last=3) as h:
+        h.train(DATA, epochs=2)
+    newest = tmp_path / "ckpt-e0002-s00000010.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with _simple(tmp_path) as h:
+        assert h.resume() == tmp_path / "ckpt-e0001-s00000005.pt"
+        assert h.trainer.state.epoch == 1
+
+
+def test_an_emergency_save_over_budget_is_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nn_handler.checkpoint import manager as manager_module
+
+    real_save = manager_module.atomic_save
+
+    def slow_save(obj: Any, path: Any) -> Any:
+        if "s00000003" in str(path):
+            time.sleep(1.0)
+        return real_save(obj, path)
+
+    monkeypatch.setattr(manager_module, "atomic_save", slow_save)
+    budget = {"every_n_steps": 2, "preemption_budget_s": 0.2}
+    with (
+        _simple(tmp_path, hooks=[SigtermAt(3)], **budget) as h,
+        pytest.raises(TrainingPreempted) as info,
+    ):
+        h.train(DATA, epochs=2)
+    assert info.value.checkpoint is None and info.value.global_step == 3
+    assert "ckpt-e0000-s00000002.pt" in (tmp_path / LATEST).read_text()
+    time.sleep(1.2)  # let the abandoned writer finish before the folder is removed
