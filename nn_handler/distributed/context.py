@@ -11,7 +11,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 from loguru import logger
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from nn_handler.config import DistributedConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
@@ -93,6 +93,8 @@ class DistributedContext:
         self.config = config or DistributedConfig()
         source = os.environ if env is None else env
         self._info = info or parse_distributed_env(source, rank=rank, world_size=world_size)
+        self._agent_store = source.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self._restart_count = source.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
         self.device = resolve_device(self.config.device, self._info.local_rank)
         self.backend = resolve_backend(self.config.backend, self.device)
         self._owns_group = False
@@ -186,6 +188,9 @@ class DistributedContext:
         if info.world_size == 1 and not self.config.init_method and not info.master_port:
             init: dict[str, object] = {"store": HashStore()}
             where = "an in-process store"
+        elif self._agent_store and not self.config.init_method:
+            where = f"{self.init_method()} (torchrun's store, restart {self._restart_count})"
+            init = {"store": self._restart_store()}
         else:
             where = self.init_method()
             init = {"init_method": where}
@@ -204,6 +209,21 @@ class DistributedContext:
                 f"MASTER_ADDR/MASTER_PORT and that the port is free on the master."
             ) from error
         self._owns_group = True
+
+    def _restart_store(self) -> Store:
+        """A client of torchrun's store, with keys private to this restart.
+
+        torchrun's static rendezvous keeps one store across restarts, so a restarted group
+        could read the addresses its failed predecessor published there and fail to connect.
+        """
+        info = self._info
+        client = TCPStore(
+            str(info.master_addr),
+            int(info.master_port or 0),
+            is_master=False,
+            timeout=self.config.timeout,
+        )
+        return PrefixStore(f"nn_handler/restart{self._restart_count}", client)
 
     def create_local_process_group(self, num_workers_per_machine: int | None = None) -> None:
         """Create the per-machine groups (default size: the launcher's local world size).

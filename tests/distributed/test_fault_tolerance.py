@@ -1,0 +1,123 @@
+"""Surviving faults under the real torchrun: an elastic restart after a real SIGKILL, and a
+real SIGTERM preemption followed by a relaunch. Both must end bit-identical to an
+uninterrupted run (tests/scripts/torchrun_fault.py is the training script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nn_handler import PREEMPTED_EXIT_CODE
+from nn_handler.checkpoint import load_file
+from tests.harness import run_command, torchrun_command
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_fault.py"
+ROOT = SCRIPT.parents[2]
+ENV = {"PYTHONPATH": str(ROOT)}
+KILL_AFTER_STEP = 7
+EVERY_N_STEPS = 3
+TOTAL_STEPS = 24  # 64 samples, batch 4 on 2 ranks, 3 epochs
+
+
+def _run(tmp: Path, name: str, mode: str, *extra: str, timeout: float = 120) -> tuple[int, str]:
+    ckpt, out = tmp / name / "ckpt", tmp / name / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    command = torchrun_command(SCRIPT, str(ckpt), str(out), mode)
+    command[3:3] = list(extra)  # torchrun options go before the script
+    return run_command(command, timeout=timeout, env=ENV)
+
+
+def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"rank{rank}.pt", weights_only=True)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    tmp = tmp_path_factory.mktemp("plain")
+    code, output = _run(tmp, "plain", "plain")
+    assert code == 0, output
+    return [_weights(tmp / "plain" / "out", rank) for rank in (0, 1)]
+
+
+def test_elastic_restart_after_sigkill_resumes_from_the_latest_checkpoint(
+    tmp_path: Path, uninterrupted: list[dict[str, torch.Tensor]]
+) -> None:
+    code, output = _run(tmp_path, "killed", "sigkill", "--max-restarts=1")
+    assert code == 0, output
+    assert "(exitcode: -9) local_rank: 1" in output, output  # torchrun saw the SIGKILL
+    out = tmp_path / "killed" / "out"
+    for rank in (0, 1):
+        report = json.loads((out / f"rank{rank}-attempt1.json").read_text())
+        assert report["step"] == TOTAL_STEPS
+        # Resumed from the last checkpoint before the kill: at most EVERY_N_STEPS steps redone.
+        last_checkpoint = KILL_AFTER_STEP - KILL_AFTER_STEP % EVERY_N_STEPS
+        assert report["first_step"] == last_checkpoint, report
+        assert _same(_weights(out, rank), uninterrupted[rank])
+
+
+def _progress(out: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((out / f"progress{rank}.json").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resumes(
+    tmp_path: Path, uninterrupted: list[dict[str, torch.Tensor]]
+) -> None:
+    ckpt, out = tmp_path / "term" / "ckpt", tmp_path / "term" / "out"
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **ENV}
+    job = subprocess.Popen(
+        torchrun_command(SCRIPT, str(ckpt), str(out), "slow"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        progress = _progress(out, 1)
+        while (progress is None or progress["step"] < 4) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            progress = _progress(out, 1)
+        assert progress is not None and progress["step"] >= 4, "the run never got going"
+        os.kill(progress["pid"], signal.SIGTERM)  # rank 1 only: rank 0 must follow it
+        output, _ = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode != 0
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in output, output
+    reports = [json.loads((out / f"rank{r}-attempt0.json").read_text()) for r in (0, 1)]
+    assert reports[0]["preempted"] == reports[1]["preempted"] == PREEMPTED_EXIT_CODE
+    stopped = reports[0]["step"]
+    assert reports[1]["step"] == stopped and 4 <= stopped < TOTAL_STEPS
+    checkpoint = load_file(reports[0]["checkpoint"])
+    assert checkpoint["trainer"]["global_step"] == stopped
+    assert json.loads((ckpt / "latest.json").read_text())["global_step"] == stopped
+
+    code, output = run_command(
+        torchrun_command(SCRIPT, str(ckpt), str(out), "slow"), timeout=120, env=ENV
+    )
+    assert code == 0, output
+    for rank in (0, 1):
+        report = json.loads((out / f"rank{rank}-attempt0.json").read_text())
+        assert report["first_step"] == stopped and report["step"] == TOTAL_STEPS
+        assert _same(_weights(out, rank), uninterrupted[rank])

@@ -1,0 +1,95 @@
+"""Run by tests/distributed/test_fault_tolerance.py under the real torchrun (not by pytest).
+
+Usage: torchrun --nproc-per-node=2 [--max-restarts=1] torchrun_fault.py CKPT_DIR OUT_DIR MODE
+MODE: 'plain' trains uninterrupted; 'sigkill' makes rank 1 SIGKILL itself after optimizer step
+7 in the first attempt; 'slow' sleeps 0.1 s per step and reports its progress (for a SIGTERM
+from outside). Resumes per CheckpointConfig(resume=...): 'on_restart' unless MODE is 'slow'
+('auto', for the relaunch after a preemption). Each rank writes OUT_DIR/rank<r>-attempt<a>.json
+and OUT_DIR/rank<r>.pt (the final weights) when it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from nn_handler import HandlerConfig, Hook, NNHandler, TrainingPreempted
+
+KILL_AFTER_STEP = 7
+
+
+class Fault(Hook):
+    def __init__(self, mode: str, attempt: int, out: Path) -> None:
+        super().__init__()
+        self.mode, self.attempt, self.out = mode, attempt, out
+        self.first_step: int | None = None
+
+    def before_train(self) -> None:
+        self.first_step = self.trainer.state.global_step
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        step, rank = trainer.state.global_step, trainer.comm.rank
+        if self.mode == "sigkill" and self.attempt == 0 and rank == 1 and step == KILL_AFTER_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "slow":
+            time.sleep(0.1)
+            progress = {"pid": os.getpid(), "step": step}
+            tmp = self.out / f".progress{rank}"
+            tmp.write_text(json.dumps(progress))
+            os.replace(tmp, self.out / f"progress{rank}.json")
+
+
+def main() -> None:
+    ckpt_dir, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 4, "shuffle": True, "seed": 1},
+            "trainer": {"epochs": 3, "progress_bar": False},
+            "checkpoint": {
+                "dir": str(ckpt_dir),
+                "every_n_steps": 3,
+                "resume": "auto" if mode == "slow" else "on_restart",
+            },
+        }
+    )
+    fault = Fault(mode, attempt, out)
+    with NNHandler(
+        model,
+        lambda params: torch.optim.Adam(params, lr=0.01),
+        nn.CrossEntropyLoss(),
+        config=config,
+        hooks=[fault],
+    ) as handler:
+        report = {"attempt": attempt, "rank": handler.rank}
+        try:
+            handler.train(data)
+        except TrainingPreempted as stop:
+            report.update(preempted=stop.code, step=stop.global_step, checkpoint=stop.checkpoint)
+            raise
+        else:
+            report.update(step=handler.trainer.state.global_step)
+            torch.save(handler.model.state_dict(), out / f"rank{handler.rank}.pt")
+        finally:
+            report["first_step"] = fault.first_step
+            name = f"rank{handler.rank}-attempt{attempt}.json"
+            (out / name).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
