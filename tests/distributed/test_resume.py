@@ -18,13 +18,14 @@ from torch import nn
 
 from nn_handler import (
     PREEMPTED_EXIT_CODE,
+    CheckpointError,
     DistributedContext,
     HandlerConfig,
     NNHandler,
     RankFailedError,
     Trainer,
 )
-from nn_handler.checkpoint import load_file
+from nn_handler.checkpoint import load_file, load_model_state
 from tests.harness import run_group
 from tests.resume_helpers import EPOCHS, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
@@ -34,11 +35,50 @@ pytestmark = pytest.mark.distributed
 
 def _resume_group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     context = DistributedContext().setup()
-    out = {}
+    out: dict[Any, Any] = {}
     for features in (False, True):
         base = Path(folder) / f"features{int(features)}"
         out[features] = scenario(base, world_size, features, context=context)
+    out["ddp_load"] = _load_into_ddp(context)
+    out["write_failure"] = _failed_write(rank, Path(folder) / "failing", context)
     return out
+
+
+def _load_into_ddp(context: Any) -> bool:
+    """Plain keys load into the DDP-wrapped model, and DDP's own keys back into a plain one."""
+    handler = NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), context=context)
+    ddp = handler.trainer.model
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    plain = mlp(seed=4)
+    load_model_state(ddp, plain.state_dict())
+    loaded_into_ddp = same(dict(handler.model.state_dict()), dict(plain.state_dict()))
+    fresh = mlp(seed=5)
+    load_model_state(fresh, ddp.state_dict())  # keys with "module."
+    handler.close()
+    return loaded_into_ddp and same(dict(fresh.state_dict()), dict(plain.state_dict()))
+
+
+def _failed_write(rank: int, folder: Path, context: Any) -> str:
+    """Rank 0 cannot write: every rank raises the same CheckpointError."""
+    from nn_handler.checkpoint import manager
+
+    real = manager.atomic_save
+
+    def disk_full(obj: Any, path: Any) -> Any:
+        raise CheckpointError(f"cannot write checkpoint {path}: [Errno 28] No space left")
+
+    manager.atomic_save = disk_full  # type: ignore[assignment]
+    config = HandlerConfig.from_dict(
+        {"trainer": {"progress_bar": False}, "checkpoint": {"dir": str(folder)}}
+    )
+    try:
+        with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, context=context) as h:
+            h.train(regression_data(), epochs=1)
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        manager.atomic_save = real  # type: ignore[assignment]
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +113,16 @@ def test_sigterm_on_one_rank_stops_both_after_the_same_step(
     assert code0 == code1 == PREEMPTED_EXIT_CODE
     assert step0 == step1 == 7
     assert path0 == path1 and path0 is not None and "s00000007" in path0
+
+
+def test_weights_load_into_and_out_of_a_ddp_wrapped_model(resumed: list[dict[str, Any]]) -> None:
+    assert resumed[0]["ddp_load"] and resumed[1]["ddp_load"]
+
+
+def test_a_failed_write_on_rank_zero_raises_on_every_rank(resumed: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        message = resumed[rank]["write_failure"]
+        assert "failed on rank(s) [0]" in message and "No space left" in message, message
 
 
 class FailsOnRankOne(Trainer):

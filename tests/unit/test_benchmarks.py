@@ -65,3 +65,12 @@ def test_training_step_quick_mode_writes_its_fields(tmp_path: Path) -> None:
         low, high = row["ratio_spread"]
         assert low <= row["ratio_median"] <= high
         assert row["raw_ms_per_step"] > 0 and row["nn_handler_ms_per_step"] > 0
+
+
+def test_checkpoint_io_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    results = run_quick("checkpoint_io.py", tmp_path)
+    assert results["state_dict_mb"] == 10
+    for row in results["results"].values():
+        low, high = row["ratio_spread"]
+        assert low <= row["ratio_to_torch_median"] <= high and row["mb_per_s"] > 0
+    assert set(results["targets"]) == {"atomic_save_within_2x", "load_within_1.2x"}

@@ -5,6 +5,8 @@ Skipped cleanly on machines without CUDA.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -84,3 +86,33 @@ def test_handler_trains_on_cuda_in_reduced_precision(precision: str) -> None:
         assert next(handler.model.parameters()).device.type == "cuda"
         assert torch.isfinite(torch.tensor(history["train_loss"])).all()
         assert handler.predict(regression_data(n=10)).shape == (10, 3)
+
+
+def test_a_cuda_checkpoint_resumes_exactly_on_cuda_and_loads_on_cpu(tmp_path: Any) -> None:
+    """fp16 + GradScaler + CUDA RNG state: resume on CUDA is exact, and the same file loads on
+    a CPU machine (weights-only, mapped to the CPU)."""
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from nn_handler.checkpoint import load_file, load_model_state
+    from tests.training_helpers import mlp, regression_data, sgd
+
+    config = {
+        "distributed": {"device": "cuda"},
+        "precision": "fp16",
+        "trainer": {"progress_bar": False},
+        "checkpoint": {"dir": str(tmp_path), "every_n_steps": 2, "keep_last": 10},
+    }
+    data = regression_data()
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as full:
+        full.train(data, epochs=2)
+        expected = {k: v.cpu() for k, v in full.model.state_dict().items()}
+    with NNHandler(mlp(seed=3), sgd, nn.CrossEntropyLoss(), config=config) as again:
+        again.resume(tmp_path / "ckpt-e0000-s00000002.pt")
+        again.train(data, epochs=2)
+        resumed = {k: v.cpu() for k, v in again.model.state_dict().items()}
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+    checkpoint = load_file(tmp_path / "ckpt-e0002-s00000010.pt")
+    assert checkpoint["model"]["0.weight"].device.type == "cpu"
+    assert checkpoint["ranks"][0]["rng"]["cuda"]  # the CUDA generator state was saved
+    load_model_state(mlp(), checkpoint["model"])
