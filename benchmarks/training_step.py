@@ -16,7 +16,9 @@ import contextlib
 import gc
 import io
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -105,8 +107,21 @@ def _measure(rank: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
         config={"loader": {"batch_size": batch}},
         context=DistributedContext(),
     )
+    folder = tempfile.mkdtemp(prefix="nnh-bench-")
+    torch.manual_seed(0)
+    guarded = NNHandler(  # SIGTERM handling on: the preemption check runs (nothing is saved)
+        build(),
+        lambda p: torch.optim.SGD(p, lr=0.01),
+        nn.CrossEntropyLoss(),
+        config={
+            "loader": {"batch_size": batch},
+            "checkpoint": {"dir": folder, "save_last": False, "every_n_epochs": None},
+        },
+        context=DistributedContext(),
+    )
     raw_s: list[float] = []
     ours_s: list[float] = []
+    guarded_s: list[float] = []
     sink = io.StringIO()  # the rank-0 progress bar draws here, not on the terminal
     with contextlib.redirect_stderr(sink):
         for repeat in range(repeats + 1):  # repetition 0 is the warm-up
@@ -118,11 +133,19 @@ def _measure(rank: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
             start = time.perf_counter()
             handler.train(dataset, epochs=repeat + 1)
             ours_time = (time.perf_counter() - start) / steps
+            dist.barrier()
+            start = time.perf_counter()
+            guarded.train(dataset, epochs=repeat + 1)
+            guarded_time = (time.perf_counter() - start) / steps
             if repeat:
                 raw_s.append(raw_time)
                 ours_s.append(ours_time)
+                guarded_s.append(guarded_time)
     handler.close()
+    guarded.close()
+    shutil.rmtree(folder, ignore_errors=True)
     ratios = [o / r for o, r in zip(ours_s, raw_s, strict=True)]
+    guarded_ratios = [g / r for g, r in zip(guarded_s, raw_s, strict=True)]
     return {
         "case": case,
         "steps_per_epoch": steps,
@@ -131,6 +154,9 @@ def _measure(rank: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
         "nn_handler_ms_per_step": statistics.median(ours_s) * 1e3,
         "ratio_median": statistics.median(ratios),
         "ratio_spread": [min(ratios), max(ratios)],
+        "with_preemption_check_ms_per_step": statistics.median(guarded_s) * 1e3,
+        "with_preemption_check_ratio_median": statistics.median(guarded_ratios),
+        "with_preemption_check_ratio_spread": [min(guarded_ratios), max(guarded_ratios)],
     }
 
 

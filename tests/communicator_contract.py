@@ -35,6 +35,22 @@ def check_all_reduce_tensor_ops(comm: Communicator) -> None:
     assert comm.all_reduce(torch.tensor([r], dtype=torch.int32)).dtype == torch.int32
 
 
+def check_all_reduce_async(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    t = torch.tensor([r + 1.0, -(r + 1.0)])
+    first = comm.all_reduce_async(t, "max")
+    second = comm.all_reduce_async(t)  # two in flight, waited in order
+    t.fill_(99.0)  # the input was copied: changing it now cannot change the results
+    assert torch.equal(first(), torch.tensor([float(w), -1.0]))
+    assert torch.equal(second(), torch.tensor([1.0, -1.0]) * _triangle(w))
+    try:
+        comm.all_reduce_async(t, "mean")  # type: ignore[arg-type]
+    except ConfigError as error:
+        assert "mean" in str(error)
+    else:
+        raise AssertionError("all_reduce_async(op='mean') must be a ConfigError")
+
+
 def check_all_reduce_numbers_and_nesting(comm: Communicator) -> None:
     r, w = comm.rank, comm.world_size
     total = comm.all_reduce(r + 1)
@@ -161,6 +177,7 @@ def check_bad_input_is_a_config_error_on_every_rank(comm: Communicator) -> None:
 
 CHECKS: list[Callable[[Communicator], None]] = [
     check_all_reduce_tensor_ops,
+    check_all_reduce_async,
     check_all_reduce_numbers_and_nesting,
     check_broadcast,
     check_all_gather_variable_first_dim,

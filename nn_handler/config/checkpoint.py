@@ -32,8 +32,9 @@ class CheckpointConfig(BaseModel):
             whenever ``dir`` holds one, 'never' starts afresh.
         handle_sigterm: on SIGTERM, every rank stops after the current step, writes an
             emergency checkpoint and exits with ``preemption_exit_code``.
-        preemption_check_every_n_steps: how often ranks agree on whether a SIGTERM arrived
-            (one tiny all_reduce; in one process the check is free).
+        preemption_check_interval_s: about how often ranks agree on whether a SIGTERM arrived
+            (one tiny asynchronous all_reduce per interval, spaced in steps; in one process
+            the check is free and runs every step). Ranks stop within about two intervals.
         preemption_budget_s: the longest the emergency checkpoint may take; past it the save is
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
@@ -51,7 +52,7 @@ class CheckpointConfig(BaseModel):
     mode: Mode = "min"
     resume: ResumePolicy = "on_restart"
     handle_sigterm: bool = True
-    preemption_check_every_n_steps: int = Field(default=1, ge=1)
+    preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float = Field(default=120.0, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255)
 

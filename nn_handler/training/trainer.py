@@ -643,7 +643,7 @@ class Trainer:
         config = self.checkpoint_config
         if self.checkpoints is None or not config.handle_sigterm:
             return contextlib.nullcontext()
-        self._watch = PreemptionWatch(self.comm, self.device, config.preemption_check_every_n_steps)
+        self._watch = PreemptionWatch(self.comm, self.device, config.preemption_check_interval_s)
         return self._watch
 
     def _auto_resume(self) -> None:

@@ -17,7 +17,7 @@ import os
 import pickle
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
@@ -33,6 +33,7 @@ REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
 DEBUG_ENV_VAR = "NN_HANDLER_DEBUG_COLLECTIVES"
 
 T = TypeVar("T")
+Waiter = Callable[[], torch.Tensor]
 
 
 def debug_from_env(env: Mapping[str, str] | None = None) -> bool:
@@ -189,6 +190,26 @@ class Communicator(ABC):
             values = [self._mean(v) for v in values]
         result: T = _tree.unflatten(spec, iter(values))
         return result
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp = "sum") -> Waiter:
+        """Start reducing one tensor across ranks; returns a function that waits for and returns
+        the result. Every rank must call this (and later the waiter) in the same order as its
+        other collectives. Lets a caller overlap a small reduction with the next step's work;
+        backends without asynchronous collectives reduce at once.
+        """
+        self._require_tensor(tensor, "all_reduce_async")
+        checked = self._check_op(op)
+        if checked == "mean":
+            raise ConfigError("all_reduce_async supports sum, min, max and product, not mean.")
+        if self.world_size == 1:
+            single = tensor.detach().clone()
+            return lambda: single
+        self._check_signature(f"all_reduce_async({tuple(tensor.shape)}, {tensor.dtype})")
+        return self._do_all_reduce_async(tensor.detach().clone(), op)
+
+    def _do_all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp) -> Waiter:
+        result = self._do_all_reduce(tensor, op)
+        return lambda: result
 
     def broadcast(self, data: T, src: int = 0) -> T:
         """Every rank gets rank ``src``'s ``data``. Every rank must call this.

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator
+from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator, Waiter
 from nn_handler.errors import DistributedError
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
@@ -108,6 +108,17 @@ class TorchCommunicator(Communicator):
     def _do_all_reduce(self, tensor: torch.Tensor, op: BackendReduceOp) -> torch.Tensor:
         dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self._group)
         return tensor
+
+    @override
+    def _do_all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp) -> Waiter:
+        work = dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self._group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return tensor
+
+        return wait
 
     @override
     def _do_broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
