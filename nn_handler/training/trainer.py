@@ -657,6 +657,17 @@ class Trainer:
                 self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
             else:
                 self.log.info("resume={!r}: resumed from {}", policy, found)
+            return
+        existing = self.checkpoints.periodic()
+        if existing and self.is_main_process:
+            self.log.warning(
+                "{} already holds {} checkpoint(s) and this run starts afresh (resume={!r}, "
+                "not a restart): its checkpoints will be rotated together with them. Use a new "
+                "folder, or resume='auto' to continue the run that wrote them.",
+                self.checkpoints.dir,
+                len(existing),
+                policy,
+            )
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int

@@ -181,3 +181,20 @@ def test_an_emergency_save_over_budget_is_abandoned(
     assert info.value.checkpoint is None and info.value.global_step == 3
     assert "ckpt-e0000-s00000002.pt" in (tmp_path / LATEST).read_text()
     time.sleep(1.2)  # let the abandoned writer finish before the folder is removed
+
+
+def test_a_fresh_run_in_a_used_folder_warns(tmp_path: Path) -> None:
+    from loguru import logger
+
+    with _simple(tmp_path) as h:
+        h.train(DATA, epochs=1)
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(seen.append, level="WARNING", format="{message}")
+    try:
+        with _simple(tmp_path, resume="never") as h:
+            h.train(DATA, epochs=1)
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    assert any("already holds 1 checkpoint(s)" in m and "resume='auto'" in m for m in seen), seen
