@@ -19,7 +19,6 @@ model while training, the plain or EMA model while evaluating).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
@@ -32,31 +31,25 @@ from loguru import logger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.manager import CheckpointManager, agree_on, restart_count
+from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.rng import capture_rng, restore_rng
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.data.exact import gather_in_dataset_order
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
-from nn_handler.distributed.failure import fail_together
 from nn_handler.errors import (
     CheckpointError,
     ConfigError,
     NonFiniteError,
-    RankFailedError,
-    TrainingPreempted,
 )
 from nn_handler.training.batch import batch_size_of, move_to_device
 from nn_handler.training.checkpointing import (
-    ResumePoint,
-    apply_checkpoint,
     build_checkpoint,
-    check_data,
     describe_loader,
 )
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma
+from nn_handler.training.fault_tolerance import FaultTolerance
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
 from nn_handler.training.metrics import (
@@ -68,15 +61,12 @@ from nn_handler.training.metrics import (
 )
 from nn_handler.training.nonfinite import GradientFiniteCheck
 from nn_handler.training.precision import Precision
-from nn_handler.training.preemption import PreemptionWatch
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 Metric = MetricFn | StatefulMetric
-#: Errors every rank raises together (after agreeing), so the group needs no abort.
-AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError)
 
 
 @dataclass
@@ -178,27 +168,19 @@ class Trainer:
         self._finite = GradientFiniteCheck(self._params)
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
-        self.checkpoint_config = checkpoint or CheckpointConfig()
-        self.checkpoints = (
-            CheckpointManager(self.checkpoint_config, self.comm)
-            if self.checkpoint_config.dir is not None
-            else None
-        )
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
         #: whole HandlerConfig here).
         self.run_config: dict[str, Any] = {
             "trainer": self.config.model_dump(mode="json"),
             "precision": (precision or PrecisionConfig()).model_dump(mode="json"),
             "ema": (ema or EmaConfig()).model_dump(mode="json"),
-            "checkpoint": self.checkpoint_config.model_dump(mode="json"),
+            "checkpoint": (checkpoint or CheckpointConfig()).model_dump(mode="json"),
         }
         self.epoch_rng: dict[str, Any] | None = None
         self.batches_done = 0
         self.data_description: dict[str, Any] = {}
-        self._resume: ResumePoint | None = None
         self._running: RunningLoss | None = None
-        self._watch: PreemptionWatch | None = None
-        self._first_fit = True
+        self.fault_tolerance = FaultTolerance(self, checkpoint or CheckpointConfig())
 
     # ----------------------------------------------------------------- construction
     @property
@@ -455,7 +437,7 @@ class Trainer:
                     elapsed = time.perf_counter() - started
                     bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
                 if self.state.step_synced:
-                    self._after_optimizer_step()
+                    self.fault_tolerance.after_optimizer_step()
         finally:
             bar.close()
             self._running = None
@@ -473,7 +455,7 @@ class Trainer:
         resume, the batches already trained are read and discarded (so the data order and
         the RNG streams continue exactly) and the partial loss and RNG state are restored."""
         iterator = iter(loader)
-        point, self._resume = self._resume, None
+        point = self.fault_tolerance.take_resume_point()
         if point is None or not point.batches_done:
             return iterator, 0
         for done in range(point.batches_done):
@@ -491,16 +473,6 @@ class Trainer:
         if point.step_rng is not None:
             restore_rng(point.step_rng)
         return iterator, point.batches_done
-
-    def _after_optimizer_step(self) -> None:
-        """Step checkpoints and the preemption check (the same steps on every rank)."""
-        every = self.checkpoint_config.every_n_steps
-        step = self.state.global_step
-        config = self.checkpoint_config
-        if self.checkpoints is not None and config.save_last and every and step % every == 0:
-            self.save_periodic()
-        if self._watch is not None and self._watch.agreed(step):
-            self._preempt()
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
@@ -593,17 +565,13 @@ class Trainer:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
         failed = True
         try:
-            with self._failing_together():
-                self._auto_resume()
-                if self._resume is None:
-                    self.state.should_stop = False
-                else:
-                    check_data(self._resume, train_loader, self.comm.rank)
+            with self.fault_tolerance.failing_together():
+                self.fault_tolerance.begin_fit(train_loader)
                 self._together("before_train hooks", lambda: self.hooks.call("before_train"))
-                with self._preemption_watch():
+                with self.fault_tolerance.watching():
                     while self.state.epoch < epochs and not self.state.should_stop:
                         self._run_epoch(train_loader, val_loader, epochs)
-                    self._save_final()
+                    self.fault_tolerance.end_fit()
             failed = False
         finally:
             self._after_train(failed)
@@ -617,63 +585,12 @@ class Trainer:
                 raise
             self.log.exception("an after_train hook raised while training was failing")
 
-    @contextlib.contextmanager
-    def _failing_together(self) -> Iterator[None]:
-        """Turn an error on one rank into a stop on every rank (see distributed/failure.py):
-        never a hang until the process-group timeout."""
-        try:
-            yield
-        except AGREED_ERRORS:
-            raise
-        except Exception as error:
-            if self.comm.world_size == 1:
-                raise
-            failure = fail_together(
-                error,
-                self.comm.rank,
-                self.comm.world_size,
-                f"training (epoch {self.state.epoch + 1}, step {self.state.global_step})",
-                self.release_wrappers,
-            )
-            if failure is error:
-                raise
-            raise failure from error
-
-    def _preemption_watch(self) -> contextlib.AbstractContextManager[Any]:
-        config = self.checkpoint_config
-        if self.checkpoints is None or not config.handle_sigterm:
-            return contextlib.nullcontext()
-        self._watch = PreemptionWatch(self.comm, self.device, config.preemption_check_interval_s)
-        return self._watch
-
-    def _auto_resume(self) -> None:
-        first, self._first_fit = self._first_fit, False
-        policy = self.checkpoint_config.resume
-        if not first or self._resume is not None or self.checkpoints is None:
-            return
-        if policy == "auto" or (policy == "on_restart" and restart_count(os.environ) > 0):
-            found = self.resume("latest", missing_ok=True)
-            if found is None:
-                self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
-            else:
-                self.log.info("resume={!r}: resumed from {}", policy, found)
-            return
-        existing = self.checkpoints.periodic()
-        if existing and self.is_main_process:
-            self.log.warning(
-                "{} already holds {} checkpoint(s) and this run starts afresh (resume={!r}, "
-                "not a restart): its checkpoints will be rotated together with them. Use a new "
-                "folder, or resume='auto' to continue the run that wrote them.",
-                self.checkpoints.dir,
-                len(existing),
-                policy,
-            )
-
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
-        if self._resume is not None and self._resume.start_rng is not None:
-            restore_rng(self._resume.start_rng)
+        point = self.fault_tolerance.resume_point
+        if point is not None and point.start_rng is not None:
+            restore_rng(point.start_rng)
         self.epoch_rng = capture_rng()
         self.data_description = describe_loader(train_loader)
         _set_epoch(train_loader, self.state.epoch)
@@ -689,7 +606,7 @@ class Trainer:
         self.batches_done = 0
         self._together("early stopping and after_epoch hooks", self._end_epoch)
         self.state.should_stop = self._agree(self.state.should_stop)
-        self._save_after_epoch(record)
+        self.fault_tolerance.after_epoch(record)
         self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
         if self.state.should_stop and self.early_stopping is not None:
             self.log.info(
@@ -701,6 +618,15 @@ class Trainer:
             )
 
     # ----------------------------------------------------------------- checkpoints
+    @property
+    def checkpoints(self) -> CheckpointManager | None:
+        """The CheckpointManager of CheckpointConfig.dir (None without a folder)."""
+        return self.fault_tolerance.manager
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        return self.fault_tolerance.config
+
     def state_dict(self) -> dict[str, Any] | None:
         """The full checkpoint (see training/checkpointing.py) on rank 0, None on the other
         ranks. Every rank must call this (it gathers every rank's RNG state)."""
@@ -714,24 +640,17 @@ class Trainer:
     ) -> None:
         """Restore a checkpoint from :meth:`state_dict`; the next ``fit`` continues exactly
         where it was written (mid-epoch too). Every rank must call this with the same one."""
-        self._resume = apply_checkpoint(self, checkpoint, source, allow_world_size_change)
-        self._first_fit = False
+        self.fault_tolerance.load(checkpoint, source, allow_world_size_change)
 
     def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:
         """Write the full checkpoint to ``path`` atomically (rank 0 writes). Every rank must
         call this; all raise CheckpointError if the write failed."""
-        checkpoint = self.state_dict()
-        manager = self.checkpoints
-        if manager is None:
-            manager = CheckpointManager(CheckpointConfig(dir=str(Path(path).parent)), self.comm)
-        return manager.write(checkpoint, path, budget_s)
+        return self.fault_tolerance.save(path, budget_s)
 
     def save_periodic(self, budget_s: float | None = None) -> Path:
         """Write the periodic checkpoint of the current position (named by epoch and step) and
         point latest.json at it. Every rank must call this."""
-        manager = self._require_manager("save_periodic")
-        checkpoint = self.state_dict()
-        return manager.save_periodic(checkpoint, self.state.epoch, self.state.global_step, budget_s)
+        return self.fault_tolerance.save_periodic(budget_s)
 
     def resume(
         self,
@@ -748,108 +667,7 @@ class Trainer:
         Returns the path, or None when ``missing_ok`` and there is none. Every rank must call
         this; a failure on any rank raises CheckpointError on every rank.
         """
-        latest = str(path) == "latest" or Path(path).is_dir()
-        if latest:
-            target, checkpoint = self._load_latest(path, missing_ok)
-            if target is None:
-                return None
-        else:
-            target, problem, checkpoint = Path(path), None, None
-            try:
-                checkpoint = load_file(target, self.device)
-            except Exception as error:
-                problem = error
-            agree_on(self.comm, problem, f"loading checkpoint {target}")
-        self.load_state_dict(checkpoint, str(target), allow_world_size_change)
-        return target
-
-    def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
-        if str(path) == "latest":
-            manager = self._require_manager("resume('latest')")
-        else:
-            manager = CheckpointManager(CheckpointConfig(dir=str(path)), self.comm)
-        name: str | None = None
-        checkpoint: Any = None
-        problem: BaseException | None = None
-        if self.comm.rank == 0:
-            try:
-                found = manager.load_latest(self.device)
-                if found is not None:
-                    name, checkpoint = str(found[0]), found[1]
-            except Exception as error:
-                problem = error
-        if self.comm.world_size > 1:
-            name = self.comm.broadcast_object(name)
-            if name is not None and self.comm.rank != 0:
-                try:
-                    checkpoint = load_file(name, self.device)
-                except Exception as error:
-                    problem = error
-        agree_on(self.comm, problem, f"loading the latest checkpoint in {manager.dir}")
-        if name is None:
-            if missing_ok:
-                return None, None
-            raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
-        return Path(name), checkpoint
-
-    def _require_manager(self, what: str) -> CheckpointManager:
-        if self.checkpoints is None:
-            raise ConfigError(
-                f"{what} needs a checkpoint folder: set CheckpointConfig(dir=...) "
-                f"(HandlerConfig.checkpoint.dir)."
-            )
-        return self.checkpoints
-
-    def _save_after_epoch(self, record: Record) -> None:
-        manager, config = self.checkpoints, self.checkpoint_config
-        if manager is None:
-            return
-        path: Path | None = None
-        every = config.every_n_epochs
-        if config.save_last and every is not None and self.state.epoch % every == 0:
-            path = self.save_periodic()
-        if config.save_best:
-            if config.monitor not in record:
-                raise ConfigError(
-                    f"save_best monitors {config.monitor!r}, but the epoch record has only "
-                    f"{sorted(record)}; set CheckpointConfig(monitor=...)."
-                )
-            value = float(record[config.monitor])
-            if manager.improves(value):
-                checkpoint = self.state_dict() if path is None else None
-                manager.update_best(value, path, checkpoint)
-        if self._watch is not None and self._watch.agreed(self.state.global_step, force=True):
-            self._preempt()
-
-    def _save_final(self) -> None:
-        manager = self.checkpoints
-        if manager is None or not self.checkpoint_config.save_last:
-            return
-        if manager.last_saved_step != self.state.global_step:
-            self.save_periodic()
-
-    def _preempt(self) -> None:
-        """Every rank agreed that a SIGTERM arrived: write the emergency checkpoint (within
-        the budget) and leave with TrainingPreempted."""
-        manager = self._require_manager("preemption")
-        config = self.checkpoint_config
-        path: Path | None = None
-        if manager.last_saved_step == self.state.global_step and manager.candidates():
-            path = manager.candidates()[0]
-        else:
-            try:
-                path = self.save_periodic(budget_s=config.preemption_budget_s)
-            except CheckpointError as error:
-                self.log.error("no emergency checkpoint: {}", error)
-        self.log.warning(
-            "preempted after optimizer step {}: exiting with status {} (checkpoint {})",
-            self.state.global_step,
-            config.preemption_exit_code,
-            path,
-        )
-        raise TrainingPreempted(
-            config.preemption_exit_code, str(path) if path else None, self.state.global_step
-        )
+        return self.fault_tolerance.resume(path, allow_world_size_change, missing_ok)
 
     def _end_epoch(self) -> None:
         stopper = self.early_stopping
