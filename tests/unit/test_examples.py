@@ -62,3 +62,17 @@ def test_custom_trainer_example_trains_with_its_subclass_and_hook() -> None:
     assert "epoch 6: val_accuracy=" in output and "reconstruction=" in output
     final = float(output.split("final: val_accuracy=")[1].split()[0])
     assert final >= 0.9, output
+
+
+def test_preemptible_training_example_continues_in_a_second_run(tmp_path: Path) -> None:
+    script = [sys.executable, str(EXAMPLES / "preemptible_training.py"), "--dir", str(tmp_path)]
+    code, output = run_command([*script, "--epochs", "1"], timeout=120)
+    assert code == 0, output
+    assert "epochs done: 1;" in output
+    first_accuracy = output.split("val accuracy by epoch: ")[1].split()[0].rstrip(",")
+    code, output = run_command([*script, "--epochs", "2"], timeout=120)
+    assert code == 0, output
+    # The second run resumed: its History holds epoch 1 from the first run, unchanged.
+    assert "epochs done: 2;" in output
+    assert output.split("val accuracy by epoch: ")[1].startswith(first_accuracy)
+    assert (tmp_path / "best.pt").is_file() and (tmp_path / "latest.json").is_file()
