@@ -40,6 +40,7 @@ from nn_handler.errors import CheckpointError
 LATEST = "latest.json"
 BEST = "best.pt"
 _PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
+_COUNT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() accepts '¹', int() does not
 
 
 def periodic_name(epoch: int, step: int) -> str:
@@ -51,7 +52,7 @@ def restart_count(env: Mapping[str, str]) -> int:
     restarted this job; 0 for a first start. Unparseable values count as 0."""
     for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         value = env.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
+        if _COUNT.fullmatch(value) and int(value) > 0:
             return int(value)
     return 0
 

@@ -318,7 +318,11 @@ def test_restart_count_reads_torchrun_then_slurm(torchrun: str | None, slurm: st
 
     def parsed(value: str | None) -> int:
         text = (value or "").strip()
-        return int(text) if text.isdigit() else 0
+        return int(text) if text and all(c in "0123456789" for c in text) else 0
 
     expected = parsed(torchrun) or parsed(slurm)
     assert restart_count(env) == expected
+
+
+def test_restart_count_ignores_non_ascii_digits() -> None:
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "\u00b9", "SLURM_RESTART_COUNT": "2"}) == 2
