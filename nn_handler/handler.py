@@ -27,7 +27,7 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.errors import ConfigError
 from nn_handler.log import enable_logging
-from nn_handler.training.checkpointing import check_checkpoint
+from nn_handler.training.checkpointing import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
@@ -118,7 +118,7 @@ class NNHandler:
             hooks=hooks,
             checkpoint=self.config.checkpoint,
         )
-        self.trainer.run_config = {"handler": self.config.model_dump(mode="json")}
+        self.trainer.run_config = {"handler": plain_config(self.config)}
 
     # ----------------------------------------------------------------- parts
     @property

@@ -16,11 +16,13 @@ trained, so the data order, the RNG streams and the summed losses continue exact
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
+from pydantic import BaseModel
 
 from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
 from nn_handler.checkpoint.rng import capture_rng
@@ -53,6 +55,16 @@ class ResumePoint:
     running: dict[str, Any] | None = None
     skipped_steps: int = 0
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def plain_config(config: BaseModel) -> dict[str, Any]:
+    """A config as JSON-compatible values for a checkpoint; values JSON cannot hold (a callable
+    in compile_kwargs, say) are stored as their repr."""
+    try:
+        return dict(config.model_dump(mode="json"))
+    except Exception:  # pydantic's serialisation error for values it cannot convert
+        dumped = config.model_dump()
+        return json.loads(json.dumps(dumped, default=repr))  # type: ignore[no-any-return]
 
 
 def describe_loader(loader: Iterable[Any]) -> dict[str, Any]:
@@ -252,5 +264,6 @@ __all__ = [
     "check_checkpoint",
     "check_data",
     "describe_loader",
+    "plain_config",
     "rank_state",
 ]

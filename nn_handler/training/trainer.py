@@ -43,10 +43,7 @@ from nn_handler.errors import (
     NonFiniteError,
 )
 from nn_handler.training.batch import batch_size_of, move_to_device
-from nn_handler.training.checkpointing import (
-    build_checkpoint,
-    describe_loader,
-)
+from nn_handler.training.checkpointing import build_checkpoint, describe_loader, plain_config
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.fault_tolerance import FaultTolerance
@@ -171,10 +168,10 @@ class Trainer:
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
         #: whole HandlerConfig here).
         self.run_config: dict[str, Any] = {
-            "trainer": self.config.model_dump(mode="json"),
-            "precision": (precision or PrecisionConfig()).model_dump(mode="json"),
-            "ema": (ema or EmaConfig()).model_dump(mode="json"),
-            "checkpoint": (checkpoint or CheckpointConfig()).model_dump(mode="json"),
+            "trainer": plain_config(self.config),
+            "precision": plain_config(precision or PrecisionConfig()),
+            "ema": plain_config(ema or EmaConfig()),
+            "checkpoint": plain_config(checkpoint or CheckpointConfig()),
         }
         self.epoch_rng: dict[str, Any] | None = None
         self.batches_done = 0

@@ -198,3 +198,14 @@ def test_a_fresh_run_in_a_used_folder_warns(tmp_path: Path) -> None:
         logger.remove(sink)
         logger.disable("nn_handler")
     assert any("already holds 1 checkpoint(s)" in m and "resume='auto'" in m for m in seen), seen
+
+
+def test_config_values_json_cannot_hold_are_stored_as_text() -> None:
+    import json
+
+    from nn_handler import TrainerConfig
+    from nn_handler.training.checkpointing import plain_config
+
+    plain = plain_config(TrainerConfig(compile_kwargs={"backend": len}))
+    assert plain["compile_kwargs"]["backend"] == repr(len)
+    assert json.loads(json.dumps(plain)) == plain
