@@ -56,7 +56,7 @@ class SyncBatchNorm(_BatchNorm):
         n = total[-1]
         mean = total[:channels] / n
         var = (total[channels : 2 * channels] / n - mean * mean).clamp_min(0)
-        self._update_running_stats(mean.detach(), var.detach(), float(n))
+        self._update_running_stats(mean.detach(), var.detach(), float(n.detach()))
         shape = [1, channels] + [1] * (input.dim() - 2)
         scale = torch.rsqrt(var + self.eps).float()
         out = (x - mean.float().view(shape)) * scale.view(shape)

@@ -1,0 +1,75 @@
+"""Seed 003's TrainingEngine in one process, and its fallback when distributed setup fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from torch import nn
+from torch.utils.data import DataLoader
+
+from nn_handler import DistributedError
+from nn_handler.training_engine import TrainingEngine, distributed_train_worker
+from tests.engine_helpers import YourModel
+from tests.training_helpers import regression_data
+
+
+def test_engine_trains_in_one_process_and_saves(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    engine = TrainingEngine(
+        model,
+        "cpu",
+        use_ema=True,
+        ema_decay=0.9,
+        experiment_name="one",
+        checkpoint_dir=tmp_path,
+        progress_bar=False,
+    )
+    history = engine.train(
+        DataLoader(regression_data(), batch_size=8, shuffle=True),
+        DataLoader(regression_data(n=16, seed=1), batch_size=8),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        num_epochs=3,
+        save_best=True,
+        save_last=True,
+    )
+    assert len(history) == 3 and history["train_loss"][-1] < history["train_loss"][0]
+    assert {"best.pt", "latest.json"} <= {p.name for p in (tmp_path / "one").iterdir()}
+    assert torch.equal(engine._reduce_tensor(torch.tensor([2.0])), torch.tensor([2.0]))
+
+
+def test_engine_needs_the_group_for_distributed_training() -> None:
+    with pytest.raises(DistributedError, match=r"setup_distributed\(rank, world_size\)"):
+        TrainingEngine(nn.Linear(2, 2), "cpu", distributed=True, world_size=2)
+
+
+def test_worker_falls_back_to_one_process_with_a_warning(tmp_path: Path) -> None:
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(seen.append, level="WARNING", format="{message}")
+    data: Any = regression_data(n=64)
+    data.tensors = (torch.randn(64, 8, 8), data.tensors[1])  # digits-shaped inputs
+    try:
+        history = distributed_train_worker(
+            0,
+            2,
+            backend="nccl",  # no CUDA here: the setup fails at once
+            model_fn=YourModel,
+            train_dataset=data,
+            val_dataset=None,
+            batch_size=16,
+            optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1),
+            criterion_fn=nn.CrossEntropyLoss,
+            engine_kwargs={"checkpoint_dir": tmp_path, "progress_bar": False},
+            train_kwargs={"num_epochs": 1},
+        )
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    assert len(history) == 1
+    assert any("distributed setup failed" in m and "single process" in m for m in seen), seen
