@@ -7,7 +7,9 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def _positive_int(text: str) -> int:
@@ -26,25 +28,73 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_demo(nproc: int, backend: str) -> int:
-    """Start ``nproc`` demo workers on this machine with torchrun over 127.0.0.1."""
+def _run_folder(out: str | None, resume: bool) -> Path:
+    if out is not None:
+        return Path(out)
+    runs = sorted(Path("runs").glob("demo-*"))
+    if resume:
+        if not runs:
+            raise SystemExit("nn-handler: error: --resume found no runs/demo-* folder; pass --out")
+        return runs[-1]
+    return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Train the digits CNN on ``args.nproc`` local processes with torchrun over 127.0.0.1."""
+    out = _run_folder(args.out, args.resume)
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
+        f"--nproc-per-node={args.nproc}",
         "--nnodes=1",
         "--master-addr=127.0.0.1",
         f"--master-port={_free_port()}",
         "-m",
         "nn_handler.demo",
-        f"--backend={backend}",
+        f"--out={out}",
+        f"--epochs={args.epochs}",
+        f"--precision={args.precision}",
+        f"--backend={args.backend}",
     ]
-    env = dict(os.environ)
+    command += ["--ema"] if args.ema else []
+    command += ["--resume"] if args.resume else []
+    env = dict(os.environ)  # the children's environment, not ours
     env.setdefault("OMP_NUM_THREADS", "1")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the demo stays on this machine
     return subprocess.call(command, env=env)
+
+
+def run_env(env: Mapping[str, str]) -> int:
+    """Print what nn_handler sees; 1 when the launcher variables are inconsistent."""
+    import torch
+    import torch.distributed as dist
+
+    from nn_handler.distributed.env import parse_distributed_env
+    from nn_handler.errors import ConfigError
+
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    available = {
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "mpi": dist.is_available() and dist.is_mpi_available(),
+    }
+    print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in available.items()))
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            print(f"cuda:{index}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    else:
+        print("CUDA: no devices")
+    try:
+        info = parse_distributed_env(env)
+    except ConfigError as error:
+        print(f"launcher variables: INCONSISTENT: {error}")
+        return 1
+    print(f"launcher: {info.launcher}")
+    print(f"  {info}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,11 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="start N local processes that report their DistributedInfo and all_gather"
+        "demo",
+        help="train a small CNN on the bundled digits dataset with N local processes",
+        description="Train a small CNN on scikit-learn's digits with N processes (torchrun on "
+        "127.0.0.1): progress bar, per-epoch summaries, checkpoints, a curves PNG.",
     )
     demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (default 2)")
+    demo.add_argument("--epochs", type=_positive_int, default=10, help="default 10")
+    demo.add_argument("--precision", choices=["32", "bf16", "fp16", "amp"], default="32")
+    demo.add_argument("--ema", action="store_true", help="keep an EMA of the weights")
+    demo.add_argument("--out", help="run folder (default: runs/demo-<time>)")
+    demo.add_argument(
+        "--resume", action="store_true", help="continue the run in --out (default: newest)"
+    )
     demo.add_argument(
         "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="default: auto"
+    )
+    commands.add_parser(
+        "env",
+        help="print torch, backends, CUDA devices and the launcher environment",
+        description="Print what nn_handler sees: torch version, distributed backends, CUDA "
+        "devices and memory, and the DistributedInfo parsed from the environment.",
     )
     return parser
 
@@ -65,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        return run_demo(args.nproc, args.backend)
+        return run_demo(args)
+    if args.command == "env":
+        return run_env(os.environ)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

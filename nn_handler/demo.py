@@ -1,39 +1,87 @@
-"""The worker of ``nn-handler demo``: every rank reports where it is, then one all_gather.
+"""The worker of ``nn-handler demo``: train the digits CNN on every rank with NNHandler.
 
-Run by torchrun (``nn-handler demo`` starts it); each rank joins the group from torchrun's
-variables through DistributedContext.
+Run by torchrun (``nn-handler demo`` starts it). Rank 0 shows a progress bar and one summary
+line per epoch; checkpoints go to OUT/checkpoints after every epoch; at the end rank 0 prints
+the final validation accuracy and writes OUT/curves.png, OUT/history.json and OUT/history.csv.
+``--resume`` continues from the latest checkpoint in OUT.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
+from loguru import logger
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from nn_handler.config import DistributedConfig
-from nn_handler.distributed.context import DistributedContext
+from nn_handler.config import HandlerConfig
+from nn_handler.digits import DigitsCNN, digits_datasets
+from nn_handler.handler import NNHandler
+from nn_handler.training.metrics import accuracy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nn_handler.demo")
+    parser.add_argument("--out", required=True, help="the run folder")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16", "amp"])
+    parser.add_argument("--ema", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    return parser
 
 
 @record  # torchrun's report then names the real exception of a failing rank
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nn_handler.demo")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    args = parser.parse_args(argv)
-    config = DistributedConfig(backend=args.backend, timeout=timedelta(seconds=60))
-    with DistributedContext(config) as ctx:
-        comm = ctx.communicator
-        infos = comm.all_gather_object((ctx.info, str(ctx.device)))
-        # A different length on every rank: the gather is exact, padding removed.
-        gathered = comm.all_gather(torch.full((ctx.rank + 1,), ctx.rank, device=ctx.device))
-        total = comm.all_reduce(ctx.rank)
-        if ctx.is_main_process:
-            print(f"nn_handler demo: {ctx.world_size} processes, backend {ctx.backend}")
-            for rank, (info, device) in enumerate(infos):
-                print(f"  rank {rank} on {device}: {info}")
-            print(f"  all_gather (rank r sends r+1 copies of r): {[t.tolist() for t in gathered]}")
-            print(f"  all_reduce (sum of ranks): {total}")
+    args = build_parser().parse_args(argv)
+    logger.remove()  # the demo is the application: only the rank-0 sink NNHandler adds prints
+    out = Path(args.out)
+    started = time.perf_counter()
+    config = HandlerConfig.from_dict(
+        {
+            "distributed": {"backend": args.backend, "timeout": timedelta(seconds=120)},
+            "loader": {"batch_size": 32, "shuffle": True, "seed": 0},
+            "precision": args.precision,
+            "ema": {"enabled": args.ema, "decay": 0.99, "warmup": True},
+            "logging": {"enabled": True},
+            "checkpoint": {
+                "dir": str(out / "checkpoints"),
+                "save_best": True,
+                "monitor": "val_accuracy",
+                "mode": "max",
+                "keep_last": 2,
+                "resume": "auto" if args.resume else "on_restart",
+            },
+        }
+    )
+    torch.manual_seed(0)
+    train, val = digits_datasets()
+    with NNHandler(
+        DigitsCNN(),
+        lambda params: torch.optim.Adam(params, lr=3e-3),
+        nn.CrossEntropyLoss(),
+        lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs),
+        config=config,
+        metrics={"accuracy": accuracy},
+    ) as handler:
+        history = handler.train(train, val, epochs=args.epochs)
+        if handler.is_main_process:
+            history.to_json(out / "history.json")
+            history.to_csv(out / "history.csv")
+            plot = history.plot(out / "curves.png")
+            seconds = time.perf_counter() - started
+            print(
+                f"nn_handler demo: {handler.world_size} processes on {handler.device}, "
+                f"{len(history)} epochs, final validation accuracy "
+                f"{history['val_accuracy'][-1]:.2%} ({seconds:.1f} s)"
+            )
+            print(f"  run folder: {out.resolve()}")
+            print(f"  curves: {plot}; history: history.json, history.csv")
+            print(f"  checkpoints: {out / 'checkpoints'} (continue with --resume --out {out})")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
-from nn_handler.cli import build_parser, main
+from nn_handler.cli import build_parser, main, run_env
 from tests.harness import run_command
 
 
@@ -17,7 +18,17 @@ def test_help_lists_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0 and "demo" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", [["demo", "--nproc", "0"], ["demo", "--nproc", "x"], ["fly"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["demo", "--nproc", "0"],
+        ["demo", "--nproc", "x"],
+        ["demo", "--epochs", "0"],
+        ["demo", "--precision", "fp8"],
+        ["env", "--what"],
+        ["fly"],
+    ],
+)
 def test_bad_arguments_exit_non_zero_with_one_line(
     bad: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -28,15 +39,68 @@ def test_bad_arguments_exit_non_zero_with_one_line(
 
 
 @pytest.mark.distributed
-def test_demo_runs_two_processes_under_torchrun() -> None:
-    code, output = run_command(
-        [sys.executable, "-m", "nn_handler.cli", "demo", "--nproc", "2"], timeout=120
-    )
+def test_demo_trains_digits_on_two_processes_and_resumes(tmp_path: Path) -> None:
+    demo = [sys.executable, "-m", "nn_handler.cli", "demo", "--out", str(tmp_path)]
+    code, output = run_command([*demo, "--epochs", "10"], timeout=120)
     assert code == 0, output
-    assert "nn_handler demo: 2 processes, backend gloo" in output
-    for rank in (0, 1):
-        assert re.search(
-            rf"rank {rank} on cpu: DistributedInfo\(local_rank={rank}, rank={rank}", output
-        )
-    assert "launcher='torchrun'" in output
-    assert "[[0], [1, 1]]" in output and "all_reduce (sum of ranks): 1" in output
+    found = re.search(r"2 processes on cpu, 10 epochs, final validation accuracy ([\d.]+)%", output)
+    assert found is not None, output
+    assert float(found.group(1)) >= 95.0
+    seconds = float(re.search(r"% \(([\d.]+) s\)", output).group(1))  # type: ignore[union-attr]
+    assert seconds < 60
+    for name in ("curves.png", "history.json", "history.csv", "checkpoints/latest.json"):
+        assert (tmp_path / name).is_file(), name
+    assert "epoch 10/10:" in output  # the per-epoch summary lines
+    code, output = run_command([*demo, "--epochs", "12", "--resume"], timeout=120)
+    assert code == 0, output
+    assert "resumed from" in output and "12 epochs" in output
+    assert "epoch 1/12:" not in output  # it continued; it did not start again
+
+
+def test_env_reports_a_single_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_env({}) == 0
+    out = capsys.readouterr().out
+    assert "torch " in out and "backends: gloo yes" in out
+    assert "launcher: single" in out
+
+
+def test_env_reports_torchrun_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
+    assert run_env(env) == 0
+    out = capsys.readouterr().out
+    assert "launcher: torchrun" in out and "rank=1" in out and "world_size=2" in out
+
+
+def test_env_flags_inconsistent_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_env({"RANK": "3", "WORLD_SIZE": "2"}) == 1
+    assert "INCONSISTENT" in capsys.readouterr().out
+
+
+def test_env_command_runs() -> None:
+    code, output = run_command([sys.executable, "-m", "nn_handler.cli", "env"], timeout=60)
+    assert code == 0, output
+    assert "launcher:" in output
+
+
+@pytest.mark.parametrize("command", ["demo", "env"])
+def test_each_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0 and "usage: nn-handler " + command in capsys.readouterr().out
+
+
+def test_demo_resume_without_a_run_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--resume"])
+    assert "--resume found no runs/demo-* folder; pass --out" in str(info.value.code)
