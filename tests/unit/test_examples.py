@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -76,3 +77,62 @@ def test_preemptible_training_example_continues_in_a_second_run(tmp_path: Path) 
     assert "epochs done: 2;" in output
     assert output.split("val accuracy by epoch: ")[1].startswith(first_accuracy)
     assert (tmp_path / "best.pt").is_file() and (tmp_path / "latest.json").is_file()
+
+
+def _accuracy_line(output: str) -> str:
+    found = re.search(r"Validation metrics \(\d process\(es\)\): (\{.*\})", output)
+    assert found is not None, output
+    return found.group(1)
+
+
+@pytest.mark.distributed
+def test_seed_000_dist_utils_example_gives_the_same_metrics_alone_and_on_two_ranks() -> None:
+    script = str(EXAMPLES / "dist_utils_validation.py")
+    code, alone = run_command([sys.executable, script], timeout=60)
+    assert code == 0, alone
+    code, two = run_command(torchrun_command(script), timeout=120)
+    assert code == 0, two
+    assert "'samples': 359.0" in _accuracy_line(alone)
+    assert _accuracy_line(alone) == _accuracy_line(two)  # every sample once, gathered exactly
+    assert "rank 0 done" in two and "rank 1 done" in two and "GPU memory" in two
+
+
+@pytest.mark.distributed
+def test_seed_001_dd_helpers_example_broadcasts_and_aggregates() -> None:
+    code, output = run_command(torchrun_command(EXAMPLES / "dd_helpers_metrics.py"), timeout=120)
+    assert code == 0, output
+    assert "rank 1: config {'lr': 0.001, 'epochs': 3}" in output
+    assert "aggregated over 2 rank(s): {'accuracy': 0.825, 'f1': 0.75}, loss 1.5000" in output
+
+
+@pytest.mark.distributed
+def test_seed_004_helios_example_under_torchrun() -> None:
+    code, output = run_command(torchrun_command(EXAMPLES / "helios_functions.py"), timeout=120)
+    assert code == 0, output
+    assert "launcher='torchrun'" in output and "sum of rank+1 over 2 ranks: 3" in output
+    assert "gathered into one tensor: [[0.0, 0.0], [1.0, 1.0]]" in output
+
+
+def test_seed_003_example_script_trains_in_one_process() -> None:
+    script = [sys.executable, str(EXAMPLES / "distributed_training_example.py")]
+    code, output = run_command([*script, "--epochs", "4", "--use-ema"], timeout=120)
+    assert code == 0, output
+    assert "trained 4 epochs on 1 process(es)" in output
+
+
+@pytest.mark.distributed
+def test_seed_003_example_script_trains_distributed_with_amp() -> None:
+    script = [sys.executable, str(EXAMPLES / "distributed_training_example.py")]
+    flags = ["--distributed", "--world-size", "2", "--epochs", "8", "--use-amp"]
+    code, output = run_command([*script, *flags], timeout=180)
+    assert code == 0, output
+    found = re.search(r"trained 8 epochs on 2 process\(es\): .* val_loss ([\d.]+)", output)
+    assert found is not None and float(found.group(1)) < 0.5, output
+
+
+def test_slurm_script_starts_an_existing_example_with_its_options() -> None:
+    sbatch = (EXAMPLES / "slurm_job.sbatch").read_text()
+    started = re.search(r"srun python (\S+) --dir \S+ --epochs \d+", sbatch)
+    assert started is not None
+    assert (EXAMPLES.parent / started.group(1)).is_file()
+    assert "--signal=TERM@" in sbatch and '"$status" -eq 75' in sbatch
