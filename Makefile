@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 PIP_INSTALL := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test lint typecheck install clean
+.PHONY: demo docs test lint typecheck install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nn-handler demo
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check nn_handler tests examples benchmarks
 	$(BIN)/ruff format --check nn_handler tests examples benchmarks
@@ -31,4 +34,4 @@ test: lint typecheck
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site
