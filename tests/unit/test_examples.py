@@ -136,3 +136,11 @@ def test_slurm_script_starts_an_existing_example_with_its_options() -> None:
     assert started is not None
     assert (EXAMPLES.parent / started.group(1)).is_file()
     assert "--signal=TERM@" in sbatch and '"$status" -eq 75' in sbatch
+
+
+def test_every_example_has_a_smoke_test() -> None:
+    tests = Path(__file__).read_text()
+    tests += (Path(__file__).parents[1] / "distributed" / "test_torchrun_multinode.py").read_text()
+    untested = [p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sbatch")]
+    untested = [name for name in untested if f'"{name}"' not in tests]
+    assert not untested, f"examples without a smoke test: {untested}"
