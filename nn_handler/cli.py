@@ -39,9 +39,27 @@ def _run_folder(out: str | None, resume: bool) -> Path:
     return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
 
 
+def demo_placement(nproc: int, gpus: int, backend: str) -> tuple[str, str, str | None]:
+    """(backend, device, note) for the demo: one GPU per process when there are enough GPUs,
+    otherwise every process on the CPU with gloo (with a note when GPUs were left unused). An
+    explicit nccl is passed through (the context then explains what is missing)."""
+    if 0 < nproc <= gpus:
+        return backend, "auto", None
+    if backend == "nccl":
+        return backend, "auto", None
+    note = f"{nproc} processes but {gpus} GPU(s): the demo runs on the CPU with gloo"
+    return "gloo", "cpu", note if gpus else None
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Train the digits CNN on ``args.nproc`` local processes with torchrun over 127.0.0.1."""
+    import torch
+
     out = _run_folder(args.out, args.resume)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend, device, note = demo_placement(args.nproc, gpus, args.backend)
+    if note:
+        print(f"nn-handler demo: {note}")
     command = [
         sys.executable,
         "-m",
@@ -55,7 +73,8 @@ def run_demo(args: argparse.Namespace) -> int:
         f"--out={out}",
         f"--epochs={args.epochs}",
         f"--precision={args.precision}",
-        f"--backend={args.backend}",
+        f"--backend={backend}",
+        f"--device={device}",
     ]
     command += ["--ema"] if args.ema else []
     command += ["--resume"] if args.resume else []

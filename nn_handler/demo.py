@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ema", action="store_true")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--device", default="auto", help="auto: cuda:<local rank> or cpu")
     return parser
 
 
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     config = HandlerConfig.from_dict(
         {
-            "distributed": {"backend": args.backend, "timeout": timedelta(seconds=120)},
+            "distributed": {
+                "backend": args.backend,
+                "device": args.device,
+                "timeout": timedelta(seconds=120),
+            },
             "loader": {"batch_size": 32, "shuffle": True, "seed": 0},
             "precision": args.precision,
             "ema": {"enabled": args.ema, "decay": 0.99, "warmup": True},

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nn_handler.cli import build_parser, main, run_env
+from nn_handler.cli import build_parser, demo_placement, main, run_env
 from tests.harness import run_command
 
 
@@ -104,3 +104,22 @@ def test_demo_resume_without_a_run_is_a_one_line_error(
     with pytest.raises(SystemExit) as info:
         main(["demo", "--resume"])
     assert "--resume found no runs/demo-* folder; pass --out" in str(info.value.code)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "gpus", "backend", "expected"),
+    [
+        (2, 0, "auto", ("gloo", "cpu")),  # a CPU machine
+        (2, 2, "auto", ("auto", "auto")),  # one GPU per process: nccl chosen by the context
+        (2, 1, "auto", ("gloo", "cpu")),  # too few GPUs: CPU processes, with a note
+        (1, 1, "nccl", ("nccl", "auto")),
+        (2, 1, "gloo", ("gloo", "cpu")),
+        (2, 2, "gloo", ("gloo", "auto")),  # gloo on the GPUs, as asked
+    ],
+)
+def test_demo_places_processes_on_gpus_only_when_there_are_enough(
+    nproc: int, gpus: int, backend: str, expected: tuple[str, str]
+) -> None:
+    placed_backend, device, note = demo_placement(nproc, gpus, backend)
+    assert (placed_backend, device) == expected
+    assert (note is not None) == (device == "cpu" and gpus > 0)
