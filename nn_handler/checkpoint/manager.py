@@ -91,6 +91,7 @@ class CheckpointManager:
         self.dir = Path(config.dir)
         self.best_value: float | None = None
         self.last_saved_step: int | None = None
+        self.last_saved_path: Path | None = None
         if self.comm.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for orphan in remove_orphans(self.dir):
@@ -136,7 +137,7 @@ class CheckpointManager:
             except OSError as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, self.dir / LATEST)
-        self.last_saved_step = step
+        self.last_saved_step, self.last_saved_path = step, path
         return path
 
     def update_best(self, value: float, source: Path | None, checkpoint: Any = None) -> bool:

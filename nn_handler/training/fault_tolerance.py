@@ -146,8 +146,10 @@ class FaultTolerance:
         config, trainer = self.config, self.trainer
         step = trainer.state.global_step
         path: Path | None = None
-        if manager.last_saved_step == step and manager.candidates():
-            path = manager.candidates()[0]
+        # Decided from memory, the same on every rank (a directory listing could differ
+        # between machines, and only some ranks would then enter the collective save).
+        if manager.last_saved_step == step:
+            path = manager.last_saved_path
         else:
             try:
                 path = self.save_periodic(budget_s=config.preemption_budget_s)

@@ -209,3 +209,12 @@ def test_config_values_json_cannot_hold_are_stored_as_text() -> None:
     plain = plain_config(TrainerConfig(compile_kwargs={"backend": len}))
     assert plain["compile_kwargs"]["backend"] == repr(len)
     assert json.loads(json.dumps(plain)) == plain
+
+
+def test_a_checkpoint_from_a_newer_format_asks_for_an_upgrade(tmp_path: Path) -> None:
+    with _simple(tmp_path) as h:
+        h.train(DATA, epochs=1)
+        checkpoint = load_file(tmp_path / "ckpt-e0001-s00000005.pt")
+        checkpoint["version"] = 99
+        with pytest.raises(CheckpointError, match=r"newer nn_handler \(format version 99"):
+            h.trainer.load_state_dict(checkpoint, "future.pt")

@@ -11,7 +11,7 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from nn_handler import DistributedError
+from nn_handler import ConfigError, DistributedError
 from nn_handler.training_engine import TrainingEngine, distributed_train_worker
 from tests.engine_helpers import YourModel
 from tests.training_helpers import regression_data
@@ -73,3 +73,16 @@ def test_worker_falls_back_to_one_process_with_a_warning(tmp_path: Path) -> None
         logger.disable("nn_handler")
     assert len(history) == 1
     assert any("distributed setup failed" in m and "single process" in m for m in seen), seen
+
+
+def test_save_best_needs_a_validation_loader(tmp_path: Path) -> None:
+    model = nn.Linear(6, 3)
+    engine = TrainingEngine(model, "cpu", checkpoint_dir=tmp_path, progress_bar=False)
+    with pytest.raises(ConfigError, match="save_best=True needs a val_loader"):
+        engine.train(
+            DataLoader(regression_data(), batch_size=8),
+            None,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            save_best=True,
+        )
