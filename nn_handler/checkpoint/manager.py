@@ -72,6 +72,20 @@ def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -
     raise CheckpointError(f"{what} failed on rank(s) {list(failed)}: {details}") from cause
 
 
+def write_together(
+    comm: Communicator,
+    checkpoint: Mapping[str, Any] | None,
+    path: str | Path,
+    budget_s: float | None = None,
+) -> Path:
+    """Rank 0 writes ``checkpoint`` atomically to ``path``; every rank must call this and
+    returns once the file is complete, or raises the same CheckpointError."""
+    target = Path(path)
+    error = _write_on_main(checkpoint, target, budget_s) if comm.rank == 0 else None
+    agree_on(comm, error, f"writing checkpoint {target}")
+    return target
+
+
 def _text(error: BaseException) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
@@ -83,7 +97,9 @@ class CheckpointManager:
     killed save left behind.
     """
 
-    def __init__(self, config: CheckpointConfig, communicator: Communicator) -> None:
+    def __init__(
+        self, config: CheckpointConfig, communicator: Communicator, clean: bool = True
+    ) -> None:
         if config.dir is None:
             raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
         self.config = config
@@ -92,7 +108,7 @@ class CheckpointManager:
         self.best_value: float | None = None
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 and clean:
             self.dir.mkdir(parents=True, exist_ok=True)
             for orphan in remove_orphans(self.dir):
                 logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
@@ -104,11 +120,7 @@ class CheckpointManager:
         """Write ``checkpoint`` (used on rank 0 only) atomically to ``path``; every rank must
         call this and returns once the file is complete. ``budget_s`` bounds the write: past it
         the save is abandoned (the file does not appear) and CheckpointError is raised."""
-        target = Path(path)
-        error: str | None = None
-        if self.comm.rank == 0:
-            error = _write_on_main(checkpoint, target, budget_s)
-        return self._agree(error, target)
+        return write_together(self.comm, checkpoint, path, budget_s)
 
     def _agree(self, error: str | None, target: Path) -> Path:
         agree_on(self.comm, error, f"writing checkpoint {target}")
@@ -256,6 +268,7 @@ def _write_on_main(
 __all__ = [
     "BEST",
     "agree_on",
+    "write_together",
     "LATEST",
     "CheckpointManager",
     "periodic_name",

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.manager import CheckpointManager, agree_on, restart_count
+from nn_handler.checkpoint.manager import (
+    CheckpointManager,
+    agree_on,
+    restart_count,
+    write_together,
+)
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.failure import fail_together
 from nn_handler.errors import (
@@ -173,12 +178,7 @@ class FaultTolerance:
         return self.manager
 
     def save(self, path: str | Path, budget_s: float | None = None) -> Path:
-        checkpoint = self.trainer.state_dict()
-        manager = self.manager
-        if manager is None:
-            config = CheckpointConfig(dir=str(Path(path).parent))
-            manager = CheckpointManager(config, self.trainer.comm)
-        return manager.write(checkpoint, path, budget_s)
+        return write_together(self.trainer.comm, self.trainer.state_dict(), path, budget_s)
 
     def save_periodic(self, budget_s: float | None = None) -> Path:
         manager = self.require_manager("save_periodic")
@@ -218,7 +218,7 @@ class FaultTolerance:
         if str(path) == "latest":
             manager = self.require_manager("resume('latest')")
         else:
-            manager = CheckpointManager(CheckpointConfig(dir=str(path)), comm)
+            manager = CheckpointManager(CheckpointConfig(dir=str(path)), comm, clean=False)
         name: str | None = None
         checkpoint: Any = None
         problem: BaseException | None = None

@@ -218,3 +218,20 @@ def test_a_checkpoint_from_a_newer_format_asks_for_an_upgrade(tmp_path: Path) ->
         checkpoint["version"] = 99
         with pytest.raises(CheckpointError, match=r"newer nn_handler \(format version 99"):
             h.trainer.load_state_dict(checkpoint, "future.pt")
+
+
+def test_resuming_from_a_folder_or_saving_to_a_path_leaves_other_files_alone(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    with _simple(run) as h:
+        h.train(DATA, epochs=1)
+    in_flight = run / ".other.pt.tmp-999"  # another writer's temporary file
+    in_flight.write_bytes(b"partial")
+    elsewhere = tmp_path / "exports"
+    elsewhere.mkdir()
+    (elsewhere / ".x.pt.tmp-1").write_bytes(b"partial")
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as h:
+        assert h.resume(run) == run / "ckpt-e0001-s00000005.pt"
+        h.save(elsewhere / "copy.pt")
+    assert in_flight.exists() and (elsewhere / ".x.pt.tmp-1").exists()
