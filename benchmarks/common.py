@@ -9,9 +9,11 @@ import platform
 import socket
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -38,6 +40,19 @@ def report(results: dict[str, Any], out: str | None) -> None:
     if out:
         with open(out, "w") as handle:
             json.dump(full, handle, indent=2)
+
+
+def join_gloo_group(rank: int, port: int, timeout_s: float) -> None:
+    """In a benchmark worker: one thread, gloo on loopback, rank ``rank`` of 2 at ``port``."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the worker's own process: benchmarks stay local
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300) -> Any:

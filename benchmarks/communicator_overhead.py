@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import common
@@ -48,15 +46,7 @@ def single_process(repeats: int, calls: int) -> dict[str, float]:
 
 
 def _group_worker(rank: int, port: int, repeats: int, calls: int, numel: int, out: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
+    common.join_gloo_group(rank, port, timeout_s=60)
     comm = TorchCommunicator()
     t = torch.ones(numel)
 

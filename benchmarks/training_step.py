@@ -15,12 +15,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import os
 import shutil
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import common
@@ -73,15 +71,7 @@ def _raw_epoch(model: nn.Module, optimizer: Any, loader: Any, epoch: int) -> Non
 
 
 def _worker(rank: int, port: int, case: str, steps: int, repeats: int, out: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=120),
-    )
+    common.join_gloo_group(rank, port, timeout_s=120)
     result = _measure(rank, case, steps, repeats)
     if rank == 0:
         out.put(result)
