@@ -8,8 +8,10 @@ import os
 import platform
 import socket
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import torch
@@ -66,7 +68,22 @@ def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300)
     procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
-    result = queue.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:  # a rank that dies fails the run at once, with its exit code
+        try:
+            result = queue.get(timeout=1)
+            break
+        except Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"benchmark ranks failed or timed out: {dead}") from None
     for proc in procs:
         proc.join(60)
     return result
+
+
+def meets(value: float, op: str, bound: float) -> bool:
+    """Whether ``value op bound`` holds, for the targets each benchmark records."""
+    return value <= bound if op == "<=" else value >= bound

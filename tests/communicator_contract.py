@@ -11,6 +11,7 @@ import math
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,6 +124,50 @@ def check_object_collectives(comm: Communicator) -> None:
     }
 
 
+def _rank_payload(r: int) -> dict[str, object]:
+    """Tensors of every kind the fast route takes (and some it leaves to torch), and arrays."""
+    base = torch.arange(12.0).reshape(3, 4) + r
+    shared = torch.full((2,), float(r))
+    return {
+        "f32": base,
+        "bf16": base.to(torch.bfloat16),
+        "bool": base > 5,
+        "complex": torch.complex(base, -base),
+        "scalar": torch.tensor(r),
+        "empty": torch.empty(0, 3, dtype=torch.int16),
+        "transposed": base.t(),  # not contiguous
+        "grad": torch.ones(2, requires_grad=True) * 1.0,  # not a leaf: torch's own route
+        "param": torch.nn.Parameter(torch.full((2,), float(r))),
+        "array": np.arange(5, dtype=np.float32) + r,
+        "same_twice": [shared, shared],
+    }
+
+
+def check_objects_carry_tensors_and_arrays(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    gathered = comm.all_gather_object(_rank_payload(r))
+    for rank, got in enumerate(gathered):
+        want = _rank_payload(rank)
+        for key in ("f32", "bf16", "bool", "complex", "scalar", "empty", "transposed"):
+            assert got[key].dtype == want[key].dtype, key  # type: ignore[attr-defined]
+            assert torch.equal(got[key], want[key]), key  # type: ignore[arg-type]
+        assert isinstance(got["param"], torch.nn.Parameter)
+        assert torch.equal(got["param"], want["param"])  # type: ignore[arg-type]
+        assert got["grad"].requires_grad  # type: ignore[attr-defined]
+        assert np.array_equal(got["array"], want["array"])  # type: ignore[arg-type]
+        first, second = got["same_twice"]  # type: ignore[misc]
+        assert first is second, "one object sent twice arrives as one object"
+    if w > 1:  # received tensors are writable and independent of one another
+        received = gathered[(r + 1) % w]
+        received["f32"].add_(1)  # type: ignore[attr-defined]
+        assert torch.equal(received["transposed"], _rank_payload((r + 1) % w)["transposed"])  # type: ignore[arg-type]
+    on_dst = comm.gather_object({"t": torch.full((r + 1,), r)}, dst=0)
+    if r == 0:
+        assert [o["t"].tolist() for o in on_dst] == [[i] * (i + 1) for i in range(w)]
+    got = comm.broadcast_object({"a": np.ones(3) * 7, "t": torch.ones(2)} if r == 0 else None)
+    assert got["a"].tolist() == [7.0] * 3 and got["t"].tolist() == [1.0, 1.0]
+
+
 def check_reduce_dict_nan_rule(comm: Communicator) -> None:
     r, w = comm.rank, comm.world_size
     values = {
@@ -183,6 +228,7 @@ CHECKS: list[Callable[[Communicator], None]] = [
     check_all_gather_variable_first_dim,
     check_gather,
     check_object_collectives,
+    check_objects_carry_tensors_and_arrays,
     check_reduce_dict_nan_rule,
     check_seed_barrier_and_agreement,
     check_bad_input_is_a_config_error_on_every_rank,

@@ -186,3 +186,23 @@ def test_a_barrier_with_timeout_names_the_rank_that_did_not_arrive() -> None:
 def test_torch_communicator_without_a_group_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="NullCommunicator"):
         TorchCommunicator()
+
+
+def _large_payloads(rank: int, world_size: int) -> dict[str, Any]:
+    comm = TorchCommunicator()
+    # Above the 16 MiB threshold on rank 0 only: the payloads move one rank at a time.
+    big = bytes([7]) * (17 * 2**20) if rank == 0 else b"small"
+    gathered = comm.all_gather_object({"rank": rank, "data": big, "t": torch.full((3,), rank)})
+    sizes = [len(g["data"]) for g in gathered]
+    ok = all(g["rank"] == i and g["t"].tolist() == [i] * 3 for i, g in enumerate(gathered))
+    # A pickling failure next to a large payload still names the failing rank everywhere.
+    try:
+        comm.all_gather_object(big if rank == 0 else contract.unpicklable())
+    except RankFailedError as error:
+        failed = error.failed_ranks
+    return {"sizes": sizes, "ok": ok, "failed": failed}
+
+
+def test_large_object_payloads_move_rank_by_rank_and_still_agree_on_failures() -> None:
+    for result in run_group(_large_payloads, 2):
+        assert result == {"sizes": [17 * 2**20, 5], "ok": True, "failed": [1]}

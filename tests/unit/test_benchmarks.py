@@ -74,3 +74,20 @@ def test_checkpoint_io_quick_mode_writes_its_fields(tmp_path: Path) -> None:
         low, high = row["ratio_spread"]
         assert low <= row["ratio_to_torch_median"] <= high and row["mb_per_s"] > 0
     assert set(results["targets"]) == {"atomic_save_within_2x", "load_within_1.2x"}
+
+
+@pytest.mark.distributed
+def test_object_collectives_quick_mode_writes_its_fields(tmp_path: Path) -> None:
+    results = run_quick("object_collectives.py", tmp_path)
+    assert list(results["objects"]) == [
+        "list of 1k floats",
+        "dict of 100 small tensors",
+        "10 MB numpy array",
+        "100 MB bytes",
+    ]
+    for row in [*results["objects"].values(), *results["variable_tensors"].values()]:
+        low, high = row["ratio_spread"]
+        assert low <= row["ratio_median"] <= high and row["torch_ms"] > 0
+    for rank in results["peak_memory_per_rank"]:
+        assert rank["nn_handler_peak_x_payload"] > 0 and rank["torch_peak_x_payload"] > 0
+    assert len(results["targets_met"]) == 6

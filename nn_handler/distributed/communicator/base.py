@@ -14,17 +14,16 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 from __future__ import annotations
 
 import os
-import pickle
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
 
-from nn_handler.distributed.communicator import _tree, _wire
+from nn_handler.distributed.communicator import _objects, _tree, _wire
 from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
 
 ReduceOp = Literal["sum", "mean", "min", "max", "product"]
@@ -34,6 +33,8 @@ DEBUG_ENV_VAR = "NN_HANDLER_DEBUG_COLLECTIVES"
 
 T = TypeVar("T")
 Waiter = Callable[[], torch.Tensor]
+#: Object payloads above this size move one rank at a time (bounded memory).
+_LARGE_FRAME = 16 * 2**20
 
 
 def debug_from_env(env: Mapping[str, str] | None = None) -> bool:
@@ -58,21 +59,6 @@ def _reduce_transport(dtype: torch.dtype) -> torch.dtype:
 
 def _copy_transport(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype == torch.bool else dtype
-
-
-def _dumps(obj: Any) -> tuple[bytes, BaseException | None]:
-    """Pickle ``obj`` (cloudpickle for lambdas and local classes); on failure return the error
-    text as the payload, and the error."""
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
-    except Exception as first:
-        try:
-            import cloudpickle
-
-            return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
-        except Exception:
-            text = "".join(traceback.format_exception_only(type(first), first)).strip()
-            return text.encode(), first
 
 
 def format_error(error: BaseException) -> str:
@@ -265,43 +251,54 @@ class Communicator(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
 
-        Each rank pickles first and all ranks agree before payloads move: an object that cannot
-        be pickled on some rank raises :class:`~nn_handler.errors.RankFailedError` naming that
-        rank on every rank, and the group stays usable. Unpickling trusts the group's members.
+        Each rank pickles first; an object that cannot be pickled on some rank raises
+        :class:`~nn_handler.errors.RankFailedError` naming that rank on every rank (agreed in
+        the size exchange, at no extra round trip), and the group stays usable. CPU tensors and
+        NumPy arrays inside objects travel as raw bytes and arrive as views of the received
+        buffer (tensors as contiguous tensors of the same dtype and shape; views of one storage
+        arrive as separate tensors). Payloads above 16 MiB move one rank at a time, so a rank
+        holds at most one peer's payload besides the results. Unpickling trusts the group's
+        members.
         """
         self._check_signature("all_gather_object(obj)")
         if self.world_size == 1:
             return [obj]
-        payload, error = _dumps(obj)
-        blobs, failed = self._exchange_payloads(payload, error)
-        if failed:
-            raise RankFailedError("all_gather_object: pickling the object", failed) from error
-        return [pickle.loads(blob) for blob in blobs]
+        frame, error = _objects.dumps(obj)
+        lengths, failed_flags = self._exchange_lengths(frame.length, error)
+        large = max(lengths) > _LARGE_FRAME and not any(failed_flags)
+        send = self._send_buffer(frame, lengths[self.rank] if large else max(lengths))
+        del frame  # the send buffer holds the only copy now
+        if not large:
+            parts = [part.cpu().numpy() for part in self._do_all_gather(send)]
+            if any(failed_flags):
+                failed = self._failures(parts, failed_flags)
+                raise RankFailedError("all_gather_object: pickling the object", failed) from error
+            return [_objects.loads(part) for part in parts]
+        # One rank at a time: each payload is unpickled and its buffer dropped before the next.
+        parts = self._broadcast_frames(send, lengths)
+        del send
+        return [_objects.loads(part) for part in parts]
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
         """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
 
-        Every rank must call this. Pickling failures raise on every rank, as in
-        :meth:`all_gather_object`.
+        Every rank must call this. Pickling failures raise on every rank and tensors travel as
+        in :meth:`all_gather_object`.
         """
         self._check_rank("dst", dst)
         self._check_signature(f"gather_object(obj, dst={dst})")
         if self.world_size == 1:
             return [obj]
-        payload, error = _dumps(obj)
-        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
-        statuses = [s.tolist() for s in self._do_all_gather(status.to(self.device))]
-        if any(flag for flag, _ in statuses):
-            _, failed = self._exchange_payloads(payload, error)
+        frame, error = _objects.dumps(obj)
+        lengths, failed_flags = self._exchange_lengths(frame.length, error)
+        if any(failed_flags):
+            parts = self._all_gather_frames(frame, lengths)
+            failed = self._failures(parts, failed_flags)
             raise RankFailedError("gather_object: pickling the object", failed) from error
-        longest = max(length for _, length in statuses)
-        parts = self._do_gather(_wire.bytes_to_tensor(payload, longest, self.device), dst)
-        if parts is None:
+        gathered = self._do_gather(self._send_buffer(frame, max(lengths)), dst)
+        if gathered is None:
             return []
-        return [
-            pickle.loads(_wire.tensor_to_bytes(part, length))
-            for part, (_, length) in zip(parts, statuses, strict=True)
-        ]
+        return [_objects.loads(part.cpu().numpy()) for part in gathered]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
@@ -313,15 +310,16 @@ class Communicator(ABC):
         self._check_signature(f"broadcast_object(obj, src={src})")
         if self.world_size == 1:
             return obj
-        payload, error = _dumps(obj) if self.rank == src else (b"", None)
-        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
+        frame, error = _objects.dumps(obj) if self.rank == src else (_objects.Frame(b"", []), None)
+        status = torch.tensor([int(error is not None), frame.length], dtype=torch.int64)
         failed_flag, length = self._do_broadcast(status.to(self.device), src).tolist()
-        data = self._do_broadcast(_wire.bytes_to_tensor(payload, length, self.device), src)
-        blob = _wire.tensor_to_bytes(data, length)
+        send = self._send_buffer(frame, length) if self.rank == src else None
+        buffer = send if send is not None else torch.empty(length, dtype=torch.uint8)
+        part = self._do_broadcast(buffer.to(self.device), src).cpu().numpy()
         if failed_flag:
-            message = {src: blob.decode(errors="replace")}
+            message = {src: _objects.read_stream(part).decode(errors="replace")}
             raise RankFailedError("broadcast_object: pickling the object", message) from error
-        return obj if self.rank == src else pickle.loads(blob)
+        return obj if self.rank == src else _objects.loads(part)
 
     # ----------------------------------------------------------------- agreement and helpers
     def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
@@ -452,27 +450,53 @@ class Communicator(ABC):
         return total.to(torch.float64) / self.world_size
 
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        blobs, _ = self._exchange_payloads(payload, None)
-        return blobs
+        """Every rank's byte string (texts for error reports), padded to the longest."""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        lengths = [int(n.item()) for n in self._do_all_gather(length)]
+        parts = self._do_all_gather(_wire.bytes_to_tensor(payload, max(lengths), self.device))
+        return [_wire.tensor_to_bytes(p, n) for p, n in zip(parts, lengths, strict=True)]
 
-    def _exchange_payloads(
-        self, payload: bytes, error: BaseException | None
-    ) -> tuple[list[bytes], dict[int, str]]:
-        """All-gather byte strings; also returns the text of ranks that flagged an error."""
-        status = torch.tensor([int(error is not None), len(payload)], dtype=torch.int64)
+    def _exchange_lengths(
+        self, length: int, error: BaseException | None
+    ) -> tuple[list[int], list[int]]:
+        """Every rank's frame length and pickling-failure flag, in one all-gather."""
+        status = torch.tensor([int(error is not None), length], dtype=torch.int64)
         statuses = [s.tolist() for s in self._do_all_gather(status.to(self.device))]
-        longest = max(length for _, length in statuses)
-        parts = self._do_all_gather(_wire.bytes_to_tensor(payload, longest, self.device))
-        blobs = [
-            _wire.tensor_to_bytes(part, length)
-            for part, (_, length) in zip(parts, statuses, strict=True)
-        ]
-        failed = {
-            rank: blob.decode(errors="replace")
-            for rank, (blob, (flag, _)) in enumerate(zip(blobs, statuses, strict=True))
+        return [length for _, length in statuses], [flag for flag, _ in statuses]
+
+    def _send_buffer(self, frame: _objects.Frame, length: int) -> torch.Tensor:
+        """``frame`` in a uint8 tensor of ``length`` bytes on the communicator's device."""
+        buffer = torch.empty(length, dtype=torch.uint8)
+        frame.write_into(buffer.numpy())
+        buffer[frame.length :] = 0
+        return buffer.to(self.device)
+
+    def _all_gather_frames(self, frame: _objects.Frame, lengths: list[int]) -> list[np.ndarray]:
+        """Every rank's frame, in one all-gather padded to the longest."""
+        parts = self._do_all_gather(self._send_buffer(frame, max(lengths)))
+        return [part.cpu().numpy() for part in parts]
+
+    def _broadcast_frames(self, send: torch.Tensor, lengths: list[int]) -> Iterator[np.ndarray]:
+        """Every rank's frame (this rank's in ``send``), one broadcast per rank, each sized to
+        its own length; a part is yielded before the next is allocated, so the caller can
+        unpickle it and drop it first."""
+        own: torch.Tensor | None = send
+        del send
+        for src, length in enumerate(lengths):
+            if src == self.rank and own is not None:
+                buffer, own = own, None
+            else:
+                buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
+            yield self._do_broadcast(buffer, src).cpu().numpy()
+            del buffer
+
+    @staticmethod
+    def _failures(parts: list[np.ndarray], flags: list[int]) -> dict[int, str]:
+        return {
+            rank: _objects.read_stream(part).decode(errors="replace")
+            for rank, (part, flag) in enumerate(zip(parts, flags, strict=True))
             if flag
         }
-        return blobs, failed
 
     def _gather_variable(
         self, tensor: torch.Tensor, dst: int | None, what: str
