@@ -52,6 +52,22 @@ def check_all_reduce_async(comm: Communicator) -> None:
         raise AssertionError("all_reduce_async(op='mean') must be a ConfigError")
 
 
+def check_all_reduce_in_place(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    t = torch.tensor([r + 1.0, 2.0])
+    assert comm.all_reduce_(t) is t and t.tolist() == [_triangle(w), 2.0 * w]
+    fresh = torch.tensor([r + 1.0, 2.0])
+    assert comm.all_reduce_(fresh, "mean").tolist() == [(w + 1) / 2, 2.0]
+    strided = torch.arange(6.0).reshape(2, 3).t() * (r + 1)  # not contiguous: one temporary
+    assert torch.equal(comm.all_reduce_(strided, "max"), torch.arange(6.0).reshape(2, 3).t() * w)
+    flags = torch.tensor([r == 0, False])
+    assert comm.all_reduce_(flags).tolist() == [True, False], "bool: any rank set it"
+    leaf = torch.ones(2, requires_grad=True)
+    assert comm.all_reduce_(leaf).tolist() == [float(w)] * 2 and leaf.requires_grad
+    with pytest.raises(ConfigError, match=r"all_reduce_.*int64"):
+        comm.all_reduce_(torch.ones(2, dtype=torch.int64), "mean")
+
+
 def check_all_reduce_numbers_and_nesting(comm: Communicator) -> None:
     r, w = comm.rank, comm.world_size
     total = comm.all_reduce(r + 1)
@@ -223,6 +239,7 @@ def check_bad_input_is_a_config_error_on_every_rank(comm: Communicator) -> None:
 CHECKS: list[Callable[[Communicator], None]] = [
     check_all_reduce_tensor_ops,
     check_all_reduce_async,
+    check_all_reduce_in_place,
     check_all_reduce_numbers_and_nesting,
     check_broadcast,
     check_all_gather_variable_first_dim,

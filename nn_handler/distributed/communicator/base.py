@@ -177,6 +177,42 @@ class Communicator(ABC):
         result: T = _tree.unflatten(spec, iter(values))
         return result
 
+    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` across ranks in place and return it. Every rank must call this.
+
+        The copy-free variant of :meth:`all_reduce` for large buffers the caller owns (gradient
+        buckets, metric accumulators): a contiguous tensor on the communicator's device is
+        reduced in its own memory; any other tensor goes through one temporary copy. ``mean``
+        needs a floating-point or complex tensor; bool tensors sum and average as int64, and the
+        result is written back as bool (nonzero).
+        """
+        self._require_tensor(tensor, "all_reduce_")
+        checked = self._check_op(op)
+        mean = checked == "mean"
+        if mean and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ConfigError(
+                f"all_reduce_(op='mean') cannot write a mean into a {tensor.dtype} tensor; pass "
+                f"a floating-point tensor, or use all_reduce (it returns float64 means)."
+            )
+        if self.world_size == 1:
+            return tensor
+        self._check_signature(f"all_reduce_({tuple(tensor.shape)}, {tensor.dtype}, op={op})")
+        target = tensor.detach()
+        direct = (
+            target.device == self.device and target.is_contiguous() and target.dtype != torch.bool
+        )
+        buffer = target
+        if not direct:
+            transport = _reduce_transport(target.dtype)
+            buffer = torch.empty(target.shape, dtype=transport, device=self.device)
+            buffer.copy_(target)
+        self._do_all_reduce(buffer, "sum" if mean else checked)  # type: ignore[arg-type]
+        if mean:
+            buffer.div_(self.world_size)
+        if buffer is not target:
+            target.copy_(buffer)
+        return tensor
+
     def all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp = "sum") -> Waiter:
         """Start reducing one tensor across ranks; returns a function that waits for and returns
         the result. Every rank must call this (and later the waiter) in the same order as its
@@ -275,9 +311,9 @@ class Communicator(ABC):
                 raise RankFailedError("all_gather_object: pickling the object", failed) from error
             return [_objects.loads(part) for part in parts]
         # One rank at a time: each payload is unpickled and its buffer dropped before the next.
-        parts = self._broadcast_frames(send, lengths)
+        frames = self._broadcast_frames(send, lengths)
         del send
-        return [_objects.loads(part) for part in parts]
+        return [_objects.loads(part) for part in frames]
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
         """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
