@@ -44,15 +44,15 @@ def report(results: dict[str, Any], out: str | None) -> None:
             json.dump(full, handle, indent=2)
 
 
-def join_gloo_group(rank: int, port: int, timeout_s: float) -> None:
-    """In a benchmark worker: one thread, gloo on loopback, rank ``rank`` of 2 at ``port``."""
+def join_gloo_group(rank: int, port: int, timeout_s: float, world_size: int = 2) -> None:
+    """In a benchmark worker: one thread, gloo on loopback, rank ``rank`` of ``world_size``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the worker's own process: benchmarks stay local
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
 
@@ -60,12 +60,17 @@ def join_gloo_group(rank: int, port: int, timeout_s: float) -> None:
 def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300) -> Any:
     """Spawn ``worker(rank, port, *args, queue)`` on ranks 0 and 1 (a free port on 127.0.0.1
     for their gloo rendezvous); return the first result rank 0 puts on the queue."""
+    return run_ranks(2, worker, *args, timeout=timeout)
+
+
+def run_ranks(world_size: int, worker: Callable[..., None], *args: Any, timeout: float) -> Any:
+    """:func:`run_two_ranks` for ``world_size`` fresh processes (1 for a clean single process)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(world_size)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
