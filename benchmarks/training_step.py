@@ -109,7 +109,7 @@ def _nn_handler(
     if folder is not None:  # SIGTERM handling on: the preemption check runs (nothing is saved)
         config["checkpoint"] = {"dir": folder, "save_last": False, "every_n_epochs": None}
     handler = NNHandler(
-        build(), _sgd, nn.CrossEntropyLoss(), config=config, context=DistributedContext()
+        build(), _sgd, nn.functional.cross_entropy, config=config, context=DistributedContext()
     )
 
     def epoch(index: int) -> None:

@@ -9,15 +9,23 @@ import torch
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """``batch`` with every tensor (in nested tuples, lists and dicts) on ``device``."""
+    """``batch`` with every tensor (in nested tuples, lists and dicts) on ``device``; a flat
+    tuple or list of tensors already there comes back as it is."""
+    if type(batch) in (tuple, list) and all(
+        type(v) is torch.Tensor and v.device == device for v in batch
+    ):
+        return batch
     if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
         return {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+        moved = [move_to_device(v, device, non_blocking) for v in batch]
+        return moved if type(batch) is list else type(batch)(moved)
     return batch
 
 
@@ -35,7 +43,10 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 def batch_size_of(batch: Any) -> int:
     """Samples in ``batch``: dim 0 of its first tensor (1 when it holds none, or a scalar)."""
-    tensor = _first_tensor(batch)
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor:
+        tensor: torch.Tensor | None = batch[0]
+    else:
+        tensor = _first_tensor(batch)
     return int(tensor.shape[0]) if tensor is not None and tensor.dim() else 1
 
 

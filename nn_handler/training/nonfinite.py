@@ -8,7 +8,7 @@ gradients DDP has already averaged, it gives the same answer on every rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -16,7 +16,9 @@ import torch
 class GradientFiniteCheck:
     """``all_finite()`` is False when any gradient of ``params`` holds a NaN or an inf.
 
-    Costs one fused kernel per device/dtype group and one boolean read from the device.
+    Costs one fused kernel per device/dtype group and one boolean read from the device. In one
+    process on a CPU, where each op dispatch costs microseconds, that is most of what the
+    non-finite guard adds to a step of a tiny model (about 10 µs).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -28,16 +30,25 @@ class GradientFiniteCheck:
             for (device, _), members in groups.items()
         ]
 
-    def all_finite(self) -> bool:
+    def all_finite(self, extra: Sequence[torch.Tensor] = ()) -> bool:
+        """Whether every gradient, and every tensor in ``extra`` (such as the losses of the
+        step), is finite. Tensors in ``extra`` join the kernel of their device's group."""
         finite = True
+        pending = list(extra)
         for members, found_inf, one in self._groups:
-            grads = [p.grad for p in members if p.grad is not None]
-            if not grads:
+            tensors = [p.grad for p in members if p.grad is not None]
+            if pending:
+                device = found_inf.device
+                tensors += [t.detach() for t in pending if t.device == device]
+                pending = [t for t in pending if t.device != device]
+            if not tensors:
                 continue
-            found_inf.zero_()
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-            finite = finite and not bool(found_inf)
-        return finite
+            # found_inf stays zero between calls (reset only after a hit): one op less per step.
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, one)
+            if bool(found_inf):
+                found_inf.zero_()
+                finite = False
+        return finite and all(bool(torch.isfinite(t).all()) for t in pending)
 
 
 __all__ = ["GradientFiniteCheck"]

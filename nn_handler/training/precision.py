@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from nn_handler.config.training import PrecisionConfig, PrecisionName
 from nn_handler.errors import ConfigError
+
+_NOTHING = contextlib.nullcontext()  # stateless and reentrant: one shared instance
 
 
 def resolve_precision(precision: PrecisionName, device: torch.device) -> str:
@@ -48,14 +49,11 @@ class Precision:
                 device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
             )
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward-pass context: autocast to the reduced dtype, or nothing for '32'."""
         if self.dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device.type, dtype=self.dtype):
-            yield
+            return _NOTHING
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
         """Backpropagate ``loss`` (scaled under fp16), seeded with ``gradient`` if given."""

@@ -18,7 +18,6 @@ model while training, the plain or EMA model while evaluating).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
@@ -163,6 +162,7 @@ class Trainer:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
         self._finite = GradientFiniteCheck(self._params)
+        self._window_losses: list[torch.Tensor] = []
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
@@ -319,21 +319,29 @@ class Trainer:
         loss is divided by it so the gradient is the window's mean. Returns the detached loss.
         """
         batch = move_to_device(batch, self.device, self._non_blocking)
-        # Gradients are synchronised across ranks only on the last micro-batch of a window.
-        skip_sync = self._ddp.no_sync() if self._ddp is not None and not sync else None
-        with skip_sync or contextlib.nullcontext():
-            with self.precision.autocast():
-                loss = self._loss_of(self.training_step(batch))
-            if self._guard:
-                # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so
-                # this rank's gradients turn NaN and DDP's averaging carries that to every
-                # rank; one check of the synchronised gradients then decides for all ranks.
-                self.precision.backward(loss, loss.detach().mul(0.0).add_(1.0 / window))
-            else:
-                self.precision.backward(loss / window if window > 1 else loss)
+        if self._ddp is not None and not sync:
+            # Gradients are synchronised across ranks only on the last micro-batch of a window.
+            with self._ddp.no_sync():
+                return self._forward_backward(batch, window)
+        loss = self._forward_backward(batch, window)
         if sync:
             self.optimizer_step()
-        return loss.detach()
+        return loss
+
+    def _forward_backward(self, batch: Any, window: int) -> torch.Tensor:
+        with self.precision.autocast():
+            loss = self._loss_of(self.training_step(batch))
+        if self._guard and self._ddp is not None:
+            # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
+            # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
+            # check of the synchronised gradients then decides for all ranks.
+            self.precision.backward(loss, loss.detach().mul(0.0).add_(1.0 / window))
+            return loss.detach()
+        self.precision.backward(loss / window if window > 1 else loss)
+        detached = loss.detach()
+        if self._guard:  # without DDP the window's losses join the gradients' finite check
+            self._window_losses.append(detached)
+        return detached
 
     def optimizer_step(self) -> bool:
         """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
@@ -346,7 +354,8 @@ class Trainer:
                 self.config.gradient_clip_val,
                 norm_type=self.config.gradient_clip_norm_type,
             )
-        stepped = self._finite.all_finite() if self._guard else True
+        stepped = self._finite.all_finite(self._window_losses) if self._guard else True
+        self._window_losses.clear()
         if stepped:
             if self.precision.scaler is not None:
                 scale = self.precision.scaler.get_scale()
@@ -410,6 +419,7 @@ class Trainer:
             )
         running = RunningLoss(self.config.log_every_n_steps)
         self._running = running
+        self._window_losses.clear()  # nothing left over from an epoch that raised
         show = self.config.progress_bar and self.is_main_process
         bar = ProgressBar(show, total, f"epoch {self.state.epoch + 1}/{epochs}")
         self.state.skipped_steps = 0
@@ -417,24 +427,33 @@ class Trainer:
         try:
             batches, first = self._batches(loader, running)
             bar.update(first)
+            # The per-batch path, with its lookups hoisted: in one process it is what the loop
+            # costs on top of the model (benchmarks/training_step.py).
+            state, hooks, log_every = self.state, self.hooks, self.config.log_every_n_steps
+            before = hooks.has("before_step")
+            after = hooks.has("after_step")
+            run_step, add, update = self.run_step, running.add, bar.update
+            after_optimizer_step = self.fault_tolerance.after_optimizer_step
             for index, batch in enumerate(batches, start=first):
                 start = index - index % accumulate
                 end = start + accumulate if total is None else min(start + accumulate, total)
-                self.state.batch_index = index
-                self.state.step_synced = index + 1 == end
-                self.hooks.call("before_step")
-                loss = self.run_step(batch, self.state.step_synced, end - start)
-                self.state.last_loss = loss
-                running.add(loss, batch_size_of(batch))
-                if self.state.step_synced:
+                state.batch_index = index
+                synced = state.step_synced = index + 1 == end
+                if before:
+                    hooks.call("before_step")
+                loss = run_step(batch, synced, end - start)
+                state.last_loss = loss
+                add(loss, batch_size_of(batch))
+                if synced:
                     self.batches_done = index + 1
-                self.hooks.call("after_step")
-                bar.update()
-                if show and (index + 1) % self.config.log_every_n_steps == 0:
+                if after:
+                    hooks.call("after_step")
+                update()
+                if show and (index + 1) % log_every == 0:
                     elapsed = time.perf_counter() - started
                     bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
-                if self.state.step_synced:
-                    self.fault_tolerance.after_optimizer_step()
+                if synced:
+                    after_optimizer_step()
         finally:
             bar.close()
             self._running = None

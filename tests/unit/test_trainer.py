@@ -219,6 +219,31 @@ def test_the_nonfinite_guard_skips_the_step_and_keeps_the_weights() -> None:
     assert math.isfinite(history.last["train_loss"])  # the inf batch is left out of the mean
 
 
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_nonfinite_loss_with_finite_gradients_is_still_skipped(accumulate: int) -> None:
+    # The NaN has no gradient path: only the loss shows it (in one process the guard checks
+    # the window's losses with the gradients; with DDP the seeded backward carries it).
+    class NaNLossOnly(Trainer):
+        def training_step(self, batch: Any) -> torch.Tensor:
+            loss = super().training_step(batch)
+            assert isinstance(loss, torch.Tensor)
+            return loss + torch.tensor(float("nan")) if self.state.batch_index == 0 else loss
+
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        trainer_class=NaNLossOnly,
+        config={
+            "loader": {"batch_size": 10, "shuffle": False},
+            "trainer": {"accumulate_grad_batches": accumulate},
+        },
+    )
+    history = handler.train(regression_data(), epochs=1)
+    assert history.last["skipped_steps"] == 1.0, "the window holding the NaN loss is skipped"
+    assert all(torch.isfinite(v).all() for v in state_of(handler.model).values())
+
 def test_the_nonfinite_guard_can_raise_instead() -> None:
     class AlwaysNaN(Trainer):
         def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
