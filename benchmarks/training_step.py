@@ -10,8 +10,10 @@ Python cost per step is not hidden by communication) and 2 (gloo on 127.0.0.1, D
   DataLoader; DistributedDataParallel and a DistributedSampler with two processes);
 - nn_handler: ``NNHandler.train`` with its defaults (rank-0 progress bar drawn into a buffer,
   exact epoch loss, the non-finite guard), its time including the loader it builds and the
-  end-of-epoch reduction;
-- nn_handler + preemption check: the same with a checkpoint folder and SIGTERM handling on
+  end-of-epoch reduction; its loss function is the same ``F.cross_entropy``;
+- nn_handler, nonfinite='off': without the non-finite guard (the check that raw, Fabric and
+  Accelerate do not make);
+- nn_handler + preemption check: the defaults with a checkpoint folder and SIGTERM handling on
   (nothing is saved; the cost measured is the agreed preemption check);
 - fabric: ``lightning_fabric.Fabric`` (``setup``, ``setup_dataloaders``, ``backward``);
 - accelerate: ``accelerate.Accelerator`` (``prepare``, ``backward``).
@@ -102,10 +104,14 @@ def _raw(build: Callable[[], nn.Module], data: TensorDataset, batch: int, world:
 
 
 def _nn_handler(
-    build: Callable[[], nn.Module], data: TensorDataset, batch: int, folder: str | None
+    build: Callable[[], nn.Module],
+    data: TensorDataset,
+    batch: int,
+    folder: str | None,
+    trainer: dict[str, Any] | None = None,
 ) -> tuple[Epoch, NNHandler]:
     torch.manual_seed(0)
-    config: dict[str, Any] = {"loader": {"batch_size": batch}}
+    config: dict[str, Any] = {"loader": {"batch_size": batch}, "trainer": trainer or {}}
     if folder is not None:  # SIGTERM handling on: the preemption check runs (nothing is saved)
         config["checkpoint"] = {"dir": folder, "save_last": False, "every_n_epochs": None}
     handler = NNHandler(
@@ -173,9 +179,11 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="nnh-bench-")
     ours, handler = _nn_handler(build, data, batch, None)
     guarded, guarded_handler = _nn_handler(build, data, batch, folder)
+    unguarded, unguarded_handler = _nn_handler(build, data, batch, None, {"nonfinite": "off"})
     variants: dict[str, Epoch] = {
         "raw": _raw(build, data, batch, world),
         "nn_handler": ours,
+        "nn_handler, nonfinite='off'": unguarded,
         "nn_handler + preemption check": guarded,
         "fabric": _fabric(build, data, batch, world),
         "accelerate": _accelerate(build, data, batch, world),
@@ -190,8 +198,8 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
                 epoch(repeat)
                 if repeat:
                     times[name].append((time.perf_counter() - start) / steps)
-    handler.close()
-    guarded_handler.close()
+    for each in (handler, guarded_handler, unguarded_handler):
+        each.close()
     shutil.rmtree(folder, ignore_errors=True)
     raw = times["raw"]
     rows = {}

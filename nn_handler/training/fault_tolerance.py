@@ -106,6 +106,12 @@ class FaultTolerance:
         )
         return self.watch
 
+    def wants_step_calls(self) -> bool:
+        """Whether :meth:`after_optimizer_step` has anything to do in this fit (step
+        checkpoints or a preemption watch); the loop skips the call otherwise."""
+        saves = self.manager is not None and self.config.save_last and self.config.every_n_steps
+        return bool(saves) or self.watch is not None
+
     def after_optimizer_step(self) -> None:
         """Step checkpoints and the preemption check (the same steps on every rank)."""
         every, step = self.config.every_n_steps, self.trainer.state.global_step

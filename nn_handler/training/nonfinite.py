@@ -31,15 +31,16 @@ class GradientFiniteCheck:
         ]
 
     def all_finite(self, extra: Sequence[torch.Tensor] = ()) -> bool:
-        """Whether every gradient, and every tensor in ``extra`` (such as the losses of the
-        step), is finite. Tensors in ``extra`` join the kernel of their device's group."""
+        """Whether every gradient, and every tensor in ``extra`` (detached floating-point
+        tensors, such as the losses of the step), is finite. Tensors in ``extra`` join the
+        kernel of their device's group."""
         finite = True
         pending = list(extra)
         for members, found_inf, one in self._groups:
             tensors = [p.grad for p in members if p.grad is not None]
             if pending:
                 device = found_inf.device
-                tensors += [t.detach() for t in pending if t.device == device]
+                tensors += [t for t in pending if t.device == device]
                 pending = [t for t in pending if t.device != device]
             if not tensors:
                 continue

@@ -346,8 +346,9 @@ class Trainer:
     def optimizer_step(self) -> bool:
         """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
         optimizer stepped. Also updates the EMA and a per-step scheduler, and zeroes grads."""
-        optimizer = self._require_optimizer()
-        self.precision.unscale(optimizer)
+        optimizer = self.optimizer or self._require_optimizer()
+        if self.precision.scaler is not None:
+            self.precision.unscale(optimizer)
         if self.config.gradient_clip_val is not None:
             torch.nn.utils.clip_grad_norm_(
                 self._params,
@@ -357,12 +358,13 @@ class Trainer:
         stepped = self._finite.all_finite(self._window_losses) if self._guard else True
         self._window_losses.clear()
         if stepped:
-            if self.precision.scaler is not None:
-                scale = self.precision.scaler.get_scale()
+            scaler = self.precision.scaler
+            if scaler is not None:
+                scale = scaler.get_scale()
                 self.precision.step(optimizer)
-                stepped = self.precision.scaler.get_scale() >= scale
+                stepped = scaler.get_scale() >= scale
             else:
-                self.precision.step(optimizer)
+                optimizer.step()
         else:
             self._on_nonfinite()
         if stepped:
@@ -434,6 +436,7 @@ class Trainer:
             after = hooks.has("after_step")
             run_step, add, update = self.run_step, running.add, bar.update
             after_optimizer_step = self.fault_tolerance.after_optimizer_step
+            per_step = self.fault_tolerance.wants_step_calls()
             for index, batch in enumerate(batches, start=first):
                 start = index - index % accumulate
                 end = start + accumulate if total is None else min(start + accumulate, total)
@@ -452,7 +455,7 @@ class Trainer:
                 if show and (index + 1) % log_every == 0:
                     elapsed = time.perf_counter() - started
                     bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
-                if synced:
+                if synced and per_step:
                     after_optimizer_step()
         finally:
             bar.close()
