@@ -10,7 +10,9 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from importlib import metadata
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -26,18 +28,33 @@ def parse_args(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def machine() -> dict[str, Any]:
+    """The facts a reader needs to compare runs: versions, cores, platform, GPU if any."""
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "nn_handler": _version("nn_handler"),
+        "lightning_fabric": _version("lightning-fabric"),
+        "accelerate": _version("accelerate"),
+        "numpy": _version("numpy"),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
 def report(results: dict[str, Any], out: str | None) -> None:
     """Print the results (with the machine and command first) and write them to ``out``."""
-    full = {"machine": machine(), "command": " ".join(sys.argv), **results}
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    full = {"machine": machine(), "command": command, "date": date, **results}
     print(json.dumps(full, indent=2))
     if out:
         with open(out, "w") as handle:
