@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
+BENCH_STAMP := $(VENV)/.installed-bench
 PIP_INSTALL := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo docs test lint typecheck install clean
+.PHONY: demo docs test lint typecheck install bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,19 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The optional peers the training-step benchmark compares against (Lightning Fabric, Accelerate).
+$(BENCH_STAMP): $(STAMP)
+	$(PIP_INSTALL) -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+# Every benchmark in full mode (about 10 minutes on 2 cores): benchmarks/results/*.json and
+# benchmarks/RESULTS.md. bench-quick is the smoke run (about a minute), into .bench-quick/.
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run_all.py --quick --results .bench-quick --report .bench-quick/RESULTS.md
 
 demo: $(STAMP)
 	$(BIN)/nn-handler demo
@@ -34,4 +48,4 @@ test: lint typecheck
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site .bench-quick

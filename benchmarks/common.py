@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from importlib import metadata
-from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -52,7 +51,8 @@ def machine() -> dict[str, Any]:
 
 def report(results: dict[str, Any], out: str | None) -> None:
     """Print the results (with the machine and command first) and write them to ``out``."""
-    command = " ".join([Path(sys.executable).name, *sys.argv])
+    script = os.path.relpath(sys.argv[0])  # as run from the repository root: benchmarks/x.py
+    command = " ".join(["python", script, *sys.argv[1:]])
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     full = {"machine": machine(), "command": command, "date": date, **results}
     print(json.dumps(full, indent=2))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nn_handler import TorchCommunicator
+from nn_handler.distributed.communicator.torch_backend import _all_gather_single
 
 
 def payloads(rank: int, quick: bool) -> dict[str, tuple[Any, int]]:
@@ -40,7 +41,10 @@ def payloads(rank: int, quick: bool) -> dict[str, tuple[Any, int]]:
             {f"t{i}": torch.rand(16, generator=generator) for i in range(100)},
             100 * 16 * 4,
         ),
-        "10 MB numpy array": (np.full(10 * 2**20 // 8 // scale, rank, np.float64), 10 * 2**20),
+        "10 MB numpy array": (
+            np.full(10 * 2**20 // 8 // scale, rank, np.float64),
+            10 * 2**20 // scale,
+        ),
         "100 MB bytes": (bytes([rank]) * big, big),
     }
 
@@ -125,7 +129,7 @@ def _worker(rank: int, port: int, quick: bool, out: Any) -> None:
         equal = torch.rand(numel)
 
         def bare(t: torch.Tensor = equal) -> None:  # the floor: equal lengths, no metadata
-            dist.all_gather_into_tensor(torch.empty(2 * t.numel()), t)
+            _all_gather_single(torch.empty(2 * t.numel()), t)
 
         bare_ms = statistics.median(_seconds(bare, 1) for _ in range(repeats)) * 1e3
         row = _interleaved(

@@ -219,7 +219,6 @@ def test_the_nonfinite_guard_skips_the_step_and_keeps_the_weights() -> None:
     assert math.isfinite(history.last["train_loss"])  # the inf batch is left out of the mean
 
 
-
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_nonfinite_loss_with_finite_gradients_is_still_skipped(accumulate: int) -> None:
     # The NaN has no gradient path: only the loss shows it (in one process the guard checks
@@ -243,6 +242,7 @@ def test_a_nonfinite_loss_with_finite_gradients_is_still_skipped(accumulate: int
     history = handler.train(regression_data(), epochs=1)
     assert history.last["skipped_steps"] == 1.0, "the window holding the NaN loss is skipped"
     assert all(torch.isfinite(v).all() for v in state_of(handler.model).values())
+
 
 def test_the_nonfinite_guard_can_raise_instead() -> None:
     class AlwaysNaN(Trainer):

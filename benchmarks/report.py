@@ -1,0 +1,351 @@
+"""Write RESULTS.md from the benchmarks' JSON results: one table per benchmark.
+
+    python benchmarks/report.py [--results benchmarks/results] [--out benchmarks/RESULTS.md]
+
+Every figure is shown with its ratio to the baseline measured in the same run (raw PyTorch,
+torch.distributed, torch.save, ...) and the spread of the per-repetition ratios, because
+absolute times on shared machines drift. The page is a pure function of the JSON files, so a
+test can check that the committed page matches the committed results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ORDER = [
+    "training_step",
+    "object_collectives",
+    "communicator_overhead",
+    "loader_cache",
+    "ema_update",
+    "checkpoint_io",
+    "scaling",
+]
+Table = list[str]
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:
+    head = list(header)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _spread(pair: list[float]) -> str:
+    return f"{pair[0]:.2f}-{pair[1]:.2f}"
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def training_step(data: dict[str, Any]) -> Table:
+    lines: Table = [
+        "Median ms per training step and, per variant, the median and spread of the ratio to the "
+        "raw loop over the interleaved repetitions (and the median overhead in ms per step).",
+        "",
+    ]
+    for result in data["results"]:
+        rows = [
+            (
+                name,
+                _ms(row["ms_per_step"]),
+                _x(row["ratio_median"]),
+                _spread(row["ratio_spread"]),
+                f"{row['overhead_ms_per_step_median']:+.3f}",
+            )
+            for name, row in result["variants"].items()
+        ]
+        lines += [
+            f"**world size {result['world_size']}, {result['case']}** "
+            f"({result['steps_per_epoch']} steps x batch {result['batch_per_rank']} per rank, "
+            f"{result['repetitions']} repetitions)",
+            "",
+            *_table(["variant", "ms/step", "ratio to raw", "spread", "overhead ms/step"], rows),
+            "",
+        ]
+    return lines
+
+
+def object_collectives(data: dict[str, Any]) -> Table:
+    rows = [
+        (
+            name,
+            _ms(row["torch_ms"]),
+            _ms(row["nn_handler_ms"]),
+            _x(row["ratio_median"]),
+            _spread(row["ratio_spread"]),
+            f"{row['torch_mb_per_s']:.1f} / {row['nn_handler_mb_per_s']:.1f}",
+        )
+        for name, row in data["objects"].items()
+    ]
+    tensors = [
+        (
+            name,
+            _ms(row["bare_all_gather_into_tensor_ms"]),
+            _ms(row["torch_ms"]),
+            _ms(row["nn_handler_ms"]),
+            _x(row["ratio_median"]),
+            _spread(row["ratio_spread"]),
+        )
+        for name, row in data["variable_tensors"].items()
+    ]
+    memory = [
+        (rank, _x(row["torch_peak_x_payload"]), _x(row["nn_handler_peak_x_payload"]))
+        for rank, row in enumerate(data["peak_memory_per_rank"])
+    ]
+    header = ["payload per rank", "all_gather_object ms", "nn_handler ms", "ratio", "spread"]
+    return [
+        "`TorchCommunicator.all_gather_object` against `dist.all_gather_object` (ratio = ours / "
+        "torch; below 1 is faster):",
+        "",
+        *_table([*header, "MB/s torch / ours"], rows),
+        "",
+        "Peak resident memory a 100 MB all-gather adds on each rank, as a multiple of the payload:",
+        "",
+        *_table(["rank", "all_gather_object", "nn_handler"], memory),
+        "",
+        "1-D float tensors of different lengths per rank: `Communicator.all_gather` (pad, gather, "
+        "trim) against the same tensors through `dist.all_gather_object`, with a bare "
+        "equal-length `all_gather_into_tensor` as the floor:",
+        "",
+        *_table(
+            ["elements", "bare ms", "object route ms", "nn_handler ms", "ratio", "spread"],
+            tensors,
+        ),
+    ]
+
+
+def communicator_overhead(data: dict[str, Any]) -> Table:
+    single = [(name, f"{us:.2f}") for name, us in data["single_process_us_per_call"].items()]
+    rows = []
+    for entry in data["gloo_world2_all_reduce"]:
+        for name, row in entry.items():
+            if isinstance(row, dict):
+                rows.append(
+                    (
+                        f"{entry['numel']:,}",
+                        name,
+                        f"{row['raw_us_median']:.0f}",
+                        f"{row['ours_us_median']:.0f}",
+                        _x(row["ratio_median"]),
+                        _spread([row["ratio_min"], row["ratio_max"]]),
+                    )
+                )
+    return [
+        "One process (NullCommunicator), µs per call:",
+        "",
+        *_table(["call", "µs"], single),
+        "",
+        "Two processes on gloo, µs per all-reduce:",
+        "",
+        *_table(["floats", "comparison", "torch µs", "ours µs", "ratio", "spread"], rows),
+    ]
+
+
+def loader_cache(data: dict[str, Any]) -> Table:
+    rows = []
+    for rank, timings in enumerate(data["per_rank"]):
+        for name, row in timings.items():
+            spread = row.get("later_epoch_spread_s")
+            rows.append(
+                (
+                    rank,
+                    name,
+                    f"{row['first_epoch_s']:.3f}",
+                    f"{row['later_epoch_s']:.3f}",
+                    _spread(spread) if spread else "",
+                )
+            )
+    ratios = [
+        (
+            r["rank"],
+            _x(r["later_epoch_speedup_vs_distributed_w0"]),
+            _spread(r["later_epoch_speedup_vs_distributed_w0_spread"])
+            if "later_epoch_speedup_vs_distributed_w0_spread" in r
+            else "",
+        )
+        for r in data["ratios"]
+    ]
+    return [
+        f"{data['samples']:,} samples on 2 ranks, batch {data['batch_size']}, seconds per epoch:",
+        "",
+        *_table(["rank", "loader", "first epoch s", "later epoch s", "later spread s"], rows),
+        "",
+        *_table(["rank", "rank-cached later-epoch speedup", "spread"], ratios),
+    ]
+
+
+def ema_update(data: dict[str, Any]) -> Table:
+    rows = [
+        (
+            name,
+            _ms(row["ms_per_update"]),
+            _x(row["ratio_to_bare_median"]),
+            _spread(row["ratio_spread"]),
+        )
+        for name, row in data["results"].items()
+    ]
+    return [
+        f"One EMA update of {data['parameters'] / 1e6:.0f}M parameters in {data['tensors']} "
+        f"tensors ({data['repeats']} repetitions):",
+        "",
+        *_table(["variant", "ms/update", "ratio to bare", "spread"], rows),
+    ]
+
+
+def checkpoint_io(data: dict[str, Any]) -> Table:
+    rows = [
+        (
+            name,
+            f"{row['seconds_median']:.3f}",
+            f"{row['mb_per_s']:.0f}",
+            _x(row["ratio_to_torch_median"]),
+            _spread(row["ratio_spread"]),
+        )
+        for name, row in data["results"].items()
+    ]
+    return [
+        f"A {data['state_dict_mb']:.0f} MB state dict in {data['tensors']} tensors "
+        f"({data['repeats']} repetitions):",
+        "",
+        *_table(["variant", "median s", "MB/s", "ratio to torch", "spread"], rows),
+    ]
+
+
+def scaling(data: dict[str, Any]) -> Table:
+    cpu = data["cpu_small_cnn"]
+    rows = [
+        (world, cpu[f"world_{world}"]["samples"], f"{cpu[f'world_{world}']['samples_per_s']:.0f}")
+        for world in (1, 2)
+    ]
+    gpu = data["gpu_bf16_vs_fp32"]
+    gpu_lines = (
+        [f"GPU bf16 against fp32: skipped ({gpu['skipped']})."]
+        if "skipped" in gpu
+        else [
+            f"One GPU ({gpu['device']}), batch 256:",
+            "",
+            *_table(
+                ["precision", "samples/s"],
+                [(p, f"{gpu[p]['samples_per_s']:.0f}") for p in ("32", "bf16")],
+            ),
+            "",
+            f"bf16 speedup: {_x(gpu['bf16_speedup'])}.",
+        ]
+    )
+    return [
+        "The small CNN through `NNHandler.train`, one thread per process:",
+        "",
+        *_table(["processes", "samples per epoch", "samples/s"], rows),
+        "",
+        f"Speedup with 2 processes: {_x(cpu['speedup_2_over_1'])}, efficiency "
+        f"{cpu['efficiency']:.0%}.",
+        "",
+        *gpu_lines,
+    ]
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
+    "training_step": training_step,
+    "object_collectives": object_collectives,
+    "communicator_overhead": communicator_overhead,
+    "loader_cache": loader_cache,
+    "ema_update": ema_update,
+    "checkpoint_io": checkpoint_io,
+    "scaling": scaling,
+}
+
+
+def _targets(data: dict[str, Any]) -> Table:
+    met = data.get("targets_met") or {}
+    if not met:
+        return []
+    return [
+        "",
+        "Targets:",
+        "",
+        *[f"- {'met' if ok else '**NOT MET**'}: {t}" for t, ok in met.items()],
+    ]
+
+
+def render(results: dict[str, dict[str, Any]], command: str, folder: str) -> str:
+    """The RESULTS.md text for ``results`` (benchmark name -> its JSON)."""
+    first = next(iter(results.values()))
+    facts = first["machine"]
+    versions = ", ".join(
+        f"{name} {facts[name]}"
+        for name in ("python", "torch", "nn_handler", "lightning_fabric", "accelerate", "numpy")
+        if facts.get(name)
+    )
+    dates = sorted(r.get("date", "") for r in results.values() if r.get("date"))
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `{command}` from the JSON files in `{folder}/` "
+        "(`benchmarks/report.py`); see `benchmarks/README.md` for what each benchmark does and "
+        "how to read it.",
+        "",
+        f"- Machine: {facts['cpus']} CPU cores, {facts['platform']}"
+        + (f", GPU {facts['gpu']}" if facts.get("gpu") else ", no GPU"),
+        f"- Versions: {versions}",
+        f"- Runs: {dates[0]} to {dates[-1]}" if dates else "- Runs: (dates not recorded)",
+        "",
+    ]
+    for name in ORDER:
+        if name not in results:
+            continue
+        data = results[name]
+        lines += [
+            f"## {name}",
+            "",
+            f"`{data['command']}`",
+            "",
+            *RENDERERS[name](data),
+            *_targets(data),
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def shown(folder: Path) -> str:
+    """``folder`` relative to the working directory when it is below it (stable in the page)."""
+    try:
+        return str(folder.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(folder)
+
+
+def load(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every known benchmark's JSON in ``folder``, by name."""
+    return {
+        name: json.loads((folder / f"{name}.json").read_text())
+        for name in ORDER
+        if (folder / f"{name}.json").exists()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    here = Path(__file__).parent
+    parser.add_argument("--results", type=Path, default=here / "results")
+    parser.add_argument("--out", type=Path, default=here / "RESULTS.md")
+    parser.add_argument("--command", default="make bench", help="the command to record")
+    args = parser.parse_args()
+    results = load(args.results)
+    if not results:
+        raise SystemExit(f"no benchmark results in {args.results}; run `make bench` first")
+    args.out.write_text(render(results, args.command, shown(args.results)))
+    print(f"wrote {args.out} ({len(results)} benchmarks)")
+
+
+if __name__ == "__main__":
+    main()
