@@ -32,12 +32,9 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the child processes' own environment
     started = time.perf_counter()
     for name in args.only or report.ORDER:
-        command = [
-            sys.executable,
-            str(HERE / f"{name}.py"),
-            "--out",
-            str(args.results / f"{name}.json"),
-        ]
+        script = os.path.relpath(HERE / f"{name}.py")  # recorded as run from the repo root
+        out = os.path.relpath(args.results / f"{name}.json")
+        command = [sys.executable, script, "--out", out]
         if args.quick:
             command.append("--quick")
         start = time.perf_counter()
