@@ -184,16 +184,20 @@ def loader_cache(data: dict[str, Any]) -> Table:
     ]
 
 
-def ema_update(data: dict[str, Any]) -> Table:
-    rows = [
-        (
-            name,
-            _ms(row["ms_per_update"]),
-            _x(row["ratio_to_bare_median"]),
-            _spread(row["ratio_spread"]),
-        )
-        for name, row in data["results"].items()
+def _ratio_rows(
+    results: dict[str, dict[str, Any]], cells: Callable[[dict[str, Any]], list[str]], key: str
+) -> list[list[str]]:
+    """One row per variant: its name, ``cells(row)``, the median ratio and its spread."""
+    return [
+        [name, *cells(row), _x(row[key]), _spread(row["ratio_spread"])]
+        for name, row in results.items()
     ]
+
+
+def ema_update(data: dict[str, Any]) -> Table:
+    rows = _ratio_rows(
+        data["results"], lambda row: [_ms(row["ms_per_update"])], "ratio_to_bare_median"
+    )
     return [
         f"One EMA update of {data['parameters'] / 1e6:.0f}M parameters in {data['tensors']} "
         f"tensors ({data['repeats']} repetitions):",
@@ -203,16 +207,11 @@ def ema_update(data: dict[str, Any]) -> Table:
 
 
 def checkpoint_io(data: dict[str, Any]) -> Table:
-    rows = [
-        (
-            name,
-            f"{row['seconds_median']:.3f}",
-            f"{row['mb_per_s']:.0f}",
-            _x(row["ratio_to_torch_median"]),
-            _spread(row["ratio_spread"]),
-        )
-        for name, row in data["results"].items()
-    ]
+    rows = _ratio_rows(
+        data["results"],
+        lambda row: [f"{row['seconds_median']:.3f}", f"{row['mb_per_s']:.0f}"],
+        "ratio_to_torch_median",
+    )
     return [
         f"A {data['state_dict_mb']:.0f} MB state dict in {data['tensors']} tensors "
         f"({data['repeats']} repetitions):",

@@ -82,6 +82,15 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
 
+def _steps(loader: Any, model: Any, optimizer: Any, backward: Callable[[Any], Any]) -> None:
+    """The hand-written loop over one epoch; only ``backward`` differs between libraries."""
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        backward(loss)
+        optimizer.step()
+
+
 def _raw(build: Callable[[], nn.Module], data: TensorDataset, batch: int, world: int) -> Epoch:
     torch.manual_seed(0)
     model = build()
@@ -95,11 +104,7 @@ def _raw(build: Callable[[], nn.Module], data: TensorDataset, batch: int, world:
     def epoch(index: int) -> None:
         if sampler is not None:
             sampler.set_epoch(index)
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
+        _steps(loader, model, optimizer, torch.Tensor.backward)
 
     return epoch
 
@@ -136,11 +141,7 @@ def _fabric(build: Callable[[], nn.Module], data: TensorDataset, batch: int, wor
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch, shuffle=True))
 
     def epoch(index: int) -> None:
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x), y)
-            fabric.backward(loss)
-            optimizer.step()
+        _steps(loader, model, optimizer, fabric.backward)
 
     return epoch
 
@@ -160,11 +161,7 @@ def _accelerate(
 
     def epoch(index: int) -> None:
         loader.set_epoch(index)
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
+        _steps(loader, model, optimizer, accelerator.backward)
 
     return epoch
 
