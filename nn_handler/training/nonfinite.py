@@ -34,6 +34,13 @@ class GradientFiniteCheck:
         """Whether every gradient, and every tensor in ``extra`` (detached floating-point
         tensors, such as the losses of the step), is finite. Tensors in ``extra`` join the
         kernel of their device's group."""
+        if len(self._groups) == 1:  # the common case, one device and dtype: no sorting
+            members, found_inf, one = self._groups[0]
+            device = found_inf.device
+            if all(t.device == device for t in extra):
+                tensors = [p.grad for p in members if p.grad is not None]
+                tensors.extend(extra)
+                return not tensors or self._check(tensors, found_inf, one)
         finite = True
         pending = list(extra)
         for members, found_inf, one in self._groups:
@@ -42,14 +49,18 @@ class GradientFiniteCheck:
                 device = found_inf.device
                 tensors += [t for t in pending if t.device == device]
                 pending = [t for t in pending if t.device != device]
-            if not tensors:
-                continue
-            # found_inf stays zero between calls (reset only after a hit): one op less per step.
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, one)
-            if bool(found_inf):
-                found_inf.zero_()
+            if tensors and not self._check(tensors, found_inf, one):
                 finite = False
         return finite and all(bool(torch.isfinite(t).all()) for t in pending)
+
+    @staticmethod
+    def _check(tensors: list[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> bool:
+        # found_inf stays zero between calls (reset only after a hit): one op less per step.
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, one)
+        if bool(found_inf):
+            found_inf.zero_()
+            return False
+        return True
 
 
 __all__ = ["GradientFiniteCheck"]

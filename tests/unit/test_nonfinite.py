@@ -1,0 +1,50 @@
+"""GradientFiniteCheck: one fused check per device/dtype group, in the one-group fast path and
+with several groups, and it forgets a hit once reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler.training.nonfinite import GradientFiniteCheck
+
+
+def _params(*dtypes: torch.dtype) -> list[nn.Parameter]:
+    params = [nn.Parameter(torch.zeros(3, dtype=dtype)) for dtype in dtypes]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    return params
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float32, torch.float64)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_gradient_in_any_group_is_found_then_forgotten(
+    dtypes: tuple[torch.dtype, ...], bad: float
+) -> None:
+    params = _params(*dtypes)
+    check = GradientFiniteCheck(params)
+    assert check.all_finite()
+    params[-1].grad[1] = bad  # type: ignore[index]
+    assert not check.all_finite()
+    params[-1].grad = torch.ones_like(params[-1])
+    assert check.all_finite(), "the hit of the previous call must not stick"
+    assert torch.equal(params[0].grad, torch.ones(3, dtype=dtypes[0]))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.float64)])
+def test_extra_tensors_join_the_check_and_missing_gradients_are_skipped(
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
+    params = _params(*dtypes)
+    params[0].grad = None
+    check = GradientFiniteCheck(params)
+    assert check.all_finite([torch.tensor(0.5)])
+    assert not check.all_finite([torch.tensor(0.5), torch.tensor(float("nan"))])
+    assert check.all_finite([torch.tensor(0.5)])
+
+
+def test_no_gradients_at_all_count_as_finite() -> None:
+    params = _params(torch.float32)
+    params[0].grad = None
+    assert GradientFiniteCheck(params).all_finite()
