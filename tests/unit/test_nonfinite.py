@@ -25,11 +25,11 @@ def test_a_nonfinite_gradient_in_any_group_is_found_then_forgotten(
     params = _params(*dtypes)
     check = GradientFiniteCheck(params)
     assert check.all_finite()
-    params[-1].grad[1] = bad  # type: ignore[index]
+    params[-1].grad[1] = bad
     assert not check.all_finite()
     params[-1].grad = torch.ones_like(params[-1])
     assert check.all_finite(), "the hit of the previous call must not stick"
-    assert torch.equal(params[0].grad, torch.ones(3, dtype=dtypes[0]))  # type: ignore[arg-type]
+    assert torch.equal(params[0].grad, torch.ones(3, dtype=dtypes[0]))
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.float64)])
