@@ -7,11 +7,13 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from importlib import metadata
+from math import comb
 from queue import Empty
 from typing import Any
 
@@ -109,3 +111,28 @@ def run_ranks(world_size: int, worker: Callable[..., None], *args: Any, timeout:
 def meets(value: float, op: str, bound: float) -> bool:
     """Whether ``value op bound`` holds, for the targets each benchmark records."""
     return value <= bound if op == "<=" else value >= bound
+
+
+def median_ci(values: Sequence[float], level: float = 0.95) -> list[float]:
+    """A distribution-free confidence interval for the median of ``values``: the order
+    statistics x(k) and x(n+1-k) with the largest k whose binomial tail P(B <= k-1), B ~
+    Binomial(n, 1/2), stays within (1 - level) / 2. With too few values for ``level`` it is
+    the whole range. A bound inside this interval cannot be told apart from noise."""
+    ordered, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while k < n and tail + comb(n, k) / 2**n <= (1 - level) / 2:
+        tail += comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)
+    return [ordered[k - 1], ordered[n - k]]
+
+
+def ratio_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
+    """The per-repetition ratios ``values[i] / baseline[i]``: median, spread (min-max) and the
+    95% confidence interval of the median."""
+    ratios = [v / b for v, b in zip(values, baseline, strict=True)]
+    return {
+        "ratio_median": statistics.median(ratios),
+        "ratio_spread": [min(ratios), max(ratios)],
+        "ratio_ci95": median_ci(ratios),
+    }

@@ -47,10 +47,15 @@ def _ms(value: float) -> str:
     return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
+HEADER = ["variant", "ms/step", "ratio to raw", "spread", "95% interval", "overhead ms/step"]
+
+
 def training_step(data: dict[str, Any]) -> Table:
     lines: Table = [
-        "Median ms per training step and, per variant, the median and spread of the ratio to the "
-        "raw loop over the interleaved repetitions (and the median overhead in ms per step).",
+        "Median ms per training step and, per variant, the median, spread (min-max) and 95% "
+        "interval of the median of the ratio to the raw loop over the interleaved repetitions, "
+        "and the median overhead in ms per step. Below each table, NNHandler's time over each "
+        "peer's in the same repetition.",
         "",
     ]
     for result in data["results"]:
@@ -60,16 +65,28 @@ def training_step(data: dict[str, Any]) -> Table:
                 _ms(row["ms_per_step"]),
                 _x(row["ratio_median"]),
                 _spread(row["ratio_spread"]),
+                _spread(row["ratio_ci95"]),
                 f"{row['overhead_ms_per_step_median']:+.3f}",
             )
             for name, row in result["variants"].items()
+        ]
+        versus = [
+            (
+                f"nn_handler / {peer}",
+                _x(row["ratio_median"]),
+                _spread(row["ratio_spread"]),
+                _spread(row["ratio_ci95"]),
+            )
+            for peer, row in result["nn_handler_vs_peers"].items()
         ]
         lines += [
             f"**world size {result['world_size']}, {result['case']}** "
             f"({result['steps_per_epoch']} steps x batch {result['batch_per_rank']} per rank, "
             f"{result['repetitions']} repetitions)",
             "",
-            *_table(["variant", "ms/step", "ratio to raw", "spread", "overhead ms/step"], rows),
+            *_table(HEADER, rows),
+            "",
+            *_table(["paired", "ratio", "spread", "95% interval"], versus),
             "",
         ]
     return lines
@@ -264,15 +281,34 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
 }
 
 
+def _value(value: float, unit: str) -> str:
+    return f"{value:+.3f} ms" if unit == "ms" else _x(value)
+
+
+def _target_line(target: str, ok: bool, evidence: dict[str, Any] | None) -> str:
+    line = f"- {'met' if ok else '**NOT MET**'}: {target}"
+    if evidence is None:
+        return line
+    unit, (low, high) = evidence["unit"], evidence["ci95"]
+    line += (
+        f" (median {_value(evidence['median'], unit)}, 95% interval of the median "
+        f"{_value(low, unit)} to {_value(high, unit)})"
+    )
+    if low <= evidence["bound"] <= high:
+        line += "; the bound lies inside the interval: this run cannot tell the two apart"
+    return line
+
+
 def _targets(data: dict[str, Any]) -> Table:
     met = data.get("targets_met") or {}
     if not met:
         return []
+    evidence = data.get("target_evidence") or {}
     return [
         "",
         "Targets:",
         "",
-        *[f"- {'met' if ok else '**NOT MET**'}: {t}" for t, ok in met.items()],
+        *[_target_line(target, ok, evidence.get(target)) for target, ok in met.items()],
     ]
 
 

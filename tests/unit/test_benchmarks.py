@@ -137,6 +137,19 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
             "accelerate",
         }
         assert row["variants"]["raw"]["ratio_median"] == 1.0
+        summaries = [*row["variants"].values(), *row["nn_handler_vs_peers"].values()]
+        assert set(row["nn_handler_vs_peers"]) == {"fabric", "accelerate"}
+        for summary in summaries:
+            low, high = summary["ratio_ci95"]
+            spread_low, spread_high = summary["ratio_spread"]
+            assert spread_low <= low <= summary["ratio_median"] <= high <= spread_high
+    evidence = results["target_evidence"]
+    assert set(evidence) == set(results["targets_met"]) and len(evidence) == 7
+    for target, ok in results["targets_met"].items():
+        facts = evidence[target]
+        assert ok == (facts["median"] <= facts["bound"]), target
+        assert facts["ci95"][0] <= facts["median"] <= facts["ci95"][1]
+        assert facts["unit"] in {"x", "ms"}
 
 
 def test_the_report_has_a_section_per_benchmark_and_lists_every_target(quick_run: Path) -> None:
