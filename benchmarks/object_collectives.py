@@ -115,9 +115,10 @@ def _worker(rank: int, port: int, quick: bool, out: Any) -> None:
     objects: dict[str, Any] = {}
     for name, (obj, size) in payloads(rank, quick).items():
         # Latency-bound payloads (two gloo round trips, about a millisecond, swinging by 50%):
-        # many more calls and repetitions, so the medians separate overhead from noise.
+        # many more calls and repetitions, so the medians separate overhead from noise. The
+        # dict's gathers take 10-50 ms each, so fewer calls time it as well.
         small = size <= 2**20
-        calls = (5 if quick else 100) if small else 1
+        calls = (5 if quick else 20 if name.startswith("dict") else 100) if small else 1
         reps = (3 if quick else 41) if small else repeats
         row = _interleaved(
             lambda o=obj: _torch_gather(o), lambda o=obj: comm.all_gather_object(o), reps, calls

@@ -294,7 +294,7 @@ def main() -> None:
     else:
         plans = {
             1: {"tiny_mlp": (400, 31), "small_cnn": (40, 31)},
-            2: {"tiny_mlp": (200, 31), "small_cnn": (40, 21)},
+            2: {"tiny_mlp": (200, 31), "small_cnn": (40, 31)},
         }
     results = []
     for world, plan in plans.items():
