@@ -40,6 +40,7 @@ from nn_handler.errors import (
     NonFiniteError,
     RankFailedError,
     TrainingPreempted,
+    UnevenDataError,
     WorkerFailedError,
     WorkerTimeoutError,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "RankFailedError",
     "TensorBoardLogger",
     "TrainingPreempted",
+    "UnevenDataError",
     "TorchCommunicator",
     "Trainer",
     "TrainerConfig",

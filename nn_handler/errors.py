@@ -20,6 +20,11 @@ class ConfigError(NNHandlerError, ValueError):
     """Invalid configuration or input: a bad environment variable, argument or config field."""
 
 
+class UnevenDataError(ConfigError):
+    """The ranks' training loaders have different numbers of batches (raised on every rank
+    alike, before the epoch's first step, naming each rank's length)."""
+
+
 class DistributedError(NNHandlerError, RuntimeError):
     """A distributed operation failed or cannot run (not initialised, bad backend, timeout)."""
 
@@ -170,6 +175,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "RankFailedError",
     "TrainingPreempted",
+    "UnevenDataError",
     "WorkerFailedError",
     "WorkerTimeoutError",
 ]

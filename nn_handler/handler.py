@@ -198,16 +198,20 @@ class NNHandler:
     ) -> NNHandler:
         """A handler restored from a checkpoint file, on this machine's hardware.
 
-        The config defaults to the checkpoint's own. Weights (and EMA weights, history and
-        position) always load; the optimizer and scheduler states load when you pass them.
-        A GPU checkpoint loads on CPU and the other way round; another world size is allowed
-        when the checkpoint was written between epochs (the data is re-sharded; a warning
-        says so). Every rank must call this.
+        The config defaults to the checkpoint's own, without its checkpoint folder: a loaded
+        handler writes (and rotates) checkpoints only where a ``config`` you pass points it,
+        so the run that wrote ``path`` never loses a file to it. Weights (and EMA weights,
+        history and position) always load; the optimizer and scheduler states load when you
+        pass them. A GPU checkpoint loads on CPU and the other way round; another world size
+        is allowed when the checkpoint was written between epochs (the data is re-sharded; a
+        warning says so). Every rank must call this.
         """
         checkpoint = load_file(path)
         if config is None:
             saved = check_checkpoint(checkpoint, str(path)).get("config") or {}
-            config = saved.get("handler") if isinstance(saved, Mapping) else None
+            config = _without_checkpoint_dir(
+                saved.get("handler") if isinstance(saved, Mapping) else None, path
+            )
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
             handler.trainer.load_state_dict(checkpoint, str(path), allow_world_size_change=True)
@@ -243,6 +247,23 @@ class NNHandler:
             f"NNHandler({type(self.model).__name__}, rank={self.rank}/{self.world_size}, "
             f"device={self.device}, precision={self.trainer.precision.name!r})"
         )
+
+
+def _without_checkpoint_dir(saved: Any, source: str | Path) -> ConfigLike:
+    """The saved handler config with checkpointing off (its folder belongs to the run that
+    wrote ``source``)."""
+    if not isinstance(saved, Mapping):
+        return None
+    checkpoint = saved.get("checkpoint")
+    if not isinstance(checkpoint, Mapping) or checkpoint.get("dir") is None:
+        return saved
+    logger.bind(rank=0).info(
+        "NNHandler.load({}): checkpoints are off in the loaded handler (its saved folder {} "
+        "belongs to the run that wrote it); pass config= with checkpoint.dir to save",
+        source,
+        checkpoint["dir"],
+    )
+    return {**saved, "checkpoint": {**checkpoint, "dir": None, "resume": "never"}}
 
 
 def _dataset(data: Any) -> Dataset[Any]:

@@ -9,12 +9,16 @@ new one, never a torn one, even when the writer is killed mid-write. Loading alw
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import pickle
+import shutil
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
@@ -49,16 +53,46 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+class SaveCancelled(CheckpointError):
+    """A save was cancelled (its budget ran out) before its file was committed."""
+
+
+class _CancellableFile(io.RawIOBase):
+    """A write-only file that raises :class:`SaveCancelled` at its next write once ``cancel``
+    is set; large writes go in chunks, so a cancelled save stops within one chunk."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, raw: BinaryIO, cancel: threading.Event) -> None:
+        super().__init__()
+        self._raw = raw
+        self._cancel = cancel
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, max(len(view), 1), self.CHUNK):
+            if self._cancel.is_set():
+                raise SaveCancelled("the save was cancelled")
+            self._raw.write(view[start : start + self.CHUNK])
+        return len(view)
+
+
 @contextlib.contextmanager
-def atomic_target(path: str | Path) -> Iterator[Path]:
+def atomic_target(path: str | Path, cancel: threading.Event | None = None) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces ``path`` durably, on error
-    it is removed and ``path`` is untouched."""
+    it is removed and ``path`` is untouched. When ``cancel`` is set before the replace, the
+    temporary file is removed instead and :class:`SaveCancelled` is raised."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(target)
     try:
         yield tmp
         _fsync_file(tmp)
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled(f"the save to {target} was cancelled before it was committed")
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -67,15 +101,61 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
     fsync_dir(target.parent)
 
 
-def atomic_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically and durably; returns the path."""
+def atomic_save(obj: Any, path: str | Path, cancel: threading.Event | None = None) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically and durably; returns the path.
+
+    With ``cancel`` (set from another thread), the save stops at its next write once the
+    event is set and raises :class:`SaveCancelled`; ``path`` is then untouched.
+    """
     target = Path(path)
     try:
-        with atomic_target(target) as tmp:
-            torch.save(obj, tmp)
-    except OSError as error:
-        raise CheckpointError(f"cannot write checkpoint {target}: {error}") from error
+        with atomic_target(target, cancel) as tmp:
+            if cancel is None:
+                torch.save(obj, tmp)
+            else:
+                with open(tmp, "wb") as raw, _CancellableFile(raw, cancel) as stream:
+                    torch.save(obj, cast("IO[bytes]", stream))
+    except SaveCancelled:
+        raise
+    except Exception as error:
+        cancelled = error.__context__ if isinstance(error.__context__, SaveCancelled) else None
+        if cancelled is not None:  # torch's writer wraps the exception raised in write()
+            raise SaveCancelled(f"the save to {target} was cancelled") from error
+        if isinstance(error, OSError) or "unexpected pos" in str(error):
+            raise CheckpointError(_write_failure(target, error, obj)) from error
+        raise
     return target
+
+
+def _write_failure(target: Path, error: BaseException, obj: Any) -> str:
+    """What went wrong writing ``target``: a full disk is named as such (torch reports it as
+    'unexpected pos N vs M'), with the space needed and left where they can be known."""
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    if full or "unexpected pos" in str(error):
+        needed = _tensor_bytes(obj)
+        try:
+            free = shutil.disk_usage(target.parent).free
+        except OSError:
+            free = None
+        if full or (free is not None and free < needed + (1 << 20)):
+            sizes = f"the checkpoint needs about {needed} bytes"
+            sizes += f", {free} bytes are free there" if free is not None else ""
+            return (
+                f"cannot write checkpoint {target}: no space left on device ({sizes}). Free "
+                f"space or point CheckpointConfig(dir=...) at a larger file system."
+            )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"cannot write checkpoint {target}: {first}"
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def atomic_write_json(data: Any, path: str | Path) -> Path:
@@ -94,8 +174,6 @@ def atomic_link(source: str | Path, path: str | Path) -> Path:
         try:
             os.link(source, tmp)
         except OSError:
-            import shutil
-
             shutil.copyfile(source, tmp)
     return target
 
@@ -203,6 +281,7 @@ _SAFE_LEAVES = (
 
 
 __all__ = [
+    "SaveCancelled",
     "atomic_link",
     "atomic_save",
     "atomic_target",

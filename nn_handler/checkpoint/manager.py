@@ -119,7 +119,7 @@ class CheckpointManager:
     ) -> Path:
         """Write ``checkpoint`` (used on rank 0 only) atomically to ``path``; every rank must
         call this and returns once the file is complete. ``budget_s`` bounds the write: past it
-        the save is abandoned (the file does not appear) and CheckpointError is raised."""
+        the save is cancelled (the file does not appear) and CheckpointError is raised."""
         return write_together(self.comm, checkpoint, path, budget_s)
 
     def _agree(self, error: str | None, target: Path) -> Path:
@@ -247,22 +247,39 @@ def _write_on_main(
             return f"{type(error).__name__}: {error}"
         return None
     outcome: list[str | None] = []
+    cancel = threading.Event()
 
     def save() -> None:
         try:
-            atomic_save(dict(checkpoint), target)
+            atomic_save(dict(checkpoint), target, cancel)
             outcome.append(None)
         except Exception as error:
             outcome.append(f"{type(error).__name__}: {error}")
 
-    # A daemon thread: if the budget runs out the process may exit while it is still writing;
-    # the temporary file it leaves is removed at the next start and the target never appears.
+    # Past the budget the writer is cancelled: it stops at its next write (at most a few MB
+    # later), removes its temporary file and never commits the target. It is joined before
+    # this returns, so no thread is left inside torch.save when the process exits (a thread
+    # still in torch's C++ writer at exit aborts the process with SIGABRT, status 134).
     writer = threading.Thread(target=save, name="nn_handler-checkpoint", daemon=True)
     writer.start()
     writer.join(budget_s)
     if writer.is_alive():
-        return f"the save did not finish within its budget of {budget_s:g} s"
+        cancel.set()
+        writer.join(CANCEL_GRACE_S)
+        if outcome and outcome[0] is None:  # it committed just before the cancel landed
+            return None
+        if writer.is_alive():
+            logger.warning(
+                "the save to {} did not stop within {} s of its cancellation (a blocked write?)",
+                target,
+                CANCEL_GRACE_S,
+            )
+        return f"the save did not finish within its budget of {budget_s:g} s (abandoned)"
     return outcome[0] if outcome else "the save thread ended without a result"
+
+
+#: Seconds a cancelled save gets to stop and remove its temporary file.
+CANCEL_GRACE_S = 10.0
 
 
 __all__ = [

@@ -92,6 +92,11 @@ class TrainerConfig(BaseModel):
         find_unused_parameters: passed to DistributedDataParallel.
         nonfinite: what to do when any rank's loss or gradients are NaN/inf before a step:
             'skip' the step on every rank (and log it), 'raise' on every rank, or 'off'.
+            A skipped step leaves the weights and every buffer (BatchNorm statistics) as they
+            were before it, and its losses are left out of the epoch's train_loss.
+        max_consecutive_skipped_steps: with nonfinite='skip', raise NonFiniteError on every
+            rank after this many skipped optimizer steps in a row (None: never), so a run
+            that has diverged stops instead of skipping every step silently.
         early_stopping: stop on a monitored metric (None: never).
         log_every_n_steps: how often the rank-0 progress bar shows the running loss (the only
             host synchronisation the loop adds for display).
@@ -112,6 +117,7 @@ class TrainerConfig(BaseModel):
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
     find_unused_parameters: bool = False
     nonfinite: NonFinitePolicy = "skip"
+    max_consecutive_skipped_steps: int | None = Field(default=10, ge=1)
     early_stopping: EarlyStoppingConfig | None = None
     log_every_n_steps: int = Field(default=50, ge=1)
     progress_bar: bool = True

@@ -8,16 +8,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.data.samplers import derive_seed
+from nn_handler.data.worker_seeds import PassSeededDataset, PassTaggedSampler
 
 
 class EpochDataLoader(DataLoader[Any]):
     """A torch DataLoader whose :meth:`set_epoch` makes each epoch reproducible.
 
     ``set_epoch(e)`` sets the sampler's epoch (a new order that is the same on every run) and
-    reseeds the loader's generator from (seed, rank, e). torch draws each epoch's worker seed
-    from that generator, and seeds torch, random and numpy in worker ``w`` from it plus ``w``:
-    so worker streams depend only on (seed, rank, epoch, worker). With persistent workers the
-    workers start once and are seeded from the epoch in which they started.
+    reseeds the loader's generator from (seed, rank, e). With workers, each worker reseeds
+    torch, ``random`` and NumPy at the start of every pass over the data from (seed, rank,
+    epoch, worker id) (see worker_seeds.py), persistent workers included: worker streams
+    depend only on those, so a run resumed at any epoch, or mid-epoch, draws the same random
+    augmentations as the run that never stopped. ``dataset`` and ``sampler`` are then thin
+    wrappers of the ones given (their attributes read through).
 
     Attributes:
         indices: for evaluation loaders, the dataset indices this rank visits, in order.
@@ -35,6 +38,10 @@ class EpochDataLoader(DataLoader[Any]):
     ) -> None:
         generator = torch.Generator()
         generator.manual_seed(derive_seed(seed, rank, 0))
+        sampler = kwargs.get("sampler")
+        if kwargs.get("num_workers", 0) > 0 and sampler is not None:
+            dataset = PassSeededDataset(dataset, seed, rank)
+            kwargs["sampler"] = PassTaggedSampler(sampler)
         super().__init__(dataset, generator=generator, **kwargs)
         self._seed_generator = generator
         self.seed = seed

@@ -211,10 +211,13 @@ class DistributedContext:
         self._owns_group = True
 
     def _restart_store(self) -> Store:
-        """A client of torchrun's store, with keys private to this restart.
+        """A client of torchrun's store, with keys private to this restart and this group.
 
         torchrun's static rendezvous keeps one store across restarts, so a restarted group
-        could read the addresses its failed predecessor published there and fail to connect.
+        could read the addresses its failed predecessor published there and fail to connect;
+        likewise a second group created in the same process (a notebook, a sweep, a test
+        suite) would read the first one's. Each rank counts the groups it created in this
+        restart in the store itself, so the n-th group of every rank shares one fresh prefix.
         """
         info = self._info
         client = TCPStore(
@@ -223,7 +226,9 @@ class DistributedContext:
             is_master=False,
             timeout=self.config.timeout,
         )
-        return PrefixStore(f"nn_handler/restart{self._restart_count}", client)
+        restart = f"nn_handler/restart{self._restart_count}"
+        generation = client.add(f"{restart}/groups_created/rank{info.rank}", 1)
+        return PrefixStore(f"{restart}/group{generation}", client)
 
     def create_local_process_group(self, num_workers_per_machine: int | None = None) -> None:
         """Create the per-machine groups (default size: the launcher's local world size).

@@ -128,6 +128,7 @@ def build_checkpoint(trainer: Trainer, running: RunningLoss | None = None) -> di
             "global_step": state.global_step,
             "batches_done": trainer.batches_done,
             "skipped_steps": state.skipped_steps,
+            "skipped_in_a_row": state.skipped_in_a_row,
             "should_stop": state.should_stop,
         },
         "data": dict(trainer.data_description),
@@ -199,6 +200,7 @@ def apply_checkpoint(
     state.global_step = int(position["global_step"])
     state.should_stop = bool(position["should_stop"])
     state.skipped_steps = int(position["skipped_steps"])
+    state.skipped_in_a_row = int(position.get("skipped_in_a_row", 0))
     mine = ckpt["ranks"][trainer.comm.rank] if saved_world == world else None
     if mine is not None and mine.get("buffers"):
         for name, buffer in trainer.module.named_buffers():

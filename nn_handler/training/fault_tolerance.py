@@ -28,6 +28,7 @@ from nn_handler.errors import (
     NonFiniteError,
     RankFailedError,
     TrainingPreempted,
+    UnevenDataError,
 )
 from nn_handler.training.checkpointing import ResumePoint, apply_checkpoint, check_data
 from nn_handler.training.history import Record
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from nn_handler.training.trainer import Trainer
 
 #: Errors every rank raises together (after agreeing), so the group needs no abort.
-AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError)
+AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError, UnevenDataError)
 
 
 class FaultTolerance:

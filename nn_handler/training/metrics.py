@@ -104,10 +104,12 @@ class WeightedMeans:
 class RunningLoss:
     """The training loss of one epoch, kept without per-step host synchronisation.
 
-    ``add(loss, n)`` only appends the detached loss tensor; every ``fold_every`` batches the
+    ``add(loss, n)`` only appends the detached loss tensor; ``end_window(k, skipped)`` closes
+    an optimizer step of ``k`` micro-batches: when the step was skipped its losses are left
+    out of the mean (on every rank alike, finite or not), and every ``fold_every`` batches the
     pending values are folded into a device sum and count in a few tensor ops. Non-finite
-    losses (skipped steps) are left out of the mean but their samples are still counted in
-    ``samples``. ``compute(comm)`` reduces sum, count and samples in one all_reduce.
+    losses are left out of the mean too; skipped samples still count in ``samples``.
+    ``compute(comm)`` reduces sum, count and samples in one all_reduce.
     """
 
     def __init__(self, fold_every: int = 50) -> None:
@@ -122,6 +124,14 @@ class RunningLoss:
         self._pending.append(loss)
         self._sizes.append(n)
         self.samples += n
+
+    def end_window(self, micro_batches: int, skipped: bool) -> None:
+        """The last ``micro_batches`` losses made one optimizer step; ``skipped``: it was
+        skipped, so they leave the mean. Folds when enough values are pending."""
+        if skipped:
+            pending = self._pending
+            for i in range(max(len(pending) - micro_batches, 0), len(pending)):
+                pending[i] = torch.full_like(pending[i], math.nan)
         if len(self._pending) >= self.fold_every:
             self.fold()
 

@@ -1,4 +1,5 @@
-"""One cheap decision per optimizer step: are all gradients finite?
+"""One cheap decision per optimizer step: are all gradients finite? And, when the answer is
+no, the buffers (BatchNorm statistics) put back as they were before the step.
 
 Uses torch's fused AMP kernel (``torch._amp_foreach_non_finite_check_and_unscale_``, what
 GradScaler runs) with a scale of 1, over gradients grouped once by device and dtype. Run on
@@ -63,4 +64,33 @@ class GradientFiniteCheck:
         return True
 
 
-__all__ = ["GradientFiniteCheck"]
+class BufferSnapshot:
+    """The module's buffers as they were at the start of an optimizer step, so a skipped step
+    can leave them untouched (a NaN batch would otherwise poison BatchNorm's running
+    statistics, on every rank with SyncBatchNorm).
+
+    :meth:`take` copies them (one fused copy per step, only for modules with buffers);
+    :meth:`restore` copies them back. Both are no-ops for a module without buffers.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._buffers = [b for b in module.buffers() if b.numel()]
+        self._saved = [torch.empty_like(b) for b in self._buffers]
+        self.taken = False
+
+    @property
+    def has_buffers(self) -> bool:
+        return bool(self._buffers)
+
+    def take(self) -> None:
+        if self._buffers:
+            torch._foreach_copy_(self._saved, self._buffers)
+        self.taken = True
+
+    def restore(self) -> None:
+        if self._buffers and self.taken:
+            torch._foreach_copy_(self._buffers, self._saved)
+        self.taken = False
+
+
+__all__ = ["BufferSnapshot", "GradientFiniteCheck"]

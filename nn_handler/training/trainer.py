@@ -40,6 +40,7 @@ from nn_handler.errors import (
     CheckpointError,
     ConfigError,
     NonFiniteError,
+    UnevenDataError,
 )
 from nn_handler.training.batch import batch_size_of, move_to_device
 from nn_handler.training.checkpointing import build_checkpoint, describe_loader, plain_config
@@ -55,7 +56,7 @@ from nn_handler.training.metrics import (
     WeightedMeans,
     compute_stateful,
 )
-from nn_handler.training.nonfinite import GradientFiniteCheck
+from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.precision import Precision
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
@@ -74,6 +75,8 @@ class TrainerState:
         global_step: optimizer steps taken, skipped ones included.
         batch_index: the batch within the epoch.
         skipped_steps: optimizer steps skipped for non-finite values, in this epoch.
+        skipped_in_a_row: optimizer steps skipped in a row, up to the last one (0 after a
+            step that was taken).
         step_synced: whether the last batch ended an accumulation window (an optimizer step).
         last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
         should_stop: set when early stopping (or a hook) ends training after this epoch.
@@ -83,6 +86,7 @@ class TrainerState:
     global_step: int = 0
     batch_index: int = 0
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0
     step_synced: bool = False
     last_loss: torch.Tensor | None = None
     should_stop: bool = False
@@ -162,6 +166,8 @@ class Trainer:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
         self._finite = GradientFiniteCheck(self._params)
+        snapshot = BufferSnapshot(self.module)
+        self._buffers = snapshot if self._guard and snapshot.has_buffers else None
         self._window_losses: list[torch.Tensor] = []
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
@@ -329,6 +335,9 @@ class Trainer:
         return loss
 
     def _forward_backward(self, batch: Any, window: int) -> torch.Tensor:
+        buffers = self._buffers
+        if buffers is not None and not buffers.taken:  # the first micro-batch of a step
+            buffers.take()
         with self.precision.autocast():
             loss = self._loss_of(self.training_step(batch))
         if self._guard and self._ddp is not None:
@@ -365,7 +374,12 @@ class Trainer:
                 stepped = scaler.get_scale() >= scale
             else:
                 optimizer.step()
+            if self._buffers is not None:
+                self._buffers.taken = False
+            self.state.skipped_in_a_row = 0
         else:
+            if self._buffers is not None:
+                self._buffers.restore()
             self._on_nonfinite()
         if stepped:
             if self.ema is not None:
@@ -383,7 +397,17 @@ class Trainer:
                 f"the loss or gradients were NaN/inf on at least one rank at {where}; every "
                 f"rank stops here. Use TrainerConfig(nonfinite='skip') to skip such steps."
             )
-        self.state.skipped_steps += 1
+        state = self.state
+        state.skipped_steps += 1
+        state.skipped_in_a_row += 1
+        limit = self.config.max_consecutive_skipped_steps
+        if limit is not None and state.skipped_in_a_row >= limit:
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank for "
+                f"{state.skipped_in_a_row} optimizer steps in a row (the last at {where}); the "
+                f"run has diverged, so every rank stops here. Lower the learning rate, check the "
+                f"data, or raise TrainerConfig(max_consecutive_skipped_steps=...)."
+            )
         self.log.warning("skipped the optimizer step at {}: NaN/inf loss or gradients", where)
 
     def _loss_of(self, output: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -419,6 +443,7 @@ class Trainer:
                 "an epoch on every rank alike); set accumulate_grad_batches=1 or pass a sized "
                 "loader."
             )
+        self._check_equal_lengths(total)
         running = RunningLoss(self.config.log_every_n_steps)
         self._running = running
         self._window_losses.clear()  # nothing left over from an epoch that raised
@@ -434,7 +459,12 @@ class Trainer:
             state, hooks, log_every = self.state, self.hooks, self.config.log_every_n_steps
             before = hooks.has("before_step")
             after = hooks.has("after_step")
-            run_step, add, update = self.run_step, running.add, bar.update
+            run_step, add, end_window, update = (
+                self.run_step,
+                running.add,
+                running.end_window,
+                bar.update,
+            )
             after_optimizer_step = self.fault_tolerance.after_optimizer_step
             per_step = self.fault_tolerance.wants_step_calls()
             for index, batch in enumerate(batches, start=first):
@@ -449,6 +479,7 @@ class Trainer:
                 add(loss, batch_size_of(batch))
                 if synced:
                     self.batches_done = index + 1
+                    end_window(end - start, state.skipped_in_a_row > 0)
                 if after:
                     hooks.call("after_step")
                 update()
@@ -468,6 +499,25 @@ class Trainer:
             "epoch_time": elapsed,
             "skipped_steps": float(self.state.skipped_steps),
         }
+
+    def _check_equal_lengths(self, total: int | None) -> None:
+        """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
+        ranks' steps): one tiny all_gather per epoch compares the loaders' lengths."""
+        if self.comm.world_size == 1:
+            return
+        mine = torch.tensor([-1 if total is None else total], dtype=torch.int64)
+        lengths = [int(n.item()) for n in self.comm.all_gather(mine.to(self.device))]
+        if len(set(lengths)) == 1:
+            return
+        described = ", ".join(
+            f"rank {rank}: {'no len()' if n < 0 else n}" for rank, n in enumerate(lengths)
+        )
+        raise UnevenDataError(
+            f"the training loaders have different numbers of batches per rank ({described}) in "
+            f"epoch {self.state.epoch + 1}; every rank must take the same number of optimizer "
+            f"steps. Pass the dataset instead of a DataLoader (the LoaderFactory gives every "
+            f"rank equal batches) or use a DistributedSampler over the whole dataset."
+        )
 
     def _batches(self, loader: Iterable[Any], running: RunningLoss) -> tuple[Iterator[Any], int]:
         """The epoch's batch iterator and the index of its first batch: after a mid-epoch
@@ -559,6 +609,13 @@ class Trainer:
         local = torch.cat(outputs) if outputs else torch.empty(0, device=self.device)
         if indices is None:
             return local
+        if self.comm.world_size > 1:
+            # A rank without samples has no output to take the per-sample shape from: it
+            # takes its peers' (one small exchange), so every rank gathers (0, ...) alike.
+            tails = self.comm.all_gather_object(tuple(local.shape[1:]) if outputs else None)
+            tail = next((t for t in tails if t is not None), ())
+            if not outputs:
+                local = torch.empty((0, *tail), device=self.device)
         return gather_in_dataset_order(local, indices, self.comm)  # type: ignore[no-any-return]
 
     def _eval_module(self, use_ema: bool | None) -> nn.Module:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
@@ -309,11 +309,11 @@ class Communicator(ABC):
             if any(failed_flags):
                 failed = self._failures(parts, failed_flags)
                 raise RankFailedError("all_gather_object: pickling the object", failed) from error
-            return [_objects.loads(part) for part in parts]
+            return self._unpickle_together(parts, "all_gather_object")
         # One rank at a time: each payload is unpickled and its buffer dropped before the next.
         frames = self._broadcast_frames(send, lengths)
         del send
-        return [_objects.loads(part) for part in frames]
+        return self._unpickle_together(frames, "all_gather_object")
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
         """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
@@ -332,9 +332,8 @@ class Communicator(ABC):
             failed = self._failures(parts, failed_flags)
             raise RankFailedError("gather_object: pickling the object", failed) from error
         gathered = self._do_gather(self._send_buffer(frame, max(lengths)), dst)
-        if gathered is None:
-            return []
-        return [_objects.loads(part.cpu().numpy()) for part in gathered]
+        parts = [] if gathered is None else [part.cpu().numpy() for part in gathered]
+        return self._unpickle_together(parts, "gather_object")
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
@@ -355,7 +354,10 @@ class Communicator(ABC):
         if failed_flag:
             message = {src: _objects.read_stream(part).decode(errors="replace")}
             raise RankFailedError("broadcast_object: pickling the object", message) from error
-        return obj if self.rank == src else _objects.loads(part)
+        if self.rank == src:
+            self.raise_if_any_failed(None, "broadcast_object: unpickling the object")
+            return obj
+        return self._unpickle_together([part], "broadcast_object")[0]
 
     # ----------------------------------------------------------------- agreement and helpers
     def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
@@ -525,6 +527,21 @@ class Communicator(ABC):
                 buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
             yield self._do_broadcast(buffer, src).cpu().numpy()
             del buffer
+
+    def _unpickle_together(self, parts: Iterable[np.ndarray], what: str) -> list[Any]:
+        """Unpickle ``parts`` (possibly none), then agree with every rank on whether that
+        worked: an object that pickles on its sender but fails to unpickle on a receiver
+        raises RankFailedError on every rank, naming the receiver (one tiny all_gather)."""
+        objects: list[Any] = []
+        error: BaseException | None = None
+        for part in parts:  # every part is received, also after a failure (collectives)
+            if error is None:
+                try:
+                    objects.append(_objects.loads(part))
+                except Exception as caught:
+                    error = caught
+        self.raise_if_any_failed(error, f"{what}: unpickling the object")
+        return objects
 
     @staticmethod
     def _failures(parts: list[np.ndarray], flags: list[int]) -> dict[int, str]:
