@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import threading
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,7 @@ from typing import IO, Any, BinaryIO, cast
 
 import torch
 
+from nn_handler.checkpoint.integrity import BadRecord, entry_of_record, verify_records
 from nn_handler.errors import CheckpointError
 
 TMP_MARKER = ".tmp-"
@@ -208,32 +210,89 @@ def load_file(
     map_location: torch.device | str | None = None,
     trusted: Iterable[type[Any] | Any] = (),
     mmap: bool = False,
+    verify: bool = True,
 ) -> Any:
     """``torch.load(path, weights_only=True)`` with errors that name the path, size and cause.
 
     ``map_location`` defaults to CPU, so a checkpoint written on a GPU loads anywhere.
     ``trusted`` lists extra classes to allow (``torch.serialization.safe_globals``); an
-    object of any other class is refused with a CheckpointError that says how to allow it.
+    object of any other class is refused with a CheckpointError that names it. With
+    ``verify`` (the default) every record's CRC-32, which torch.save stores, is checked while
+    the file loads: a file whose bytes changed on disk raises CheckpointError naming the
+    first bad entry instead of loading silently wrong values.
     """
     source = Path(path)
     if not source.is_file():
         raise CheckpointError(f"no checkpoint file at {source}.")
     where = map_location if map_location is not None else "cpu"
+    verdict: list[BadRecord | None] = []
+    checker = threading.Thread(
+        target=lambda: verdict.append(verify_records(source)), name="nn_handler-crc32"
+    )
+    if verify:
+        checker.start()
+    loaded: Any = None
+    failure: BaseException | None = None
     try:
         with torch.serialization.safe_globals(list(trusted)):
-            return torch.load(source, map_location=where, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:
-        text = str(error)
-        if "weights_only" in text or "Unsupported global" in text:
-            raise CheckpointError(
-                f"checkpoint {source} ({_describe_size(source)}) holds a pickled object that "
-                f"weights-only loading refuses: {_first_line(text, 'Unsupported global')}. If "
-                f"you trust this file, allow the class: pass trusted=[TheClass] or call "
-                f"torch.serialization.add_safe_globals([TheClass]) before loading."
-            ) from error
-        raise CheckpointError(_unreadable(source, error)) from error
+            loaded = torch.load(source, map_location=where, weights_only=True, mmap=mmap)
     except Exception as error:  # a foreign or torn file can fail anywhere in the unpickler
-        raise CheckpointError(_unreadable(source, error)) from error
+        failure = error
+    if verify:
+        checker.join()
+    bad = verdict[0] if verdict else None
+    if bad is not None:
+        entry = entry_of_record(loaded, bad) if loaded is not None else None
+        named = f"entry {entry!r}, " if entry else ""
+        raise CheckpointError(
+            f"checkpoint {source} is corrupt: {named}{bad.describe()}. Its bytes changed after "
+            f"it was written (a disk or copy error); use an earlier checkpoint."
+        ) from failure
+    if failure is not None:
+        raise CheckpointError(_load_failure(source, failure)) from failure
+    return loaded
+
+
+#: Modules whose callables run commands or code: a checkpoint that names one is an attack,
+#: never something to allowlist.
+_DANGEROUS_MODULES = frozenset(
+    {"os", "posix", "nt", "subprocess", "sys", "shutil", "socket", "builtins", "__builtin__",
+     "importlib", "runpy", "pty", "code", "codeop", "pickle", "marshal", "ctypes", "webbrowser"}
+)  # fmt: skip
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _load_failure(source: Path, error: BaseException) -> str:
+    """The message for a file torch.load refused: a blocked global (named, with how to allow
+    it unless it is a code-running callable) or an unreadable file."""
+    text = str(error)
+    if not isinstance(error, pickle.UnpicklingError) or not (
+        "weights_only" in text or "Unsupported global" in text or "Weights only" in text
+    ):
+        return _unreadable(source, error)
+    found = _GLOBAL.search(text)
+    size = _describe_size(source)
+    if found is None:
+        first = _first_line(text, "Unsupported")
+        return (
+            f"checkpoint {source} ({size}) has a pickle stream that weights-only loading "
+            f"cannot read ({first}): it is corrupt or was not written by torch.save; use an "
+            f"earlier checkpoint."
+        )
+    name = found.group(1)
+    module, _, attribute = name.rpartition(".")
+    if module.split(".")[0] in _DANGEROUS_MODULES:
+        return (
+            f"checkpoint {source} ({size}) asks to call {name} when it is loaded: that runs "
+            f"code, so it was refused. Do not allow it; do not load this file unless you know "
+            f"where it came from."
+        )
+    return (
+        f"checkpoint {source} ({size}) holds an object of {name}, which weights-only loading "
+        f"refuses. If you trust this file, allow that class: pass trusted=[{attribute}] (from "
+        f"{module} import {attribute}) or call "
+        f"torch.serialization.add_safe_globals([{attribute}]) before loading."
+    )
 
 
 def _first_line(text: str, needle: str) -> str:

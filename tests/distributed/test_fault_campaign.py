@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from nn_handler import (
+    CheckpointError,
     DistributedContext,
     HandlerConfig,
     Hook,
@@ -30,6 +31,8 @@ from nn_handler import (
     Trainer,
     UnevenDataError,
 )
+from nn_handler.checkpoint import load_file
+from nn_handler.checkpoint.integrity import record_spans
 from tests.harness import run_group
 from tests.training_helpers import mlp, regression_data, sgd
 
@@ -195,6 +198,41 @@ def _load_rotation_check(rank: int, folder: Path, context: Any) -> dict[str, Any
     return {"before": before, "after": _digest(folder), "steps": steps}
 
 
+def flip_tensor_byte(path: Path, record_suffix: str = "data/0") -> None:
+    """Flip one byte inside a tensor record of a torch zip file (its CRC-32 no longer holds)."""
+    spans = record_spans(path)
+    start, size = next(span for name, span in spans.items() if name.endswith(record_suffix))
+    data = bytearray(path.read_bytes())
+    data[start + size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _corrupt_checkpoint_check(rank: int, folder: Path, context: Any) -> dict[str, Any]:
+    """The newest checkpoint's tensor bytes flip on disk: loading it names the entry, and
+    resume('latest') falls back to the previous one on every rank."""
+    config = {
+        "loader": {"batch_size": 4},
+        "trainer": {"progress_bar": False},
+        "checkpoint": {"dir": str(folder), "keep_last": 2, "resume": "never"},
+    }
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, context=context) as h:
+        h.train(regression_data(), epochs=2)
+    newest = folder / "ckpt-e0002-s00000010.pt"
+    if rank == 0:
+        flip_tensor_byte(newest)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    try:
+        load_file(newest)
+        out["load"] = "no error"
+    except CheckpointError as error:
+        out["load"] = str(error)
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, context=context) as h:
+        out["resumed_from"] = Path(str(h.resume("latest"))).name
+        out["epoch"] = h.trainer.state.epoch
+    return out
+
+
 def _uneven_loaders_check(rank: int, context: Any) -> str:
     data = regression_data(n=40 if rank == 0 else 8)
     loader = DataLoader(data, batch_size=4)
@@ -252,6 +290,7 @@ def _all_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out["skipped_loss"] = _skipped_loss_check(context)
     out["diverged"] = _diverged_check(context)
     out["load"] = _load_rotation_check(rank, Path(folder) / "load", context)
+    out["corrupt"] = _corrupt_checkpoint_check(rank, Path(folder) / "corrupt", context)
     out["uneven"] = _uneven_loaders_check(rank, context)
     out["predict_shape"] = _predict_with_an_empty_rank(context)
     out["unpickling"] = _unpickling_checks(rank, context)
@@ -304,6 +343,17 @@ def test_a_loaded_handler_leaves_the_original_runs_checkpoints_alone(
     assert "ckpt-e0002-s00000010.pt" in check["before"] and "best.pt" in check["before"]
     assert check["after"] == check["before"]
     assert results[0]["load"]["steps"] == results[1]["load"]["steps"] == 20
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused_and_latest_falls_back(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        check = results[rank]["corrupt"]
+        assert "ckpt-e0002-s00000010.pt is corrupt" in check["load"], check["load"]
+        assert "entry 'model." in check["load"] and "CRC-32" in check["load"]
+        assert check["resumed_from"] == "ckpt-e0001-s00000005.pt", f"rank {rank}"
+        assert check["epoch"] == 1
 
 
 def test_uneven_user_loaders_raise_on_every_rank_naming_each_length(

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from nn_handler.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
+from nn_handler.checkpoint.integrity import record_spans, verify_records
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import LATEST, periodic_name
 from nn_handler.distributed.communicator import NullCommunicator
@@ -154,6 +157,80 @@ def test_arbitrary_objects_are_refused_with_how_to_allow_them(tmp_path: Path) ->
     message = str(info.value)
     assert "Custom" in message and "add_safe_globals" in message and "trusted=" in message
     assert load_file(path, trusted=[Custom])["thing"].value == 3
+
+
+class RunsACommand:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo this must never run",))
+
+
+def test_a_code_running_global_is_named_and_never_offered_for_the_allowlist(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"payload": RunsACommand()}, path)
+    with pytest.raises(CheckpointError) as info:
+        load_file(path)
+    message = str(info.value)
+    assert f"{os.system.__module__}.system" in message and "runs code" in message
+    assert "add_safe_globals" not in message and "trusted=" not in message
+
+
+def test_a_corrupt_pickle_stream_is_not_an_allowlist_problem(tmp_path: Path) -> None:
+    path = atomic_save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    start, _ = next(span for name, span in record_spans(path).items() if name.endswith("data.pkl"))
+    data = bytearray(path.read_bytes())
+    data[start + 2 : start + 6] = b"\xee\xee\xee\xee"  # opcodes no unpickler knows
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        load_file(path)
+    message = str(info.value)
+    assert "is corrupt" in message and "data.pkl" in message and "object structure" in message
+    assert "add_safe_globals" not in message
+
+
+def test_flipped_tensor_bytes_name_the_entry_and_can_be_loaded_unverified(
+    tmp_path: Path,
+) -> None:
+    path = atomic_save(
+        {"model": {"w": torch.arange(100.0), "b": torch.zeros(3)}}, tmp_path / "a.pt"
+    )
+    start, size = next(span for name, span in record_spans(path).items() if name.endswith("data/0"))
+    data = bytearray(path.read_bytes())
+    data[start + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"a\.pt is corrupt: entry 'model\.w', record"):
+        load_file(path)
+    assert not torch.equal(load_file(path, verify=False)["model"]["w"], torch.arange(100.0))
+
+
+def test_files_without_checksums_load(tmp_path: Path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(2)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert verify_records(path) is None
+    assert torch.equal(load_file(path)["w"], torch.ones(2))
+
+
+def test_a_full_disk_is_named_with_the_space_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(obj: Any, target: Any) -> None:
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 24512 vs 24412"
+        )
+
+    monkeypatch.setattr(torch, "save", no_space)
+    monkeypatch.setattr("shutil.disk_usage", lambda _: SimpleNamespace(free=1000))
+    with pytest.raises(CheckpointError) as info:
+        atomic_save({"w": torch.ones(1000)}, tmp_path / "a.pt")
+    message = str(info.value)
+    assert "no space left on device" in message and "4000 bytes" in message
+    assert "1000 bytes are free" in message and "inline_container" not in message
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_map_location_defaults_to_cpu(tmp_path: Path) -> None:
