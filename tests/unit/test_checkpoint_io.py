@@ -195,7 +195,7 @@ def test_flipped_tensor_bytes_name_the_entry_and_can_be_loaded_unverified(
     path = atomic_save(
         {"model": {"w": torch.arange(100.0), "b": torch.zeros(3)}}, tmp_path / "a.pt"
     )
-    start, size = next(span for name, span in record_spans(path).items() if name.endswith("data/0"))
+    start, _ = next(span for name, span in record_spans(path).items() if name.endswith("data/0"))
     data = bytearray(path.read_bytes())
     data[start + 7] ^= 0x01
     path.write_bytes(bytes(data))
