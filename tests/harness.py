@@ -144,8 +144,12 @@ def run_group(
     init: InitMode = "harness",
     env: EnvSpec = None,
     timeout: float = 60.0,
+    daemon: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` real processes; results by rank.
+
+    ``daemon=False`` lets ranks start processes of their own (DataLoader workers); the
+    deadline still kills them.
 
     Raises :class:`GroupRunError` with every rank's traceback (and stacks for ranks that were
     still running) when a rank fails, dies, or the run passes ``timeout`` seconds.
@@ -167,7 +171,7 @@ def run_group(
                     _child_env(rank, world_size, init, port, env),
                     timeout,
                 ),
-                daemon=True,
+                daemon=daemon,
             )
             for rank in range(world_size)
         ]

@@ -5,7 +5,8 @@ Layout of ``config.dir``::
     ckpt-e0003-s00000120.pt   periodic checkpoints (epochs completed, optimizer steps), newest
                               ``keep_last`` kept
     best.pt                   the best one by ``config.monitor`` (a hard link, no extra write)
-    latest.json               names the newest complete checkpoint; written after it, atomically
+    latest.json               names the newest complete checkpoint; written after it, atomically;
+                              its "reason" is "preempted" once a run stopped on SIGTERM
 
 Rank 0 writes; every rank calls :meth:`write` and raises the same CheckpointError if rank 0
 failed, so no rank trains on believing a checkpoint exists.
@@ -108,6 +109,7 @@ class CheckpointManager:
         self.best_value: float | None = None
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None
+        self.last_saved_epoch: int | None = None
         if self.comm.rank == 0 and clean:
             self.dir.mkdir(parents=True, exist_ok=True)
             for orphan in remove_orphans(self.dir):
@@ -136,21 +138,47 @@ class CheckpointManager:
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                atomic_write_json(
-                    {
-                        "checkpoint": path.name,
-                        "epoch": epoch,
-                        "global_step": step,
-                        "time": time.time(),
-                    },
-                    self.dir / LATEST,
-                )
+                self._point_latest(path, epoch, step, "periodic")
                 self._prune(keep=path)
             except OSError as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, self.dir / LATEST)
         self.last_saved_step, self.last_saved_path = step, path
+        self.last_saved_epoch = epoch
         return path
+
+    def mark_preempted(self) -> None:
+        """Record in latest.json that the run stopped on a preemption (``"reason":
+        "preempted"``), still naming the newest complete checkpoint, so a job script can tell
+        a preemption from a failure whatever exit status its launcher reports. Rank 0 writes;
+        best effort (a failure is logged). Every rank may call this."""
+        if self.comm.rank != 0:
+            return
+        path = self.last_saved_path or self._pointed()
+        epoch, step = self.last_saved_epoch, self.last_saved_step
+        if path is not None and (epoch is None or step is None):
+            match = _PERIODIC.match(path.name)
+            epoch, step = (int(match.group(1)), int(match.group(2))) if match else (None, None)
+        try:
+            self._point_latest(path, epoch, step, "preempted")
+        except OSError as error:
+            logger.bind(rank=0).error(
+                "could not mark {} as preempted: {}", self.dir / LATEST, error
+            )
+
+    def _point_latest(
+        self, path: Path | None, epoch: int | None, step: int | None, reason: str
+    ) -> None:
+        atomic_write_json(
+            {
+                "checkpoint": None if path is None else path.name,
+                "epoch": epoch,
+                "global_step": step,
+                "reason": reason,
+                "time": time.time(),
+            },
+            self.dir / LATEST,
+        )
 
     def update_best(self, value: float, source: Path | None, checkpoint: Any = None) -> bool:
         """If ``value`` improves on the best so far, make best.pt this checkpoint (a hard link
@@ -201,6 +229,8 @@ class CheckpointManager:
         pointer = self.dir / LATEST
         try:
             name = json.loads(pointer.read_text())["checkpoint"]
+            if name is None:
+                return None
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as error:

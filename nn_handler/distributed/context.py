@@ -14,6 +14,7 @@ from loguru import logger
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from nn_handler.config import DistributedConfig
+from nn_handler.distributed import liveness
 from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
 from nn_handler.distributed.device import resolve_device
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
@@ -209,6 +210,7 @@ class DistributedContext:
                 f"MASTER_ADDR/MASTER_PORT and that the port is free on the master."
             ) from error
         self._owns_group = True
+        liveness.register(info.rank)
 
     def _restart_store(self) -> Store:
         """A client of torchrun's store, with keys private to this restart and this group.

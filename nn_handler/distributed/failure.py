@@ -22,21 +22,11 @@ from loguru import logger
 
 from nn_handler.distributed.communicator.base import format_error
 from nn_handler.distributed.context import collect_before_destroy
+from nn_handler.distributed.liveness import default_store, departed, describe_exit, note_departure
 from nn_handler.errors import RankFailedError
 
 _PREFIX = "nn_handler/failure"
 ACK_WAIT_S = 5.0
-
-
-def _default_store() -> Any:
-    """The default group's store, or None (torch exposes it only privately)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    getter: Callable[[], Any] | None = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except Exception:
-        return None
 
 
 def _published(store: Any, world_size: int, kind: str, skip: int) -> list[int]:
@@ -65,12 +55,19 @@ def fail_together(
     must go before the group is destroyed. The process group is destroyed.
 
     Returns ``error`` itself on a rank that failed first, and a RankFailedError carrying the
-    first failures' tracebacks on ranks whose collectives broke because a peer failed.
+    first failures' tracebacks on ranks whose collectives broke because a peer failed, or
+    naming the peers that left the group (see liveness.py). ``error`` may be a SystemExit or
+    KeyboardInterrupt: this rank is then leaving, and says how.
     """
-    store = _default_store()
+    store = default_store()
     if store is None or world_size == 1:
         return error
     earlier = _published(store, world_size, "error", skip=rank)
+    if not earlier and isinstance(error, Exception):
+        gone = departed(world_size, rank)
+        if gone:  # a peer left without publishing an error (killed, or store host gone)
+            _abort(release)
+            return RankFailedError(what, gone, note=f"rank {rank} stopped because of it.")
     if earlier:
         texts: dict[int, str] = {}
         for peer in earlier:
@@ -81,7 +78,11 @@ def fail_together(
         _try(lambda: store.set(f"{_PREFIX}/ack/{rank}", "1"))
         _abort(release)
         return RankFailedError(what, texts, note=f"rank {rank} stopped because of it.")
-    _try(lambda: store.set(f"{_PREFIX}/error/{rank}", format_error(error)))
+    text = format_error(error)
+    if not isinstance(error, Exception):
+        text = f"{describe_exit(error)}\n{text}"
+        note_departure(rank, describe_exit(error))
+    _try(lambda: store.set(f"{_PREFIX}/error/{rank}", text))
     _abort(release)
     deadline = time.monotonic() + ACK_WAIT_S
     peers = world_size - 1

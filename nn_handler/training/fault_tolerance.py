@@ -81,8 +81,19 @@ class FaultTolerance:
             yield
         except AGREED_ERRORS:
             raise
-        except Exception as error:
+        except TrainingPreempted:  # every rank agreed to stop: nothing to propagate
+            raise
+        except (Exception, SystemExit, KeyboardInterrupt) as error:
             if trainer.comm.world_size == 1:
+                raise
+            if not isinstance(error, Exception):  # this rank is leaving: say so, then leave
+                fail_together(
+                    error,
+                    trainer.comm.rank,
+                    trainer.comm.world_size,
+                    "training",
+                    trainer.release_wrappers,
+                )
                 raise
             state = trainer.state
             failure = fail_together(
@@ -167,6 +178,7 @@ class FaultTolerance:
                 path = self.save_periodic(budget_s=config.preemption_budget_s)
             except CheckpointError as error:
                 trainer.log.error("no emergency checkpoint: {}", error)
+        manager.mark_preempted()
         trainer.log.warning(
             "preempted after optimizer step {}: exiting with status {} (checkpoint {})",
             step,

@@ -9,6 +9,8 @@ same reduction: fault tolerance costs one tiny all_reduce per interval, not one 
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
 import threading
 import time
@@ -20,8 +22,12 @@ from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.communicator.base import Waiter
+from nn_handler.errors import TrainingPreempted
 
 MAX_STEPS_BETWEEN_CHECKS = 10_000
+#: Seconds a preempted process shields its shutdown from further SIGTERMs (torchrun waits up
+#: to 30 s after its SIGTERM before it sends SIGKILL).
+SHUTDOWN_GRACE_S = 20.0
 
 
 class PreemptionWatch:
@@ -38,8 +44,12 @@ class PreemptionWatch:
         self._pending: Waiter | None = None
         self._next_check = 0
         self._last: tuple[int, float] | None = None
+        self._pid = os.getpid()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker): not ours
+            _deliver_default(signum)
+            return
         if not self.requested:
             logger.bind(rank=self.comm.rank).warning(
                 "rank {} received SIGTERM: stopping soon, with a checkpoint", self.comm.rank
@@ -64,7 +74,13 @@ class PreemptionWatch:
         tb: TracebackType | None,
     ) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+            if isinstance(exc, TrainingPreempted):
+                # The process is on its way out with its checkpoint: a launcher that stops
+                # the other workers when the first exits (torchrun) must not cut this one's
+                # shutdown short, so further SIGTERMs wait for it, for a while.
+                ShutdownShield(self._previous, self.comm.rank).install()
+            else:
+                signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
         if exc_type is None:
             self._collect()  # every rank started it; finish it before the group moves on
@@ -112,4 +128,49 @@ class PreemptionWatch:
         return flag > 0, max(int(-negative), 1)
 
 
-__all__ = ["MAX_STEPS_BETWEEN_CHECKS", "PreemptionWatch"]
+class ShutdownShield:
+    """The SIGTERM handler of a preempted process: signals within ``grace_s`` of the
+    preemption are logged and ignored (the process is already exiting, with its checkpoint);
+    a later one restores the previous handler and is delivered again, so a process that
+    lingers can still be stopped. Once the interpreter exits, SIGTERM is ignored outright
+    (SIGKILL, which launchers send after their grace period, still ends it)."""
+
+    def __init__(self, previous: Any, rank: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        self.previous = previous
+        self.rank = rank
+        self.deadline = time.monotonic() + grace_s
+        self.pid = os.getpid()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        # Python puts its own handlers back to the default while the interpreter shuts down
+        # (torch's teardown runs after that), but leaves an ignored signal ignored.
+        atexit.register(self._ignore_while_exiting)
+
+    def _ignore_while_exiting(self) -> None:
+        if os.getpid() == self.pid and signal.getsignal(signal.SIGTERM) == self._on_signal:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:  # a forked child: not the process that is shutting down
+            _deliver_default(signum)
+            return
+        if time.monotonic() < self.deadline:
+            logger.bind(rank=self.rank).info(
+                "rank {} received SIGTERM while exiting after its preemption checkpoint: "
+                "finishing the shutdown first",
+                self.rank,
+            )
+            return
+        signal.signal(signal.SIGTERM, self.previous)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _deliver_default(signum: int) -> None:
+    """Act on ``signum`` as if no handler were installed (in a forked child that inherited
+    one: it must still stop when its parent terminates it)."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+__all__ = ["MAX_STEPS_BETWEEN_CHECKS", "SHUTDOWN_GRACE_S", "PreemptionWatch", "ShutdownShield"]
