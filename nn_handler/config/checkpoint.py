@@ -44,9 +44,9 @@ class CheckpointConfig(BaseModel):
 
     dir: str | None = None
     save_last: bool = True
-    every_n_epochs: int | None = Field(default=1, ge=1)
-    every_n_steps: int | None = Field(default=None, ge=1)
-    keep_last: int = Field(default=1, ge=1)
+    every_n_epochs: int | None = Field(default=1, ge=1, strict=True)
+    every_n_steps: int | None = Field(default=None, ge=1, strict=True)
+    keep_last: int = Field(default=1, ge=1, strict=True)
     save_best: bool = False
     monitor: str = "val_loss"
     mode: Mode = "min"
@@ -54,7 +54,7 @@ class CheckpointConfig(BaseModel):
     handle_sigterm: bool = True
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float = Field(default=120.0, gt=0)
-    preemption_exit_code: int = Field(default=75, ge=1, le=255)
+    preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
 
     @model_validator(mode="after")
     def _something_to_save(self) -> CheckpointConfig:

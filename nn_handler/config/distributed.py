@@ -80,14 +80,14 @@ class LoaderConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    batch_size: int = Field(default=32, ge=1)
+    batch_size: int = Field(default=32, ge=1, strict=True)
     shuffle: bool = True
-    num_workers: int = Field(default=0, ge=0)
+    num_workers: int = Field(default=0, ge=0, strict=True)
     pin_memory: bool | None = None
     persistent_workers: bool | None = None
-    prefetch_factor: int | None = Field(default=None, ge=1)
+    prefetch_factor: int | None = Field(default=None, ge=1, strict=True)
     drop_last: bool = False
-    seed: int = Field(default=0, ge=0, lt=2**63)
+    seed: int = Field(default=0, ge=0, lt=2**63, strict=True)
     mode: LoaderMode = "distributed"
 
 

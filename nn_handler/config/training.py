@@ -27,7 +27,7 @@ class PrecisionConfig(BaseModel):
 
     precision: PrecisionName = "32"
     init_scale: float = Field(default=2.0**16, gt=0)
-    growth_interval: int = Field(default=2000, ge=1)
+    growth_interval: int = Field(default=2000, ge=1, strict=True)
 
 
 class EmaConfig(BaseModel):
@@ -51,8 +51,8 @@ class EmaConfig(BaseModel):
     enabled: bool = False
     decay: float = Field(default=0.9999, gt=0.0, lt=1.0)
     warmup: bool = False
-    update_every: int = Field(default=1, ge=1)
-    start_step: int = Field(default=0, ge=0)
+    update_every: int = Field(default=1, ge=1, strict=True)
+    start_step: int = Field(default=0, ge=0, strict=True)
     buffers: Literal["copy", "average"] = "copy"
     validate_with_ema: bool = True
 
@@ -71,7 +71,7 @@ class EarlyStoppingConfig(BaseModel):
 
     monitor: str = "val_loss"
     mode: Mode = "min"
-    patience: int = Field(default=5, ge=1)
+    patience: int = Field(default=5, ge=1, strict=True)
     min_delta: float = Field(default=0.0, ge=0.0)
 
 
@@ -106,8 +106,8 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    epochs: int = Field(default=1, ge=1)
-    accumulate_grad_batches: int = Field(default=1, ge=1)
+    epochs: int = Field(default=1, ge=1, strict=True)
+    accumulate_grad_batches: int = Field(default=1, ge=1, strict=True)
     gradient_clip_val: float | None = Field(default=None, gt=0)
     gradient_clip_norm_type: float = Field(default=2.0, gt=0)
     scheduler_interval: Interval = "epoch"
@@ -117,9 +117,9 @@ class TrainerConfig(BaseModel):
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
     find_unused_parameters: bool = False
     nonfinite: NonFinitePolicy = "skip"
-    max_consecutive_skipped_steps: int | None = Field(default=10, ge=1)
+    max_consecutive_skipped_steps: int | None = Field(default=10, ge=1, strict=True)
     early_stopping: EarlyStoppingConfig | None = None
-    log_every_n_steps: int = Field(default=50, ge=1)
+    log_every_n_steps: int = Field(default=50, ge=1, strict=True)
     progress_bar: bool = True
     non_blocking: bool = True
 

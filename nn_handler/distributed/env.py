@@ -106,8 +106,12 @@ def _is_ascii_int(text: str) -> bool:
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
     raw = env[name]
+    text = raw.strip()
     try:
-        value = int(raw.strip())
+        # ASCII digits only: int() also takes '1_0' (as 10) and other scripts' digits.
+        if not _is_ascii_int(text.removeprefix("-")):
+            raise ValueError(text)
+        value = int(text)
     except ValueError:
         raise ConfigError(
             f"Environment variable {name}={raw!r} is not an integer; set it to an integer "

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,7 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resum
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in output, output
     assert "exitcode  : -15" not in output and "Signal 15" not in output, output
     assert json.loads((ckpt / "latest.json").read_text())["reason"] == "preempted"
-    (job_output := out / "job-output.txt").write_text(output)
+    (out / "job-output.txt").write_text(output)
     reports = [json.loads((out / f"rank{r}-attempt0.json").read_text()) for r in (0, 1)]
     assert reports[0]["preempted"] == reports[1]["preempted"] == PREEMPTED_EXIT_CODE
     stopped = reports[0]["step"]
@@ -137,3 +138,19 @@ def test_three_handlers_in_a_row_under_torchrun(tmp_path: Path) -> None:
     assert runs[0] == runs[1], "the ranks disagree on a handler's loss"
     assert [run["world"] for run in runs[0]] == [2, 2, 2]
     assert len({run["loss"] for run in runs[0]}) == 3  # three separate runs, each trained
+
+
+def test_an_emergency_save_over_its_budget_exits_75_with_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The writer thread is cancelled and joined: no SIGABRT (134) from a thread left inside
+    torch.save at exit, no new file, and latest.json still names the step-2 checkpoint."""
+    script = SCRIPT.with_name("preempt_over_budget.py")
+    ckpt = tmp_path / "ckpt"
+    code, output = run_command([sys.executable, str(script), str(ckpt)], timeout=120, env=ENV)
+    assert code == PREEMPTED_EXIT_CODE, output
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-e0000-s00000002.pt", "latest.json"]
+    latest = json.loads((ckpt / "latest.json").read_text())
+    assert latest["checkpoint"] == "ckpt-e0000-s00000002.pt" and latest["reason"] == "preempted"
+    assert load_file(ckpt / "ckpt-e0000-s00000002.pt")["trainer"]["global_step"] == 2
+    assert "did not finish within its budget" in output

@@ -108,6 +108,9 @@ def test_rank_and_world_size_must_come_together(present: str, value: int) -> Non
         st.integers(-1000, -1).map(str),
         st.text(alphabet="abcxyz.-+ ", min_size=1, max_size=6),
         st.floats(0.1, 9.9).map(lambda f: f"{f:.2f}"),
+        # int() reads these as numbers; an environment variable must be plain ASCII digits.
+        st.integers(1, 9).map(lambda n: f"1_{n}"),
+        st.sampled_from(["\u0661", "\uff11", "+1"]),
     ),
 )
 def test_negative_or_non_integer_values_name_the_variable(name: str, raw: str) -> None:

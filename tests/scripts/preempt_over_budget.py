@@ -1,4 +1,4 @@
-"""Run by tests/distributed/test_exit_status.py as a plain process (not by pytest): a model
+"""Run by tests/distributed/test_fault_tolerance.py as a plain process (not by pytest): a model
 whose checkpoint takes far longer to write than preemption_budget_s gets a real SIGTERM after
 optimizer step 3; the emergency save must be cancelled and the process must exit with 75.
 
@@ -32,6 +32,7 @@ def main() -> None:
     config = {
         "loader": {"batch_size": 4},
         "trainer": {"progress_bar": False},
+        "logging": {"enabled": True, "level": "WARNING"},
         "checkpoint": {"dir": sys.argv[1], "every_n_steps": 2, "preemption_budget_s": 0.05},
     }
     with NNHandler(

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from nn_handler import ConfigError, HandlerConfig
 from nn_handler.config import DistributedConfig
 
 
@@ -49,3 +50,21 @@ def test_device_strings_are_accepted_exactly_when_resolvable(text: str) -> None:
     else:
         with pytest.raises(ValidationError, match="device"):
             DistributedConfig(device=text)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("loader", "batch_size", True),
+        ("loader", "batch_size", "32"),
+        ("loader", "num_workers", 1.0),
+        ("trainer", "epochs", "3"),
+        ("trainer", "accumulate_grad_batches", False),
+        ("checkpoint", "keep_last", "2"),
+        ("checkpoint", "every_n_steps", True),
+    ],
+)
+def test_counts_are_strict_integers(section: str, field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"{section}\.{field}: Input should be a valid integer"):
+        HandlerConfig.from_dict({section: {field: value}})
+    assert HandlerConfig.from_dict({section: {field: 2}}).model_dump()[section][field] == 2
