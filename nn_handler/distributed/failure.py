@@ -64,7 +64,7 @@ def fail_together(
         return error
     earlier = _published(store, world_size, "error", skip=rank)
     if not earlier and isinstance(error, Exception):
-        gone = departed(world_size, rank)
+        gone = _departed_peers(world_size, rank, error)
         if gone:  # a peer left without publishing an error (killed, or store host gone)
             _abort(release)
             return RankFailedError(what, gone, note=f"rank {rank} stopped because of it.")
@@ -95,6 +95,23 @@ def fail_together(
     return error
 
 
+#: Seconds a rank whose connection to a peer broke watches for that peer's departure (a
+#: killed process closes its sockets a moment before it is gone from the process table).
+LEAVE_WAIT_S = 3.0
+_PEER_LOSS = ("closed by peer", "reset by peer", "broken pipe", "read error", "socket closed")
+
+
+def _departed_peers(world_size: int, rank: int, error: BaseException) -> dict[int, str]:
+    """The peers known to have left; after a lost connection, watched for a short while."""
+    lost = any(phrase in str(error).lower() for phrase in _PEER_LOSS)
+    deadline = time.monotonic() + (LEAVE_WAIT_S if lost else 0.0)
+    while True:
+        gone = departed(world_size, rank)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
 def _try(action: Callable[[], None]) -> None:
     try:
         action()
@@ -109,4 +126,4 @@ def _abort(release: Callable[[], None]) -> None:
         _try(dist.destroy_process_group)
 
 
-__all__ = ["ACK_WAIT_S", "fail_together"]
+__all__ = ["ACK_WAIT_S", "LEAVE_WAIT_S", "fail_together"]

@@ -51,9 +51,32 @@ def test_running_loss_does_not_depend_on_how_often_it_folds(
     running = RunningLoss(fold_every)
     for value, n in batches:
         running.add(torch.tensor(value), n)
+        running.end_window(1, skipped=False)
     mean, samples = running.compute(NullCommunicator())
     assert samples == sum(n for _, n in batches)
     expected = _expected(batches)
+    assert (math.isnan(mean) and math.isnan(expected)) or mean == pytest.approx(
+        expected, rel=1e-6, abs=1e-3
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(batches, st.booleans()), min_size=1, max_size=6), st.integers(1, 7)
+)
+def test_skipped_windows_leave_the_mean_but_their_samples_count(
+    windows: list[tuple[list[tuple[float, int]], bool]], fold_every: int
+) -> None:
+    import torch
+
+    running = RunningLoss(fold_every)
+    for window, skipped in windows:
+        for value, n in window:
+            running.add(torch.tensor(value), n)
+        running.end_window(len(window), skipped)
+    mean, samples = running.compute(NullCommunicator())
+    assert samples == sum(n for window, _ in windows for _, n in window)
+    expected = _expected([b for window, skipped in windows if not skipped for b in window])
     assert (math.isnan(mean) and math.isnan(expected)) or mean == pytest.approx(
         expected, rel=1e-6, abs=1e-3
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler.training.nonfinite import GradientFiniteCheck
+from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 
 
 def _params(*dtypes: torch.dtype) -> list[nn.Parameter]:
@@ -48,3 +48,19 @@ def test_no_gradients_at_all_count_as_finite() -> None:
     params = _params(torch.float32)
     params[0].grad = None
     assert GradientFiniteCheck(params).all_finite()
+
+
+def test_a_buffer_snapshot_puts_batchnorm_statistics_back() -> None:
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    snapshot = BufferSnapshot(module)
+    assert snapshot.has_buffers and not BufferSnapshot(nn.Linear(3, 4)).has_buffers
+    before = {k: v.clone() for k, v in module.named_buffers()}
+    snapshot.take()
+    module(torch.full((5, 3), float("nan")))  # a NaN batch in training mode
+    assert torch.isnan(module[1].running_mean).all() and module[1].num_batches_tracked == 1
+    snapshot.restore()
+    after = dict(module.named_buffers())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not snapshot.taken
+    snapshot.restore()  # nothing taken: a no-op
+    assert all(torch.equal(before[k], after[k]) for k in before)
