@@ -130,6 +130,11 @@ def check_object_collectives(comm: Communicator) -> None:
     assert [g["rank"] for g in gathered] == list(range(w))
     assert gathered[r] == obj
     assert comm.all_gather_object(lambda x: x + r)[0](1) == 1, "cloudpickle for lambdas"
+    # Around the 16 KiB first round: frames that fit travel with the lengths, larger ones in a
+    # second round; mixed sizes across ranks take the second round for all.
+    for size in (16000, 16500):
+        texts = comm.all_gather_object("y" * (size + 300 * r))
+        assert texts == ["y" * (size + 300 * i) for i in range(w)], size
     dst = w - 1
     on_dst = comm.gather_object(("r", r), dst=dst)
     assert on_dst == ([("r", i) for i in range(w)] if r == dst else [])

@@ -35,6 +35,10 @@ T = TypeVar("T")
 Waiter = Callable[[], torch.Tensor]
 #: Object payloads above this size move one rank at a time (bounded memory).
 _LARGE_FRAME = 16 * 2**20
+#: all_gather_object's first round: a fixed 16 KiB buffer that carries the lengths and, when
+#: every rank's frame fits, the frames themselves (a 64-byte header keeps them aligned).
+_EAGER_BYTES = 16384
+_EAGER_HEADER = 64
 
 
 def debug_from_env(env: Mapping[str, str] | None = None) -> bool:
@@ -300,7 +304,12 @@ class Communicator(ABC):
         if self.world_size == 1:
             return [obj]
         frame, error = _objects.dumps(obj)
-        lengths, failed_flags = self._exchange_lengths(frame.length, error)
+        lengths, failed_flags, small = self._exchange_small(frame, error)
+        if small is not None:  # every frame came with the lengths: one round trip
+            if any(failed_flags):
+                failed = self._failures(small, failed_flags)
+                raise RankFailedError("all_gather_object: pickling the object", failed) from error
+            return self._unpickle_together(small, "all_gather_object")
         large = max(lengths) > _LARGE_FRAME and not any(failed_flags)
         send = self._send_buffer(frame, lengths[self.rank] if large else max(lengths))
         del frame  # the send buffer holds the only copy now
@@ -493,6 +502,26 @@ class Communicator(ABC):
         lengths = [int(n.item()) for n in self._do_all_gather(length)]
         parts = self._do_all_gather(_wire.bytes_to_tensor(payload, max(lengths), self.device))
         return [_wire.tensor_to_bytes(p, n) for p, n in zip(parts, lengths, strict=True)]
+
+    def _exchange_small(
+        self, frame: _objects.Frame, error: BaseException | None
+    ) -> tuple[list[int], list[int], list[np.ndarray] | None]:
+        """Every rank's frame length and pickling-failure flag, in one all-gather of a fixed
+        buffer that also carries each frame small enough to fit (a list of floats, a dict of
+        metrics: the common case). Returns the frames too when every one fitted, else None
+        (the caller then sends them in a second round)."""
+        buffer = torch.zeros(_EAGER_BYTES, dtype=torch.uint8)
+        out = buffer.numpy()
+        out[:16].view(np.int64)[:] = [int(error is not None), frame.length]
+        if frame.length <= _EAGER_BYTES - _EAGER_HEADER:
+            frame.write_into(out[_EAGER_HEADER:])
+        parts = [part.cpu().numpy() for part in self._do_all_gather(buffer.to(self.device))]
+        statuses = [part[:16].view(np.int64).tolist() for part in parts]
+        lengths = [int(length) for _, length in statuses]
+        flags = [int(flag) for flag, _ in statuses]
+        if max(lengths) <= _EAGER_BYTES - _EAGER_HEADER:
+            return lengths, flags, [part[_EAGER_HEADER:] for part in parts]
+        return lengths, flags, None
 
     def _exchange_lengths(
         self, length: int, error: BaseException | None
