@@ -61,9 +61,7 @@ def test_running_loss_does_not_depend_on_how_often_it_folds(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.tuples(batches, st.booleans()), min_size=1, max_size=6), st.integers(1, 7)
-)
+@given(st.lists(st.tuples(batches, st.booleans()), min_size=1, max_size=6), st.integers(1, 7))
 def test_skipped_windows_leave_the_mean_but_their_samples_count(
     windows: list[tuple[list[tuple[float, int]], bool]], fold_every: int
 ) -> None:
