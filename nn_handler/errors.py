@@ -119,6 +119,7 @@ class CollectiveMismatchError(DistributedError):
 
     def __init__(self, what: str, signatures: Sequence[str], hint: str = "") -> None:
         self.what = what
+        self.hint = hint
         self.signatures: list[str] = list(signatures)
         lines = "\n".join(f"  rank {rank}: {sig}" for rank, sig in enumerate(self.signatures))
         message = f"{what}: ranks disagree on the collective call:\n{lines}"
@@ -126,8 +127,8 @@ class CollectiveMismatchError(DistributedError):
             message += f"\n{hint}"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type[CollectiveMismatchError], tuple[str, list[str]]]:
-        return (type(self), (self.what, self.signatures))
+    def __reduce__(self) -> tuple[type[CollectiveMismatchError], tuple[str, list[str], str]]:
+        return (type(self), (self.what, self.signatures, self.hint))
 
 
 class NonFiniteError(NNHandlerError, FloatingPointError):

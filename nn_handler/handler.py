@@ -101,6 +101,30 @@ class NNHandler:
         self._owns_context = context is None
         self.context = context or DistributedContext(self.config.distributed)
         self.context.setup()
+        self._sinks: list[int] = []
+        try:
+            self._build(
+                model, optimizer, loss_fn, scheduler, communicator, metrics, hooks, trainer_class
+            )
+        except BaseException:
+            # Leave the group this constructor joined: nothing else holds it now.
+            if self._owns_context:
+                self.context.teardown()
+            for sink in self._sinks:
+                logger.remove(sink)
+            raise
+
+    def _build(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None,
+        loss_fn: Any,
+        scheduler: Any,
+        communicator: Communicator | None,
+        metrics: Mapping[str, Metric] | None,
+        hooks: Iterable[Hook],
+        trainer_class: type[Trainer],
+    ) -> None:
         self.communicator = communicator or self.context.communicator
         self._sinks = _add_log_sinks(self.config.logging, self.context.rank)
         self.loaders = LoaderFactory.from_context(self.config.loader, self.context)

@@ -43,7 +43,7 @@ class EmaConfig(BaseModel):
             the weights).
         buffers: 'copy' the model's buffers (BatchNorm statistics) into the EMA, or 'average'
             the floating-point ones like the weights.
-        validate: run validation on the EMA weights.
+        validate_with_ema: run validation on the EMA weights.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -92,8 +92,21 @@ class HookList:
         return bool(self._by_point[point])
 
     def call(self, point: str, *args: Any) -> None:
+        """Call ``point`` on every hook that overrides it, in order. ``after_train`` (the
+        clean-up point: loggers finalize there) reaches every hook even when one raises; the
+        first error is raised after the last hook ran."""
+        if point != "after_train":
+            for hook in self._by_point[point]:
+                getattr(hook, point)(*args)
+            return
+        first: Exception | None = None
         for hook in self._by_point[point]:
-            getattr(hook, point)(*args)
+            try:
+                getattr(hook, point)(*args)
+            except Exception as error:
+                first = first or error
+        if first is not None:
+            raise first
 
 
 def _overrides(hook: Hook, point: str) -> bool:

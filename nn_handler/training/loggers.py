@@ -6,7 +6,7 @@ on every rank) and, every ``every_n_steps`` optimizer steps, rank 0's current tr
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from nn_handler.errors import ConfigError
 from nn_handler.training.hooks import Hook
 
 
-class ExperimentLogger(Hook):
+class ExperimentLogger(Hook, ABC):
     """Base of experiment loggers: implement ``log_metrics`` and ``log_hyperparams``."""
 
     def __init__(self, every_n_steps: int = 50) -> None:

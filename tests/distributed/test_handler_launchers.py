@@ -4,7 +4,6 @@ the convergence of the small digits CNN with 2 gloo ranks."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,9 @@ def test_digits_cnn_reaches_95_percent_with_two_gloo_ranks_under_torchrun(
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("sklearn")
-    started = time.perf_counter()
     code, output = run_command(
         torchrun_command(SCRIPTS / "torchrun_digits.py", str(tmp_path)), timeout=120
     )
-    elapsed = time.perf_counter() - started
     assert code == 0, output
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, result in enumerate(results):
@@ -36,7 +33,6 @@ def test_digits_cnn_reaches_95_percent_with_two_gloo_ranks_under_torchrun(
         assert result["ddp"] == "DistributedDataParallel"
     assert results[0]["val_accuracy"] == results[1]["val_accuracy"]  # reduced, so shared
     assert results[0]["val_accuracy"][-1] >= 0.95, results[0]["val_accuracy"]
-    assert elapsed < 60, f"digits training took {elapsed:.0f} s with torchrun start-up"
 
 
 def _train_small() -> dict[str, Any]:

@@ -70,7 +70,7 @@ def test_skipped_windows_leave_the_mean_but_their_samples_count(
     running = RunningLoss(fold_every)
     for window, skipped in windows:
         for value, n in window:
-            running.add(torch.tensor(value), n)
+            running.add(torch.tensor(value, dtype=torch.float64), n)
         running.end_window(len(window), skipped)
     mean, samples = running.compute(NullCommunicator())
     assert samples == sum(n for window, _ in windows for _, n in window)
