@@ -45,7 +45,7 @@ from nn_handler.errors import (
     WorkerTimeoutError,
 )
 from nn_handler.handler import NNHandler
-from nn_handler.log import enable_logging
+from nn_handler.log import disable_logging, enable_logging
 from nn_handler.training import (
     History,
     Hook,
@@ -95,6 +95,7 @@ __all__ = [
     "WorkerTimeoutError",
     "__version__",
     "accuracy",
+    "disable_logging",
     "enable_logging",
     "launch",
     "launch_distributed_training",

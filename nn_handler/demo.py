@@ -14,7 +14,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from loguru import logger
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -39,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 @record  # torchrun's report then names the real exception of a failing rank
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logger.remove()  # the demo is the application: only the rank-0 sink NNHandler adds prints
+
     out = Path(args.out)
     started = time.perf_counter()
     config = HandlerConfig.from_dict(

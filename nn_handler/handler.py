@@ -26,7 +26,7 @@ from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.errors import ConfigError
-from nn_handler.log import enable_logging
+from nn_handler.log import disable_logging, enable_logging
 from nn_handler.training.checkpointing import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
@@ -72,6 +72,15 @@ def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
     return sinks
 
 
+def _remove_log_sinks(sinks: list[int]) -> None:
+    """Undo :func:`_add_log_sinks`: the file sink, then the stderr one (which may silence the
+    library and give loguru's default sink back)."""
+    for sink in reversed(sinks[1:]):
+        logger.remove(sink)
+    if sinks:
+        disable_logging(sinks[0])
+
+
 class NNHandler:
     """One model's training run: a DistributedContext, a Communicator, a LoaderFactory and a
     Trainer, built from one config.
@@ -110,8 +119,7 @@ class NNHandler:
             # Leave the group this constructor joined: nothing else holds it now.
             if self._owns_context:
                 self.context.teardown()
-            for sink in self._sinks:
-                logger.remove(sink)
+            _remove_log_sinks(self._sinks)
             raise
 
     def _build(
@@ -251,8 +259,7 @@ class NNHandler:
         self.trainer.release_wrappers()
         if self._owns_context:
             self.context.teardown()
-        for sink in self._sinks:
-            logger.remove(sink)
+        _remove_log_sinks(self._sinks)
         self._sinks = []
 
     def __enter__(self) -> NNHandler:

@@ -1,7 +1,14 @@
 """Rank-aware logging through loguru.
 
 The library logs under the name "nn_handler" and calls ``logger.disable("nn_handler")`` on
-import, adding no sinks; applications (the CLI included) call :func:`enable_logging`.
+import, adding no sinks. Applications (NNHandler by default, the CLI) call
+:func:`enable_logging` and undo it with :func:`disable_logging`.
+
+One line per event: while nn_handler's sink is on, loguru's own default stderr sink (handler 0,
+which would print every record again, on every rank) is lent to it: the sink prints the
+application's records as that default did (every rank, its level) and nn_handler's on rank 0
+only. :func:`disable_logging` of the last sink gives the default back. A sink the application
+added itself is never touched.
 """
 
 from __future__ import annotations
@@ -10,9 +17,48 @@ import sys
 from typing import TYPE_CHECKING
 
 from loguru import logger
+from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from loguru import Record
+    from loguru import Message, Record
+
+_LIBRARY = "nn_handler"
+_FORMAT = (
+    "<green>{time:HH:mm:ss}</green> | rank {extra[rank]} | <level>{level: <7}</level> | {message}"
+)
+# loguru adds its default stderr sink with this id at import (unless LOGURU_AUTOINIT=0).
+_LOGURU_DEFAULT_SINK = 0
+
+
+class _StderrLease:
+    """Which of our sinks are on, and whether loguru's default sink was lent to them.
+
+    Mirrors loguru's own process-wide handler table; the only state this module keeps."""
+
+    def __init__(self) -> None:
+        self.sinks: dict[int, None] = {}  # our sink ids, oldest first (an ordered set)
+        self.default_taken = False
+        self.default_id = _LOGURU_DEFAULT_SINK  # the default sink's id (a new one once given back)
+
+    def take_default(self) -> bool:
+        if self.default_taken:
+            return True
+        try:
+            logger.remove(self.default_id)
+        except ValueError:
+            return False  # the application removed or replaced it: leave its sinks alone
+        self.default_taken = True
+        return True
+
+    def give_back(self) -> None:
+        if self.default_taken:
+            self.default_taken = False
+            # loguru's defaults (LOGURU_FORMAT, LOGURU_LEVEL) apply; written to the sys.stderr of
+            # the moment, as ours are, never to a stream captured and closed since.
+            self.default_id = logger.add(_to_stderr, colorize=is_terminal(sys.stderr))
+
+
+_LEASE = _StderrLease()
 
 
 def _rank() -> int:
@@ -24,22 +70,64 @@ def _rank() -> int:
         return 0
 
 
+def _is_library(record: Record) -> bool:
+    name = record["name"]
+    return name is not None and (name == _LIBRARY or name.startswith(_LIBRARY + "."))
+
+
+def _write(message: Message) -> None:
+    # Through tqdm, so a line logged while a progress bar is shown lands above the bar.
+    tqdm.write(str(message), file=sys.stderr, end="")
+
+
+def _to_stderr(message: Message) -> None:
+    sys.stderr.write(str(message))
+
+
+def is_terminal(stream: object) -> bool:
+    """Whether ``stream`` is an open terminal (False for pipes, files, closed streams)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):
+        return False
+
+
 def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
-    """Enable nn_handler's logs on stderr, tagged with the rank; rank 0 only unless
-    ``all_ranks``. Returns the loguru sink id (``logger.remove(id)`` to undo)."""
+    """Print nn_handler's logs on stderr, tagged with the rank; rank 0 only unless
+    ``all_ranks``. Returns the sink id: pass it to :func:`disable_logging` to undo.
 
-    def on_this_rank(record: Record) -> bool:
+    While loguru's default stderr sink is in place it is lent to this sink, so no record is
+    printed twice; the application's own records still print on every rank, as before."""
+    library_level = logger.level(level).no
+    _LEASE.take_default()
+    sink = -1
+
+    def accept(record: Record) -> bool:
         record["extra"].setdefault("rank", _rank())
-        return all_ranks or record["extra"]["rank"] == 0
+        if _is_library(record):
+            shown_here = all_ranks or record["extra"]["rank"] == 0
+            return shown_here and record["level"].no >= library_level
+        # The application's records, as loguru's default sink showed them: by one sink only.
+        return _LEASE.default_taken and next(iter(_LEASE.sinks), None) == sink
 
-    logger.enable("nn_handler")
-    return logger.add(
-        sys.stderr,
-        level=level,
-        filter=on_this_rank,
-        format="<green>{time:HH:mm:ss}</green> | rank {extra[rank]} | <level>{level: <7}</level>"
-        " | {message}",
-    )
+    logger.enable(_LIBRARY)
+    colorize = is_terminal(sys.stderr)
+    sink = logger.add(_write, level=0, filter=accept, format=_FORMAT, colorize=colorize)
+    _LEASE.sinks[sink] = None
+    return sink
 
 
-__all__ = ["enable_logging"]
+def disable_logging(sink: int) -> None:
+    """Remove a sink :func:`enable_logging` returned. When it was the last one, nn_handler is
+    silent again and loguru's default stderr sink, if it was lent, is back. Idempotent."""
+    if sink not in _LEASE.sinks:
+        return
+    del _LEASE.sinks[sink]
+    logger.remove(sink)
+    if not _LEASE.sinks:
+        logger.disable(_LIBRARY)
+        _LEASE.give_back()
+
+
+__all__ = ["disable_logging", "enable_logging", "is_terminal"]

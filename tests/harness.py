@@ -233,7 +233,11 @@ def slurm_env(port: int, world_size: int = 2) -> Callable[[int], dict[str, str]]
 
 
 def run_commands(
-    commands: list[list[str]], *, timeout: float, env: Mapping[str, str] | None = None
+    commands: list[list[str]],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
 ) -> list[tuple[int, str]]:
     """Run ``commands`` concurrently, each in its own session, all bounded by ``timeout``
     seconds; returns (exit code, output) for each.
@@ -251,6 +255,7 @@ def run_commands(
             stderr=subprocess.STDOUT,
             text=True,
             env=child_env,
+            cwd=cwd,
             start_new_session=True,
         )
         for command in commands
@@ -273,10 +278,14 @@ def run_commands(
 
 
 def run_command(
-    command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
+    command: list[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
 ) -> tuple[int, str]:
     """Run one command in its own session, bounded by ``timeout``; (exit code, output)."""
-    return run_commands([command], timeout=timeout, env=env)[0]
+    return run_commands([command], timeout=timeout, env=env, cwd=cwd)[0]
 
 
 def torchrun_command(script: str | Path, *args: str, nproc: int = 2) -> list[str]:

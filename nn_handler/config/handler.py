@@ -17,11 +17,13 @@ from nn_handler.errors import ConfigError
 
 
 class LoggingConfig(BaseModel):
-    """Logs of a run. The library adds no log sink unless asked: ``enabled=True`` makes
-    NNHandler add one for its lifetime (see :func:`nn_handler.enable_logging`).
+    """Logs of a run. NNHandler adds a stderr sink for its lifetime (see
+    :func:`nn_handler.enable_logging`): one line per event, on rank 0 unless ``all_ranks``.
+    The library itself (a Trainer used alone) adds none.
 
     Attributes:
-        enabled: print nn_handler's logs (epoch summaries, skipped steps, loader settings).
+        enabled: print nn_handler's logs (epoch summaries, skipped steps, loader settings);
+            False leaves the application's own loguru sinks as the only output.
         level: the loguru level.
         all_ranks: every rank prints (default: rank 0 only); records carry the rank either way.
         file: also write to this file; '{rank}' in the name gives one file per rank
@@ -30,7 +32,7 @@ class LoggingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = True
     level: str = "INFO"
     all_ranks: bool = False
     file: str | None = None

@@ -37,7 +37,9 @@ class EmaConfig(BaseModel):
         enabled: keep an EMA copy of the model.
         decay: ``ema = decay * ema + (1 - decay) * weights`` at every update.
         warmup: use ``min(decay, (1 + n) / (10 + n))`` for the n-th update, so the EMA is not
-            dominated by the initial weights early in training.
+            dominated by the initial weights early in training (on by default, as timm's
+            ModelEmaV3 ``use_warmup``: with decay 0.9999 and no warm-up, the EMA of a run of a
+            few thousand steps is still mostly its initial weights).
         update_every: update after every N-th optimizer step.
         start_step: the first optimizer step that updates the EMA (before it, the EMA copies
             the weights).
@@ -50,7 +52,7 @@ class EmaConfig(BaseModel):
 
     enabled: bool = False
     decay: float = Field(default=0.9999, gt=0.0, lt=1.0)
-    warmup: bool = False
+    warmup: bool = True
     update_every: int = Field(default=1, ge=1, strict=True)
     start_step: int = Field(default=0, ge=0, strict=True)
     buffers: Literal["copy", "average"] = "copy"

@@ -1,10 +1,14 @@
-"""The rank-0 progress bar (tqdm); every other rank, or a disabled bar, does nothing."""
+"""The rank-0 progress bar (tqdm); every other rank, a disabled bar, or a stderr that is not a
+terminal (a pipe, a log file, a SLURM output file) does nothing: there the bar's carriage
+returns would run into the epoch summaries."""
 
 from __future__ import annotations
 
 import sys
 
 from tqdm.auto import tqdm
+
+from nn_handler.log import is_terminal
 
 
 class ProgressBar:
@@ -13,7 +17,7 @@ class ProgressBar:
     def __init__(self, enabled: bool, total: int | None, description: str) -> None:
         self._bar = (
             tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, file=sys.stderr)
-            if enabled
+            if enabled and is_terminal(sys.stderr)
             else None
         )
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import textwrap
 
 import pytest
 from loguru import logger
 
-from nn_handler import enable_logging
+from nn_handler import disable_logging, enable_logging
 from nn_handler.errors import (
     CheckpointError,
     CollectiveMismatchError,
@@ -16,6 +18,7 @@ from nn_handler.errors import (
     NNHandlerError,
     RankFailedError,
 )
+from tests.harness import run_command
 
 
 def test_errors_are_also_the_builtins_callers_catch() -> None:
@@ -58,8 +61,8 @@ def test_the_library_is_silent_until_the_application_enables_logging(
             _log_as_library("shown on rank 0")
             _log_as_library("not shown: rank 1", rank=1)
         finally:
-            logger.remove(sink)
-            logger.disable("nn_handler")
+            disable_logging(sink)
+        _log_as_library("silent again")
     finally:
         logger.remove(everything)
     assert [m.strip() for m in seen] == ["shown on rank 0", "not shown: rank 1"]
@@ -73,6 +76,66 @@ def test_all_ranks_can_be_shown(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         _log_as_library("from rank 1", rank=1)
     finally:
-        logger.remove(sink)
-        logger.disable("nn_handler")
+        disable_logging(sink)
     assert "rank 1 | INFO    | from rank 1" in capsys.readouterr().err
+
+
+def test_one_line_per_event_while_loguru_default_sink_is_in_place() -> None:
+    """loguru's default stderr sink would print every library record a second time (on every
+    rank): it is lent to nn_handler's sink while that is on, and given back after."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from loguru import logger
+        from nn_handler import disable_logging, enable_logging
+
+        def library(message, rank=0):
+            code = "logger.bind(rank=rank).info(message)"
+            namespace = {"__name__": "nn_handler.fake", "logger": logger,
+                         "rank": rank, "message": message}
+            exec(compile(code, "nn_handler/fake.py", "exec"), namespace)
+
+        logger.info("app before")
+        outer = enable_logging()
+        inner = enable_logging(all_ranks=True)
+        library("from the library")
+        library("rank 1 detail", rank=1)
+        logger.info("app during")
+        disable_logging(inner)
+        disable_logging(outer)
+        disable_logging(outer)  # idempotent
+        library("after: silent")
+        logger.info("app after")
+        again = enable_logging()  # a second run in the same process (a notebook, say)
+        library("second round")
+        logger.info("app again")
+        disable_logging(again)
+        """
+    )
+    code, output = run_command([sys.executable, "-c", script], timeout=60)
+    assert code == 0, output
+    lines = output.splitlines()
+    assert sum("app before" in line for line in lines) == 1
+    assert sum("app during" in line for line in lines) == 1, output  # one sink, not three
+    assert sum("app after" in line for line in lines) == 1, output  # the default is back
+    # Each of the two sinks prints the library record once (they were asked twice).
+    assert sum("| rank 0 | INFO    | from the library" in line for line in lines) == 2, output
+    assert sum("rank 1 detail" in line for line in lines) == 1, output  # the all_ranks sink
+    assert "after: silent" not in output
+    assert sum("second round" in line for line in lines) == 1, output
+    assert sum("app again" in line for line in lines) == 1, output
+
+
+def test_an_application_sink_is_left_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    mine: list[str] = []
+    own = logger.add(mine.append, format="{message}")
+    sink = enable_logging()
+    try:
+        _log_as_library("to both")
+        logger.info("app record")
+    finally:
+        disable_logging(sink)
+        logger.remove(own)
+    assert [m.strip() for m in mine] == ["to both", "app record"]
+    err = capsys.readouterr().err
+    assert err.count("to both") == 1, err

@@ -115,9 +115,22 @@ def test_seed_004_helios_example_under_torchrun() -> None:
 
 def test_seed_003_example_script_trains_in_one_process() -> None:
     script = [sys.executable, str(EXAMPLES / "distributed_training_example.py")]
-    code, output = run_command([*script, "--epochs", "4", "--use-ema"], timeout=120)
+    code, output = run_command([*script, "--use-ema"], timeout=120)
     assert code == 0, output
-    assert "trained 4 epochs on 1 process(es)" in output
+    found = re.search(r"trained 10 epochs on 1 process\(es\): .* val_loss ([\d.]+)", output)
+    assert found is not None and float(found.group(1)) < 0.3, output
+
+
+@pytest.mark.distributed
+def test_seed_003_example_script_with_ema_reaches_its_validation_loss_on_two_ranks() -> None:
+    """As seed 003 runs it (--distributed --use-amp --use-ema): the EMA warms up, so the
+    validation loss is the trained model's, not the initial weights' (1.14 before)."""
+    script = [sys.executable, str(EXAMPLES / "distributed_training_example.py")]
+    flags = ["--distributed", "--world-size", "2", "--use-amp", "--use-ema"]
+    code, output = run_command([*script, *flags], timeout=180)
+    assert code == 0, output
+    found = re.search(r"trained 10 epochs on 2 process\(es\): .* val_loss ([\d.]+)", output)
+    assert found is not None and float(found.group(1)) < 0.3, output
 
 
 @pytest.mark.distributed

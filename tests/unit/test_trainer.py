@@ -410,7 +410,8 @@ def test_bf16_autocast_trains_on_cpu() -> None:
 
 def test_ema_follows_the_formula_with_warmup_update_every_and_buffers() -> None:
     model = mlp(batchnorm=True)
-    ema = ModelEma(model, EmaConfig(enabled=True, decay=0.5, update_every=2, buffers="copy"))
+    config = EmaConfig(enabled=True, decay=0.5, warmup=False, update_every=2, buffers="copy")
+    ema = ModelEma(model, config)
     start = state_of(ema.module)
     with torch.no_grad():
         for p in model.parameters():
@@ -427,8 +428,10 @@ def test_ema_follows_the_formula_with_warmup_update_every_and_buffers() -> None:
             assert torch.allclose(value, 0.5 * start[key] + 0.5 * source)
     assert ema.num_updates == 1
 
-    warm = ModelEma(mlp(), EmaConfig(enabled=True, decay=0.999, warmup=True))
+    warm = ModelEma(mlp(), EmaConfig(enabled=True, decay=0.999))  # warm-up on by default
     assert warm.decay() == pytest.approx(0.1)  # (1 + 0) / (10 + 0)
+    warm.num_updates = 100_000
+    assert warm.decay() == 0.999
     restored = ModelEma(mlp(batchnorm=True), EmaConfig(enabled=True, update_every=2))
     restored.load_state_dict(ema.state_dict())
     assert restored.num_updates == 1
