@@ -58,6 +58,15 @@ def run_demo(args: argparse.Namespace) -> int:
     out = _run_folder(args.out, args.resume)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend, device, note = demo_placement(args.nproc, gpus, args.backend)
+    if args.precision == "fp16" and (device == "cpu" or gpus == 0):
+        # Checked here, once, rather than as a ConfigError traceback from every rank.
+        print(
+            "nn-handler demo: error: --precision fp16 needs CUDA (float16 autocast with a "
+            "GradScaler) and this run is on the CPU; use --precision bf16 (or amp, which picks "
+            "bf16 on the CPU)",
+            file=sys.stderr,
+        )
+        return 2
     if note:
         print(f"nn-handler demo: {note}")
     command = [

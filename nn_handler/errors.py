@@ -141,6 +141,8 @@ class CheckpointError(NNHandlerError, RuntimeError):
 
 
 PREEMPTED_EXIT_CODE = 75
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT, what a shell reports for it).
+INTERRUPTED_EXIT_CODE = 130
 """The exit status of a run stopped by SIGTERM after its emergency checkpoint (EX_TEMPFAIL:
 "try again"; relaunching resumes from that checkpoint)."""
 
@@ -165,16 +167,39 @@ class TrainingPreempted(SystemExit):
         where = self.checkpoint or "no checkpoint (it did not finish in time)"
         return f"preempted after optimizer step {self.global_step}; saved {where}"
 
+    def __reduce__(self) -> Any:
+        return (type(self), (self.code, self.checkpoint, self.global_step))
+
+
+class TrainingInterrupted(TrainingPreempted):
+    """Training stopped on Ctrl-C (SIGINT) after every rank agreed and the checkpoint was
+    written: a TrainingPreempted whose status is :data:`INTERRUPTED_EXIT_CODE`. A second
+    Ctrl-C raises a plain KeyboardInterrupt at once instead."""
+
+    def __init__(
+        self, checkpoint: str | None, global_step: int, code: int = INTERRUPTED_EXIT_CODE
+    ) -> None:
+        super().__init__(code, checkpoint, global_step)
+
+    def __str__(self) -> str:
+        where = self.checkpoint or "no checkpoint (it did not finish in time)"
+        return f"interrupted (Ctrl-C) after optimizer step {self.global_step}; saved {where}"
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.checkpoint, self.global_step, self.code))
+
 
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "ConfigError",
     "DistributedError",
+    "INTERRUPTED_EXIT_CODE",
     "NNHandlerError",
     "NonFiniteError",
     "PREEMPTED_EXIT_CODE",
     "RankFailedError",
+    "TrainingInterrupted",
     "TrainingPreempted",
     "UnevenDataError",
     "WorkerFailedError",

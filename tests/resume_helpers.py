@@ -45,18 +45,24 @@ def config(folder: Path, world_size: int, features: bool, **checkpoint: Any) -> 
 
 
 class SigtermAt(Hook):
-    """Sends this process a real SIGTERM after optimizer step ``step`` (on ``rank`` only)."""
+    """Sends this process a real SIGTERM (or ``signum``, ``times`` times) after optimizer step
+    ``step`` (on ``rank`` only)."""
 
-    def __init__(self, step: int, rank: int = 0) -> None:
+    def __init__(
+        self, step: int, rank: int = 0, signum: int = signal.SIGTERM, times: int = 1
+    ) -> None:
         super().__init__()
         self.step = step
         self.rank = rank
+        self.signum = signum
+        self.times = times
 
     def after_step(self) -> None:
         trainer = self.trainer
         at_step = trainer.state.global_step == self.step and trainer.state.step_synced
         if trainer.comm.rank == self.rank and at_step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
 
 
 def handler(folder: Path, world_size: int, features: bool, context: Any, **kw: Any) -> NNHandler:
@@ -99,9 +105,16 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def scenario(base: Path, world_size: int, features: bool, context: Any = None) -> dict[str, Any]:
-    """Uninterrupted, stopped after epoch 1 then resumed, and SIGTERM'd after step 7 (mid
-    epoch 2) then resumed: the three outcomes, plus what the preemption reported."""
+def scenario(
+    base: Path,
+    world_size: int,
+    features: bool,
+    context: Any = None,
+    signum: int = signal.SIGTERM,
+) -> dict[str, Any]:
+    """Uninterrupted, stopped after epoch 1 then resumed, and SIGTERM'd (or ``signum``) after
+    step 7 (mid epoch 2) then resumed: the three outcomes, plus what the preemption
+    reported."""
     data, val = regression_data(), regression_data(n=16, seed=1)
     results: dict[str, Any] = {}
     with handler(base / "full", world_size, features, context) as h:
@@ -113,7 +126,8 @@ def scenario(base: Path, world_size: int, features: bool, context: Any = None) -
         results["epoch_resumed_from"] = str(h.resume("latest"))
         h.train(data, val, epochs=EPOCHS)
         results["epoch"] = outcome(h)
-    with handler(base / "step", world_size, features, context, hooks=[SigtermAt(7)]) as h:
+    stop_at = SigtermAt(7, signum=signum)
+    with handler(base / "step", world_size, features, context, hooks=[stop_at]) as h:
         try:
             h.train(data, val, epochs=EPOCHS)
         except TrainingPreempted as stop:

@@ -147,11 +147,12 @@ class CheckpointManager:
         self.last_saved_epoch = epoch
         return path
 
-    def mark_preempted(self) -> None:
+    def mark_preempted(self, reason: str = "preempted") -> None:
         """Record in latest.json that the run stopped on a preemption (``"reason":
-        "preempted"``), still naming the newest complete checkpoint, so a job script can tell
-        a preemption from a failure whatever exit status its launcher reports. Rank 0 writes;
-        best effort (a failure is logged). Every rank may call this."""
+        "preempted"``, or ``"interrupted"`` for a Ctrl-C), still naming the newest complete
+        checkpoint, so a job script can tell a preemption from a failure whatever exit status
+        its launcher reports. Rank 0 writes; best effort (a failure is logged). Every rank may
+        call this."""
         if self.comm.rank != 0:
             return
         path = self.last_saved_path or self._pointed()
@@ -160,10 +161,10 @@ class CheckpointManager:
             match = _PERIODIC.match(path.name)
             epoch, step = (int(match.group(1)), int(match.group(2))) if match else (None, None)
         try:
-            self._point_latest(path, epoch, step, "preempted")
+            self._point_latest(path, epoch, step, reason)
         except OSError as error:
             logger.bind(rank=0).error(
-                "could not mark {} as preempted: {}", self.dir / LATEST, error
+                "could not mark {} as {}: {}", self.dir / LATEST, reason, error
             )
 
     def _point_latest(

@@ -32,6 +32,9 @@ class CheckpointConfig(BaseModel):
             whenever ``dir`` holds one, 'never' starts afresh.
         handle_sigterm: on SIGTERM, every rank stops after the current step, writes an
             emergency checkpoint and exits with ``preemption_exit_code``.
+        handle_sigint: treat a Ctrl-C (SIGINT) the same way, exiting with status 130
+            (TrainingInterrupted); a second Ctrl-C raises KeyboardInterrupt at once, without
+            a checkpoint. False: Ctrl-C raises KeyboardInterrupt as usual.
         preemption_check_interval_s: about how often ranks agree on whether a SIGTERM arrived
             (one tiny asynchronous all_reduce per interval, spaced in steps; in one process
             the check is free and runs every step). Ranks stop within about two intervals.
@@ -52,6 +55,7 @@ class CheckpointConfig(BaseModel):
     mode: Mode = "min"
     resume: ResumePolicy = "on_restart"
     handle_sigterm: bool = True
+    handle_sigint: bool = True
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float = Field(default=120.0, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)

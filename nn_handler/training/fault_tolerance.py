@@ -27,6 +27,7 @@ from nn_handler.errors import (
     ConfigError,
     NonFiniteError,
     RankFailedError,
+    TrainingInterrupted,
     TrainingPreempted,
     UnevenDataError,
 )
@@ -108,13 +109,17 @@ class FaultTolerance:
             raise failure from error
 
     def watching(self) -> contextlib.AbstractContextManager[Any]:
-        """SIGTERM handling around the loop (when checkpoints and handle_sigterm are on)."""
+        """SIGTERM and Ctrl-C handling around the loop (when checkpoints and handle_sigterm
+        are on; Ctrl-C also needs handle_sigint)."""
         if self.manager is None or not self.config.handle_sigterm:
             self.watch = None
             return contextlib.nullcontext()
-        trainer = self.trainer
+        trainer, config = self.trainer, self.config
         self.watch = PreemptionWatch(
-            trainer.comm, trainer.device, self.config.preemption_check_interval_s
+            trainer.comm,
+            trainer.device,
+            config.preemption_check_interval_s,
+            interrupt=config.handle_sigint,
         )
         return self.watch
 
@@ -163,8 +168,9 @@ class FaultTolerance:
             self.save_periodic()
 
     def preempt(self) -> None:
-        """Every rank agreed that a SIGTERM arrived: write the emergency checkpoint (within
-        the budget) and leave with TrainingPreempted."""
+        """Every rank agreed that a SIGTERM or a Ctrl-C arrived: write the emergency
+        checkpoint (within the budget) and leave with TrainingPreempted (TrainingInterrupted
+        for a Ctrl-C)."""
         manager = self.require_manager("preemption")
         config, trainer = self.config, self.trainer
         step = trainer.state.global_step
@@ -178,14 +184,22 @@ class FaultTolerance:
                 path = self.save_periodic(budget_s=config.preemption_budget_s)
             except CheckpointError as error:
                 trainer.log.error("no emergency checkpoint: {}", error)
-        manager.mark_preempted()
+        interrupted = self.watch is not None and self.watch.agreed_interrupt
+        manager.mark_preempted("interrupted" if interrupted else "preempted")
+        saved = str(path) if path else None
+        stop = (
+            TrainingInterrupted(saved, step)
+            if interrupted
+            else TrainingPreempted(config.preemption_exit_code, saved, step)
+        )
         trainer.log.warning(
-            "preempted after optimizer step {}: exiting with status {} (checkpoint {})",
+            "{} after optimizer step {}: exiting with status {} (checkpoint {})",
+            "interrupted" if interrupted else "preempted",
             step,
-            config.preemption_exit_code,
+            stop.code,
             path,
         )
-        raise TrainingPreempted(config.preemption_exit_code, str(path) if path else None, step)
+        raise stop
 
     # ----------------------------------------------------------------- saving and loading
     def require_manager(self, what: str) -> CheckpointManager:

@@ -1,8 +1,10 @@
-"""SIGTERM handling: remember the signal, and let every rank agree when to stop.
+"""SIGTERM and Ctrl-C handling: remember the signal, and let every rank agree when to stop.
 
-SLURM and torchrun send SIGTERM before they kill a job. The handler only sets a flag. At check
-steps the ranks reduce their flags, so they all stop after the same step even when only one of
-them received the signal. The reduction is asynchronous (read at the next check) and the
+SLURM and torchrun send SIGTERM before they kill a job; a user stops a run with Ctrl-C
+(SIGINT, sent to every process of the terminal's foreground group, torchrun's workers
+included). The handler only sets a flag; a second Ctrl-C raises KeyboardInterrupt at once. At
+check steps the ranks reduce their flags, so they all stop after the same step even when only
+one of them received the signal. The reduction is asynchronous (read at the next check) and the
 checks are spaced to about ``interval_s`` seconds apart, with the spacing itself agreed in the
 same reduction: fault tolerance costs one tiny all_reduce per interval, not one per step.
 """
@@ -30,16 +32,38 @@ MAX_STEPS_BETWEEN_CHECKS = 10_000
 SHUTDOWN_GRACE_S = 20.0
 
 
-class PreemptionWatch:
-    """A SIGTERM flag plus the collective check of it; use as a context manager around the
-    loop (it installs the handler on entry and restores the previous one on exit)."""
+#: The flag values each rank contributes (max-reduced: an interrupt outranks a preemption).
+_NONE, _SIGTERM, _SIGINT = 0, 1, 2
 
-    def __init__(self, communicator: Communicator, device: torch.device, interval_s: float) -> None:
+
+class PreemptionWatch:
+    """A SIGTERM (and, with ``interrupt``, SIGINT) flag plus the collective check of it; use
+    as a context manager around the loop (it installs the handlers on entry and restores the
+    previous ones on exit).
+
+    Attributes:
+        requested: this rank received SIGTERM or a first Ctrl-C.
+        interrupted: this rank received a Ctrl-C.
+        agreed_interrupt: after :meth:`agreed` returned True, whether any rank's stop was a
+            Ctrl-C (the same on every rank), rather than SIGTERM alone.
+    """
+
+    def __init__(
+        self,
+        communicator: Communicator,
+        device: torch.device,
+        interval_s: float,
+        interrupt: bool = False,
+    ) -> None:
         self.comm = communicator
         self.device = device
         self.interval_s = interval_s
+        self.interrupt = interrupt
         self.requested = False
+        self.interrupted = False
+        self.agreed_interrupt = False
         self._previous: Any = None
+        self._previous_sigint: Any = None
         self._installed = False
         self._pending: Waiter | None = None
         self._next_check = 0
@@ -50,15 +74,31 @@ class PreemptionWatch:
         if os.getpid() != self._pid:  # a forked child (a DataLoader worker): not ours
             _deliver_default(signum)
             return
+        if signum == signal.SIGINT:
+            self._on_interrupt()
+            return
         if not self.requested:
             logger.bind(rank=self.comm.rank).warning(
                 "rank {} received SIGTERM: stopping soon, with a checkpoint", self.comm.rank
             )
         self.requested = True
 
+    def _on_interrupt(self) -> None:
+        if self.interrupted:  # the second Ctrl-C: stop now, without a checkpoint
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            raise KeyboardInterrupt
+        self.interrupted = self.requested = True
+        logger.bind(rank=self.comm.rank).warning(
+            "rank {} received Ctrl-C: stopping after this step with a checkpoint "
+            "(press Ctrl-C again to stop at once, without one)",
+            self.comm.rank,
+        )
+
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            if self.interrupt:
+                self._previous_sigint = signal.signal(signal.SIGINT, self._on_signal)
             self._installed = True
         else:
             logger.bind(rank=self.comm.rank).warning(
@@ -74,10 +114,12 @@ class PreemptionWatch:
         tb: TracebackType | None,
     ) -> None:
         if self._installed:
+            if self.interrupt and signal.getsignal(signal.SIGINT) == self._on_signal:
+                signal.signal(signal.SIGINT, self._previous_sigint)
             if isinstance(exc, TrainingPreempted):
                 # The process is on its way out with its checkpoint: a launcher that stops
-                # the other workers when the first exits (torchrun) must not cut this one's
-                # shutdown short, so further SIGTERMs wait for it, for a while.
+                # the other workers when the first exits (torchrun, also on Ctrl-C) must not
+                # cut this one's shutdown short, so further SIGTERMs wait for it, for a while.
                 ShutdownShield(self._previous, self.comm.rank).install()
             else:
                 signal.signal(signal.SIGTERM, self._previous)
@@ -97,17 +139,19 @@ class PreemptionWatch:
         current flags at once. Ranks stop at most about two intervals after a signal.
         """
         if self.comm.world_size == 1:
+            self.agreed_interrupt = self.interrupted
             return self.requested
         if not force and global_step < self._next_check:
             return False
-        stop, spacing = self._collect()
+        kind, spacing = self._collect()
         if force:
-            stop = stop or bool(self._reduce(global_step)()[0].item() > 0)
+            kind = max(kind, int(self._reduce(global_step)()[0].item()))
             self._next_check = global_step + 1
-            return stop
-        self._pending = self._reduce(global_step)
-        self._next_check = global_step + spacing
-        return stop
+        else:
+            self._pending = self._reduce(global_step)
+            self._next_check = global_step + spacing
+        self.agreed_interrupt = kind == _SIGINT
+        return kind != _NONE
 
     def _reduce(self, global_step: int) -> Waiter:
         now = time.perf_counter()
@@ -116,16 +160,18 @@ class PreemptionWatch:
             per_step = max((now - self._last[1]) / (global_step - self._last[0]), 1e-6)
             proposal = int(min(max(self.interval_s / per_step, 1), MAX_STEPS_BETWEEN_CHECKS))
         self._last = (global_step, now)
-        # max-reduce [flag, -proposal]: any rank's flag, and the smallest proposed spacing.
-        values = torch.tensor([float(self.requested), -float(proposal)], device=self.device)
+        # max-reduce [flag, -proposal]: any rank's flag (an interrupt outranks a SIGTERM), and
+        # the smallest proposed spacing.
+        flag = _SIGINT if self.interrupted else _SIGTERM if self.requested else _NONE
+        values = torch.tensor([float(flag), -float(proposal)], device=self.device)
         return self.comm.all_reduce_async(values, op="max")
 
-    def _collect(self) -> tuple[bool, int]:
+    def _collect(self) -> tuple[int, int]:
         pending, self._pending = self._pending, None
         if pending is None:
-            return False, 1
+            return _NONE, 1
         flag, negative = pending().tolist()
-        return flag > 0, max(int(-negative), 1)
+        return int(flag), max(int(-negative), 1)
 
 
 class ShutdownShield:

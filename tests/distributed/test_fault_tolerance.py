@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from nn_handler import PREEMPTED_EXIT_CODE
+from nn_handler import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from nn_handler.checkpoint import load_file
 from tests.harness import run_command, torchrun_command
 
@@ -77,10 +77,9 @@ def _progress(out: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
-def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resumes(
-    tmp_path: Path, uninterrupted: list[dict[str, torch.Tensor]]
-) -> None:
-    ckpt, out = tmp_path / "term" / "ckpt", tmp_path / "term" / "out"
+def _signal_slow_run(ckpt: Path, out: Path, send: Any) -> tuple[int, str]:
+    """Start the 'slow' run under torchrun, call ``send(job, progress)`` once rank 1 passed
+    step 4, and return torchrun's status and output."""
     out.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **ENV}
     job = subprocess.Popen(
@@ -98,16 +97,41 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resum
             time.sleep(0.1)
             progress = _progress(out, 1)
         assert progress is not None and progress["step"] >= 4, "the run never got going"
-        os.kill(progress["pid"], signal.SIGTERM)  # rank 1 only: rank 0 must follow it
+        send(job, progress)
         output, _ = job.communicate(timeout=90)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+    return job.returncode, output
+
+
+def _relaunch_ends_like_the_uninterrupted_run(
+    ckpt: Path, out: Path, stopped: int, uninterrupted: list[dict[str, torch.Tensor]]
+) -> None:
+    code, output = run_command(
+        torchrun_command(SCRIPT, str(ckpt), str(out), "slow"), timeout=120, env=ENV
+    )
+    assert code == 0, output
+    for rank in (0, 1):
+        report = json.loads((out / f"rank{rank}-attempt0.json").read_text())
+        assert report["first_step"] == stopped and report["step"] == TOTAL_STEPS
+        assert _same(_weights(out, rank), uninterrupted[rank])
+
+
+def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resumes(
+    tmp_path: Path, uninterrupted: list[dict[str, torch.Tensor]]
+) -> None:
+    ckpt, out = tmp_path / "term" / "ckpt", tmp_path / "term" / "out"
+
+    def sigterm_rank_1(job: Any, progress: dict[str, Any]) -> None:
+        os.kill(progress["pid"], signal.SIGTERM)  # rank 1 only: rank 0 must follow it
+
+    returncode, output = _signal_slow_run(ckpt, out, sigterm_rank_1)
     # What a job script sees (docs/checkpoints.md, "Exit status"): torchrun reports any
     # non-zero worker exit as a failure, status 1, so a preemption is told apart by
     # latest.json; every worker finished its own shutdown (no worker cut by SIGTERM).
-    assert job.returncode == 1, output
+    assert returncode == 1, output
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in output, output
     assert "exitcode  : -15" not in output and "Signal 15" not in output, output
     assert json.loads((ckpt / "latest.json").read_text())["reason"] == "preempted"
@@ -119,15 +143,29 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_the_relaunch_resum
     checkpoint = load_file(reports[0]["checkpoint"])
     assert checkpoint["trainer"]["global_step"] == stopped
     assert json.loads((ckpt / "latest.json").read_text())["global_step"] == stopped
+    _relaunch_ends_like_the_uninterrupted_run(ckpt, out, stopped, uninterrupted)
 
-    code, output = run_command(
-        torchrun_command(SCRIPT, str(ckpt), str(out), "slow"), timeout=120, env=ENV
-    )
-    assert code == 0, output
-    for rank in (0, 1):
-        report = json.loads((out / f"rank{rank}-attempt0.json").read_text())
-        assert report["first_step"] == stopped and report["step"] == TOTAL_STEPS
-        assert _same(_weights(out, rank), uninterrupted[rank])
+
+def test_ctrl_c_to_torchrun_stops_every_rank_with_a_checkpoint_and_the_relaunch_resumes(
+    tmp_path: Path, uninterrupted: list[dict[str, torch.Tensor]]
+) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to torchrun's process group (torchrun forwards
+    it to its workers)."""
+    ckpt, out = tmp_path / "int" / "ckpt", tmp_path / "int" / "out"
+
+    def ctrl_c(job: Any, progress: dict[str, Any]) -> None:
+        os.killpg(job.pid, signal.SIGINT)
+
+    _, output = _signal_slow_run(ckpt, out, ctrl_c)
+    assert "received Ctrl-C: stopping after this step with a checkpoint" in output, output
+    assert "KeyboardInterrupt" not in output, output
+    reports = [json.loads((out / f"rank{r}-attempt0.json").read_text()) for r in (0, 1)]
+    assert reports[0]["preempted"] == reports[1]["preempted"] == INTERRUPTED_EXIT_CODE
+    stopped = reports[0]["step"]
+    assert reports[1]["step"] == stopped and 4 <= stopped < TOTAL_STEPS
+    latest = json.loads((ckpt / "latest.json").read_text())
+    assert latest["reason"] == "interrupted" and latest["global_step"] == stopped
+    _relaunch_ends_like_the_uninterrupted_run(ckpt, out, stopped, uninterrupted)
 
 
 def test_three_handlers_in_a_row_under_torchrun(tmp_path: Path) -> None:
