@@ -210,10 +210,11 @@ class NNHandler:
         return self.trainer.save_checkpoint(path)
 
     def resume(
-        self, path: str | Path = "latest", *, allow_world_size_change: bool = False
+        self, path: str | Path = "latest", *, allow_world_size_change: bool | None = None
     ) -> Path | None:
         """Load a checkpoint (a file, a folder or "latest" in config.checkpoint.dir) so that
-        the next ``train`` continues the run exactly. Every rank must call this."""
+        the next ``train`` continues the run exactly. ``allow_world_size_change`` defaults to
+        config.checkpoint.allow_world_size_change. Every rank must call this."""
         return self.trainer.resume(path, allow_world_size_change=allow_world_size_change)
 
     @classmethod

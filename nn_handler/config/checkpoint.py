@@ -30,6 +30,10 @@ class CheckpointConfig(BaseModel):
         resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
             restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0), 'auto'
             whenever ``dir`` holds one, 'never' starts afresh.
+        allow_world_size_change: resuming (``resume`` 'auto'/'on_restart', or ``resume()``
+            without the argument) may continue a checkpoint written between epochs by another
+            number of ranks, with the data re-sharded over the new ranks (a different data
+            order from then on). A mid-epoch position is refused either way.
         handle_sigterm: on SIGTERM, every rank stops after the current step, writes an
             emergency checkpoint and exits with ``preemption_exit_code``.
         handle_sigint: treat a Ctrl-C (SIGINT) the same way, exiting with status 130
@@ -54,6 +58,7 @@ class CheckpointConfig(BaseModel):
     monitor: str = "val_loss"
     mode: Mode = "min"
     resume: ResumePolicy = "on_restart"
+    allow_world_size_change: bool = False
     handle_sigterm: bool = True
     handle_sigint: bool = True
     preemption_check_interval_s: float = Field(default=0.5, gt=0)

@@ -172,8 +172,9 @@ def apply_checkpoint(
                 f"{source} was written by {saved_world} rank(s) {where}; this run has {world}. "
                 f"Resume with {saved_world} rank(s) to continue exactly"
                 + (
-                    ", or pass allow_world_size_change=True to continue with the data re-sharded "
-                    "over the new ranks (a different data order from then on)."
+                    ", or set checkpoint.allow_world_size_change=True (or pass "
+                    "allow_world_size_change=True) to continue with the data re-sharded over the "
+                    "new ranks (a different data order from then on)."
                     if not batches_done
                     else "; a mid-epoch position cannot be re-sharded (load the weights only "
                     "with NNHandler.load or load_model_state)."

@@ -220,15 +220,17 @@ class FaultTolerance:
         return manager.save_periodic(checkpoint, state.epoch, state.global_step, budget_s)
 
     def load(
-        self, checkpoint: Mapping[str, Any], source: str, allow_world_size_change: bool
+        self, checkpoint: Mapping[str, Any], source: str, allow_world_size_change: bool | None
     ) -> None:
+        if allow_world_size_change is None:
+            allow_world_size_change = self.config.allow_world_size_change
         self.resume_point = apply_checkpoint(
             self.trainer, checkpoint, source, allow_world_size_change
         )
         self._first_fit = False
 
     def resume(
-        self, path: str | Path, allow_world_size_change: bool, missing_ok: bool
+        self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool
     ) -> Path | None:
         comm, device = self.trainer.comm, self.trainer.device
         if str(path) == "latest" or Path(path).is_dir():
@@ -282,7 +284,7 @@ class FaultTolerance:
         if not first or self.resume_point is not None or self.manager is None:
             return
         if policy == "auto" or (policy == "on_restart" and restart_count(os.environ) > 0):
-            found = self.resume("latest", allow_world_size_change=False, missing_ok=True)
+            found = self.resume("latest", allow_world_size_change=None, missing_ok=True)
             if found is None:
                 trainer.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
             else:

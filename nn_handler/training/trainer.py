@@ -712,10 +712,12 @@ class Trainer:
         self,
         checkpoint: Mapping[str, Any],
         source: str = "checkpoint",
-        allow_world_size_change: bool = False,
+        allow_world_size_change: bool | None = None,
     ) -> None:
         """Restore a checkpoint from :meth:`state_dict`; the next ``fit`` continues exactly
-        where it was written (mid-epoch too). Every rank must call this with the same one."""
+        where it was written (mid-epoch too). ``allow_world_size_change`` (default:
+        CheckpointConfig.allow_world_size_change) accepts another number of ranks between
+        epochs. Every rank must call this with the same one."""
         self.fault_tolerance.load(checkpoint, source, allow_world_size_change)
 
     def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:
@@ -732,7 +734,7 @@ class Trainer:
         self,
         path: str | Path = "latest",
         *,
-        allow_world_size_change: bool = False,
+        allow_world_size_change: bool | None = None,
         missing_ok: bool = False,
     ) -> Path | None:
         """Load a checkpoint so that the next ``fit`` continues the run exactly.
@@ -740,8 +742,9 @@ class Trainer:
         ``path`` is a checkpoint file, a checkpoint folder, or "latest" (the newest complete
         checkpoint in CheckpointConfig.dir; an unreadable newest one falls back to the previous).
         Rank 0 chooses the file and every rank loads it (map_location: this rank's device).
-        Returns the path, or None when ``missing_ok`` and there is none. Every rank must call
-        this; a failure on any rank raises CheckpointError on every rank.
+        Returns the path, or None when ``missing_ok`` and there is none.
+        ``allow_world_size_change`` defaults to CheckpointConfig.allow_world_size_change.
+        Every rank must call this; a failure on any rank raises CheckpointError on every rank.
         """
         return self.fault_tolerance.resume(path, allow_world_size_change, missing_ok)
 

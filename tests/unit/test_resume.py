@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from nn_handler import (
     NNHandler,
     TrainingPreempted,
 )
-from nn_handler.checkpoint import load_file
+from nn_handler.checkpoint import atomic_save, load_file
 from nn_handler.checkpoint.manager import LATEST
 from tests.resume_helpers import EPOCHS, SigtermAt, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
@@ -89,6 +90,23 @@ def test_world_size_change_is_refused_or_resharded_between_epochs(tmp_path: Path
             h.trainer.load_state_dict(mid, "mid.pt", allow_world_size_change=True)
         h.trainer.load_state_dict(after, "after.pt", allow_world_size_change=True)
         assert h.trainer.state.epoch == 1 and h.trainer.state.global_step == 5
+
+
+def test_resume_auto_follows_the_allow_world_size_change_config_field(tmp_path: Path) -> None:
+    with _simple(tmp_path) as h:
+        h.train(DATA, epochs=1)
+    latest = tmp_path / json.loads((tmp_path / LATEST).read_text())["checkpoint"]
+    checkpoint = load_file(latest)
+    checkpoint["world_size"] = 2  # as if written by a 2-rank run
+    atomic_save(checkpoint, latest)
+    with (
+        _simple(tmp_path, resume="auto") as h,
+        pytest.raises(CheckpointError, match=r"set checkpoint\.allow_world_size_change=True"),
+    ):
+        h.train(DATA, epochs=2)
+    with _simple(tmp_path, resume="auto", allow_world_size_change=True) as h:
+        h.train(DATA, epochs=2)
+        assert len(h.history) == 2 and h.trainer.state.global_step == 10  # continued
 
 
 def test_a_shorter_loader_cannot_reach_a_mid_epoch_position(tmp_path: Path) -> None:
