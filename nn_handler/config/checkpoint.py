@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from nn_handler.config.base import ConfigModel
 from nn_handler.config.training import Mode
 
 ResumePolicy = Literal["never", "on_restart", "auto"]
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(ConfigModel):
     """Where and when the Trainer writes checkpoints, and when it resumes from them.
 
     Nothing is written unless ``dir`` is set. Checkpoints are written by rank 0, atomically
@@ -46,8 +47,6 @@ class CheckpointConfig(BaseModel):
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     dir: str | None = None
     save_last: bool = True

@@ -6,14 +6,16 @@ import re
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from nn_handler.config.base import ConfigModel
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|gpu|mps|(cuda|gpu):[0-9]+)$")
 
 Backend = Literal["auto", "gloo", "nccl", "mpi"]
 
 
-class DistributedConfig(BaseModel):
+class DistributedConfig(ConfigModel):
     """How this process joins the run.
 
     Attributes:
@@ -27,8 +29,6 @@ class DistributedConfig(BaseModel):
         debug_collectives: check that every rank calls the same collective with compatible
             tensors before each one (also switched on by NN_HANDLER_DEBUG_COLLECTIVES=1).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool | None = None
     backend: Backend = "auto"
@@ -58,7 +58,7 @@ class DistributedConfig(BaseModel):
 LoaderMode = Literal["distributed", "rank_cached"]
 
 
-class LoaderConfig(BaseModel):
+class LoaderConfig(ConfigModel):
     """How the LoaderFactory builds loaders. ``batch_size`` is per rank: the effective batch size
     of one optimizer step is ``batch_size x world_size`` (x gradient accumulation steps).
 
@@ -77,8 +77,6 @@ class LoaderConfig(BaseModel):
         mode: 'distributed' (a DistributedSampler over the dataset) or 'rank_cached' (each rank
             reads its shard once into memory).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     batch_size: int = Field(default=32, ge=1, strict=True)
     shuffle: bool = True

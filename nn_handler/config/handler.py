@@ -8,15 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from nn_handler.config.base import ConfigModel, validate_config
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.distributed import DistributedConfig, LoaderConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.errors import ConfigError
 
 
-class LoggingConfig(BaseModel):
+class LoggingConfig(ConfigModel):
     """Logs of a run. NNHandler adds a stderr sink for its lifetime (see
     :func:`nn_handler.enable_logging`): one line per event, on rank 0 unless ``all_ranks``.
     The library itself (a Trainer used alone) adds none.
@@ -30,23 +31,19 @@ class LoggingConfig(BaseModel):
             (e.g. 'logs/rank{rank}.log'), otherwise rank 0 writes it.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     enabled: bool = True
     level: str = "INFO"
     all_ranks: bool = False
     file: str | None = None
 
 
-class HandlerConfig(BaseModel):
+class HandlerConfig(ConfigModel):
     """Everything NNHandler needs, validated once at construction.
 
     Build it in code, or load it with :meth:`from_dict` / :meth:`from_file` (JSON or YAML);
     validation errors name the field (e.g. ``trainer.accumulate_grad_batches``).
     ``precision`` also accepts the bare name (``precision="bf16"``).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
@@ -64,10 +61,7 @@ class HandlerConfig(BaseModel):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> HandlerConfig:
         """Validate a (nested) dict; errors are ConfigErrors naming each bad field."""
-        try:
-            return cls.model_validate(dict(data))
-        except ValidationError as error:
-            raise ConfigError(_describe(error, source)) from None
+        return validate_config(cls, data, source)
 
     @classmethod
     def from_file(cls, path: str | Path) -> HandlerConfig:
@@ -94,14 +88,6 @@ class HandlerConfig(BaseModel):
                 f"config file {target} must hold a mapping of sections, got {type(data).__name__}."
             )
         return cls.from_dict(data, source=str(target))
-
-
-def _describe(error: ValidationError, source: str) -> str:
-    lines = [f"invalid {source}:"]
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(root)"
-        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
 
 
 __all__ = ["HandlerConfig", "LoggingConfig"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from nn_handler.config.base import ConfigModel
 
 PrecisionName = Literal["32", "bf16", "fp16", "amp"]
 Interval = Literal["epoch", "step"]
@@ -12,7 +14,7 @@ NonFinitePolicy = Literal["skip", "raise", "off"]
 Mode = Literal["min", "max"]
 
 
-class PrecisionConfig(BaseModel):
+class PrecisionConfig(ConfigModel):
     """Numerical precision of forward and backward.
 
     Attributes:
@@ -23,14 +25,12 @@ class PrecisionConfig(BaseModel):
         growth_interval: steps without overflow before the GradScaler grows the scale.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     precision: PrecisionName = "32"
     init_scale: float = Field(default=2.0**16, gt=0)
     growth_interval: int = Field(default=2000, ge=1, strict=True)
 
 
-class EmaConfig(BaseModel):
+class EmaConfig(ConfigModel):
     """Exponential moving average of the weights (seed 003's ``use_ema``/``ema_decay``).
 
     Attributes:
@@ -48,8 +48,6 @@ class EmaConfig(BaseModel):
         validate_with_ema: run validation on the EMA weights.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     enabled: bool = False
     decay: float = Field(default=0.9999, gt=0.0, lt=1.0)
     warmup: bool = True
@@ -59,7 +57,7 @@ class EmaConfig(BaseModel):
     validate_with_ema: bool = True
 
 
-class EarlyStoppingConfig(BaseModel):
+class EarlyStoppingConfig(ConfigModel):
     """Stop when a monitored epoch metric stops improving (the same decision on every rank).
 
     Attributes:
@@ -69,15 +67,13 @@ class EarlyStoppingConfig(BaseModel):
         min_delta: the smallest change that counts as an improvement.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     monitor: str = "val_loss"
     mode: Mode = "min"
     patience: int = Field(default=5, ge=1, strict=True)
     min_delta: float = Field(default=0.0, ge=0.0)
 
 
-class TrainerConfig(BaseModel):
+class TrainerConfig(ConfigModel):
     """How the Trainer runs the loop.
 
     Attributes:
@@ -105,8 +101,6 @@ class TrainerConfig(BaseModel):
         progress_bar: a tqdm bar on rank 0.
         non_blocking: copy batches to the device asynchronously (with pinned memory).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     epochs: int = Field(default=1, ge=1, strict=True)
     accumulate_grad_batches: int = Field(default=1, ge=1, strict=True)

@@ -56,6 +56,7 @@ from nn_handler.training.metrics import (
     WeightedMeans,
     compute_stateful,
 )
+from nn_handler.training.monitors import check_monitors
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.precision import Precision
 from nn_handler.training.progress import ProgressBar
@@ -639,6 +640,7 @@ class Trainer:
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
+        check_monitors(self, validates=val_loader is not None)
         failed = True
         try:
             with self.fault_tolerance.failing_together():

@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.config import LoaderConfig, LoaderMode
+from nn_handler.config.base import validate_config
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.functional import communicator, get_dist_info
 from nn_handler.errors import ConfigError
@@ -72,10 +72,7 @@ def _loader(
 ) -> tuple[DataLoader[Any], Any]:
     kwargs = dict(loader_kwargs)
     collate_fn = kwargs.pop("collate_fn", None)
-    try:
-        config = LoaderConfig(mode=mode, **kwargs)
-    except ValidationError as error:
-        raise ConfigError(f"loader_kwargs: {error}") from None
+    config = validate_config(LoaderConfig, {"mode": mode, **kwargs}, "loader_kwargs")
     factory = LoaderFactory(config, get_dist_info(), torch.device(device), log_fn)
     loader = (
         factory.eval_loader(dataset, collate_fn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -20,16 +21,16 @@ def test_defaults_follow_the_seeds() -> None:
 
 
 def test_config_is_frozen_and_rejects_unknown_fields() -> None:
-    with pytest.raises(ValidationError, match="bakcend"):
+    with pytest.raises(ConfigError, match="bakcend"):
         DistributedConfig(bakcend="gloo")  # type: ignore[call-arg]
     with pytest.raises(ValidationError, match="frozen"):
         DistributedConfig().backend = "gloo"  # type: ignore[misc]
 
 
 def test_bad_values_name_the_field() -> None:
-    with pytest.raises(ValidationError, match="backend"):
+    with pytest.raises(ConfigError, match="backend"):
         DistributedConfig(backend="tcp")  # type: ignore[arg-type]
-    with pytest.raises(ValidationError, match="timeout must be positive"):
+    with pytest.raises(ConfigError, match="timeout must be positive"):
         DistributedConfig(timeout=timedelta(0))
 
 
@@ -48,7 +49,7 @@ def test_device_strings_are_accepted_exactly_when_resolvable(text: str) -> None:
     if valid:
         assert DistributedConfig(device=text).device == text.strip().lower()
     else:
-        with pytest.raises(ValidationError, match="device"):
+        with pytest.raises(ConfigError, match="device"):
             DistributedConfig(device=text)
 
 
@@ -68,3 +69,37 @@ def test_counts_are_strict_integers(section: str, field: str, value: object) -> 
     with pytest.raises(ConfigError, match=rf"{section}\.{field}: Input should be a valid integer"):
         HandlerConfig.from_dict({section: {field: value}})
     assert HandlerConfig.from_dict({section: {field: 2}}).model_dump()[section][field] == 2
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: HandlerConfig(trainr={}), "trainr: Extra inputs are not permitted"),  # type: ignore[call-arg]
+        (lambda: HandlerConfig(trainer={"epochz": 2}), "trainer.epochz: Extra inputs"),
+        (
+            lambda: HandlerConfig(trainer={"early_stopping": {"monitr": "val_loss"}}),
+            "trainer.early_stopping.monitr: Extra inputs",
+        ),
+        (lambda: HandlerConfig.from_dict({"ema": {"validate": True}}), "ema.validate: Extra"),
+    ],
+)
+def test_a_misspelt_field_in_code_is_a_config_error_with_a_suggestion(
+    build: Any, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        build()
+    message = str(error.value)
+    assert expected in message and "did you mean" in message, message
+    assert "Value error" not in message, "nested sections are not reported twice"
+    assert "pydantic" not in message
+
+
+def test_every_bad_field_of_nested_sections_is_listed_once() -> None:
+    with pytest.raises(ConfigError) as error:
+        HandlerConfig(trainer={"early_stopping": {"patience": 0}}, loader={"batch_size": -1})
+    lines = str(error.value).splitlines()
+    assert lines[0] == "invalid HandlerConfig:"
+    assert sorted(line.split(":")[0].strip() for line in lines[1:]) == [
+        "loader.batch_size",
+        "trainer.early_stopping.patience",
+    ]

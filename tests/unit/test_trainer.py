@@ -376,8 +376,64 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement() -> Non
     )
     history = handler.train(regression_data(), epochs=10)
     assert len(history) == 3  # improvement from inf, then two epochs without
-    with pytest.raises(ConfigError, match=r"monitors 'val_accuracy'.*need val_data"):
+    with pytest.raises(ConfigError, match=r"monitors 'val_accuracy'.*pass val_data"):
         _handler(trainer={"early_stopping": {"monitor": "val_accuracy"}}).train(regression_data())
+
+
+@pytest.mark.parametrize(
+    ("config", "scheduler", "what"),
+    [
+        ({"trainer": {"early_stopping": {"monitor": "val_acuracy"}}}, None, "early stopping"),
+        ({"checkpoint": {"save_best": True, "monitor": "val_acuracy"}}, None, "save_best"),
+        (
+            {"trainer": {"scheduler_monitor": "val_acuracy"}},
+            lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+            "ReduceLROnPlateau",
+        ),
+    ],
+)
+def test_a_misspelt_monitor_is_refused_before_the_first_step(
+    tmp_path: Path, config: dict[str, Any], scheduler: Any, what: str
+) -> None:
+    if "checkpoint" in config:
+        config["checkpoint"]["dir"] = str(tmp_path)
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        scheduler,
+        config={
+            **config,
+            "loader": {"batch_size": 8},
+            "trainer": {**config.get("trainer", {}), "progress_bar": False},
+        },
+        metrics={"accuracy": accuracy},
+    )
+    before = state_of(handler.model)
+    with pytest.raises(ConfigError) as error:
+        handler.train(regression_data(), regression_data(n=10), epochs=2)
+    message = str(error.value)
+    assert f"{what} monitors 'val_acuracy', which this run never records." in message
+    assert "Did you mean 'val_accuracy'?" in message and "val_loss" in message
+    assert handler.trainer.state.global_step == 0 and len(handler.history) == 0
+    assert max_difference(state_of(handler.model), before) == 0.0
+    handler.close()
+
+
+def test_monitors_of_a_subclass_that_decides_its_own_metrics_are_checked_after_the_epoch() -> None:
+    class OwnMetrics(Trainer):
+        def validation_step(self, batch: Any) -> dict[str, Any]:
+            return {"loss": 0.0, "custom": 1.0}
+
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"trainer": {"early_stopping": {"monitor": "val_custom"}, "progress_bar": False}},
+        trainer_class=OwnMetrics,
+    )
+    history = handler.train(regression_data(), regression_data(n=10), epochs=1)
+    assert history["val_custom"] == [1.0]  # known only once the subclass has run
 
 
 def test_precision_names_resolve_per_device() -> None:
