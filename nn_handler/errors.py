@@ -1,6 +1,6 @@
 """The nn_handler error family.
 
-Every error the library raises on purpose derives from :class:`NNHandlerError`, and also from the
+Every error the library raises on purpose derives from ``NNHandlerError``, and also from the
 builtin a caller would naturally catch (``ValueError`` for bad input, ``RuntimeError`` for a failed
 distributed operation), so code written against the seeds' documented builtins keeps working.
 Messages say what was expected, what was received, on which rank, and how to fix it.
@@ -151,7 +151,7 @@ class TrainingPreempted(SystemExit):
     """Training stopped on SIGTERM after every rank agreed and the checkpoint was written.
 
     A ``SystemExit`` (not an ``Exception``), so an uncaught one ends the process quietly with
-    status :data:`PREEMPTED_EXIT_CODE` (or the configured code) instead of a traceback.
+    status ``PREEMPTED_EXIT_CODE`` (or the configured code) instead of a traceback.
 
     Attributes:
         checkpoint: the emergency checkpoint's path (None when it could not be written in time).
@@ -173,7 +173,7 @@ class TrainingPreempted(SystemExit):
 
 class TrainingInterrupted(TrainingPreempted):
     """Training stopped on Ctrl-C (SIGINT) after every rank agreed and the checkpoint was
-    written: a TrainingPreempted whose status is :data:`INTERRUPTED_EXIT_CODE`. A second
+    written: a TrainingPreempted whose status is ``INTERRUPTED_EXIT_CODE``. A second
     Ctrl-C raises a plain KeyboardInterrupt at once instead."""
 
     def __init__(

@@ -73,7 +73,7 @@ def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
 
 
 def _remove_log_sinks(sinks: list[int]) -> None:
-    """Undo :func:`_add_log_sinks`: the file sink, then the stderr one (which may silence the
+    """Undo ``_add_log_sinks``: the file sink, then the stderr one (which may silence the
     library and give loguru's default sink back)."""
     for sink in reversed(sinks[1:]):
         logger.remove(sink)
@@ -89,7 +89,7 @@ class NNHandler:
     environment describes several processes) and calls ``train``/``evaluate``/``predict``
     alike. ``communicator`` replaces the context's (a test double, say); ``context`` is a
     DistributedContext to use (the caller then owns it). ``trainer_class`` is the Trainer
-    subclass to use. Call :meth:`close` (or use ``with``) to leave the group.
+    subclass to use. Call ``close`` (or use ``with``) to leave the group.
     """
 
     def __init__(

@@ -2,12 +2,12 @@
 
 The library logs under the name "nn_handler" and calls ``logger.disable("nn_handler")`` on
 import, adding no sinks. Applications (NNHandler by default, the CLI) call
-:func:`enable_logging` and undo it with :func:`disable_logging`.
+``enable_logging`` and undo it with ``disable_logging``.
 
 One line per event: while nn_handler's sink is on, loguru's own default stderr sink (handler 0,
 which would print every record again, on every rank) is lent to it: the sink prints the
 application's records as that default did (every rank, its level) and nn_handler's on rank 0
-only. :func:`disable_logging` of the last sink gives the default back. A sink the application
+only. ``disable_logging`` of the last sink gives the default back. A sink the application
 added itself is never touched.
 """
 
@@ -95,7 +95,7 @@ def is_terminal(stream: object) -> bool:
 
 def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
     """Print nn_handler's logs on stderr, tagged with the rank; rank 0 only unless
-    ``all_ranks``. Returns the sink id: pass it to :func:`disable_logging` to undo.
+    ``all_ranks``. Returns the sink id: pass it to ``disable_logging`` to undo.
 
     While loguru's default stderr sink is in place it is lent to this sink, so no record is
     printed twice; the application's own records still print on every rank, as before."""
@@ -119,7 +119,7 @@ def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
 
 
 def disable_logging(sink: int) -> None:
-    """Remove a sink :func:`enable_logging` returned. When it was the last one, nn_handler is
+    """Remove a sink ``enable_logging`` returned. When it was the last one, nn_handler is
     silent again and loguru's default stderr sink, if it was lent, is back. Idempotent."""
     if sink not in _LEASE.sinks:
         return

@@ -45,10 +45,10 @@ from nn_handler.training.trainer import Trainer
 
 
 class TrainingEngine:
-    """Seed 003's engine: one model on one device, trained by :meth:`train`.
+    """Seed 003's engine: one model on one device, trained by ``train``.
 
     With ``distributed=True`` the default process group must exist (call
-    :meth:`setup_distributed` first, or run under ``launch_distributed_training`` / torchrun);
+    ``setup_distributed`` first, or run under ``launch_distributed_training`` / torchrun);
     the model is wrapped in DDP with synchronised BatchNorm. ``use_amp`` is fp16 with a
     GradScaler on CUDA and bf16 elsewhere; ``use_ema`` keeps an EMA of the weights (validation
     uses it). Checkpoints go to ``checkpoint_dir/experiment_name``.

@@ -1,7 +1,7 @@
 """Checkpoints: atomic files, safe loading, prefix-tolerant weights, RNG states, rotation.
 
 The Trainer's checkpoints (what they hold, how a run resumes) are in
-:mod:`nn_handler.training.checkpointing`; this layer knows nothing of the Trainer.
+``nn_handler.training.checkpointing``; this layer knows nothing of the Trainer.
 """
 
 from nn_handler.checkpoint.io import atomic_save, load_file, remove_orphans

@@ -2,9 +2,9 @@
 
 ``torch.save`` writes a zip archive and stores each record's CRC-32 in it (torch computes it
 by default), but ``torch.load`` never checks them: a file whose tensor bytes were flipped on
-disk loads without a word. :func:`verify_records` recomputes them (zlib releases the GIL, so
+disk loads without a word. ``verify_records`` recomputes them (zlib releases the GIL, so
 it runs beside ``torch.load`` in a thread at little extra wall time) and names the first
-record that does not match; :func:`entry_of_record` turns that record back into the key path
+record that does not match; ``entry_of_record`` turns that record back into the key path
 of the tensor it holds.
 """
 

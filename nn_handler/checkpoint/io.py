@@ -60,7 +60,7 @@ class SaveCancelled(CheckpointError):
 
 
 class _CancellableFile(io.RawIOBase):
-    """A write-only file that raises :class:`SaveCancelled` at its next write once ``cancel``
+    """A write-only file that raises ``SaveCancelled`` at its next write once ``cancel``
     is set; large writes go in chunks, so a cancelled save stops within one chunk."""
 
     CHUNK = 8 << 20
@@ -86,7 +86,7 @@ class _CancellableFile(io.RawIOBase):
 def atomic_target(path: str | Path, cancel: threading.Event | None = None) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces ``path`` durably, on error
     it is removed and ``path`` is untouched. When ``cancel`` is set before the replace, the
-    temporary file is removed instead and :class:`SaveCancelled` is raised."""
+    temporary file is removed instead and ``SaveCancelled`` is raised."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(target)
@@ -107,7 +107,7 @@ def atomic_save(obj: Any, path: str | Path, cancel: threading.Event | None = Non
     """``torch.save(obj)`` to ``path`` atomically and durably; returns the path.
 
     With ``cancel`` (set from another thread), the save stops at its next write once the
-    event is set and raises :class:`SaveCancelled`; ``path`` is then untouched.
+    event is set and raises ``SaveCancelled``; ``path`` is then untouched.
     """
     target = Path(path)
     try:

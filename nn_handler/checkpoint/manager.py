@@ -8,7 +8,7 @@ Layout of ``config.dir``::
     latest.json               names the newest complete checkpoint; written after it, atomically;
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
-Rank 0 writes; every rank calls :meth:`write` and raises the same CheckpointError if rank 0
+Rank 0 writes; every rank calls ``write`` and raises the same CheckpointError if rank 0
 failed, so no rank trains on believing a checkpoint exists.
 """
 

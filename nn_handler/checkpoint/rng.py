@@ -30,7 +30,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set this process's generators to a state from :func:`capture_rng`."""
+    """Set this process's generators to a state from ``capture_rng``."""
     torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))

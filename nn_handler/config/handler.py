@@ -19,7 +19,7 @@ from nn_handler.errors import ConfigError
 
 class LoggingConfig(ConfigModel):
     """Logs of a run. NNHandler adds a stderr sink for its lifetime (see
-    :func:`nn_handler.enable_logging`): one line per event, on rank 0 unless ``all_ranks``.
+    ``nn_handler.enable_logging``): one line per event, on rank 0 unless ``all_ranks``.
     The library itself (a Trainer used alone) adds none.
 
     Attributes:
@@ -40,7 +40,7 @@ class LoggingConfig(ConfigModel):
 class HandlerConfig(ConfigModel):
     """Everything NNHandler needs, validated once at construction.
 
-    Build it in code, or load it with :meth:`from_dict` / :meth:`from_file` (JSON or YAML);
+    Build it in code, or load it with ``from_dict`` / ``from_file`` (JSON or YAML);
     validation errors name the field (e.g. ``trainer.accumulate_grad_batches``).
     ``precision`` also accepts the bare name (``precision="bf16"``).
     """

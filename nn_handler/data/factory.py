@@ -38,7 +38,7 @@ class LoaderFactory:
     - ``train_loader``: every rank gets the same number of batches per epoch (docs/data.md has
       the rule), shuffled reproducibly per epoch.
     - ``eval_loader``: every sample exactly once across ranks, no padding, in order.
-    Both return an :class:`EpochDataLoader`; call ``set_epoch(epoch)`` before each epoch.
+    Both return an ``EpochDataLoader``; call ``set_epoch(epoch)`` before each epoch.
     The final settings (after the defaults below) are logged once, on rank 0: pin_memory only
     on CUDA, persistent_workers and prefetch_factor only with workers, num_workers clamped to
     the CPUs available per local rank, no workers for rank-cached loaders.
@@ -181,7 +181,7 @@ class LoaderFactory:
 
         Ranks may take one batch more or less than each other: a collective inside an
         evaluation step must not assume equal counts (gather results after the loop, e.g. with
-        :func:`nn_handler.data.gather_in_dataset_order`).
+        ``nn_handler.data.gather_in_dataset_order``).
         """
         n = self._length(dataset)
         c, rank, world = self.config, self.info.rank, self.info.world_size

@@ -12,7 +12,7 @@ from nn_handler.data.worker_seeds import PassSeededDataset, PassTaggedSampler
 
 
 class EpochDataLoader(DataLoader[Any]):
-    """A torch DataLoader whose :meth:`set_epoch` makes each epoch reproducible.
+    """A torch DataLoader whose ``set_epoch`` makes each epoch reproducible.
 
     ``set_epoch(e)`` sets the sampler's epoch (a new order that is the same on every run) and
     reseeds the loader's generator from (seed, rank, e). With workers, each worker reseeds

@@ -75,9 +75,9 @@ class DistributedContext:
     """Where this process stands in the run and the lifecycle of its process group.
 
     Build it from the environment (the default) or explicit ``rank``/``world_size``, then call
-    :meth:`setup` on every rank (or use it as a context manager). With more than one process
+    ``setup`` on every rank (or use it as a context manager). With more than one process
     setup initialises the default process group, or adopts one that is already initialised.
-    :meth:`teardown` destroys only the groups this context created and is idempotent.
+    ``teardown`` destroys only the groups this context created and is idempotent.
     Configuration errors (inconsistent environment, nccl without CUDA, an unknown device) are
     raised by the constructor, before any socket is opened.
     """
@@ -131,7 +131,7 @@ class DistributedContext:
 
     @property
     def communicator(self) -> Communicator:
-        """The Communicator for this run; available after :meth:`setup`."""
+        """The Communicator for this run; available after ``setup``."""
         if self._communicator is None:
             raise DistributedError("DistributedContext.communicator: call setup() first.")
         return self._communicator
@@ -161,7 +161,7 @@ class DistributedContext:
     def setup(self) -> DistributedContext:
         """Join the run. Every rank must call this. Returns self.
 
-        Initialises the default process group when :attr:`should_initialize` (or adopts an
+        Initialises the default process group when ``should_initialize`` (or adopts an
         already-initialised one) and builds the communicator. Raises DistributedError when
         the rendezvous fails or the existing group contradicts the environment.
         """
@@ -235,7 +235,7 @@ class DistributedContext:
     def create_local_process_group(self, num_workers_per_machine: int | None = None) -> None:
         """Create the per-machine groups (default size: the launcher's local world size).
 
-        Every rank must call this after :meth:`setup`. The groups are destroyed by teardown.
+        Every rank must call this after ``setup``. The groups are destroyed by teardown.
         """
         size = num_workers_per_machine or self._info.local_world_size
         existed = LOCAL_GROUPS.get() is not None

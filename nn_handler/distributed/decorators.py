@@ -2,7 +2,7 @@
 
 Both take part in one small collective after the gated code, in which the ranks agree on
 whether it succeeded: an exception on any rank becomes a
-:class:`~nn_handler.errors.RankFailedError` on every rank within milliseconds, and the group
+``RankFailedError`` on every rank within milliseconds, and the group
 stays aligned for the next collective. Like any collective this waits at most the process
 group's timeout for ranks that are still running the gated code.
 """
@@ -41,7 +41,7 @@ def on_rank(
     Every rank must call the decorated function. It returns the function's value on the ranks
     that ran it and None on the others; with ``broadcast=True`` (exactly one rank) every rank
     gets the value. If the function raises on any running rank, every rank raises
-    :class:`~nn_handler.errors.RankFailedError` naming the function, the failing rank(s) and
+    ``RankFailedError`` naming the function, the failing rank(s) and
     the original error with its traceback (chained as ``__cause__`` on the failing rank).
     ``barrier=True`` adds a barrier after a successful call. In one process the function is
     called (or skipped) and its exceptions propagate unchanged.
@@ -87,7 +87,7 @@ def main_process_first(local: bool = False) -> Iterator[None]:
 
     The main process is global rank 0, or local rank 0 on every machine with ``local=True``.
     Every rank must enter it. If the body fails on the main process, the waiting ranks raise
-    :class:`~nn_handler.errors.RankFailedError` instead of running it or hanging; if it fails on
+    ``RankFailedError`` instead of running it or hanging; if it fails on
     another rank, every rank raises, the main process included. In one process the body simply
     runs.
     """

@@ -1,8 +1,8 @@
 """Device resolution: turn 'auto', 'cpu', 'cuda', 'gpu', 'cuda:N', 'mps' or a torch.device into
 the torch.device this process should use.
 
-:func:`resolve_device_spec` is pure (the hardware facts are arguments) so every branch is tested on
-any machine; :func:`resolve_device` asks torch for those facts.
+``resolve_device_spec`` is pure (the hardware facts are arguments) so every branch is tested on
+any machine; ``resolve_device`` asks torch for those facts.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def resolve_device_spec(
 
     - 'auto': cuda:local_rank when CUDA is visible, else 'mps' when available, else CPU.
     - 'cuda' / 'gpu' (or torch.device('cuda') without index): cuda:local_rank (cuda:0 alone).
-    - 'cuda:N': that device; N >= the visible device count is a :class:`ConfigError`.
+    - 'cuda:N': that device; N >= the visible device count is a ``ConfigError``.
     - CUDA or MPS asked for but absent: CPU, with a ``RuntimeWarning``.
-    - anything else unknown: :class:`ConfigError`.
+    - anything else unknown: ``ConfigError``.
     """
     hw = hardware or Hardware()
     if isinstance(device, torch.device):

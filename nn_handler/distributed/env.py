@@ -1,4 +1,4 @@
-"""Where am I: parse a launcher's environment into a validated :class:`DistributedInfo`.
+"""Where am I: parse a launcher's environment into a validated ``DistributedInfo``.
 
 Everything here is pure: functions take the environment as a mapping and never touch sockets,
 CUDA or ``os.environ`` (callers pass ``os.environ``). Precedence, first match wins:
@@ -44,7 +44,7 @@ class DistributedInfo:
 
     For two nodes with two processes each: ``rank`` is 0..3, ``local_rank`` is 0 or 1 on each
     node, ``local_world_size`` is 2 (processes on this node) and ``world_size`` is 4.
-    The defaults describe a single process. Raises :class:`ConfigError` when inconsistent.
+    The defaults describe a single process. Raises ``ConfigError`` when inconsistent.
     """
 
     local_rank: int = 0
@@ -149,9 +149,9 @@ def parse_distributed_env(
     local_rank: int | None = None,
     local_world_size: int | None = None,
 ) -> DistributedInfo:
-    """Parse ``env`` (and optional explicit values) into a validated :class:`DistributedInfo`.
+    """Parse ``env`` (and optional explicit values) into a validated ``DistributedInfo``.
 
-    Raises :class:`ConfigError` (a ``ValueError``) naming the variable or argument at fault when
+    Raises ``ConfigError`` (a ``ValueError``) naming the variable or argument at fault when
     the input is inconsistent: only one of ``rank``/``world_size``, RANK without WORLD_SIZE,
     RANK >= WORLD_SIZE, negative or non-integer values, LOCAL_RANK >= LOCAL_WORLD_SIZE.
     """
@@ -378,7 +378,7 @@ def _expand_ranges(body: str, nodelist: str) -> list[str]:
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expand a SLURM hostlist: ``"node[01-03,07],gpu5"`` -> ``[node01, node02, node03, node07,
     gpu5]``. Several bracket groups in one name (``"r[1-2]n[1-2]"``) expand as a product.
-    Raises :class:`ConfigError` on malformed input."""
+    Raises ``ConfigError`` on malformed input."""
     hosts: list[str] = []
     for item in _split_top_level(nodelist.strip(), "SLURM_JOB_NODELIST"):
         if not item:

@@ -4,7 +4,7 @@ When a rank fails in the middle of a training step, its peers are (or soon will 
 a collective it will never join. The failing rank publishes its traceback in the process
 group's key-value store, then destroys its process group: the peers' pending collectives fail
 at once (gloo closes the connections), they read the published traceback and raise
-:class:`~nn_handler.errors.RankFailedError` with it. The failing rank waits (briefly) until the
+``RankFailedError`` with it. The failing rank waits (briefly) until the
 peers have read it, because with ``mp.spawn``-style launches rank 0 hosts the store.
 
 With nccl, peers blocked inside a CUDA kernel notice only at the process-group timeout (or when

@@ -2,12 +2,12 @@
 
 They read torch.distributed's default group (the engine's own global state) and build a
 Communicator per call; they keep no state of their own. "Where am I" comes from one place,
-:func:`get_dist_info`: the initialised group when there is one, else the launcher's environment,
+``get_dist_info``: the initialised group when there is one, else the launcher's environment,
 so ``get_rank()`` is already right under torchrun before ``init_process_group``.
 
 In one process every function works and returns the single-process answer, except those whose
 seed documents an error when distributed is not initialised (``gather_into_tensor``,
-``all_reduce_tensors``), which raise :class:`~nn_handler.errors.DistributedError` (a
+``all_reduce_tensors``), which raise ``DistributedError`` (a
 RuntimeError).
 """
 
@@ -105,7 +105,7 @@ def get_local_world_size() -> int:
 
 
 def get_local_size() -> int:
-    """Size of this machine's process group (same as :func:`get_local_world_size`)."""
+    """Size of this machine's process group (same as ``get_local_world_size``)."""
     return get_dist_info().local_world_size
 
 
@@ -168,7 +168,7 @@ def gather(data: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> l
 def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> dict[str, Any]:
     """Sum or average a dict of numbers/tensors over all ranks; every rank gets the result.
 
-    NaN-aware: see :meth:`Communicator.reduce_dict` for the exact rule. Every rank must call
+    NaN-aware: see ``Communicator.reduce_dict`` for the exact rule. Every rank must call
     this with the same keys.
     """
     return communicator().reduce_dict(input_dict, average=average)
@@ -192,8 +192,8 @@ def gather_into_tensor(tensor: torch.Tensor, size: Sequence[int], **kwargs: Any)
 
     ``size`` is either the concatenation along dim 0 (``(world * n, ...)``) or any shape with
     that many elements, e.g. stacked ``(world, n, ...)``. Accepts ``group``. Every rank must
-    call this. Raises :class:`DistributedError` (a RuntimeError) when distributed is not
-    initialised, and :class:`ConfigError` when ``size`` does not fit.
+    call this. Raises ``DistributedError`` (a RuntimeError) when distributed is not
+    initialised, and ``ConfigError`` when ``size`` does not fit.
     """
     _require_active("gather_into_tensor")
     group = _pop_group_kwargs("gather_into_tensor", kwargs)
@@ -225,7 +225,7 @@ def all_reduce_tensors(tensor: torch.Tensor | list[torch.Tensor], **kwargs: Any)
     torch.distributed.ReduceOp (SUM, AVG, MIN, MAX, PRODUCT) or 'sum'/'mean'/'min'/'max'/
     'product'; ``group`` is accepted. As torch.distributed.all_reduce does, a single input
     tensor is updated in place (when the result keeps its dtype) and returned. Every rank must
-    call this. Raises :class:`DistributedError` (a RuntimeError) when not initialised.
+    call this. Raises ``DistributedError`` (a RuntimeError) when not initialised.
     """
     _require_active("all_reduce_tensors")
     op_arg = kwargs.pop("op", dist.ReduceOp.SUM)

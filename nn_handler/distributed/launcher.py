@@ -127,10 +127,10 @@ def launch(
         backend: 'auto' (nccl on GPUs, else gloo), 'gloo' or 'nccl'.
         timeout: the process group's collective timeout (seconds or timedelta; default 60 min).
         deadline: seconds after which a run that has not finished is killed and
-            :class:`~nn_handler.errors.WorkerTimeoutError` names the ranks still running,
+            ``WorkerTimeoutError`` names the ranks still running,
             with their stacks.
 
-    Raises :class:`~nn_handler.errors.RankFailedError` when a rank raises or dies (killed,
+    Raises ``RankFailedError`` when a rank raises or dies (killed,
     segfault, ``os._exit``): the others are terminated within seconds, and the error names the
     failing rank with its original traceback (its exception chained as ``__cause__`` when it can
     be pickled). ``backend='nccl'`` without CUDA is a ConfigError suggesting gloo.
@@ -152,7 +152,7 @@ def launch_distributed_training(
 ) -> list[Any]:
     """Seed 003: call ``train_fn(rank, world_size, **kwargs)`` on ``world_size`` processes.
 
-    Same machinery and errors as :func:`launch`; returns the per-rank return values.
+    Same machinery and errors as ``launch``; returns the per-rank return values.
     """
     return _launch(
         train_fn,

@@ -31,8 +31,8 @@ def init_dist(
     Under torchrun omit ``rank`` and ``world_size``; for a manual launch pass both (the
     rendezvous is MASTER_ADDR:MASTER_PORT, or 127.0.0.1:29500 when unset). The default backend
     is nccl, as documented; on a machine without CUDA pass 'gloo' (or 'auto').
-    Raises ValueError (:class:`ConfigError`) when only one of ``rank``/``world_size`` is given
-    and :class:`DistributedError` when the rendezvous fails. A no-op when already initialised.
+    Raises ValueError (``ConfigError``) when only one of ``rank``/``world_size`` is given
+    and ``DistributedError`` when the rendezvous fails. A no-op when already initialised.
     """
     info = parse_distributed_env(os.environ, rank=rank, world_size=world_size)
     if info.launcher == "manual":

@@ -1,8 +1,8 @@
 """Per-machine process groups (seed 000's create_local_process_group and friends).
 
 The local group is the only per-process state nn_handler keeps. It lives in one explicit
-registry, :data:`LOCAL_GROUPS`, that :func:`create_local_process_group` sets and
-:func:`destroy_local_process_group` (and DistributedContext.teardown) clears.
+registry, ``LOCAL_GROUPS``, that ``create_local_process_group`` sets and
+``destroy_local_process_group`` (and DistributedContext.teardown) clears.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class LocalGroup:
 
 
 class LocalGroupRegistry:
-    """Holds the current :class:`LocalGroup` of this process, if one was created."""
+    """Holds the current ``LocalGroup`` of this process, if one was created."""
 
     def __init__(self) -> None:
         self._current: LocalGroup | None = None
@@ -58,10 +58,10 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
     Every rank must call this (torch's new_group is collective). Ranks are assumed placed
     machine by machine, as torchrun and srun do. Returns this process's local group (None in a
     single process, where the only valid value is 1). Calling it again with the same value
-    returns the existing group. Raises :class:`ConfigError` when the world size is not a
+    returns the existing group. Raises ``ConfigError`` when the world size is not a
     multiple of ``num_workers_per_machine``; when it disagrees with LOCAL_WORLD_SIZE /
     LOCAL_RANK set by the launcher on any rank, every rank raises
-    :class:`~nn_handler.errors.RankFailedError` naming those ranks.
+    ``RankFailedError`` naming those ranks.
     """
     n = num_workers_per_machine
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -117,9 +117,9 @@ def _check_placement(rank: int, n: int) -> ConfigError | None:
 
 
 def get_local_process_group() -> dist.ProcessGroup | None:
-    """This machine's process group from :func:`create_local_process_group`.
+    """This machine's process group from ``create_local_process_group``.
 
-    Returns None in a single process. Raises :class:`DistributedError` in a distributed run
+    Returns None in a single process. Raises ``DistributedError`` in a distributed run
     where no local group was created yet.
     """
     local = LOCAL_GROUPS.get()

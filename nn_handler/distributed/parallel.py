@@ -104,9 +104,9 @@ class ParallelExecutor:
         pass_device: pass each worker its device as ``device``.
         devices: explicit devices instead, e.g. ``["cpu", "cpu"]`` or ``["cuda:0", "cuda:2"]``.
         timeout: seconds after which a run still going is killed and
-            :class:`~nn_handler.errors.WorkerTimeoutError` names the devices still running.
+            ``WorkerTimeoutError`` names the devices still running.
 
-    ``run`` raises :class:`~nn_handler.errors.WorkerFailedError` naming the device index and
+    ``run`` raises ``WorkerFailedError`` naming the device index and
     the original traceback when a worker raises or is killed. Each worker finds its index in
     the environment variable ``NN_HANDLER_WORKER_INDEX``.
     """
@@ -164,7 +164,7 @@ def parallelize_on_gpus(
     num_gpus: int | None = None, pass_device: bool = True
 ) -> Callable[[Callable[..., R]], Callable[..., list[R]]]:
     """Decorator: calling the function runs it on ``num_gpus`` devices (all when None) in
-    parallel via :class:`ParallelExecutor` and returns the list of results, in device order."""
+    parallel via ``ParallelExecutor`` and returns the list of results, in device order."""
 
     def decorate(func: Callable[..., R]) -> Callable[..., list[R]]:
         @functools.wraps(func)

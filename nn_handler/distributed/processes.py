@@ -9,8 +9,8 @@ Failure handling, the reason this exists:
 - a worker that raises or dies (signal, ``os._exit``) is noticed within ~50 ms; the others get
   ``grace`` seconds to finish on their own, then are killed;
 - past ``deadline`` every live worker dumps its stacks (SIGUSR1 + faulthandler) and is killed;
-- the parent raises :class:`WorkerFailedError` (or the subclass given) with each failed worker's
-  traceback, or :class:`WorkerTimeoutError` naming the workers still running with their stacks.
+- the parent raises ``WorkerFailedError`` (or the subclass given) with each failed worker's
+  traceback, or ``WorkerTimeoutError`` naming the workers still running with their stacks.
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def run_in_processes(
 
     ``env(i, workdir)`` gives extra environment variables for worker ``i`` (``workdir`` is a
     private temporary folder that lives for the run, e.g. for a FileStore). Raises
-    :class:`RankFailedError` (``unit='rank'``) or :class:`WorkerFailedError` when a worker raises
+    ``RankFailedError`` (``unit='rank'``) or ``WorkerFailedError`` when a worker raises
     or dies, chaining the first failure's exception when it could be pickled, and
-    :class:`WorkerTimeoutError` when ``deadline`` seconds pass first.
+    ``WorkerTimeoutError`` when ``deadline`` seconds pass first.
     """
     envelope = {"sys_path": list(sys.path), "task": cloudpickle.dumps(task)}
     with tempfile.TemporaryDirectory(prefix="nn-handler-") as tmp:

@@ -124,7 +124,7 @@ class FaultTolerance:
         return self.watch
 
     def wants_step_calls(self) -> bool:
-        """Whether :meth:`after_optimizer_step` has anything to do in this fit (step
+        """Whether ``after_optimizer_step`` has anything to do in this fit (step
         checkpoints or a preemption watch); the loop skips the call otherwise."""
         saves = self.manager is not None and self.config.save_last and self.config.every_n_steps
         return bool(saves) or self.watch is not None

@@ -18,8 +18,8 @@ class History:
     """Per-epoch records, identical on every rank (they hold reduced values only).
 
     ``history["val_loss"]`` is the list of one key over epochs (NaN where an epoch lacks it);
-    ``history.last`` the latest record. Save with :meth:`to_json` / :meth:`to_csv` and draw
-    the curves with :meth:`plot` (needs matplotlib: ``pip install nn_handler[plot]``).
+    ``history.last`` the latest record. Save with ``to_json`` / ``to_csv`` and draw
+    the curves with ``plot`` (needs matplotlib: ``pip install nn_handler[plot]``).
     """
 
     def __init__(self, records: list[Record] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Hooks: code that runs at fixed points of the loop, holding a weak reference to the trainer.
 
-Subclass :class:`Hook` and override what you need. The trainer calls only the methods a hook
+Subclass ``Hook`` and override what you need. The trainer calls only the methods a hook
 overrides, so an unused point costs nothing in the hot path. ``after_train`` runs in
 ``finally``, also when training raised.
 """

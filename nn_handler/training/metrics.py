@@ -1,6 +1,6 @@
 """Exact distributed metrics: per-key sums and counts on the device, reduced once.
 
-Nothing here synchronises with the host while accumulating; :meth:`WeightedMeans.compute`
+Nothing here synchronises with the host while accumulating; ``WeightedMeans.compute``
 makes one all_reduce (plus one small object gather for the key set) per call.
 """
 

@@ -69,8 +69,8 @@ class BufferSnapshot:
     can leave them untouched (a NaN batch would otherwise poison BatchNorm's running
     statistics, on every rank with SyncBatchNorm).
 
-    :meth:`take` copies them (one fused copy per step, only for modules with buffers);
-    :meth:`restore` copies them back. Both are no-ops for a module without buffers.
+    ``take`` copies them (one fused copy per step, only for modules with buffers);
+    ``restore`` copies them back. Both are no-ops for a module without buffers.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:

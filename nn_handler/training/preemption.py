@@ -44,7 +44,7 @@ class PreemptionWatch:
     Attributes:
         requested: this rank received SIGTERM or a first Ctrl-C.
         interrupted: this rank received a Ctrl-C.
-        agreed_interrupt: after :meth:`agreed` returned True, whether any rank's stop was a
+        agreed_interrupt: after ``agreed`` returned True, whether any rank's stop was a
             Ctrl-C (the same on every rank), rather than SIGTERM alone.
     """
 

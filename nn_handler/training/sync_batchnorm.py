@@ -1,7 +1,7 @@
 """Synchronised BatchNorm on every device.
 
 On CUDA this is torch's ``nn.SyncBatchNorm``. torch refuses it on CPU (the module and DDP both
-reject CPU tensors), so gloo runs get :class:`SyncBatchNorm` instead: a BatchNorm whose
+reject CPU tensors), so gloo runs get ``SyncBatchNorm`` instead: a BatchNorm whose
 training statistics come from one differentiable all_reduce
 (``torch.distributed.nn.functional.all_reduce``) of the per-channel sum, sum of squares and
 count over all ranks, so gradients flow through the global statistics as they do in torch's
@@ -83,7 +83,7 @@ def convert_sync_batchnorm(
     module: nn.Module, device: torch.device, process_group: Any = None
 ) -> nn.Module:
     """Synchronise every BatchNorm*d in ``module``: torch's nn.SyncBatchNorm on CUDA, this
-    module's :class:`SyncBatchNorm` elsewhere (same parameters, buffers and state dict)."""
+    module's ``SyncBatchNorm`` elsewhere (same parameters, buffers and state dict)."""
     if device.type == "cuda":
         converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(  # type: ignore[no-untyped-call]
             module, process_group

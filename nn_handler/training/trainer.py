@@ -12,7 +12,7 @@ The loop, in pseudocode (every rank runs it on its own shard)::
         scheduler.step(); history.append(record); early stopping (same decision everywhere)
 
 Override ``training_step``, ``validation_step``, ``predict_step``, ``compute_loss`` or
-``configure_optimizers``; call :meth:`forward` inside them so the right model runs (the DDP
+``configure_optimizers``; call ``forward`` inside them so the right model runs (the DDP
 model while training, the plain or EMA model while evaluating).
 """
 
@@ -716,7 +716,7 @@ class Trainer:
         source: str = "checkpoint",
         allow_world_size_change: bool | None = None,
     ) -> None:
-        """Restore a checkpoint from :meth:`state_dict`; the next ``fit`` continues exactly
+        """Restore a checkpoint from ``state_dict``; the next ``fit`` continues exactly
         where it was written (mid-epoch too). ``allow_world_size_change`` (default:
         CheckpointConfig.allow_world_size_change) accepts another number of ranks between
         epochs. Every rank must call this with the same one."""

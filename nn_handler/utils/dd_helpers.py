@@ -109,7 +109,7 @@ def _create_rank_cached_dataloader(
 ) -> tuple[DataLoader[Any], Any]:
     """A DataLoader over this rank's shard, read once into memory, and its batch sampler.
 
-    Same arguments as :func:`_create_distributed_loader`; later epochs never call the
+    Same arguments as ``_create_distributed_loader``; later epochs never call the
     dataset's ``__getitem__``.
     """
     return _loader(dataset, loader_kwargs, device, log_fn, is_eval, "rank_cached")

@@ -1,4 +1,4 @@
-"""Communicators: one strategy object for all collectives (see :class:`Communicator`)."""
+"""Communicators: one strategy object for all collectives (see ``Communicator``)."""
 
 from nn_handler.distributed.communicator.base import (
     DEBUG_ENV_VAR,

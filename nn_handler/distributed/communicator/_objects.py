@@ -30,7 +30,7 @@ _DTYPES = {str(dtype): dtype for dtype in (
 
 
 def align(length: int) -> int:
-    """``length`` rounded up to a multiple of :data:`ALIGN`."""
+    """``length`` rounded up to a multiple of ``ALIGN``."""
     return -(-length // ALIGN) * ALIGN
 
 
@@ -70,7 +70,7 @@ class _Pickler(pickle.Pickler):
 
 @dataclass
 class Frame:
-    """A pickled object ready to copy into a send buffer of :attr:`length` bytes."""
+    """A pickled object ready to copy into a send buffer of ``length`` bytes."""
 
     stream: bytes
     buffers: list[memoryview]
@@ -88,7 +88,7 @@ class Frame:
         return end
 
     def write_into(self, out: np.ndarray) -> None:
-        """Copy the frame into the uint8 array ``out`` (at least :attr:`length` bytes)."""
+        """Copy the frame into the uint8 array ``out`` (at least ``length`` bytes)."""
         header = self.header.view(np.uint8)
         out[: header.size] = header
         start = header.size

@@ -40,7 +40,7 @@ Spec = Any
 def flatten(data: Any, path: str = "data") -> tuple[list[torch.Tensor], Spec]:
     """Split ``data`` into tensor leaves (numbers become 0-d tensors) and a spec to rebuild it.
 
-    Raises :class:`ConfigError` naming the path of the first unsupported value.
+    Raises ``ConfigError`` naming the path of the first unsupported value.
     """
     leaves: list[torch.Tensor] = []
 

@@ -8,7 +8,7 @@ shapes) and ``_do_gather`` (equal shapes). Backends never see user data directly
 Every public method is a collective: every rank of the group must call it, in the same order,
 or the group stalls until its timeout. Turn on debug mode (``debug=True`` or the environment
 variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes into a
-:class:`~nn_handler.errors.CollectiveMismatchError` on every rank.
+``CollectiveMismatchError`` on every rank.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Communicator(ABC):
         """Wait until every rank arrives. Every rank must call this.
 
         With ``timeout`` (seconds or timedelta) on gloo, a rank that does not arrive in time
-        makes the call raise :class:`~nn_handler.errors.DistributedError` naming the missing
+        makes the call raise ``DistributedError`` naming the missing
         ranks; other backends wait up to the process group's timeout.
         """
         delta = to_timedelta(timeout)
@@ -184,7 +184,7 @@ class Communicator(ABC):
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Reduce ``tensor`` across ranks in place and return it. Every rank must call this.
 
-        The copy-free variant of :meth:`all_reduce` for large buffers the caller owns (gradient
+        The copy-free variant of ``all_reduce`` for large buffers the caller owns (gradient
         buckets, metric accumulators): a contiguous tensor on the communicator's device is
         reduced in its own memory; any other tensor goes through one temporary copy. ``mean``
         needs a floating-point or complex tensor; bool tensors sum and average as int64, and the
@@ -260,7 +260,7 @@ class Communicator(ABC):
 
         The first dimension may differ per rank (the result is exact: padding is removed);
         dtype and the other dimensions must match, or every rank raises
-        :class:`~nn_handler.errors.CollectiveMismatchError` listing each rank's shape.
+        ``CollectiveMismatchError`` listing each rank's shape.
         """
         self._require_tensor(tensor, "all_gather")
         self._check_signature("all_gather(tensor)")
@@ -272,7 +272,7 @@ class Communicator(ABC):
         """Rank ``dst`` gets the list of all ranks' tensors; other ranks get ``[]``.
 
         Every rank must call this. First dimensions may differ per rank, as in
-        :meth:`all_gather`.
+        ``all_gather``.
         """
         self._require_tensor(tensor, "gather")
         self._check_rank("dst", dst)
@@ -292,7 +292,7 @@ class Communicator(ABC):
         """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
 
         Each rank pickles first; an object that cannot be pickled on some rank raises
-        :class:`~nn_handler.errors.RankFailedError` naming that rank on every rank (agreed in
+        ``RankFailedError`` naming that rank on every rank (agreed in
         the size exchange, at no extra round trip), and the group stays usable. CPU tensors and
         NumPy arrays inside objects travel as raw bytes and arrive as views of the received
         buffer (tensors as contiguous tensors of the same dtype and shape; views of one storage
@@ -328,7 +328,7 @@ class Communicator(ABC):
         """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
 
         Every rank must call this. Pickling failures raise on every rank and tensors travel as
-        in :meth:`all_gather_object`.
+        in ``all_gather_object``.
         """
         self._check_rank("dst", dst)
         self._check_signature(f"gather_object(obj, dst={dst})")
@@ -348,7 +348,7 @@ class Communicator(ABC):
         """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
 
         Every rank must call this. If ``src`` cannot pickle it, every rank raises
-        :class:`~nn_handler.errors.RankFailedError` naming ``src``.
+        ``RankFailedError`` naming ``src``.
         """
         self._check_rank("src", src)
         self._check_signature(f"broadcast_object(obj, src={src})")
@@ -373,7 +373,7 @@ class Communicator(ABC):
         """Agree across ranks on whether a step succeeded. Every rank must call this.
 
         Pass the exception this rank caught (or None). If any rank passes one, every rank raises
-        :class:`~nn_handler.errors.RankFailedError` naming the failed ranks with their original
+        ``RankFailedError`` naming the failed ranks with their original
         tracebacks (chained as ``__cause__`` on the failing rank). In one process the original
         exception is re-raised unchanged.
         """

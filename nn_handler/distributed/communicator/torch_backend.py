@@ -27,7 +27,7 @@ class TorchCommunicator(Communicator):
 
     Ranks (``rank``, ``src``, ``dst``) are ranks within ``group``. Tensors travel on CUDA for
     nccl (the current CUDA device unless ``device`` is given) and on CPU otherwise.
-    Raises :class:`~nn_handler.errors.DistributedError` when torch.distributed is not
+    Raises ``DistributedError`` when torch.distributed is not
     initialised or this process is not in ``group``.
     """
 
