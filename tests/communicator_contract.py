@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import ConfigError
+from nn_handler.errors import CollectiveMismatchError, ConfigError
 
 
 def _triangle(w: int) -> int:
@@ -189,6 +189,38 @@ def check_objects_carry_tensors_and_arrays(comm: Communicator) -> None:
     assert got["a"].tolist() == [7.0] * 3 and got["t"].tolist() == [1.0, 1.0]
 
 
+def check_reduce_dict_propagates_nan_like_the_originals(comm: Communicator) -> None:
+    """detectron2's reduce_dict is a plain mean: one rank's NaN or inf reaches the result."""
+    r, w = comm.rank, comm.world_size
+    values = {"loss": float("nan") if r == w - 1 else 1.0, "acc": float(r), "int": r}
+    mean = comm.reduce_dict(values)
+    assert list(mean) == ["acc", "int", "loss"]  # sorted, as detectron2's
+    assert math.isnan(mean["loss"]) and mean["acc"] == pytest.approx((w - 1) / 2)
+    assert mean["int"] == pytest.approx((w - 1) / 2)
+    total = comm.reduce_dict({"x": float("inf") if r == 0 else 1.0}, average=False)
+    assert total["x"] == float("inf")
+    tensor = comm.reduce_dict({"t": torch.tensor([float(r), float("nan") if r == 0 else 0.0])})
+    assert tensor["t"][0].item() == pytest.approx((w - 1) / 2)
+    assert math.isnan(tensor["t"][1].item())
+
+
+def check_reduce_dict_keys_must_agree(comm: Communicator) -> None:
+    r, w = comm.rank, comm.world_size
+    # The same keys in another order are the same dict.
+    ordered = {"b": 1.0, "a": 2.0} if r % 2 else {"a": 2.0, "b": 1.0}
+    assert comm.reduce_dict(ordered, average=False) == {"a": 2.0 * w, "b": 1.0 * w}
+    if w == 1:
+        return
+    with pytest.raises(CollectiveMismatchError) as info:
+        comm.reduce_dict({"acc": 0.9} if r == 0 else {"loss": 2.5})
+    message = str(info.value)
+    assert "rank 0: reduce_dict(average=True, ignore_nan=False) {'acc': float}" in message
+    assert "rank 1: reduce_dict(average=True, ignore_nan=False) {'loss': float}" in message
+    with pytest.raises(CollectiveMismatchError):  # a key more on one rank
+        comm.reduce_dict({"a": 1.0, **({"b": 2.0} if r == 0 else {})})
+    assert comm.reduce_dict({"a": 1.0}, average=False) == {"a": float(w)}  # still aligned
+
+
 def check_reduce_dict_nan_rule(comm: Communicator) -> None:
     r, w = comm.rank, comm.world_size
     values = {
@@ -197,7 +229,7 @@ def check_reduce_dict_nan_rule(comm: Communicator) -> None:
         "all_nan": float("nan"),
         "tensor": torch.tensor([float(r), float("nan")]),
     }
-    mean = comm.reduce_dict(values)
+    mean = comm.reduce_dict(values, ignore_nan=True)
     assert mean["acc"] == pytest.approx((w - 1) / 2)
     if w == 1:
         assert math.isnan(mean["loss"])
@@ -206,12 +238,14 @@ def check_reduce_dict_nan_rule(comm: Communicator) -> None:
     assert math.isnan(mean["all_nan"])
     assert mean["tensor"][0].item() == pytest.approx((w - 1) / 2)
     assert math.isnan(mean["tensor"][1].item())
-    total = comm.reduce_dict({"loss": float("nan") if r == 0 else 1.0}, average=False)
+    total = comm.reduce_dict(
+        {"loss": float("nan") if r == 0 else 1.0}, average=False, ignore_nan=True
+    )
     if w == 1:
         assert math.isnan(total["loss"]), "every rank NaN: the sum is NaN"
     else:
         assert total["loss"] == w - 1
-    inf = comm.reduce_dict({"x": float("inf") if r == 0 else 1.0})
+    inf = comm.reduce_dict({"x": float("inf") if r == 0 else 1.0}, ignore_nan=True)
     assert inf["x"] == float("inf"), "infinities are ordinary values"
 
 
@@ -251,6 +285,8 @@ CHECKS: list[Callable[[Communicator], None]] = [
     check_gather,
     check_object_collectives,
     check_objects_carry_tensors_and_arrays,
+    check_reduce_dict_propagates_nan_like_the_originals,
+    check_reduce_dict_keys_must_agree,
     check_reduce_dict_nan_rule,
     check_seed_barrier_and_agreement,
     check_bad_input_is_a_config_error_on_every_rank,

@@ -165,13 +165,17 @@ def gather(data: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> l
     return communicator(group).gather_object(data, dst)
 
 
-def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> dict[str, Any]:
-    """Sum or average a dict of numbers/tensors over all ranks; every rank gets the result.
+def reduce_dict(
+    input_dict: Mapping[str, Any], average: bool = True, *, ignore_nan: bool = False
+) -> dict[str, Any]:
+    """Sum or average a dict of numbers/tensors over all ranks; every rank gets the result
+    (detectron2's gives it to rank 0 only), keys sorted.
 
-    NaN-aware: see ``Communicator.reduce_dict`` for the exact rule. Every rank must call
-    this with the same keys.
+    As the originals, a NaN or inf on any rank propagates; ``ignore_nan=True`` leaves NaN
+    ranks out of each key's mean instead (see ``Communicator.reduce_dict``). Every rank must
+    call this with the same keys: different keys raise CollectiveMismatchError on every rank.
     """
-    return communicator().reduce_dict(input_dict, average=average)
+    return communicator().reduce_dict(input_dict, average=average, ignore_nan=ignore_nan)
 
 
 def shared_random_seed() -> int:

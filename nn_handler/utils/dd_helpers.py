@@ -33,13 +33,14 @@ def _checked_communicator(world_size: int, what: str) -> Any:
 def aggregate_metrics(
     metrics_dict: Mapping[str, float], world_size: int, device: torch.device | None = None
 ) -> dict[str, float]:
-    """Average each metric over all ranks (NaN-aware). Every rank must call this.
+    """Average each metric over all ranks, leaving out ranks whose value is NaN (seed 001:
+    "handle potential NaN values gracefully"). Every rank must call this.
 
     ``device`` is accepted for compatibility: values travel on the communicator's device (CUDA
     for nccl, CPU for gloo). Works in one process (returns the values as floats).
     """
     comm = _checked_communicator(world_size, "aggregate_metrics")
-    reduced = comm.reduce_dict(dict(metrics_dict), average=True)
+    reduced = comm.reduce_dict(dict(metrics_dict), average=True, ignore_nan=True)
     return {key: float(value) for key, value in reduced.items()}
 
 
@@ -49,7 +50,7 @@ def aggregate_loss(
     """Average a loss over all ranks (NaN-aware). Every rank must call this."""
     comm = _checked_communicator(world_size, "aggregate_loss")
     value = loss_value.detach() if isinstance(loss_value, torch.Tensor) else float(loss_value)
-    return float(comm.reduce_dict({"loss": value}, average=True)["loss"])
+    return float(comm.reduce_dict({"loss": value}, average=True, ignore_nan=True)["loss"])
 
 
 def broadcast_data(data: Any, src: int = 0) -> Any:

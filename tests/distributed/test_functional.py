@@ -68,6 +68,9 @@ def _every_seed_function(rank: int, world_size: int) -> dict[str, Any]:
     seen["reduce_dict"] = nd.reduce_dict(
         {"acc": float(rank), "loss": float("nan") if rank else 4.0}
     )
+    seen["reduce_dict_ignoring_nan"] = nd.reduce_dict(
+        {"acc": float(rank), "loss": float("nan") if rank else 4.0}, ignore_nan=True
+    )
     seeds = nd.all_gather(nd.shared_random_seed())
     seen["seed_shared"] = len(set(seeds)) == 1
     group = nd.create_local_process_group(2)
@@ -101,7 +104,9 @@ def test_every_seed_function_in_a_two_process_group() -> None:
         assert seen["000"] == (2, rank, rank == 0, 2)
         assert seen["all_gather"] == [[], ["p"]]
         assert seen["gather"] == ([{"r": 0}, {"r": 1}] if rank == 0 else [])
-        assert seen["reduce_dict"] == {"acc": 0.5, "loss": 4.0}  # rank 1's NaN left out
+        assert seen["reduce_dict"]["acc"] == 0.5
+        assert math.isnan(seen["reduce_dict"]["loss"])  # rank 1's NaN reaches it, as detectron2
+        assert seen["reduce_dict_ignoring_nan"] == {"acc": 0.5, "loss": 4.0}  # left out
         assert seen["seed_shared"] and seen["local_group"]
         expected_line = (
             "memory: allocated" if torch.cuda.is_available() else "CUDA is not available"

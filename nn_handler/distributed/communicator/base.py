@@ -391,26 +391,47 @@ class Communicator(ABC):
         failed = {r: t.decode(errors="replace") for r, t in enumerate(texts) if flags[r]}
         raise RankFailedError(what, failed) from error
 
-    def reduce_dict(self, input_dict: Mapping[str, Any], average: bool = True) -> dict[str, Any]:
-        """Reduce a dict of numbers/tensors over ranks, NaN-aware; every rank gets the result.
+    def reduce_dict(
+        self, input_dict: Mapping[str, Any], average: bool = True, *, ignore_nan: bool = False
+    ) -> dict[str, Any]:
+        """Sum (or average over ranks) a dict of numbers/tensors; every rank gets the result.
 
-        Every rank must call this with the same keys, even when its values are NaN or inf.
-        The rule, per key and element: ranks whose value is NaN contribute a zero sum and a zero
-        count; the result is the sum of the others (``average=False``) or that sum divided by
-        how many ranks were not NaN (``average=True``). When every rank is NaN the result is
-        NaN. Infinities are ordinary values (+inf and -inf together give NaN). Tensors come back
-        as tensors on their device, numbers as floats.
+        Every rank must call this with the same keys (in any order; the result's are sorted)
+        and shapes: different ones raise
+        ``CollectiveMismatchError`` on every rank, listing each rank's dict (one tiny extra
+        all_reduce checks it), never a silently mixed result. By default, as detectron2's
+        ``reduce_dict``, a NaN or inf on any rank propagates into the result, so a finiteness
+        check of a reduced loss sees a diverging rank.
+
+        ``ignore_nan=True`` is the reduction for metrics that some ranks cannot compute: per key
+        and element, ranks whose value is NaN contribute a zero sum and a zero count; the result
+        is the sum of the others (``average=False``) or that sum divided by how many ranks were
+        not NaN. When every rank is NaN the result is NaN. Infinities are ordinary values.
+        Tensors come back as tensors on their device, numbers as floats.
         """
         if not isinstance(input_dict, Mapping):
             raise ConfigError(
                 f"reduce_dict expects a dict of numbers or tensors, got "
                 f"{type(input_dict).__name__}."
             )
+        # Keys in sorted order, as detectron2's: the same dict built in another order agrees.
+        ordered = dict(sorted(input_dict.items(), key=lambda item: str(item[0])))
         if self.world_size == 1:
-            single = _reduce_dict_one_process(input_dict)
+            single = _reduce_dict_one_process(ordered)
             if single is not None:
                 return single
-        leaves, spec = self._prepare(dict(input_dict), f"reduce_dict(average={average})")
+        what = f"reduce_dict(average={average}, ignore_nan={ignore_nan})"
+        leaves, spec = self._prepare(ordered, what)
+        self._agree_on_structure(f"{what} {_tree.describe(spec)}")
+        if not ignore_nan:
+            totals = self._reduce_leaves(
+                [leaf if leaf.is_floating_point() else leaf.to(torch.float64) for leaf in leaves],
+                "sum",
+            )
+            plain: dict[str, Any] = _tree.unflatten(
+                spec, iter(self._mean(t) if average else t for t in totals)
+            )
+            return plain
         sums, counts = [], []
         for leaf in leaves:
             value = leaf if leaf.is_floating_point() else leaf.to(torch.float64)
@@ -482,6 +503,24 @@ class Communicator(ABC):
             signatures,
             hint="Every rank must call the same collectives, in the same order, with the same "
             "structure, dtypes and shapes.",
+        )
+
+    def _agree_on_structure(self, signature: str) -> None:
+        """Raise CollectiveMismatchError on every rank unless every rank's ``signature`` (keys,
+        dtypes, shapes) is the same: one max-reduce of [hash, -hash], equal only when all are.
+        (Debug mode already compared the signatures.)"""
+        if self.world_size == 1 or self._debug:
+            return
+        digest = _wire.signature_hash(signature)
+        pair = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
+        largest, negated_smallest = self._do_all_reduce(pair, "max").tolist()
+        if largest == -negated_smallest:
+            return
+        signatures = [s.decode() for s in self._all_gather_bytes(signature.encode())]
+        raise CollectiveMismatchError(
+            signature.split(" ", 1)[0],
+            signatures,
+            hint="Every rank must pass the same keys, with the same dtypes and shapes.",
         )
 
     def _reduce_leaves(self, leaves: list[torch.Tensor], op: BackendReduceOp) -> list[torch.Tensor]:
