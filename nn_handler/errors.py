@@ -131,6 +131,17 @@ class CollectiveMismatchError(DistributedError):
         return (type(self), (self.what, self.signatures, self.hint))
 
 
+class LocalGroupSizeError(ConfigError, AssertionError):
+    """``create_local_process_group``: the world size is not a multiple of
+    num_workers_per_machine. Also an AssertionError, which detectron2's ``comm`` (seed 000)
+    raised for it, so callers catching that keep working."""
+
+
+class NoLocalGroupError(DistributedError, AssertionError):
+    """``get_local_process_group`` in a distributed run before ``create_local_process_group``.
+    Also an AssertionError, as in detectron2's ``comm`` (seed 000)."""
+
+
 class NonFiniteError(NNHandlerError, FloatingPointError):
     """The loss or the gradients were NaN/inf before an optimizer step (raised on every rank
     alike, when TrainerConfig(nonfinite='raise'))."""
@@ -195,7 +206,9 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "INTERRUPTED_EXIT_CODE",
+    "LocalGroupSizeError",
     "NNHandlerError",
+    "NoLocalGroupError",
     "NonFiniteError",
     "PREEMPTED_EXIT_CODE",
     "RankFailedError",

@@ -98,7 +98,7 @@ class TrainingEngine:
     def setup_distributed(rank: int, world_size: int, backend: str = "auto") -> None:
         """Join the default process group as ``rank`` of ``world_size`` (MASTER_ADDR and
         MASTER_PORT, or 127.0.0.1:29500). A no-op when it already exists."""
-        init_dist(backend, rank=rank, world_size=world_size)  # type: ignore[arg-type]
+        init_dist(backend, rank=rank, world_size=world_size)
 
     @staticmethod
     def cleanup_distributed() -> None:

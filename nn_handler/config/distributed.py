@@ -12,7 +12,11 @@ from nn_handler.config.base import ConfigModel
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|gpu|mps|(cuda|gpu):[0-9]+)$")
 
-Backend = Literal["auto", "gloo", "nccl", "mpi"]
+#: A backend name ('auto', 'gloo', 'nccl', 'mpi', 'ucc', ..., any case) or torch's per-device
+#: form 'cpu:gloo,cuda:nccl'; validated and lower-cased by DistributedConfig.
+Backend = str
+_BACKEND_NAMES = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+_BACKEND_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 
 class DistributedConfig(ConfigModel):
@@ -21,7 +25,9 @@ class DistributedConfig(ConfigModel):
     Attributes:
         enabled: None: distributed when the launcher describes more than one process;
             True: always create a process group (even of one process); False: never.
-        backend: 'auto' picks nccl when the device is CUDA and gloo otherwise.
+        backend: 'auto' picks nccl when the device is CUDA and gloo otherwise; or a backend
+            name (case-insensitive) or torch's per-device form 'cpu:gloo,cuda:nccl' (entries
+            whose backend this torch build lacks are left out, with a warning).
         device: 'auto', 'cpu', 'cuda', 'gpu', 'cuda:N' or 'mps'.
         timeout: process group timeout for collectives (seed 002's default: 60 minutes).
         init_method: a torch init_method URL ('tcp://host:port', 'file:///path'); by default
@@ -36,6 +42,23 @@ class DistributedConfig(ConfigModel):
     timeout: timedelta = timedelta(minutes=60)
     init_method: str | None = None
     debug_collectives: bool = False
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        normalized = value.strip().lower().replace(" ", "")
+        if normalized == "auto" or normalized in _BACKEND_NAMES:
+            return normalized
+        pairs = [part.partition(":") for part in normalized.split(",")]
+        if ":" in normalized and all(
+            device in _BACKEND_DEVICES and sep and name in _BACKEND_NAMES
+            for device, sep, name in pairs
+        ):
+            return normalized
+        raise ValueError(
+            f"unknown backend {value!r}; use 'auto', one of {', '.join(_BACKEND_NAMES)}, or "
+            f"torch's per-device form such as 'cpu:gloo,cuda:nccl'"
+        )
 
     @field_validator("device")
     @classmethod

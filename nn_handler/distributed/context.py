@@ -37,9 +37,12 @@ def collect_before_destroy() -> None:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' -> nccl on CUDA devices, gloo otherwise. nccl without CUDA is a ConfigError."""
+    """'auto' -> nccl on CUDA devices, gloo otherwise. nccl without CUDA is a ConfigError. A
+    per-device form ('cpu:gloo,cuda:nccl') keeps the entries this torch build can create."""
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
+    if ":" in backend:
+        return _available_entries(backend, device)
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(
             f"backend 'nccl' needs CUDA, but this process uses device {device} (CUDA is not "
@@ -269,6 +272,26 @@ class DistributedContext:
             f"DistributedContext(rank={self.rank}, world_size={self.world_size}, "
             f"device={self.device}, backend={self.backend!r})"
         )
+
+
+def _available_entries(mapping: str, device: torch.device) -> str:
+    pairs = [tuple(part.split(":")) for part in mapping.split(",")]
+    usable = [
+        (kind, name)
+        for kind, name in pairs
+        if dist.is_backend_available(name) and (kind != "cuda" or torch.cuda.is_available())
+    ]
+    if not any(kind == device.type for kind, _ in usable):
+        raise ConfigError(
+            f"backend {mapping!r} has no entry this machine can use for device {device} "
+            f"(available: {[n for n in ('gloo', 'nccl', 'mpi') if dist.is_backend_available(n)]})."
+        )
+    if len(usable) < len(pairs):
+        left_out = [f"{kind}:{name}" for kind, name in pairs if (kind, name) not in usable]
+        logger.warning(
+            "backend {!r}: leaving out {} (not available on this machine)", mapping, left_out
+        )
+    return ",".join(f"{kind}:{name}" for kind, name in usable)
 
 
 __all__ = ["DistributedContext", "resolve_backend"]

@@ -13,7 +13,6 @@ RuntimeError).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -122,15 +121,15 @@ def synchronize() -> None:
 def safe_barrier(**kwargs: Any) -> None:
     """torch.distributed.barrier that is a no-op when distributed is not active.
 
-    Accepts ``group``, ``device_ids`` (the communicator picks the device itself) and
-    ``timeout`` (seconds or timedelta; on gloo the error names the ranks that did not arrive).
-    Every rank must call this.
+    Accepts ``group``, ``device_ids`` (the communicator picks the device itself),
+    ``timeout`` (seconds or timedelta; on gloo the error names the ranks that did not arrive)
+    and ``async_op`` (accepted; the barrier completes before this returns, and None is
+    returned, as seed 004's does). Every rank must call this.
     """
     group = kwargs.pop("group", None)
     kwargs.pop("device_ids", None)
+    kwargs.pop("async_op", None)
     timeout = kwargs.pop("timeout", None)
-    if kwargs.pop("async_op", False):
-        raise ConfigError("safe_barrier does not support async_op=True.")
     if kwargs:
         raise ConfigError(
             f"safe_barrier got unexpected keyword(s) {sorted(kwargs)}; accepted: group, "
@@ -144,17 +143,31 @@ def all_gather(
 ) -> list[Any]:
     """Gather any picklable ``data`` from every rank; every rank gets the list, by rank.
 
-    Every rank must call this. With ``safe_clone`` (default) the list never aliases ``data``
-    (in one process it holds a deep copy); without it, this rank's entry is ``data`` itself.
-    For tensors, ``Communicator.all_gather`` avoids pickling.
+    Every rank must call this. In one process the result is ``[data]``, as in the originals.
+    With ``safe_clone`` (default) tensors in ``data`` (itself, or in its lists, tuples and
+    dicts) are detached before they travel, so every gathered tensor is a copy without
+    autograd history (seed 000); without it, this rank's entry is ``data`` itself. For
+    tensors, ``Communicator.all_gather`` avoids pickling.
     """
     comm = communicator(group)
-    gathered = comm.all_gather_object(data)
-    if safe_clone and comm.world_size == 1:
-        return [copy.deepcopy(data)]
+    if comm.world_size == 1:
+        return [data]
+    gathered = comm.all_gather_object(_detached(data) if safe_clone else data)
     if not safe_clone:
         gathered[comm.rank] = data
     return gathered
+
+
+def _detached(data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.detach()
+    if isinstance(data, list):
+        return [_detached(item) for item in data]
+    if isinstance(data, tuple) and not hasattr(data, "_fields"):
+        return tuple(_detached(item) for item in data)
+    if isinstance(data, dict):
+        return {key: _detached(value) for key, value in data.items()}
+    return data
 
 
 def gather(data: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -195,9 +208,10 @@ def gather_into_tensor(tensor: torch.Tensor, size: Sequence[int], **kwargs: Any)
     """All ranks' tensors merged into one tensor of shape ``size``, on every rank.
 
     ``size`` is either the concatenation along dim 0 (``(world * n, ...)``) or any shape with
-    that many elements, e.g. stacked ``(world, n, ...)``. Accepts ``group``. Every rank must
-    call this. Raises ``DistributedError`` (a RuntimeError) when distributed is not
-    initialised, and ``ConfigError`` when ``size`` does not fit.
+    that many elements, e.g. stacked ``(world, n, ...)``. Accepts ``group`` and ``async_op``
+    (the gather completes before this returns). Every rank must call this. Raises
+    ``DistributedError`` (a RuntimeError) when distributed is not initialised, and
+    ``ConfigError`` when ``size`` does not fit.
     """
     _require_active("gather_into_tensor")
     group = _pop_group_kwargs("gather_into_tensor", kwargs)
@@ -225,11 +239,13 @@ _TORCH_TO_OP: dict[Any, ReduceOp] = {
 def all_reduce_tensors(tensor: torch.Tensor | list[torch.Tensor], **kwargs: Any) -> torch.Tensor:
     """Reduce tensor(s) across all ranks so all have the same value (default op: sum).
 
-    A list is concatenated (torch.cat) into one tensor first. ``op`` takes a
-    torch.distributed.ReduceOp (SUM, AVG, MIN, MAX, PRODUCT) or 'sum'/'mean'/'min'/'max'/
-    'product'; ``group`` is accepted. As torch.distributed.all_reduce does, a single input
-    tensor is updated in place (when the result keeps its dtype) and returned. Every rank must
-    call this. Raises ``DistributedError`` (a RuntimeError) when not initialised.
+    A list is concatenated (torch.cat) into one tensor first; a list of 0-d tensors (scalars)
+    is stacked into a 1-d one. ``op`` takes a torch.distributed.ReduceOp (SUM, AVG, MIN, MAX,
+    PRODUCT) or 'sum'/'mean'/'min'/'max'/'product'; ``group`` is accepted, and ``async_op``
+    too (the reduction completes before this returns). As torch.distributed.all_reduce does,
+    a single input tensor is updated in place (when the result keeps its dtype), also an
+    ``nn.Parameter`` or another tensor that requires grad, and returned. Every rank must call
+    this. Raises ``DistributedError`` (a RuntimeError) when not initialised.
     """
     _require_active("all_reduce_tensors")
     op_arg = kwargs.pop("op", dist.ReduceOp.SUM)
@@ -237,18 +253,24 @@ def all_reduce_tensors(tensor: torch.Tensor | list[torch.Tensor], **kwargs: Any)
     op = op_arg if isinstance(op_arg, str) else _TORCH_TO_OP.get(op_arg)
     if op is None:
         raise ConfigError(f"all_reduce_tensors: unsupported op {op_arg!r}.")
-    source = torch.cat(list(tensor)) if isinstance(tensor, list | tuple) else tensor
+    source = _joined(list(tensor)) if isinstance(tensor, list | tuple) else tensor
     reduced = communicator(group).all_reduce(source, op=op)  # type: ignore[arg-type]
     if source is tensor and reduced.dtype == source.dtype:
-        source.copy_(reduced)
+        with torch.no_grad():  # as c10d's in-place collectives, outside autograd
+            source.copy_(reduced)
         return source
     return reduced
 
 
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if tensors and all(t.dim() == 0 for t in tensors):
+        return torch.stack(tensors)
+    return torch.cat(tensors)
+
+
 def _pop_group_kwargs(name: str, kwargs: dict[str, Any]) -> dist.ProcessGroup | None:
     group: dist.ProcessGroup | None = kwargs.pop("group", None)
-    if kwargs.pop("async_op", False):
-        raise ConfigError(f"{name} does not support async_op=True; it returns the result.")
+    kwargs.pop("async_op", None)  # accepted: the call returns its result, so it completes
     if kwargs:
         raise ConfigError(f"{name} got unexpected keyword(s) {sorted(kwargs)}.")
     return group

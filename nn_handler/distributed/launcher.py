@@ -38,7 +38,7 @@ def resolve_launch_backend(backend: str, world_size: int) -> Backend:
         )
     if resolved not in ("gloo", "nccl", "mpi"):
         raise ConfigError(f"backend={backend!r} is not one of 'auto', 'gloo', 'nccl', 'mpi'.")
-    return resolved  # type: ignore[return-value]
+    return resolved
 
 
 def _child_env(world_size: int, rank: int, workdir: Path) -> Mapping[str, str]:

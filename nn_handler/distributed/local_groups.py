@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from nn_handler.distributed.communicator.torch_backend import TorchCommunicator
 from nn_handler.distributed.env import parse_distributed_env
-from nn_handler.errors import ConfigError, DistributedError
+from nn_handler.errors import ConfigError, LocalGroupSizeError, NoLocalGroupError
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
     machine by machine, as torchrun and srun do. Returns this process's local group (None in a
     single process, where the only valid value is 1). Calling it again with the same value
     returns the existing group. Raises ``ConfigError`` when the world size is not a
-    multiple of ``num_workers_per_machine``; when it disagrees with LOCAL_WORLD_SIZE /
+    multiple of ``num_workers_per_machine`` (``LocalGroupSizeError``, also an AssertionError
+    as in detectron2); when it disagrees with LOCAL_WORLD_SIZE /
     LOCAL_RANK set by the launcher on any rank, every rank raises
     ``RankFailedError`` naming those ranks.
     """
@@ -69,7 +70,7 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
     world_size = dist.get_world_size() if _is_active() else 1
     rank = dist.get_rank() if _is_active() else 0
     if world_size % n:
-        raise ConfigError(
+        raise LocalGroupSizeError(
             f"world size {world_size} is not a multiple of num_workers_per_machine={n}; pass "
             f"the number of processes on each machine (torchrun's --nproc-per-node)."
         )
@@ -119,15 +120,16 @@ def _check_placement(rank: int, n: int) -> ConfigError | None:
 def get_local_process_group() -> dist.ProcessGroup | None:
     """This machine's process group from ``create_local_process_group``.
 
-    Returns None in a single process. Raises ``DistributedError`` in a distributed run
-    where no local group was created yet.
+    Returns None in a single process. Raises ``NoLocalGroupError`` (a DistributedError and
+    an AssertionError, as detectron2's assert) in a distributed run where no local group was
+    created yet.
     """
     local = LOCAL_GROUPS.get()
     if local is not None:
         return local.group
     if not _is_active() or dist.get_world_size() == 1:
         return None
-    raise DistributedError(
+    raise NoLocalGroupError(
         "no local process group exists; call create_local_process_group(num_workers_per_machine)"
         " on every rank first."
     )

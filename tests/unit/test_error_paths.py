@@ -39,6 +39,8 @@ def test_an_explicit_cuda_device_that_does_not_exist_names_the_count() -> None:
 def test_an_unknown_launch_backend_is_named() -> None:
     with pytest.raises(ConfigError, match="backend='tcp'"):
         resolve_launch_backend("tcp", 2)
+    with pytest.raises(ConfigError, match="unknown backend 'tcp'.*'cpu:gloo,cuda:nccl'"):
+        nd.init_dist("tcp", rank=0, world_size=1)
 
 
 def test_all_reduce_tensors_names_an_unsupported_op() -> None:
@@ -46,8 +48,8 @@ def test_all_reduce_tensors_names_an_unsupported_op() -> None:
     try:
         with pytest.raises(ConfigError, match="unsupported op"):
             nd.all_reduce_tensors(torch.ones(1), op=dist.ReduceOp.BAND)
-        with pytest.raises(ConfigError, match="async_op=True"):
-            nd.gather_into_tensor(torch.ones(1), (1,), async_op=True)
+        with pytest.raises(ConfigError, match=r"unexpected keyword\(s\) \['tag'\]"):
+            nd.gather_into_tensor(torch.ones(1), (1,), tag=1)
     finally:
         nd.shutdown_dist()
 
