@@ -36,7 +36,7 @@ from nn_handler.config import (
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
 from nn_handler.distributed.device import resolve_device
-from nn_handler.distributed.env import DistributedInfo
+from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
 from nn_handler.distributed.launcher import launch_distributed_training
 from nn_handler.distributed.lifecycle import init_dist, shutdown_dist
 from nn_handler.errors import ConfigError, DistributedError
@@ -174,8 +174,14 @@ def distributed_train_worker(
 ) -> History:
     """Seed 003's per-rank workflow: join the group, build the model, loaders (per-rank
     ``batch_size``, DistributedSampler), optimizer, criterion and scheduler, train with a
-    TrainingEngine, leave the group. Falls back to one process, with a warning, when the
-    group cannot be set up. Returns the History."""
+    TrainingEngine, leave the group. Returns the History.
+
+    When the group cannot be set up, training falls back to a single process, as seed 003
+    documents, with a warning: rank 0 trains alone and every other rank returns an empty
+    History without training (N processes each training "as rank 0" would write one
+    checkpoint folder at once). Under torchrun or SLURM there is no fallback: the
+    DistributedError is raised, and the launcher reports it.
+    """
     distributed = world_size > 1
     owns_group = False
     if distributed:
@@ -184,6 +190,21 @@ def distributed_train_worker(
             TrainingEngine.setup_distributed(rank, world_size, backend)
             owns_group = not existed
         except (DistributedError, ConfigError, RuntimeError) as error:
+            launcher = parse_distributed_env(os.environ).launcher
+            if launcher in ("torchrun", "slurm"):
+                raise DistributedError(
+                    f"rank {rank}: distributed setup failed under {launcher} ({error}); not "
+                    f"falling back to a single process, which would train {world_size} "
+                    f"independent copies."
+                ) from error
+            if rank != 0:
+                logger.bind(rank=rank).warning(
+                    "distributed setup failed ({}); rank 0 trains in a single process, this "
+                    "rank {} does not train",
+                    error,
+                    rank,
+                )
+                return History()
             logger.bind(rank=rank).warning(
                 "distributed setup failed ({}); training in a single process instead", error
             )

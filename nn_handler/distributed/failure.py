@@ -59,8 +59,20 @@ def fail_together(
     naming the peers that left the group (see liveness.py). ``error`` may be a SystemExit or
     KeyboardInterrupt: this rank is then leaving, and says how.
     """
+    if world_size == 1:
+        return error
     store = default_store()
-    if store is None or world_size == 1:
+    if store is None:
+        # Nowhere to publish the traceback, but the abort alone still unblocks the peers: their
+        # collectives fail at once instead of waiting for the process-group timeout.
+        logger.bind(rank=rank).warning(
+            "rank {} failed in {} and the process group has no store to tell the other ranks "
+            "why: aborting the group, so they stop with a connection error instead of the "
+            "traceback",
+            rank,
+            what,
+        )
+        _abort(release)
         return error
     earlier = _published(store, world_size, "error", skip=rank)
     if not earlier and isinstance(error, Exception):

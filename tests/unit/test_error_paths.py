@@ -39,7 +39,7 @@ def test_an_explicit_cuda_device_that_does_not_exist_names_the_count() -> None:
 def test_an_unknown_launch_backend_is_named() -> None:
     with pytest.raises(ConfigError, match="backend='tcp'"):
         resolve_launch_backend("tcp", 2)
-    with pytest.raises(ConfigError, match="unknown backend 'tcp'.*'cpu:gloo,cuda:nccl'"):
+    with pytest.raises(ConfigError, match=r"unknown backend 'tcp'.*'cpu:gloo,cuda:nccl'"):
         nd.init_dist("tcp", rank=0, world_size=1)
 
 

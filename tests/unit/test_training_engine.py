@@ -48,7 +48,7 @@ def test_engine_needs_the_group_for_distributed_training() -> None:
         TrainingEngine(nn.Linear(2, 2), "cpu", distributed=True, world_size=2)
 
 
-def test_worker_falls_back_to_one_process_with_a_warning(tmp_path: Path) -> None:
+def _worker_whose_setup_fails(rank: int, folder: Path) -> tuple[Any, list[str]]:
     seen: list[str] = []
     logger.enable("nn_handler")
     sink = logger.add(seen.append, level="WARNING", format="{message}")
@@ -56,7 +56,7 @@ def test_worker_falls_back_to_one_process_with_a_warning(tmp_path: Path) -> None
     data.tensors = (torch.randn(64, 8, 8), data.tensors[1])  # digits-shaped inputs
     try:
         history = distributed_train_worker(
-            0,
+            rank,
             2,
             backend="nccl",  # no CUDA here: the setup fails at once
             model_fn=YourModel,
@@ -65,14 +65,43 @@ def test_worker_falls_back_to_one_process_with_a_warning(tmp_path: Path) -> None
             batch_size=16,
             optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1),
             criterion_fn=nn.CrossEntropyLoss,
-            engine_kwargs={"checkpoint_dir": tmp_path, "progress_bar": False},
-            train_kwargs={"num_epochs": 1},
+            engine_kwargs={"checkpoint_dir": folder, "progress_bar": False},
+            train_kwargs={"num_epochs": 1, "save_last": True},
         )
     finally:
         logger.remove(sink)
         logger.disable("nn_handler")
+    return history, seen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs nccl to fail")
+def test_worker_falls_back_to_one_process_on_rank_0_only(tmp_path: Path) -> None:
+    history, seen = _worker_whose_setup_fails(0, tmp_path / "zero")
     assert len(history) == 1
     assert any("distributed setup failed" in m and "single process" in m for m in seen), seen
+    # Rank 1 of the same failed group does not train "as rank 0" into the same folder.
+    history, seen = _worker_whose_setup_fails(1, tmp_path / "one")
+    assert len(history) == 0 and not (tmp_path / "one").exists()
+    assert any("rank 0 trains in a single process, this rank 1 does not train" in m for m in seen)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs nccl to fail")
+def test_worker_never_falls_back_under_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "x",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedError, match="not falling back to a single process"):
+        _worker_whose_setup_fails(0, tmp_path)
+    assert not tmp_path.joinpath("experiment").exists()
 
 
 def test_save_best_needs_a_validation_loader(tmp_path: Path) -> None:
