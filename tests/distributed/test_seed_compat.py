@@ -72,3 +72,25 @@ def test_all_gather_in_one_process_returns_the_object_itself() -> None:
         gathered = nd.all_gather(data)
         assert len(gathered) == 1 and gathered[0] is data
         assert nd.all_gather(data, safe_clone=False)[0] is data
+
+
+def _outside_the_group(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from nn_handler.distributed.communicator import TorchCommunicator
+    from nn_handler.errors import DistributedError
+
+    only_rank_0 = dist.new_group([0])  # every rank must call new_group
+    if rank == 0:
+        return str(TorchCommunicator(only_rank_0).world_size)
+    try:
+        TorchCommunicator(only_rank_0)
+    except DistributedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_communicator_on_a_group_this_rank_is_not_in_is_refused() -> None:
+    inside, outside = run_group(_outside_the_group, 2)
+    assert inside == "1"
+    assert "global rank 1 is not a member of the group passed to TorchCommunicator" in outside

@@ -1,0 +1,112 @@
+"""Error paths of saving, resuming and loading that each name the culprit (path, part) and
+say what to do, and leave nothing behind (no sink, no group) when they fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import CheckpointError, HandlerConfig, NNHandler, launch
+from nn_handler import log as nn_log
+from nn_handler.checkpoint import manager
+from nn_handler.errors import DistributedError
+from tests.training_helpers import mlp, regression_data, sgd
+
+DATA = regression_data()
+VAL = regression_data(n=16, seed=1)
+
+
+def _handler(folder: Path, optimizer: Any = sgd, **checkpoint: Any) -> NNHandler:
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {"dir": str(folder), **checkpoint},
+        }
+    )
+    return NNHandler(mlp(), optimizer, nn.CrossEntropyLoss(), config=config)
+
+
+def test_a_part_whose_state_cannot_load_is_named(tmp_path: Path) -> None:
+    with _handler(tmp_path) as h:
+        h.train(DATA, epochs=1)
+
+    def two_groups(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        return torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+
+    with (
+        _handler(tmp_path, optimizer=two_groups, resume="auto") as h,
+        pytest.raises(CheckpointError, match=r"cannot load the optimizer state from .*ckpt-"),
+    ):
+        h.train(DATA, epochs=2)
+
+
+def test_resume_from_a_missing_file_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.pt"
+    with _handler(tmp_path / "run") as h, pytest.raises(CheckpointError, match=r"nope\.pt"):
+        h.resume(missing)
+
+
+def test_an_os_error_writing_latest_json_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manager, "atomic_write_json", full)
+    with (
+        _handler(tmp_path) as h,
+        pytest.raises(CheckpointError, match=r"latest\.json.*No space left on device"),
+    ):
+        h.train(DATA, epochs=1)
+
+
+def test_an_os_error_linking_best_pt_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(manager, "atomic_link", refuse)
+    with (
+        _handler(tmp_path, save_best=True) as h,
+        pytest.raises(CheckpointError, match=r"best\.pt.*Permission denied"),
+    ):
+        h.train(DATA, VAL, epochs=1)
+
+
+def test_nn_handler_load_that_fails_leaves_no_sink_behind(tmp_path: Path) -> None:
+    with _handler(tmp_path) as h:
+        h.train(DATA, epochs=1)
+    saved = next(tmp_path.glob("ckpt-*.pt"))
+    sinks_before = dict(nn_log._LEASE.sinks)
+    wider = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))  # other shapes
+    with pytest.raises(CheckpointError, match=r"do not match Sequential"):
+        NNHandler.load(saved, wider, sgd, nn.CrossEntropyLoss())
+    assert nn_log._LEASE.sinks == sinks_before, "the failed handler was closed"
+
+
+class _Unloadable:
+    """Pickles fine in the worker; raises when the parent unpickles it."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+def _returns_unloadable() -> Any:
+    return _Unloadable()
+
+
+@pytest.mark.distributed
+def test_a_worker_result_that_cannot_be_unpickled_is_named() -> None:
+    with pytest.raises(DistributedError, match=r"rank 0 returned a value .* cannot unpickle"):
+        launch(_returns_unloadable, 2, backend="gloo")
