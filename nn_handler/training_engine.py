@@ -118,7 +118,7 @@ class TrainingEngine:
         save_last: bool = False,
     ) -> History:
         """Train for ``num_epochs`` and return the History (per-epoch train loss, validation
-        loss, learning rate, timing; the same on every rank). ``save_best`` keeps
+        loss, learning rate the same on every rank; timings each rank's own). ``save_best`` keeps
         ``best.pt`` by validation loss, ``save_last`` a checkpoint after every epoch, in
         ``checkpoint_dir/experiment_name``. Every rank must call this."""
         if save_best and val_loader is None:

@@ -15,7 +15,8 @@ Record = dict[str, float]
 
 
 class History:
-    """Per-epoch records, identical on every rank (they hold reduced values only).
+    """Per-epoch records. Losses and metrics are reduced values, the same on every rank; the
+    timing fields (``epoch_time``, ``samples_per_sec``) are each rank's own.
 
     ``history["val_loss"]`` is the list of one key over epochs (NaN where an epoch lacks it);
     ``history.last`` the latest record. Save with ``to_json`` / ``to_csv`` and draw

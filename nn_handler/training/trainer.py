@@ -636,7 +636,7 @@ class Trainer:
     ) -> History:
         """Train until ``epochs`` epochs are complete in total (default: config.epochs), so a
         resumed trainer continues where it stopped. Every rank must call this. Returns the
-        History (the same on every rank)."""
+        History (losses and metrics the same on every rank, timings each rank's own)."""
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
