@@ -30,13 +30,22 @@ _FORMAT = (
 _LOGURU_DEFAULT_SINK = 0
 
 
+_SinkKey = tuple[int, bool]  # (level number, all_ranks)
+
+
 class _StderrLease:
-    """Which of our sinks are on, and whether loguru's default sink was lent to them.
+    """Which of our sinks are on, who holds them, and whether loguru's default sink was lent
+    to them. Callers asking for the same sink share one (two NNHandlers alive at once still
+    print each event once).
 
     Mirrors loguru's own process-wide handler table; the only state this module keeps."""
 
     def __init__(self) -> None:
-        self.sinks: dict[int, None] = {}  # our sink ids, oldest first (an ordered set)
+        self.sinks: dict[
+            _SinkKey, tuple[int, int]
+        ] = {}  # key -> (loguru id, holders), oldest first
+        self.handles: dict[int, _SinkKey] = {}  # what enable_logging returned -> its sink
+        self.next_handle = 1
         self.default_taken = False
         self.default_id = _LOGURU_DEFAULT_SINK  # the default sink's id (a new one once given back)
 
@@ -95,35 +104,48 @@ def is_terminal(stream: object) -> bool:
 
 def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
     """Print nn_handler's logs on stderr, tagged with the rank; rank 0 only unless
-    ``all_ranks``. Returns the sink id: pass it to ``disable_logging`` to undo.
+    ``all_ranks``. Returns a handle: pass it to ``disable_logging`` to undo.
 
     While loguru's default stderr sink is in place it is lent to this sink, so no record is
-    printed twice; the application's own records still print on every rank, as before."""
-    library_level = logger.level(level).no
+    printed twice; the application's own records still print on every rank, as before. Calls
+    with the same arguments share one sink."""
+    key: _SinkKey = (logger.level(level).no, all_ranks)
+    handle = _LEASE.next_handle
+    _LEASE.next_handle += 1
+    _LEASE.handles[handle] = key
+    if key in _LEASE.sinks:
+        sink, holders = _LEASE.sinks[key]
+        _LEASE.sinks[key] = (sink, holders + 1)
+        return handle
     _LEASE.take_default()
-    sink = -1
 
     def accept(record: Record) -> bool:
         record["extra"].setdefault("rank", _rank())
         if _is_library(record):
             shown_here = all_ranks or record["extra"]["rank"] == 0
-            return shown_here and record["level"].no >= library_level
+            return shown_here and record["level"].no >= key[0]
         # The application's records, as loguru's default sink showed them: by one sink only.
-        return _LEASE.default_taken and next(iter(_LEASE.sinks), None) == sink
+        return _LEASE.default_taken and next(iter(_LEASE.sinks), None) == key
 
     logger.enable(_LIBRARY)
     colorize = is_terminal(sys.stderr)
     sink = logger.add(_write, level=0, filter=accept, format=_FORMAT, colorize=colorize)
-    _LEASE.sinks[sink] = None
-    return sink
+    _LEASE.sinks[key] = (sink, 1)
+    return handle
 
 
-def disable_logging(sink: int) -> None:
-    """Remove a sink ``enable_logging`` returned. When it was the last one, nn_handler is
-    silent again and loguru's default stderr sink, if it was lent, is back. Idempotent."""
-    if sink not in _LEASE.sinks:
+def disable_logging(handle: int) -> None:
+    """Undo one ``enable_logging`` (by the handle it returned). When no holder of a sink is
+    left the sink goes; when no sink is left nn_handler is silent again and loguru's default
+    stderr sink, if it was lent, is back. Idempotent."""
+    key = _LEASE.handles.pop(handle, None)
+    if key is None:
         return
-    del _LEASE.sinks[sink]
+    sink, holders = _LEASE.sinks[key]
+    if holders > 1:
+        _LEASE.sinks[key] = (sink, holders - 1)
+        return
+    del _LEASE.sinks[key]
     logger.remove(sink)
     if not _LEASE.sinks:
         logger.disable(_LIBRARY)

@@ -14,6 +14,17 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 @pytest.fixture(autouse=True)
+def _no_log_sink_left() -> Iterator[None]:
+    """A handler a test did not close keeps its log sink (as in a script): release it, so the
+    next test starts with nn_handler silent and loguru's default sink in place."""
+    yield
+    from nn_handler import log
+
+    for handle in list(log._LEASE.handles):
+        log.disable_logging(handle)
+
+
+@pytest.fixture(autouse=True)
 def _clean_distributed_state() -> Iterator[None]:
     LOCAL_GROUPS.clear()
     yield

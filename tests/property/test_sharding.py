@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -116,6 +115,6 @@ def test_factory_loaders_match_the_arithmetic_in_both_modes(
     ).filter(bool)
 )
 def test_loader_config_rejects_bad_values_naming_the_field(bad: dict[str, object]) -> None:
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         LoaderConfig(**bad)  # type: ignore[arg-type]
     assert any(name in str(info.value) for name in bad)

@@ -84,11 +84,11 @@ def test_nn_handler_load_that_fails_leaves_no_sink_behind(tmp_path: Path) -> Non
     with _handler(tmp_path) as h:
         h.train(DATA, epochs=1)
     saved = next(tmp_path.glob("ckpt-*.pt"))
-    sinks_before = dict(nn_log._LEASE.sinks)
+    handles_before = dict(nn_log._LEASE.handles)
     wider = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))  # other shapes
     with pytest.raises(CheckpointError, match=r"do not match Sequential"):
         NNHandler.load(saved, wider, sgd, nn.CrossEntropyLoss())
-    assert nn_log._LEASE.sinks == sinks_before, "the failed handler was closed"
+    assert nn_log._LEASE.handles == handles_before, "the failed handler was closed"
 
 
 class _Unloadable:

@@ -110,6 +110,12 @@ def test_one_line_per_event_while_loguru_default_sink_is_in_place() -> None:
         library("second round")
         logger.info("app again")
         disable_logging(again)
+        first, second = enable_logging(), enable_logging()  # two handlers alive at once
+        library("shared sink")
+        disable_logging(first)
+        library("still on")
+        disable_logging(second)
+        library("off again")
         """
     )
     code, output = run_command([sys.executable, "-c", script], timeout=60)
@@ -124,6 +130,9 @@ def test_one_line_per_event_while_loguru_default_sink_is_in_place() -> None:
     assert "after: silent" not in output
     assert sum("second round" in line for line in lines) == 1, output
     assert sum("app again" in line for line in lines) == 1, output
+    assert sum("shared sink" in line for line in lines) == 1, output
+    assert sum("still on" in line for line in lines) == 1, output
+    assert "off again" not in output
 
 
 def test_an_application_sink_is_left_alone(capsys: pytest.CaptureFixture[str]) -> None:
