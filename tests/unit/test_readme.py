@@ -55,6 +55,26 @@ def test_readme_first_example_reaches_its_accuracy_under_torchrun(tmp_path: Path
     assert (tmp_path / "curves.png").is_file()
 
 
+def _parts_example(folder: Path) -> Path:
+    section = README.split("The parts underneath can be used on their own:", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = folder / "parts.py"
+    script.write_text(code + "print(ctx.rank, tuple(every.shape), metrics)\n")
+    return script
+
+
+@pytest.mark.distributed
+def test_readme_parts_example_runs_alone_and_under_torchrun(tmp_path: Path) -> None:
+    script = _parts_example(tmp_path)
+    code, output = run_command([sys.executable, str(script)], timeout=60)
+    assert code == 0, output
+    assert "0 (3, 10) {'acc': 0.9, 'loss': 0.25}" in output
+    code, output = run_command(torchrun_command(script), timeout=120)
+    assert code == 0, output
+    for rank in (0, 1):  # 3 + 4 rows gathered exactly; the same mean on both ranks
+        assert f"{rank} (7, 10) {{'acc': 0.9, 'loss': 0.25}}" in output, output
+
+
 def _claimed(pattern: str, text: str) -> list[str]:
     found = re.findall(pattern, text)
     assert found, pattern
