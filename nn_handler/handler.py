@@ -10,6 +10,7 @@ SLURM: the DistributedContext reads where this process stands from the environme
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +26,7 @@ from nn_handler.config import HandlerConfig, LoggingConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
+from nn_handler.distributed.env import DistributedInfo
 from nn_handler.errors import ConfigError
 from nn_handler.log import disable_logging, enable_logging
 from nn_handler.training.checkpointing import check_checkpoint, plain_config
@@ -70,6 +72,28 @@ def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
             )
         )
     return sinks
+
+
+def world_view(context: DistributedContext, communicator: Communicator) -> DistributedInfo:
+    """Where this process stands, as the communicator says: the one source the loaders, the
+    strategy and the Trainer all read. A communicator of its own (a test double) may describe
+    any world when the context is a single process; inside a real group it must agree with
+    the group, or the loaders would shard for one world and the gradients average over another.
+    """
+    info = context.info
+    rank, world_size = communicator.rank, communicator.world_size
+    if (rank, world_size) == (info.rank, info.world_size):
+        return info
+    if info.world_size > 1:
+        raise ConfigError(
+            f"the communicator passed to NNHandler reports rank {rank} of world size "
+            f"{world_size}, but this process is rank {info.rank} of a group of "
+            f"{info.world_size}; pass a communicator over that group (or none)."
+        )
+    # An in-process double: every rank it describes lives on this machine.
+    return dataclasses.replace(
+        info, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size
+    )
 
 
 def _remove_log_sinks(sinks: list[int]) -> None:
@@ -134,8 +158,9 @@ class NNHandler:
         trainer_class: type[Trainer],
     ) -> None:
         self.communicator = communicator or self.context.communicator
-        self._sinks = _add_log_sinks(self.config.logging, self.context.rank)
-        self.loaders = LoaderFactory.from_context(self.config.loader, self.context)
+        info = world_view(self.context, self.communicator)
+        self._sinks = _add_log_sinks(self.config.logging, info.rank)
+        self.loaders = LoaderFactory(self.config.loader, info, self.context.device)
         self.trainer = trainer_class(
             model,
             optimizer,
@@ -307,4 +332,4 @@ def _dataset(data: Any) -> Dataset[Any]:
     )
 
 
-__all__ = ["ConfigLike", "NNHandler", "as_handler_config"]
+__all__ = ["ConfigLike", "NNHandler", "as_handler_config", "world_view"]

@@ -10,6 +10,7 @@ from nn_handler.config.base import ConfigModel
 
 PrecisionName = Literal["32", "bf16", "fp16", "amp"]
 Interval = Literal["epoch", "step"]
+StrategyName = Literal["auto", "single", "ddp"]
 NonFinitePolicy = Literal["skip", "raise", "off"]
 Mode = Literal["min", "max"]
 
@@ -85,6 +86,10 @@ class TrainerConfig(ConfigModel):
         gradient_clip_norm_type: the p of the clipped p-norm.
         scheduler_interval: step the LR scheduler every 'epoch' or every optimizer 'step'.
         scheduler_monitor: the History key given to ReduceLROnPlateau-style schedulers.
+        strategy: how the model is parallelised (nn_handler/strategies/): 'ddp' wraps it in
+            DistributedDataParallel (needs a process group), 'single' trains one replica as it
+            is (one rank only), 'auto' picks 'ddp' when the run has more than one rank and a
+            process group, 'single' otherwise.
         sync_batchnorm: convert BatchNorm layers to synchronised ones when world size > 1.
         compile: wrap the model with torch.compile (``compile_kwargs`` are passed through).
         find_unused_parameters: passed to DistributedDataParallel.
@@ -108,6 +113,7 @@ class TrainerConfig(ConfigModel):
     gradient_clip_norm_type: float = Field(default=2.0, gt=0)
     scheduler_interval: Interval = "epoch"
     scheduler_monitor: str = "val_loss"
+    strategy: StrategyName = "auto"
     sync_batchnorm: bool = False
     compile: bool = False
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -128,5 +134,6 @@ __all__ = [
     "NonFinitePolicy",
     "PrecisionConfig",
     "PrecisionName",
+    "StrategyName",
     "TrainerConfig",
 ]

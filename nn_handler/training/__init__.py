@@ -1,5 +1,6 @@
 """The training layer: Trainer, precision, EMA, metrics, History, hooks and loggers."""
 
+from nn_handler.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma, unwrap_model
 from nn_handler.training.history import History
@@ -7,7 +8,6 @@ from nn_handler.training.hooks import Hook
 from nn_handler.training.loggers import ExperimentLogger, TensorBoardLogger
 from nn_handler.training.metrics import StatefulMetric, WeightedMeans, accuracy
 from nn_handler.training.precision import Precision, resolve_precision
-from nn_handler.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from nn_handler.training.trainer import Trainer, TrainerState
 
 __all__ = [

@@ -25,10 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from loguru import logger
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.rng import capture_rng, restore_rng
@@ -42,6 +40,7 @@ from nn_handler.errors import (
     NonFiniteError,
     UnevenDataError,
 )
+from nn_handler.strategies import Strategy, select_strategy
 from nn_handler.training.batch import batch_size_of, move_to_device
 from nn_handler.training.checkpointing import build_checkpoint, describe_loader, plain_config
 from nn_handler.training.early_stopping import EarlyStopping
@@ -60,7 +59,6 @@ from nn_handler.training.monitors import check_monitors
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.precision import Precision
 from nn_handler.training.progress import ProgressBar
-from nn_handler.training.sync_batchnorm import convert_sync_batchnorm
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -118,11 +116,12 @@ def _set_epoch(loader: Iterable[Any], epoch: int) -> None:
 class Trainer:
     """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
 
-    The model is moved to ``device``, converted to synchronised BatchNorm and wrapped in
-    DistributedDataParallel when the communicator spans more than one rank (device_ids for
-    CUDA, none for CPU), then compiled if configured. ``optimizer`` and ``scheduler`` are
-    instances or factories (``lambda params: torch.optim.Adam(params)``,
-    ``lambda opt: StepLR(opt, 10)``) called after wrapping.
+    How the model is parallelised is the Strategy's (``TrainerConfig.strategy``, see
+    nn_handler/strategies/): with 'auto', a run of more than one rank wraps the model in
+    DistributedDataParallel (with synchronised BatchNorm when configured), one rank trains it
+    as it is; either is compiled if configured. ``optimizer`` and ``scheduler`` are instances
+    or factories (``lambda params: torch.optim.Adam(params)``, ``lambda opt: StepLR(opt, 10)``)
+    called after wrapping.
     """
 
     def __init__(
@@ -147,9 +146,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.precision = Precision(precision or PrecisionConfig(), self.device)
         self.log = logger.bind(rank=self.comm.rank)
-        self.module = self._prepare_module(model)
-        self._ddp: DistributedDataParallel | None = None
-        self.model = self._wrap(self.module)
+        self.strategy: Strategy = select_strategy(self.comm, self.device, self.config)
+        self.module, self.model = self.strategy.setup(model)
         self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
         self._check_scheduler()
         self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
@@ -191,40 +189,13 @@ class Trainer:
     def is_main_process(self) -> bool:
         return self.comm.rank == 0
 
-    def _prepare_module(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if isinstance(model, DistributedDataParallel):
-            raise ConfigError(
-                "pass the plain model, not a DistributedDataParallel wrapper: the Trainer wraps "
-                "it itself when world size > 1."
-            )
-        model = model.to(self.device)
-        if self.config.sync_batchnorm and self.comm.world_size > 1:
-            model = convert_sync_batchnorm(model, self.device)
-        return model
-
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        wrapped = module
-        if self.comm.world_size > 1 and dist.is_available() and dist.is_initialized():
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self._ddp = DistributedDataParallel(
-                module,
-                device_ids=device_ids,
-                find_unused_parameters=self.config.find_unused_parameters,
-            )
-            wrapped = self._ddp
-        if self.config.compile:
-            wrapped = torch.compile(wrapped, **self.config.compile_kwargs)  # type: ignore[assignment]
-        return wrapped
-
     def release_wrappers(self) -> None:
-        """Drop the DDP (and compile) wrappers, keeping the plain module for evaluation.
+        """Drop the strategy's wrappers (DDP, compile), keeping the plain module for evaluation.
 
         Call before the process group is destroyed (NNHandler.close does): a DDP reducer
         freed after ``destroy_process_group`` can hang or abort the process at exit.
         """
-        self._ddp = None
+        self.strategy.release()
         self.model = self.module
         self._active = self.module
 
@@ -326,9 +297,9 @@ class Trainer:
         loss is divided by it so the gradient is the window's mean. Returns the detached loss.
         """
         batch = move_to_device(batch, self.device, self._non_blocking)
-        if self._ddp is not None and not sync:
+        if not sync:
             # Gradients are synchronised across ranks only on the last micro-batch of a window.
-            with self._ddp.no_sync():
+            with self.strategy.no_sync():
                 return self._forward_backward(batch, window)
         loss = self._forward_backward(batch, window)
         if sync:
@@ -341,7 +312,7 @@ class Trainer:
             buffers.take()
         with self.precision.autocast():
             loss = self._loss_of(self.training_step(batch))
-        if self._guard and self._ddp is not None:
+        if self._guard and self.strategy.reduces_gradients:
             # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
             # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
             # check of the synchronised gradients then decides for all ranks.
@@ -360,10 +331,10 @@ class Trainer:
         if self.precision.scaler is not None:
             self.precision.unscale(optimizer)
         if self.config.gradient_clip_val is not None:
-            torch.nn.utils.clip_grad_norm_(
+            self.strategy.clip_grad_norm(
                 self._params,
                 self.config.gradient_clip_val,
-                norm_type=self.config.gradient_clip_norm_type,
+                self.config.gradient_clip_norm_type,
             )
         stepped = self._finite.all_finite(self._window_losses) if self._guard else True
         self._window_losses.clear()

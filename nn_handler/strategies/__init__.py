@@ -1,0 +1,37 @@
+"""How the model is parallelised: a Strategy per kind (see base.py), chosen by
+``TrainerConfig.strategy``."""
+
+from __future__ import annotations
+
+import torch
+
+from nn_handler.config.training import TrainerConfig
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError
+from nn_handler.strategies.base import Strategy
+from nn_handler.strategies.ddp import DDPStrategy
+from nn_handler.strategies.single import SingleDeviceStrategy
+
+STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
+
+
+def select_strategy(comm: Communicator, device: torch.device, config: TrainerConfig) -> Strategy:
+    """The strategy ``config.strategy`` names; 'auto' is DDP when the run has more than one
+    rank and a process group, one device otherwise (a test double of several ranks without a
+    group trains its one replica as it is)."""
+    name = config.strategy
+    if name == "auto":
+        import torch.distributed as dist
+
+        grouped = dist.is_available() and dist.is_initialized()
+        name = "ddp" if comm.world_size > 1 and grouped else "single"
+    if name == "single" and comm.world_size > 1 and config.strategy == "single":
+        raise ConfigError(
+            f"strategy 'single' trains one replica without synchronising gradients, but the "
+            f"run has {comm.world_size} ranks: the replicas would drift apart. Use 'ddp' (or "
+            f"'auto')."
+        )
+    return STRATEGIES[name](comm, device, config)
+
+
+__all__ = ["STRATEGIES", "DDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]

@@ -1,0 +1,96 @@
+"""Strategy: the one object that knows how the model is parallelised.
+
+The Trainer asks it to prepare the module (device, synchronised BatchNorm), to wrap it (DDP,
+torch.compile), to suppress gradient synchronisation inside an accumulation window, to clip
+the gradient norm, and to drop its wrappers before the process group goes. The loop itself
+never imports torch.distributed. ``SingleDeviceStrategy`` and ``DDPStrategy`` exist today;
+sharded strategies (FSDP2) add themselves here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nn_handler.config.training import TrainerConfig
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError
+
+
+class Strategy(ABC):
+    """How one rank's model takes part in the run.
+
+    Attributes:
+        name: 'single' or 'ddp' (what ``TrainerConfig.strategy`` names).
+        comm: the run's Communicator (its rank and world size are the run's).
+        device: this rank's device.
+        module: the plain module after ``setup`` (on the device, BatchNorm converted).
+        model: what the loop calls in training (the wrapped module), after ``setup``.
+    """
+
+    name: str = ""
+
+    def __init__(self, comm: Communicator, device: torch.device, config: TrainerConfig) -> None:
+        self.comm = comm
+        self.device = device
+        self.config = config
+        self.module: nn.Module | None = None
+        self.model: nn.Module | None = None
+
+    def setup(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """(plain module, training model): ``model`` moved to the device, prepared and wrapped.
+        Called once, before the optimizer is built."""
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ConfigError(
+                "pass the plain model, not a DistributedDataParallel wrapper: the strategy wraps "
+                "it itself when world size > 1."
+            )
+        self.module = self.prepare(model.to(self.device))
+        wrapped = self.wrap(self.module)
+        if self.config.compile:
+            wrapped = torch.compile(wrapped, **self.config.compile_kwargs)  # type: ignore[assignment]
+        self.model = wrapped
+        return self.module, wrapped
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        """The plain module, ready for this strategy (default: unchanged)."""
+        return module
+
+    @abstractmethod
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """The module the loop trains (``module`` itself, or a wrapper around it)."""
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether backward averages gradients across ranks (then one rank's NaN reaches
+        every rank through the gradients themselves)."""
+        return False
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward accumulates gradients without synchronising them (the
+        micro-batches of an accumulation window before the last)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(
+        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        """Clip the gradients' ``norm_type`` norm to ``max_norm`` (the norm of the whole
+        model's gradients, on every rank alike) and return the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+
+    def release(self) -> None:
+        """Drop the wrappers (call before the process group is destroyed); the plain module
+        stays usable for evaluation."""
+        self.model = self.module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.comm.world_size}, device={self.device})"
+
+
+__all__ = ["Strategy"]

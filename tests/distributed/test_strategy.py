@@ -1,0 +1,108 @@
+"""The Strategy seam in a real 2-rank gloo group: 'auto' is DDP, 'single' is refused, and a
+communicator double that disagrees with the group is a ConfigError naming both views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from nn_handler import ConfigError, NNHandler
+from nn_handler.strategies import DDPStrategy
+from tests.harness import run_group
+from tests.training_helpers import mlp, sgd
+from tests.unit.test_strategy import FakeWorld
+
+pytestmark = pytest.mark.distributed
+
+
+def _choices(rank: int, world_size: int) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as handler:
+        seen["auto"] = type(handler.trainer.strategy).__name__
+        seen["wrapped"] = type(handler.trainer.model).__name__
+        seen["reduces"] = handler.trainer.strategy.reduces_gradients
+    for config, communicator in (
+        ({"trainer": {"strategy": "single"}}, None),
+        ({}, FakeWorld(rank, 3)),
+    ):
+        try:
+            NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, communicator=communicator)
+        except ConfigError as error:
+            seen.setdefault("errors", []).append(str(error))
+    return seen
+
+
+def test_strategy_choices_in_a_real_group() -> None:
+    for rank, seen in enumerate(run_group(_choices, 2)):
+        assert seen["auto"] == DDPStrategy.__name__ and seen["wrapped"] == "DistributedDataParallel"
+        assert seen["reduces"] is True
+        single, double = seen["errors"]
+        assert "strategy 'single'" in single and "2 ranks" in single
+        assert f"reports rank {rank} of world size 3" in double
+        assert f"rank {rank} of a group of 2" in double
+
+
+def _collectives_per_epoch(rank: int, world_size: int) -> dict[int, list[str]]:
+    from nn_handler.distributed.communicator import TorchCommunicator
+    from tests.training_helpers import regression_data
+
+    class Recording(TorchCommunicator):
+        """Counts every collective the library makes through the Communicator."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def _do_all_reduce(self, tensor: Any, op: Any) -> Any:
+            self.calls.append("all_reduce")
+            return super()._do_all_reduce(tensor, op)
+
+        def _do_all_reduce_async(self, tensor: Any, op: Any) -> Any:
+            self.calls.append("all_reduce_async")
+            return super()._do_all_reduce_async(tensor, op)
+
+        def _do_broadcast(self, tensor: Any, src: int) -> Any:
+            self.calls.append("broadcast")
+            return super()._do_broadcast(tensor, src)
+
+        def _do_all_gather(self, tensor: Any) -> Any:
+            self.calls.append("all_gather")
+            return super()._do_all_gather(tensor)
+
+        def _do_gather(self, tensor: Any, dst: int) -> Any:
+            self.calls.append("gather")
+            return super()._do_gather(tensor, dst)
+
+        def _do_barrier(self, timeout: Any) -> None:
+            self.calls.append("barrier")
+            super()._do_barrier(timeout)
+
+    seen: dict[int, list[str]] = {}
+    for batch_size in (10, 2):  # 2 and 10 optimizer steps per epoch on each rank
+        comm = Recording()
+        with NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            communicator=comm,
+            config={"loader": {"batch_size": batch_size}, "trainer": {"progress_bar": False}},
+        ) as handler:
+            comm.calls.clear()  # construction (DDP's broadcast is not ours)
+            handler.train(regression_data(n=40), regression_data(n=9), epochs=2)
+        seen[40 // 2 // batch_size] = comm.calls
+    return seen
+
+
+def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group() -> None:
+    """With DDP and no preemption check, what the library reduces per epoch does not grow
+    with the steps (a per-micro-batch agreement would): only DDP's own reducer runs per step."""
+    # Per epoch: the failure agreements around hooks and the validation loop (tiny
+    # all_gathers), the equal-lengths check, one all_reduce for the train loss and one for
+    # validation, and rank 0's stop decision; plus one agreement per fit (before_train).
+    epoch = ["all_gather"] * 3 + ["all_reduce"] + ["all_gather"] * 3 + ["all_reduce"]
+    epoch += ["all_gather"] * 2 + ["broadcast"]
+    for seen in run_group(_collectives_per_epoch, 2):
+        assert seen[2] == seen[10], seen
+        assert seen[2] == ["all_gather", *epoch, *epoch], seen[2]

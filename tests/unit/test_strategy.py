@@ -1,0 +1,72 @@
+"""The Strategy seam and the one world view, in one process: 'auto' picks the single-device
+strategy, 'ddp' without a process group and an N-rank 'single' are clear errors, and a
+communicator double of N ranks gives loaders sharded for N."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from nn_handler import ConfigError, NNHandler, NullCommunicator
+from nn_handler.strategies import DDPStrategy, SingleDeviceStrategy
+from tests.training_helpers import mlp, regression_data, sgd
+
+
+class FakeWorld(NullCommunicator):
+    """A test double that says it is rank ``rank`` of ``world_size`` (collectives unused)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self._fake = (rank, world_size)
+
+    @property
+    def rank(self) -> int:
+        return self._fake[0]
+
+    @property
+    def world_size(self) -> int:
+        return self._fake[1]
+
+
+def test_auto_is_the_single_device_strategy_in_one_process() -> None:
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as handler:
+        assert isinstance(handler.trainer.strategy, SingleDeviceStrategy)
+        assert handler.trainer.model is handler.trainer.module
+
+
+def test_ddp_without_a_process_group_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="strategy 'ddp' needs an initialised process group"):
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": {"strategy": "ddp"}})
+
+
+def test_single_on_several_ranks_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"strategy 'single'.*3 ranks"):
+        NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            communicator=FakeWorld(0, 3),
+            config={"trainer": {"strategy": "single"}},
+        )
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_a_double_of_n_ranks_shards_the_loaders_for_n(rank: int) -> None:
+    data = regression_data(n=30)
+    with NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        communicator=FakeWorld(rank, 3),
+        config={"loader": {"batch_size": 5, "shuffle": False}},
+    ) as handler:
+        assert (handler.rank, handler.world_size) == (rank, 3)
+        assert handler.loaders.info.world_size == 3 and handler.loaders.info.rank == rank
+        evaluation = handler.loaders.eval_loader(data)
+        assert list(evaluation.indices) == list(range(rank, 30, 3))  # every third sample
+        assert len(handler.loaders.train_loader(data)) == 2  # 10 samples per rank, batch 5
+        assert isinstance(handler.trainer.strategy, SingleDeviceStrategy)  # no group to DDP
+
+
+def test_strategies_are_named_as_the_config_names_them() -> None:
+    assert (SingleDeviceStrategy.name, DDPStrategy.name) == ("single", "ddp")
