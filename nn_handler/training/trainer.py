@@ -148,9 +148,6 @@ class Trainer:
         self.log = logger.bind(rank=self.comm.rank)
         self.strategy: Strategy = select_strategy(self.comm, self.device, self.config)
         self.module, self.model = self.strategy.setup(model)
-        self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
-        self._check_scheduler()
-        self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
         self.metrics: dict[str, Metric] = dict(metrics or {})
         self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}
         for metric in self._stateful.values():
@@ -162,6 +159,10 @@ class Trainer:
             EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
         )
         self.hooks = HookList(hooks, self)
+        # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
+        self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
+        self._check_scheduler()
+        self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
         self._finite = GradientFiniteCheck(self._params)
@@ -204,8 +205,9 @@ class Trainer:
     ) -> tuple[torch.optim.Optimizer | None, Any]:
         """Build the optimizer and scheduler (override to construct them yourself).
 
-        Called once, after the model is wrapped; factories receive ``self.model.parameters()``
-        and the optimizer respectively.
+        Called once, after the model is wrapped and once ``state``, ``history``, ``hooks``,
+        ``metrics`` and ``strategy`` exist; factories receive ``self.model.parameters()`` and
+        the optimizer respectively.
         """
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):

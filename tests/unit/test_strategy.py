@@ -70,3 +70,19 @@ def test_a_double_of_n_ranks_shards_the_loaders_for_n(rank: int) -> None:
 
 def test_strategies_are_named_as_the_config_names_them() -> None:
     assert (SingleDeviceStrategy.name, DDPStrategy.name) == ("single", "ddp")
+
+
+def test_configure_optimizers_runs_once_the_trainer_parts_exist() -> None:
+    from nn_handler import Trainer
+
+    seen: dict[str, object] = {}
+
+    class Reads(Trainer):
+        def configure_optimizers(self, optimizer: object, scheduler: object) -> object:
+            seen["parts"] = (self.state.global_step, len(self.history), len(self.hooks.hooks))
+            seen["strategy"] = self.strategy.name
+            return super().configure_optimizers(optimizer, scheduler)  # type: ignore[arg-type]
+
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), trainer_class=Reads) as handler:
+        assert handler.trainer.optimizer is not None
+    assert seen == {"parts": (0, 0, 0), "strategy": "single"}
