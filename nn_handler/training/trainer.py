@@ -618,6 +618,7 @@ class Trainer:
         try:
             with self.fault_tolerance.failing_together():
                 self.fault_tolerance.begin_fit(train_loader)
+                self._warn_if_the_schedule_ends_early(epochs, train_loader)
                 self._together("before_train hooks", lambda: self.hooks.call("before_train"))
                 with self.fault_tolerance.watching():
                     while self.state.epoch < epochs and not self.state.should_stop:
@@ -627,6 +628,47 @@ class Trainer:
         finally:
             self._after_train(failed)
         return self.history
+
+    def _warn_if_the_schedule_ends_early(self, epochs: int, loader: Iterable[Any]) -> None:
+        """An LR schedule with a horizon (T_max, total_steps, total_iters) that this fit would
+        step past: it does not stretch to the run (a finished cosine rises again), so say so
+        before training, e.g. when a resumed run's epochs are extended."""
+        horizon = next(
+            (
+                (name, int(getattr(self.scheduler, name)))
+                for name in ("T_max", "total_steps", "total_iters")
+                if isinstance(getattr(self.scheduler, name, None), int)
+            ),
+            None,
+        )
+        if horizon is None:
+            return
+        name, length = horizon
+        unit = "epochs"
+        total = epochs
+        if self.config.scheduler_interval == "step":
+            batches = _length(loader)
+            if batches is None:
+                return
+            windows = -(-batches // self.config.accumulate_grad_batches)
+            total = self.state.global_step + (epochs - self.state.epoch) * windows
+            unit = "optimizer steps"
+        if total <= length:
+            return
+        self.log.warning(
+            "the LR scheduler {} has {}={} but this run goes to {} {}: past its end it goes on "
+            "with its own formula (a cosine schedule's learning rate rises again). Build it "
+            "for {} {} to anneal over the whole run (extending epochs on resume keeps the "
+            "saved {}).",
+            type(self.scheduler).__name__,
+            name,
+            length,
+            total,
+            unit,
+            total,
+            unit,
+            name,
+        )
 
     def _after_train(self, failed: bool) -> None:
         try:

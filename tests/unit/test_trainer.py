@@ -681,3 +681,54 @@ def test_optional_packages_missing_give_the_install_command(
         TensorBoardLogger(tmp_path).log_metrics({"a": 1.0}, 1)
     with pytest.raises(ConfigError, match=r"pip install 'nn_handler\[demo\]'"):
         digits_datasets()
+
+
+def _schedule_warnings(run: Any) -> list[str]:
+    from loguru import logger
+
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(seen.append, level="WARNING", format="{message}")
+    try:
+        run()
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    return [m for m in seen if "LR scheduler" in m]
+
+
+def test_extending_epochs_past_a_schedule_says_what_happens(tmp_path: Path) -> None:
+    def handler(**trainer: Any) -> NNHandler:
+        return NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2),
+            config={
+                "loader": {"batch_size": 20},
+                "trainer": {"progress_bar": False, **trainer},
+                "checkpoint": {"dir": str(tmp_path), "resume": "auto"},
+            },
+        )
+
+    assert _schedule_warnings(lambda: handler().train(regression_data(), epochs=2)) == []
+    # The demo's `--resume --epochs 12` on a 10-epoch cosine: warned before training.
+    warned = _schedule_warnings(lambda: handler().train(regression_data(), epochs=3))
+    assert len(warned) == 1 and "CosineAnnealingLR has T_max=2" in warned[0]
+    assert "this run goes to 3 epochs" in warned[0]
+
+
+def test_a_per_step_schedule_shorter_than_the_run_is_named() -> None:
+    run = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        lambda opt: torch.optim.lr_scheduler.LinearLR(opt, total_iters=3),
+        config={
+            "loader": {"batch_size": 10},
+            "trainer": {"progress_bar": False, "scheduler_interval": "step"},
+        },
+    )
+    warned = _schedule_warnings(lambda: run.train(regression_data(), epochs=2))
+    assert len(warned) == 1 and "total_iters=3" in warned[0]
+    assert "goes to 8 optimizer steps" in warned[0]  # 40 samples / 10, 2 epochs
