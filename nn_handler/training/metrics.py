@@ -71,6 +71,20 @@ class WeightedMeans:
         self._sums.clear()
         self._counts.clear()
 
+    def local_means(self) -> dict[str, float]:
+        """This rank's running mean of every key (host syncs; for display only)."""
+        return {key: self.local_mean(key) for key in self._sums}
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": dict(self._sums), "counts": dict(self._counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
+        self._sums = {k: v.to(device) for k, v in state["sums"].items()}
+        self._counts = {k: v.to(device) for k, v in state["counts"].items()}
+
     def local_mean(self, key: str) -> float:
         """This rank's running mean of ``key`` (a host sync; for display only)."""
         if key not in self._sums:
@@ -109,7 +123,9 @@ class RunningLoss:
     out of the mean (on every rank alike, finite or not), and every ``fold_every`` batches the
     pending values are folded into a device sum and count in a few tensor ops. Non-finite
     losses are left out of the mean too; skipped samples still count in ``samples``.
-    ``compute(comm)`` reduces sum, count and samples in one all_reduce.
+    ``compute(comm)`` reduces sum, count and samples in one all_reduce. ``extras`` holds the
+    other scalars ``training_step`` returned (sample-weighted); they are reduced only when some
+    rank has any (the first all_reduce says so), in one more exchange.
     """
 
     def __init__(self, fold_every: int = 50) -> None:
@@ -119,6 +135,7 @@ class RunningLoss:
         self._sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
         self.samples = 0
+        self.extras = WeightedMeans()
 
     def add(self, loss: torch.Tensor, n: int) -> None:
         self._pending.append(loss)
@@ -163,6 +180,7 @@ class RunningLoss:
             "sum": self._sum,
             "count": self._count,
             "samples": self.samples,
+            "extras": self.extras.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
@@ -171,19 +189,26 @@ class RunningLoss:
         self._sum = None if state["sum"] is None else state["sum"].to(device)
         self._count = None if state["count"] is None else state["count"].to(device)
         self.samples = int(state["samples"])
+        self.extras = WeightedMeans()
+        if state.get("extras"):
+            self.extras.load_state_dict(state["extras"], device)
 
-    def compute(self, comm: Communicator, device: torch.device | None = None) -> tuple[float, int]:
-        """(exact mean loss over every rank's finite batches, samples seen by all ranks).
-        Every rank must call this."""
+    def compute(
+        self, comm: Communicator, device: torch.device | None = None
+    ) -> tuple[float, int, dict[str, float]]:
+        """(exact mean loss over every rank's finite batches, samples seen by all ranks, the
+        extras' exact means). Every rank must call this."""
         self.fold()
         where = device or (self._sum.device if self._sum is not None else torch.device("cpu"))
-        local = torch.zeros(3, dtype=torch.float64, device=where)
+        local = torch.zeros(4, dtype=torch.float64, device=where)
         if self._sum is not None and self._count is not None:
             local[0] = self._sum
             local[1] = self._count
         local[2] = self.samples
-        total, count, samples = comm.all_reduce(local).cpu().tolist()
-        return (total / count if count else math.nan), int(samples)
+        local[3] = float(bool(self.extras))
+        total, count, samples, with_extras = comm.all_reduce(local).cpu().tolist()
+        extras = self.extras.compute(comm, where) if with_extras > 0 else {}
+        return (total / count if count else math.nan), int(samples), extras
 
 
 def compute_stateful(metric: StatefulMetric) -> float:

@@ -21,6 +21,11 @@ class ProgressBar:
             else None
         )
 
+    @property
+    def active(self) -> bool:
+        """Whether a bar is shown (rank 0, enabled, stderr a terminal)."""
+        return self._bar is not None
+
     def update(self, n: int = 1) -> None:
         if self._bar is not None and n:
             self._bar.update(n)

@@ -100,6 +100,12 @@ def _length(loader: Iterable[Any]) -> int | None:
     return None
 
 
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _set_epoch(loader: Iterable[Any], epoch: int) -> None:
     batch_sampler = getattr(loader, "batch_sampler", None)
     candidates: list[Any] = [
@@ -171,6 +177,7 @@ class Trainer:
         self._window_losses: list[torch.Tensor] = []
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
+        self._metric_updates = 0
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
         #: whole HandlerConfig here).
         self.run_config: dict[str, Any] = {
@@ -271,12 +278,22 @@ class Trainer:
     def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         """Per-batch means to average over the validation set (weighted by batch size).
 
-        The default returns the loss and every metric function's value, and updates stateful
-        (torchmetrics) metrics.
+        The default returns the loss and ``update_metrics(outputs, targets)``: every metric
+        function's value, with stateful (torchmetrics) metrics updated. An override that
+        wants ``metrics=`` must call ``update_metrics`` too (or the evaluation says so).
         """
         inputs, targets = self.split_batch(batch)
         outputs = self.forward(inputs)
         values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
+        values.update(self.update_metrics(outputs, targets))
+        return values
+
+    def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
+        """Feed one validation batch to ``metrics=``: stateful (torchmetrics) metrics are
+        updated, and the metric functions' values are returned (to include in what
+        ``validation_step`` returns, which averages them over the set)."""
+        self._metric_updates += 1
+        values: dict[str, torch.Tensor | float] = {}
         for name, metric in self.metrics.items():
             if isinstance(metric, StatefulMetric):
                 metric.update(outputs, targets)
@@ -313,7 +330,17 @@ class Trainer:
         if buffers is not None and not buffers.taken:  # the first micro-batch of a step
             buffers.take()
         with self.precision.autocast():
-            loss = self._loss_of(self.training_step(batch))
+            output = self.training_step(batch)
+            loss = self._loss_of(output)
+        if isinstance(output, Mapping) and len(output) > 1 and self._running is not None:
+            # Other scalars the step returned: sample-weighted per epoch, no host sync here.
+            extras = {
+                k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
+                for k, v in output.items()
+                if k != "loss" and _is_scalar(v)
+            }
+            if extras:
+                self._running.extras.update(extras, batch_size_of(batch))
         if self._guard and self.strategy.reduces_gradients:
             # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
             # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
@@ -421,8 +448,12 @@ class Trainer:
         running = RunningLoss(self.config.log_every_n_steps)
         self._running = running
         self._window_losses.clear()  # nothing left over from an epoch that raised
-        show = self.config.progress_bar and self.is_main_process
-        bar = ProgressBar(show, total, f"epoch {self.state.epoch + 1}/{epochs}")
+        bar = ProgressBar(
+            self.config.progress_bar and self.is_main_process,
+            total,
+            f"epoch {self.state.epoch + 1}/{epochs}",
+        )
+        show = bar.active  # the running values are read (a host sync) only for a shown bar
         self.state.skipped_steps = 0
         started = time.perf_counter()
         try:
@@ -459,20 +490,26 @@ class Trainer:
                 update()
                 if show and (index + 1) % log_every == 0:
                     elapsed = time.perf_counter() - started
-                    bar.show(loss=running.local_mean(), samples_s=running.samples / elapsed)
+                    bar.show(
+                        loss=running.local_mean(),
+                        samples_s=running.samples / elapsed,
+                        **running.extras.local_means(),
+                    )
                 if synced and per_step:
                     after_optimizer_step()
         finally:
             bar.close()
             self._running = None
-        loss_value, samples = running.compute(self.comm, self.device)
+        loss_value, samples, extras = running.compute(self.comm, self.device)
         elapsed = time.perf_counter() - started
-        return {
+        record = {
             "train_loss": loss_value,
             "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
             "epoch_time": elapsed,
             "skipped_steps": float(self.state.skipped_steps),
         }
+        record.update({f"train_{key}": value for key, value in extras.items()})
+        return record
 
     def _check_equal_lengths(self, total: int | None) -> None:
         """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
@@ -529,11 +566,21 @@ class Trainer:
         self._active = module
 
         def validate() -> None:
+            self._metric_updates = batches = 0
             for batch in loader:
                 batch = move_to_device(batch, self.device, self._non_blocking)
                 with self.precision.autocast():
                     values = self.validation_step(batch)
                 means.update(values, batch_size_of(batch))
+                batches += 1
+            if self.metrics and batches and not self._metric_updates:
+                raise ConfigError(
+                    f"validation_step is overridden and never called "
+                    f"self.update_metrics(outputs, targets), so metrics "
+                    f"{sorted(self.metrics)} saw none of the {batches} validation batches; "
+                    f"call it in validation_step (the default does) and merge its result into "
+                    f"what you return."
+                )
 
         try:
             self._together("evaluate: the validation loop", validate)

@@ -106,3 +106,31 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group() -> 
     for seen in run_group(_collectives_per_epoch, 2):
         assert seen[2] == seen[10], seen
         assert seen[2] == ["all_gather", *epoch, *epoch], seen[2]
+
+
+def _extras_on_two_ranks(rank: int, world_size: int) -> dict[str, float]:
+    from nn_handler import Trainer
+    from tests.training_helpers import regression_data
+
+    class RankValues(Trainer):
+        def training_step(self, batch: Any) -> dict[str, Any]:
+            inputs, targets = batch
+            loss = self.compute_loss(self.forward(inputs), targets)
+            only_rank_0 = {"first": 7.0} if rank == 0 else {}
+            return {"loss": loss, "rank": float(rank), **only_rank_0}
+
+    with NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
+        trainer_class=RankValues,
+    ) as handler:
+        handler.train(regression_data(n=40), epochs=1)
+        return {k: v for k, v in handler.history.last.items() if k in ("train_rank", "train_first")}
+
+
+def test_extra_training_values_are_reduced_exactly_over_ranks() -> None:
+    for seen in run_group(_extras_on_two_ranks, 2):
+        # Equal samples per rank: the mean of 0 and 1; a key only rank 0 has: its own mean.
+        assert seen == {"train_rank": 0.5, "train_first": 7.0}

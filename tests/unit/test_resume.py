@@ -255,3 +255,28 @@ def test_resuming_from_a_folder_or_saving_to_a_path_leaves_other_files_alone(
         assert h.resume(run) == run / "ckpt-e0001-s00000005.pt"
         h.save(elsewhere / "copy.pt")
     assert in_flight.exists() and (elsewhere / ".x.pt.tmp-1").exists()
+
+
+def test_extra_training_values_resume_exactly_mid_epoch(tmp_path: Path) -> None:
+    from tests.unit.test_trainer import _TwoLosses
+
+    def run(folder: Path, hooks: Any = (), **checkpoint: Any) -> NNHandler:
+        config = HandlerConfig.from_dict(
+            {
+                "loader": {"batch_size": 8, "seed": 3},
+                "trainer": {"progress_bar": False},
+                "checkpoint": {"dir": str(folder), "every_n_steps": 2, **checkpoint},
+            }
+        )
+        return NNHandler(
+            mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=hooks, trainer_class=_TwoLosses
+        )
+
+    with run(tmp_path / "full") as h:
+        full = h.train(DATA, epochs=2).records
+    with run(tmp_path / "cut", hooks=[SigtermAt(3)]) as h, pytest.raises(TrainingPreempted):
+        h.train(DATA, epochs=2)  # stopped mid epoch 1 (5 steps per epoch)
+    with run(tmp_path / "cut", resume="auto") as h:
+        resumed = h.train(DATA, epochs=2).records
+    for key in ("train_loss", "train_doubled", "train_size"):
+        assert [r[key] for r in resumed] == [r[key] for r in full], key

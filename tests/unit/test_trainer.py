@@ -732,3 +732,89 @@ def test_a_per_step_schedule_shorter_than_the_run_is_named() -> None:
     warned = _schedule_warnings(lambda: run.train(regression_data(), epochs=2))
     assert len(warned) == 1 and "total_iters=3" in warned[0]
     assert "goes to 8 optimizer steps" in warned[0]  # 40 samples / 10, 2 epochs
+
+
+class _Counter:
+    """A torchmetrics-style stateful metric: the number of samples it was updated with."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.seen += len(targets)
+
+    def compute(self) -> float:
+        return float(self.seen)
+
+    def reset(self) -> None:
+        self.seen = 0
+
+
+class _ExtraValidation(Trainer):
+    """An overridden validation_step that adds its own value and keeps metrics= updating."""
+
+    def validation_step(self, batch: Any) -> dict[str, Any]:
+        inputs, targets = batch
+        outputs = self.forward(inputs)
+        loss = self.compute_loss(outputs, targets)
+        return {"loss": loss, "doubled": 2 * loss, **self.update_metrics(outputs, targets)}
+
+
+class _ForgetsMetrics(Trainer):
+    def validation_step(self, batch: Any) -> dict[str, Any]:
+        inputs, targets = batch
+        return {"loss": self.compute_loss(self.forward(inputs), targets)}
+
+
+def test_metrics_keep_updating_when_validation_step_is_overridden() -> None:
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"trainer": {"progress_bar": False}},
+        metrics={"accuracy": accuracy, "count": _Counter()},
+        trainer_class=_ExtraValidation,
+    )
+    history = handler.train(regression_data(), regression_data(n=10), epochs=1)
+    assert history["val_count"] == [10.0] and 0.0 <= history["val_accuracy"][0] <= 1.0
+    assert history["val_doubled"][0] == pytest.approx(2 * history["val_loss"][0])
+    handler.close()
+
+
+def test_an_override_that_forgets_the_metrics_is_told_at_the_first_validation() -> None:
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"trainer": {"progress_bar": False}},
+        metrics={"count": _Counter()},
+        trainer_class=_ForgetsMetrics,
+    )
+    with pytest.raises(ConfigError, match=r"never called self\.update_metrics.*\['count'\]"):
+        handler.evaluate(regression_data(n=10))
+    handler.close()
+
+
+class _TwoLosses(Trainer):
+    """training_step returns the loss and two more scalars (a tensor and a float)."""
+
+    def training_step(self, batch: Any) -> dict[str, Any]:
+        inputs, targets = batch
+        loss = self.compute_loss(self.forward(inputs), targets)
+        return {"loss": loss, "doubled": 2 * loss, "size": float(len(targets)), "v": inputs[0]}
+
+
+def test_every_scalar_training_step_returns_reaches_the_history() -> None:
+    handler = NNHandler(
+        mlp(),
+        torch.optim.SGD(mlp().parameters(), lr=0.0),  # frozen: the losses are fixed
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 16, "shuffle": False}, "trainer": {"progress_bar": False}},
+        trainer_class=_TwoLosses,
+    )
+    history = handler.train(regression_data(), epochs=1)  # batches of 16, 16, 8
+    record = history.last
+    assert record["train_doubled"] == pytest.approx(2 * record["train_loss"], rel=1e-9)
+    assert record["train_size"] == pytest.approx((16 * 16 + 16 * 16 + 8 * 8) / 40)
+    assert "train_v" not in record, "a non-scalar value is not logged"
+    handler.close()
