@@ -60,8 +60,12 @@ def check_monitors(trainer: Trainer, validates: bool) -> None:
     keys = expected_keys(trainer, validates)
     if keys is None:
         return
+    from nn_handler.training.trainer import Trainer
+
+    # An overridden training_step may return more scalars, logged as train_<name>.
+    own_training_keys = type(trainer).training_step is not Trainer.training_step
     for what, key, setting in monitored(trainer):
-        if key in keys:
+        if key in keys or (own_training_keys and key.startswith("train_")):
             continue
         if key.startswith("val_") and not validates:
             raise ConfigError(

@@ -818,3 +818,15 @@ def test_every_scalar_training_step_returns_reaches_the_history() -> None:
     assert record["train_size"] == pytest.approx((16 * 16 + 16 * 16 + 8 * 8) / 40)
     assert "train_v" not in record, "a non-scalar value is not logged"
     handler.close()
+
+
+def test_a_monitor_on_an_extra_training_value_is_accepted() -> None:
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"trainer": {"progress_bar": False, "early_stopping": {"monitor": "train_doubled"}}},
+        trainer_class=_TwoLosses,
+    )
+    assert len(handler.train(regression_data(), epochs=1)) == 1
+    handler.close()
