@@ -88,6 +88,7 @@ def rank_state(trainer: Trainer, running: RunningLoss | None) -> dict[str, Any]:
         "rng": capture_rng(),
         "epoch_rng": trainer.epoch_rng,
         "running": running.state_dict() if running is not None else None,
+        "tracked": {name: obj.state_dict() for name, obj in trainer.tracked.items()},
     }
     if trainer.comm.world_size > 1:  # ranks' BatchNorm statistics differ between forwards
         state["buffers"] = {n: b.detach().clone() for n, b in trainer.module.named_buffers()}
@@ -203,6 +204,8 @@ def apply_checkpoint(
     state.skipped_steps = int(position["skipped_steps"])
     state.skipped_in_a_row = int(position.get("skipped_in_a_row", 0))
     mine = ckpt["ranks"][trainer.comm.rank] if saved_world == world else None
+    # Tracked state is each rank's own; after a world-size change every rank takes rank 0's.
+    _load_tracked(trainer, (mine or ckpt["ranks"][0]).get("tracked") or {}, source)
     if mine is not None and mine.get("buffers"):
         for name, buffer in trainer.module.named_buffers():
             if name in mine["buffers"]:
@@ -232,6 +235,14 @@ def _load_part(target: Any, state: Any, name: str, source: str) -> None:
             f"cannot load the {name} state from {source}: {error}. Build the {name} the same "
             f"way as the run that wrote it."
         ) from error
+
+
+def _load_tracked(trainer: Trainer, saved: Mapping[str, Any], source: str) -> None:
+    for name, obj in trainer.tracked.items():
+        _load_part(obj, saved.get(name), f"tracked {name!r}", source)
+    unused = sorted(set(saved) - set(trainer.tracked))
+    if unused:
+        logger.info("{}: tracked state {} is not used (this run does not track it)", source, unused)
 
 
 def check_data(point: ResumePoint, loader: Iterable[Any], rank: int) -> None:

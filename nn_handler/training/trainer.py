@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from loguru import logger
@@ -63,6 +63,15 @@ from nn_handler.training.progress import ProgressBar
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 Metric = MetricFn | StatefulMetric
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What ``Trainer.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
 
 
 @dataclass
@@ -165,6 +174,14 @@ class Trainer:
             EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
         )
         self.hooks = HookList(hooks, self)
+        #: The user's own checkpointed state, by name (see ``track``).
+        self.tracked: dict[str, Stateful] = {}
+        for hook in self.hooks.hooks:
+            if isinstance(hook, Stateful):
+                name = f"hook.{type(hook).__name__}"
+                self.tracked[
+                    name if name not in self.tracked else f"{name}.{len(self.tracked)}"
+                ] = hook
         # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
         self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
         self._check_scheduler()
@@ -196,6 +213,27 @@ class Trainer:
     @property
     def is_main_process(self) -> bool:
         return self.comm.rank == 0
+
+    def track(self, name: str, obj: Stateful) -> None:
+        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
+        every checkpoint under ``name``: each rank's own state is saved and restored on that
+        rank, so per-rank sums or counters resume exactly. Call it on every rank before ``fit``
+        or ``resume`` (which restore it), e.g. in ``configure_optimizers`` or right after
+        building the handler. Hooks with ``state_dict``/``load_state_dict`` are tracked by
+        themselves, as ``hook.<ClassName>``."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"track needs a non-empty str name, got {name!r}.")
+        missing = [
+            m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
+        ]
+        if missing:
+            raise ConfigError(
+                f"track({name!r}, ...): {type(obj).__name__} has no {' or '.join(missing)}; "
+                f"track an object with state_dict() and load_state_dict(state)."
+            )
+        if name in self.tracked and self.tracked[name] is not obj:
+            raise ConfigError(f"track: the name {name!r} is already tracked for another object.")
+        self.tracked[name] = obj
 
     def release_wrappers(self) -> None:
         """Drop the strategy's wrappers (DDP, compile), keeping the plain module for evaluation.

@@ -3,6 +3,7 @@ communicator double that disagrees with the group is a ConfigError naming both v
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +135,28 @@ def test_extra_training_values_are_reduced_exactly_over_ranks() -> None:
     for seen in run_group(_extras_on_two_ranks, 2):
         # Equal samples per rank: the mean of 0 and 1; a key only rank 0 has: its own mean.
         assert seen == {"train_rank": 0.5, "train_first": 7.0}
+
+
+def _tracked_per_rank(rank: int, world_size: int, folder: str) -> int:
+    from tests.training_helpers import regression_data
+    from tests.unit.test_tracked_state import Counter
+
+    config = {
+        "loader": {"batch_size": 5},
+        "trainer": {"progress_bar": False},
+        "checkpoint": {"dir": folder, "resume": "auto"},
+    }
+    counter = Counter()
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        handler.trainer.track("counter", counter)
+        counter.value = 100 + rank  # each rank's own
+        handler.train(regression_data(n=20), epochs=1)
+    restored = Counter()
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        handler.trainer.track("counter", restored)
+        handler.train(regression_data(n=20), epochs=2)  # resumes after epoch 1
+    return restored.value
+
+
+def test_tracked_state_is_each_ranks_own_after_a_resume(tmp_path: Path) -> None:
+    assert run_group(_tracked_per_rank, 2, args=(str(tmp_path),)) == [100, 101]
