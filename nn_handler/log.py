@@ -14,6 +14,7 @@ added itself is never touched.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from loguru import logger
@@ -46,6 +47,7 @@ class _StderrLease:
         ] = {}  # key -> (loguru id, holders), oldest first
         self.handles: dict[int, _SinkKey] = {}  # what enable_logging returned -> its sink
         self.next_handle = 1
+        self.lock = threading.Lock()  # handlers may live in threads (run_in_threads)
         self.default_taken = False
         self.default_id = _LOGURU_DEFAULT_SINK  # the default sink's id (a new one once given back)
 
@@ -110,6 +112,12 @@ def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
     printed twice; the application's own records still print on every rank, as before. Calls
     with the same arguments share one sink."""
     key: _SinkKey = (logger.level(level).no, all_ranks)
+    with _LEASE.lock:
+        return _enable(key)
+
+
+def _enable(key: _SinkKey) -> int:
+    all_ranks = key[1]
     handle = _LEASE.next_handle
     _LEASE.next_handle += 1
     _LEASE.handles[handle] = key
@@ -138,6 +146,11 @@ def disable_logging(handle: int) -> None:
     """Undo one ``enable_logging`` (by the handle it returned). When no holder of a sink is
     left the sink goes; when no sink is left nn_handler is silent again and loguru's default
     stderr sink, if it was lent, is back. Idempotent."""
+    with _LEASE.lock:
+        _disable(handle)
+
+
+def _disable(handle: int) -> None:
     key = _LEASE.handles.pop(handle, None)
     if key is None:
         return

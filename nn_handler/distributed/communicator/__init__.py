@@ -7,6 +7,11 @@ from nn_handler.distributed.communicator.base import (
     debug_from_env,
 )
 from nn_handler.distributed.communicator.null import NullCommunicator
+from nn_handler.distributed.communicator.threads import (
+    ThreadCommunicator,
+    ThreadGroup,
+    run_in_threads,
+)
 from nn_handler.distributed.communicator.torch_backend import TorchCommunicator
 
 __all__ = [
@@ -14,6 +19,9 @@ __all__ = [
     "Communicator",
     "NullCommunicator",
     "ReduceOp",
+    "ThreadCommunicator",
+    "ThreadGroup",
     "TorchCommunicator",
     "debug_from_env",
+    "run_in_threads",
 ]

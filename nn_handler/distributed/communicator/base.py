@@ -210,7 +210,9 @@ class Communicator(ABC):
             transport = _reduce_transport(target.dtype)
             buffer = torch.empty(target.shape, dtype=transport, device=self.device)
             buffer.copy_(target)
-        self._do_all_reduce(buffer, "sum" if mean else checked)  # type: ignore[arg-type]
+        reduced = self._do_all_reduce(buffer, "sum" if mean else checked)  # type: ignore[arg-type]
+        if reduced is not buffer:  # a backend may return a new tensor instead (its contract)
+            buffer.copy_(reduced)
         if mean:
             buffer.div_(self.world_size)
         if buffer is not target:
