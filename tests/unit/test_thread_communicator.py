@@ -63,3 +63,11 @@ def test_a_handler_per_thread_trains_as_ranks_of_one_run() -> None:
     results = run_in_threads(train, 3)
     assert [batches for batches, _ in results] == [2, 2, 2]  # 10 samples per rank, batch 5
     assert results[0][1] == results[1][1] == results[2][1]
+
+
+def test_the_docs_example_runs_as_written() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
+    block = text.split("## Testing with N ranks in one process")[1].split("```python\n")[1]
+    exec(compile(block.split("```")[0], "docs/distributed.md", "exec"), {})  # asserts inside
