@@ -218,6 +218,13 @@ class NNHandler:
         val_loader = self._eval_loader(val_data) if val_data is not None else None
         return self.trainer.fit(train_loader, val_loader, epochs)
 
+    def estimated_stepping_batches(self, train_data: Any, epochs: int | None = None) -> int:
+        """The optimizer steps ``train(train_data, epochs=epochs)`` takes in total (see
+        ``Trainer.estimated_stepping_batches``). A scheduler factory of two arguments,
+        ``lambda optimizer, total_steps: OneCycleLR(optimizer, 0.1, total_steps=total_steps)``,
+        gets this number by itself when ``train`` starts."""
+        return self.trainer.estimated_stepping_batches(self._train_loader(train_data), epochs)
+
     def evaluate(self, data: Any, use_ema: bool | None = None) -> dict[str, float]:
         """Exact loss and metrics over ``data`` (every sample once); the same on every rank.
         Every rank must call this."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -101,6 +101,14 @@ class TrainerConfig(ConfigModel):
             rank after this many skipped optimizer steps in a row (None: never), so a run
             that has diverged stops instead of skipping every step silently.
         early_stopping: stop on a monitored metric (None: never).
+        max_steps: stop once this many optimizer steps are done in total (None: no limit),
+            also in the middle of an epoch.
+        limit_train_batches: train on this many batches per epoch (an int), or this fraction
+            of each rank's batches (a float in (0, 1]); None: all.
+        limit_val_batches: the same for validation (per rank: the metrics are then those of
+            the batches seen, exact over them).
+        fast_dev_run: a smoke run of the whole loop: this many training and validation
+            batches, one epoch, and no checkpoint written or resumed (0: off).
         log_every_n_steps: how often the rank-0 progress bar shows the running loss (the only
             host synchronisation the loop adds for display).
         progress_bar: a tqdm bar on rank 0.
@@ -121,6 +129,23 @@ class TrainerConfig(ConfigModel):
     nonfinite: NonFinitePolicy = "skip"
     max_consecutive_skipped_steps: int | None = Field(default=10, ge=1, strict=True)
     early_stopping: EarlyStoppingConfig | None = None
+    max_steps: int | None = Field(default=None, ge=1, strict=True)
+    limit_train_batches: int | float | None = Field(default=None, gt=0)
+    limit_val_batches: int | float | None = Field(default=None, gt=0)
+    fast_dev_run: int = Field(default=0, ge=0, strict=True)
+
+    @field_validator("limit_train_batches", "limit_val_batches", mode="before")
+    @classmethod
+    def _check_limit(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("a limit is a number of batches (int) or a fraction (float)")
+        if isinstance(value, float) and value > 1.0:
+            raise ValueError(
+                f"a fraction of the batches must be at most 1.0, got {value}; pass an int "
+                f"for a number of batches"
+            )
+        return value
+
     log_every_n_steps: int = Field(default=50, ge=1, strict=True)
     progress_bar: bool = True
     non_blocking: bool = True

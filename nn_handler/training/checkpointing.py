@@ -190,7 +190,11 @@ def apply_checkpoint(
         )
     load_model_state(trainer.module, ckpt["model"], source=source)
     _load_part(trainer.optimizer, ckpt.get("optimizer"), "optimizer", source)
-    _load_part(trainer.scheduler, ckpt.get("scheduler"), "scheduler", source)
+    if trainer.scheduler is None and trainer._scheduler_factory is not None:
+        # Built at the start of fit (it needs the run's length): loaded then.
+        trainer._pending_scheduler_state = ckpt.get("scheduler")
+    else:
+        _load_part(trainer.scheduler, ckpt.get("scheduler"), "scheduler", source)
     _load_part(trainer.ema, ckpt.get("ema"), "ema", source)
     _load_part(trainer.early_stopping, ckpt.get("early_stopping"), "early_stopping", source)
     trainer.precision.load_state_dict(ckpt.get("precision") or {})

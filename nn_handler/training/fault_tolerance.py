@@ -54,7 +54,9 @@ class FaultTolerance:
     def __init__(self, trainer: Trainer, config: CheckpointConfig) -> None:
         self.trainer = trainer
         self.config = config
-        self.manager = CheckpointManager(config, trainer.comm) if config.dir is not None else None
+        # A fast_dev_run neither writes nor resumes checkpoints: it is a smoke test of the loop.
+        enabled = config.dir is not None and not trainer.config.fast_dev_run
+        self.manager = CheckpointManager(config, trainer.comm) if enabled else None
         self.resume_point: ResumePoint | None = None
         self.watch: PreemptionWatch | None = None
         self._first_fit = True

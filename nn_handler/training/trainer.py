@@ -18,6 +18,8 @@ model while training, the plain or EMA model while evaluating).
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ from nn_handler.training.ema import ModelEma
 from nn_handler.training.fault_tolerance import FaultTolerance
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
+from nn_handler.training.limits import limited, stepping_batches
 from nn_handler.training.metrics import (
     MetricFn,
     RunningLoss,
@@ -107,6 +110,15 @@ def _length(loader: Iterable[Any]) -> int | None:
         except TypeError:
             return None
     return None
+
+
+def _required_positional(fn: Callable[..., Any]) -> int:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: the one-argument form
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
 def _is_scalar(value: Any) -> bool:
@@ -174,6 +186,8 @@ class Trainer:
             EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
         )
         self.hooks = HookList(hooks, self)
+        self._scheduler_factory: Callable[[Any, int], Any] | None = None
+        self._pending_scheduler_state: Any = None
         #: The user's own checkpointed state, by name (see ``track``).
         self.tracked: dict[str, Stateful] = {}
         for hook in self.hooks.hooks:
@@ -264,8 +278,22 @@ class Trainer:
         if scheduler is not None and optimizer is None:
             raise ConfigError("a scheduler needs an optimizer: pass optimizer= as well.")
         if scheduler is not None and not hasattr(scheduler, "step") and callable(scheduler):
+            if _required_positional(scheduler) >= 2:
+                # lambda opt, total_steps: ... -> built when fit knows the run's length.
+                self._scheduler_factory = scheduler
+                return optimizer, None
             scheduler = scheduler(optimizer)
         return optimizer, scheduler
+
+    def _build_deferred_scheduler(self, loader: Iterable[Any], epochs: int) -> None:
+        factory, self._scheduler_factory = self._scheduler_factory, None
+        if factory is None:
+            return
+        self.scheduler = factory(self.optimizer, self.estimated_stepping_batches(loader, epochs))
+        self._check_scheduler()
+        pending, self._pending_scheduler_state = self._pending_scheduler_state, None
+        if pending is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(pending)
 
     def _check_scheduler(self) -> None:
         plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -474,7 +502,7 @@ class Trainer:
         """One pass over ``loader``; returns the epoch's train loss, samples and timing."""
         self._require_optimizer()
         self.model.train()
-        total = _length(loader)
+        total = limited(_length(loader), self._train_limit())
         accumulate = self.config.accumulate_grad_batches
         if accumulate > 1 and total is None:
             raise ConfigError(
@@ -510,6 +538,9 @@ class Trainer:
             )
             after_optimizer_step = self.fault_tolerance.after_optimizer_step
             per_step = self.fault_tolerance.wants_step_calls()
+            max_steps = self.config.max_steps
+            if total is not None:  # limit_train_batches / fast_dev_run
+                batches = itertools.islice(batches, max(total - first, 0))
             for index, batch in enumerate(batches, start=first):
                 start = index - index % accumulate
                 end = start + accumulate if total is None else min(start + accumulate, total)
@@ -535,6 +566,9 @@ class Trainer:
                     )
                 if synced and per_step:
                     after_optimizer_step()
+                if synced and max_steps is not None and state.global_step >= max_steps:
+                    state.should_stop = True  # every rank alike: the same steps everywhere
+                    break
         finally:
             bar.close()
             self._running = None
@@ -603,9 +637,13 @@ class Trainer:
         means = WeightedMeans()
         self._active = module
 
+        limit = self.config.fast_dev_run or self.config.limit_val_batches
+        count = limited(_length(loader), limit)
+        batches_to_run = loader if count is None else itertools.islice(loader, count)
+
         def validate() -> None:
             self._metric_updates = batches = 0
-            for batch in loader:
+            for batch in batches_to_run:
                 batch = move_to_device(batch, self.device, self._non_blocking)
                 with self.precision.autocast():
                     values = self.validation_step(batch)
@@ -698,21 +736,55 @@ class Trainer:
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
+        if self.config.fast_dev_run:
+            epochs = self.state.epoch + 1
         check_monitors(self, validates=val_loader is not None)
         failed = True
         try:
             with self.fault_tolerance.failing_together():
+                self._build_deferred_scheduler(train_loader, epochs)
                 self.fault_tolerance.begin_fit(train_loader)
                 self._warn_if_the_schedule_ends_early(epochs, train_loader)
                 self._together("before_train hooks", lambda: self.hooks.call("before_train"))
                 with self.fault_tolerance.watching():
-                    while self.state.epoch < epochs and not self.state.should_stop:
+                    while self.state.epoch < epochs and not self._stop_before_epoch():
                         self._run_epoch(train_loader, val_loader, epochs)
                     self.fault_tolerance.end_fit()
             failed = False
         finally:
             self._after_train(failed)
         return self.history
+
+    def _stop_before_epoch(self) -> bool:
+        max_steps = self.config.max_steps
+        return self.state.should_stop or (
+            max_steps is not None and self.state.global_step >= max_steps
+        )
+
+    def _train_limit(self) -> int | float | None:
+        return self.config.fast_dev_run or self.config.limit_train_batches
+
+    def estimated_stepping_batches(self, loader: Iterable[Any], epochs: int | None = None) -> int:
+        """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
+        ends (steps already done included; limit_train_batches, accumulation and max_steps
+        applied): the length a per-step LR schedule needs. ``loader`` must have len()."""
+        batches = limited(_length(loader), self._train_limit())
+        if batches is None:
+            raise ConfigError(
+                "estimated_stepping_batches needs a loader with len(); pass the number of "
+                "steps to the scheduler yourself for an iterable loader."
+            )
+        epochs = epochs if epochs is not None else self.config.epochs
+        if self.config.fast_dev_run:
+            epochs = self.state.epoch + 1
+        return stepping_batches(
+            batches,
+            self.config.accumulate_grad_batches,
+            epochs,
+            epochs_done=self.state.epoch,
+            steps_done=self.state.global_step,
+            max_steps=self.config.max_steps,
+        )
 
     def _warn_if_the_schedule_ends_early(self, epochs: int, loader: Iterable[Any]) -> None:
         """An LR schedule with a horizon (T_max, total_steps, total_iters) that this fit would
@@ -732,11 +804,9 @@ class Trainer:
         unit = "epochs"
         total = epochs
         if self.config.scheduler_interval == "step":
-            batches = _length(loader)
-            if batches is None:
+            if _length(loader) is None:
                 return
-            windows = -(-batches // self.config.accumulate_grad_batches)
-            total = self.state.global_step + (epochs - self.state.epoch) * windows
+            total = self.estimated_stepping_batches(loader, epochs)
             unit = "optimizer steps"
         if total <= length:
             return

@@ -1,0 +1,152 @@
+"""max_steps, limit_train_batches / limit_val_batches, fast_dev_run and the stepping-batches
+estimate, and a per-step schedule whose length comes from it (no arithmetic by hand)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from nn_handler import ConfigError, Hook, NNHandler
+from nn_handler.training.limits import limited, optimizer_steps_per_epoch, stepping_batches
+from tests.training_helpers import mlp, regression_data, sgd
+
+DATA = regression_data()  # 40 samples
+VAL = regression_data(n=20, seed=1)
+
+
+class Steps(Hook):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def after_step(self) -> None:
+        self.steps += 1
+
+
+def _handler(scheduler: Any = None, hooks: Any = (), **trainer: Any) -> NNHandler:
+    return NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        scheduler,
+        config={"loader": {"batch_size": 4}, "trainer": {"progress_bar": False, **trainer}},
+        hooks=hooks,
+    )
+
+
+@given(st.integers(0, 1000), st.one_of(st.none(), st.integers(1, 50), st.floats(0.001, 1.0)))
+def test_limited_never_exceeds_the_loader_and_keeps_one_batch(
+    batches: int, limit: int | float | None
+) -> None:
+    got = limited(batches, limit)
+    assert got is not None and 0 <= got <= batches
+    if batches:
+        assert got >= 1
+    if limit is None:
+        assert got == batches
+
+
+@given(st.integers(1, 500), st.integers(1, 8), st.integers(1, 20), st.integers(0, 20))
+def test_stepping_batches_counts_every_window_once(
+    batches: int, accumulate: int, epochs: int, done: int
+) -> None:
+    done = min(done, epochs)
+    per_epoch = optimizer_steps_per_epoch(batches, accumulate)
+    assert per_epoch == math.ceil(batches / accumulate)
+    steps_done = done * per_epoch
+    total = stepping_batches(batches, accumulate, epochs, epochs_done=done, steps_done=steps_done)
+    assert total == epochs * per_epoch
+    assert stepping_batches(batches, accumulate, epochs, max_steps=3) == min(3, total)
+
+
+def test_limit_train_and_val_batches() -> None:
+    steps = Steps()
+    handler = _handler(hooks=[steps], limit_train_batches=3, limit_val_batches=0.5)
+    history = handler.train(DATA, VAL, epochs=2)
+    assert steps.steps == 6 and handler.trainer.state.global_step == 6
+    assert handler.estimated_stepping_batches(DATA, epochs=2) == 6
+    assert len(history) == 2 and math.isfinite(history.last["val_loss"])
+    handler.close()
+
+
+def test_max_steps_stops_in_the_middle_of_an_epoch() -> None:
+    handler = _handler(max_steps=13)  # 10 steps per epoch
+    history = handler.train(DATA, epochs=5)
+    assert handler.trainer.state.global_step == 13 and len(history) == 2
+    assert handler.estimated_stepping_batches(DATA, epochs=5) == 13
+    handler.train(DATA, epochs=6)  # already there: nothing more to do
+    assert handler.trainer.state.global_step == 13
+    handler.close()
+
+
+def test_fast_dev_run_runs_one_batch_and_writes_no_checkpoint(tmp_path: Path) -> None:
+    handler = NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={
+            "loader": {"batch_size": 4},
+            "trainer": {"progress_bar": False, "fast_dev_run": 1},
+            "checkpoint": {"dir": str(tmp_path), "save_best": True},
+        },
+    )
+    history = handler.train(DATA, VAL, epochs=10)
+    assert len(history) == 1 and handler.trainer.state.global_step == 1
+    assert not any(tmp_path.iterdir())
+    handler.close()
+
+
+def test_a_two_argument_scheduler_factory_gets_the_run_length() -> None:
+    seen: list[int] = []
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        seen.append(total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total_steps)
+
+    handler = _handler(one_cycle, scheduler_interval="step", accumulate_grad_batches=3)
+    assert handler.trainer.scheduler is None  # built when train knows the length
+    handler.train(DATA, epochs=3)  # 10 batches -> 4 windows per epoch (3, 3, 3, 1)
+    assert seen == [12] and handler.trainer.state.global_step == 12
+    handler.close()  # OneCycleLR would raise on a 13th step
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"fraction of the batches must be at most 1\.0"):
+        _handler(limit_train_batches=1.5)
+
+
+def test_a_deferred_scheduler_resumes_its_state(tmp_path: Path) -> None:
+    from nn_handler import TrainingPreempted
+    from tests.resume_helpers import SigtermAt
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total_steps)
+
+    def handler(hooks: Any = ()) -> NNHandler:
+        return NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            one_cycle,
+            config={
+                "loader": {"batch_size": 4},
+                "trainer": {"progress_bar": False, "scheduler_interval": "step"},
+                "checkpoint": {"dir": str(tmp_path), "every_n_steps": 2, "resume": "never"},
+            },
+            hooks=hooks,
+        )
+
+    with handler([SigtermAt(5)]) as first, pytest.raises(TrainingPreempted):
+        first.train(DATA, epochs=2)
+    with handler() as second:
+        second.resume("latest")  # before train: the scheduler does not exist yet
+        second.train(DATA, epochs=2)
+        scheduler = second.trainer.scheduler
+        assert scheduler is not None and scheduler.last_epoch == 20  # 5 restored + 15 more
