@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -50,4 +50,36 @@ def batch_size_of(batch: Any) -> int:
     return int(tensor.shape[0]) if tensor is not None and tensor.dim() else 1
 
 
-__all__ = ["batch_size_of", "move_to_device"]
+def loader_length(loader: Iterable[Any]) -> int | None:
+    """``len(loader)``, or None for a loader without one."""
+    if isinstance(loader, Sized):
+        try:
+            return len(loader)
+        except TypeError:
+            return None
+    return None
+
+
+def set_epoch(loader: Iterable[Any], epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the loader, its sampler or its batch sampler's sampler
+    (the first that has one), so shuffles differ per epoch and repeat per run."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates: list[Any] = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+    ]
+    for target in candidates:
+        if target is not None and callable(getattr(target, "set_epoch", None)):
+            target.set_epoch(epoch)
+            return
+
+
+def is_scalar(value: Any) -> bool:
+    """A one-element tensor or a Python number (not a bool): what the History can log."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+__all__ = ["batch_size_of", "is_scalar", "loader_length", "move_to_device", "set_epoch"]

@@ -51,7 +51,8 @@ def test_running_loss_does_not_depend_on_how_often_it_folds(
     for value, n in batches:
         running.add(torch.tensor(value), n)
         running.end_window(1, skipped=False)
-    mean, samples = running.compute(NullCommunicator())
+    mean, samples, extras = running.compute(NullCommunicator())
+    assert extras == {}
     assert samples == sum(n for _, n in batches)
     expected = _expected(batches)
     assert (math.isnan(mean) and math.isnan(expected)) or mean == pytest.approx(
@@ -71,7 +72,8 @@ def test_skipped_windows_leave_the_mean_but_their_samples_count(
         for value, n in window:
             running.add(torch.tensor(value, dtype=torch.float64), n)
         running.end_window(len(window), skipped)
-    mean, samples = running.compute(NullCommunicator())
+    mean, samples, extras = running.compute(NullCommunicator())
+    assert extras == {}
     assert samples == sum(n for window, _ in windows for _, n in window)
     expected = _expected([b for window, skipped in windows if not skipped for b in window])
     assert (math.isnan(mean) and math.isnan(expected)) or mean == pytest.approx(

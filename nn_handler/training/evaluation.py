@@ -1,0 +1,196 @@
+"""Evaluation and prediction: the Trainer's validation loop, metrics and predict, exact over
+ranks (every sample once). Mixed into Trainer; override ``validation_step`` /
+``predict_step`` there."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler.config.training import TrainerConfig
+from nn_handler.data.exact import gather_in_dataset_order
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError
+from nn_handler.strategies import Strategy
+from nn_handler.training.batch import batch_size_of, loader_length, move_to_device
+from nn_handler.training.ema import ModelEma
+from nn_handler.training.hooks import HookList
+from nn_handler.training.limits import limited
+from nn_handler.training.metrics import MetricFn, StatefulMetric, WeightedMeans, compute_stateful
+from nn_handler.training.precision import Precision
+from nn_handler.training.state import TrainerState
+
+Metric = MetricFn | StatefulMetric
+
+
+class EvaluationMixin:
+    """``evaluate``, ``predict`` and the per-batch ``validation_step`` / ``predict_step``."""
+
+    # Provided by Trainer (declared here for the type checker).
+    config: TrainerConfig
+    comm: Communicator
+    device: torch.device
+    log: Any
+    state: TrainerState
+    hooks: HookList
+    strategy: Strategy
+    module: nn.Module
+    model: nn.Module
+    precision: Precision
+    ema: ModelEma | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    metrics: dict[str, Metric]
+    _stateful: dict[str, StatefulMetric]
+    _metric_updates: int
+    _non_blocking: bool
+    _active: nn.Module
+
+    def forward(self, inputs: Any) -> Any:
+        raise NotImplementedError
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _together(self, what: str, action: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
+        """Per-batch means to average over the validation set (weighted by batch size).
+
+        The default returns the loss and ``update_metrics(outputs, targets)``: every metric
+        function's value, with stateful (torchmetrics) metrics updated. An override that
+        wants ``metrics=`` must call ``update_metrics`` too (or the evaluation says so).
+        """
+        inputs, targets = self.split_batch(batch)
+        outputs = self.forward(inputs)
+        values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
+        values.update(self.update_metrics(outputs, targets))
+        return values
+
+    def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
+        """Feed one validation batch to ``metrics=``: stateful (torchmetrics) metrics are
+        updated, and the metric functions' values are returned (to include in what
+        ``validation_step`` returns, which averages them over the set)."""
+        self._metric_updates += 1
+        values: dict[str, torch.Tensor | float] = {}
+        for name, metric in self.metrics.items():
+            if isinstance(metric, StatefulMetric):
+                metric.update(outputs, targets)
+            else:
+                values[name] = metric(outputs, targets)
+        return values
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        """Per-sample outputs of one batch (dim 0 = samples); the default runs the model on
+        the batch's inputs (its first element when it is a tuple or list)."""
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        output: torch.Tensor = self.forward(inputs)
+        return output
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
+        """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
+        this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
+        EmaConfig's validate_with_ema)."""
+        module = self._eval_module(use_ema)
+        was_training = module.training
+        module.eval()
+        means = WeightedMeans()
+        self._active = module
+
+        limit = self.config.fast_dev_run or self.config.limit_val_batches
+        count = limited(loader_length(loader), limit)
+        batches_to_run = loader if count is None else itertools.islice(loader, count)
+
+        def validate() -> None:
+            self._metric_updates = batches = 0
+            for batch in batches_to_run:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+                with self.precision.autocast():
+                    values = self.validation_step(batch)
+                means.update(values, batch_size_of(batch))
+                batches += 1
+            if self.metrics and batches and not self._metric_updates:
+                raise ConfigError(
+                    f"validation_step is overridden and never called "
+                    f"self.update_metrics(outputs, targets), so metrics "
+                    f"{sorted(self.metrics)} saw none of the {batches} validation batches; "
+                    f"call it in validation_step (the default does) and merge its result into "
+                    f"what you return."
+                )
+
+        try:
+            self._together("evaluate: the validation loop", validate)
+            results = means.compute(self.comm, self.device)
+            for name, metric in self._stateful.items():
+                results[name] = compute_stateful(metric)
+                metric.reset()
+        finally:
+            self._active = self.model
+            module.train(was_training)
+        self._together(
+            "after_validation hooks", lambda: self.hooks.call("after_validation", results)
+        )
+        return results
+
+    @torch.no_grad()
+    def predict(self, loader: Iterable[Any], use_ema: bool | None = None) -> torch.Tensor:
+        """Every sample's output, in dataset order, on every rank; every rank must call this.
+
+        With more than one rank ``loader`` must be an evaluation loader (with ``indices``:
+        ``LoaderFactory.eval_loader``), so the outputs can be put back in dataset order.
+        """
+        indices = getattr(loader, "indices", None)
+        if indices is None and self.comm.world_size > 1:
+            raise ConfigError(
+                "predict with several ranks needs an evaluation loader from "
+                "LoaderFactory.eval_loader (it knows each sample's dataset index); pass the "
+                "dataset to NNHandler.predict instead of a DataLoader."
+            )
+        module = self._eval_module(use_ema)
+        was_training = module.training
+        module.eval()
+        self._active = module
+        outputs: list[torch.Tensor] = []
+
+        def run() -> None:
+            for batch in loader:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+                with self.precision.autocast():
+                    outputs.append(self.predict_step(batch).float())
+
+        try:
+            self._together("predict: the prediction loop", run)
+        finally:
+            self._active = self.model
+            module.train(was_training)
+        local = torch.cat(outputs) if outputs else torch.empty(0, device=self.device)
+        if indices is None:
+            return local
+        if self.comm.world_size > 1:
+            # A rank without samples has no output to take the per-sample shape from: it
+            # takes its peers' (one small exchange), so every rank gathers (0, ...) alike.
+            tails = self.comm.all_gather_object(tuple(local.shape[1:]) if outputs else None)
+            tail = next((t for t in tails if t is not None), ())
+            if not outputs:
+                local = torch.empty((0, *tail), device=self.device)
+        return gather_in_dataset_order(local, indices, self.comm)  # type: ignore[no-any-return]
+
+    def _eval_module(self, use_ema: bool | None) -> nn.Module:
+        if use_ema is None:
+            use_ema = self.ema is not None and self.ema.config.validate_with_ema
+        if use_ema and self.ema is None:
+            raise ConfigError("use_ema=True but EMA is off: set EmaConfig(enabled=True).")
+        # The plain module, never the DDP wrapper: ranks may see different batch counts here.
+        return self.ema.module if use_ema and self.ema is not None else self.module
+
+
+__all__ = ["EvaluationMixin", "Metric"]

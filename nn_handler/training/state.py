@@ -1,0 +1,46 @@
+"""Where the Trainer's loop is (TrainerState) and what ``Trainer.track`` keeps (Stateful)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What ``Trainer.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass
+class TrainerState:
+    """Where the loop is; read it from hooks, never write it.
+
+    Attributes:
+        epoch: epochs completed (during an epoch: its 0-based index).
+        global_step: optimizer steps taken, skipped ones included.
+        batch_index: the batch within the epoch.
+        skipped_steps: optimizer steps skipped for non-finite values, in this epoch.
+        skipped_in_a_row: optimizer steps skipped in a row, up to the last one (0 after a
+            step that was taken).
+        step_synced: whether the last batch ended an accumulation window (an optimizer step).
+        last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
+        should_stop: set when early stopping (or a hook) ends training after this epoch.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_index: int = 0
+    skipped_steps: int = 0
+    skipped_in_a_row: int = 0
+    step_synced: bool = False
+    last_loss: torch.Tensor | None = None
+    should_stop: bool = False
+
+
+__all__ = ["Stateful", "TrainerState"]

@@ -1,0 +1,178 @@
+"""One training step: forward and backward on a micro-batch, then (on the last micro-batch of
+an accumulation window) unscale, clip, the non-finite check, the optimizer step, EMA and a
+per-step scheduler, the same on every rank. Mixed into Trainer; override ``run_step`` /
+``optimizer_step`` there."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler.config.training import TrainerConfig
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError, NonFiniteError
+from nn_handler.strategies import Strategy
+from nn_handler.training.batch import batch_size_of, is_scalar, move_to_device
+from nn_handler.training.ema import ModelEma
+from nn_handler.training.hooks import HookList
+from nn_handler.training.metrics import RunningLoss
+from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
+from nn_handler.training.precision import Precision
+from nn_handler.training.state import TrainerState
+
+
+class StepMixin:
+    """``run_step`` and ``optimizer_step``."""
+
+    # Provided by Trainer (declared here for the type checker).
+    config: TrainerConfig
+    comm: Communicator
+    device: torch.device
+    log: Any
+    state: TrainerState
+    hooks: HookList
+    strategy: Strategy
+    module: nn.Module
+    model: nn.Module
+    precision: Precision
+    ema: ModelEma | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    _params: list[nn.Parameter]
+    _guard: bool
+    _finite: GradientFiniteCheck
+    _buffers: BufferSnapshot | None
+    _window_losses: list[torch.Tensor]
+    _non_blocking: bool
+    _running: RunningLoss | None
+
+    def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def run_step(self, batch: Any, sync: bool = True, window: int = 1) -> torch.Tensor:
+        """One micro-batch: forward and backward, then the optimizer step when ``sync``.
+
+        ``window`` is the number of micro-batches accumulated into this optimizer step; the
+        loss is divided by it so the gradient is the window's mean. Returns the detached loss.
+        """
+        batch = move_to_device(batch, self.device, self._non_blocking)
+        if not sync:
+            # Gradients are synchronised across ranks only on the last micro-batch of a window.
+            with self.strategy.no_sync():
+                return self._forward_backward(batch, window)
+        loss = self._forward_backward(batch, window)
+        if sync:
+            self.optimizer_step()
+        return loss
+
+    def _forward_backward(self, batch: Any, window: int) -> torch.Tensor:
+        buffers = self._buffers
+        if buffers is not None and not buffers.taken:  # the first micro-batch of a step
+            buffers.take()
+        with self.precision.autocast():
+            output = self.training_step(batch)
+            loss = self._loss_of(output)
+        if isinstance(output, Mapping) and len(output) > 1 and self._running is not None:
+            # Other scalars the step returned: sample-weighted per epoch, no host sync here.
+            extras = {
+                k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
+                for k, v in output.items()
+                if k != "loss" and is_scalar(v)
+            }
+            if extras:
+                self._running.extras.update(extras, batch_size_of(batch))
+        if self._guard and self.strategy.reduces_gradients:
+            # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
+            # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
+            # check of the synchronised gradients then decides for all ranks.
+            self.precision.backward(loss, loss.detach().mul(0.0).add_(1.0 / window))
+            return loss.detach()
+        self.precision.backward(loss / window if window > 1 else loss)
+        detached = loss.detach()
+        if self._guard:  # without DDP the window's losses join the gradients' finite check
+            self._window_losses.append(detached)
+        return detached
+
+    def optimizer_step(self) -> bool:
+        """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
+        optimizer stepped. Also updates the EMA and a per-step scheduler, and zeroes grads."""
+        optimizer = self.optimizer or self._require_optimizer()
+        if self.precision.scaler is not None:
+            self.precision.unscale(optimizer)
+        if self.config.gradient_clip_val is not None:
+            self.strategy.clip_grad_norm(
+                self._params,
+                self.config.gradient_clip_val,
+                self.config.gradient_clip_norm_type,
+            )
+        stepped = self._finite.all_finite(self._window_losses) if self._guard else True
+        self._window_losses.clear()
+        if stepped:
+            scaler = self.precision.scaler
+            if scaler is not None:
+                scale = scaler.get_scale()
+                self.precision.step(optimizer)
+                stepped = scaler.get_scale() >= scale
+            else:
+                optimizer.step()
+            if self._buffers is not None:
+                self._buffers.taken = False
+            self.state.skipped_in_a_row = 0
+        else:
+            if self._buffers is not None:
+                self._buffers.restore()
+            self._on_nonfinite()
+        if stepped:
+            if self.ema is not None:
+                self.ema.update()
+            if self.scheduler is not None and self.config.scheduler_interval == "step":
+                self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        return stepped
+
+    def _on_nonfinite(self) -> None:
+        where = f"epoch {self.state.epoch + 1}, optimizer step {self.state.global_step + 1}"
+        if self.config.nonfinite == "raise":
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank at {where}; every "
+                f"rank stops here. Use TrainerConfig(nonfinite='skip') to skip such steps."
+            )
+        state = self.state
+        state.skipped_steps += 1
+        state.skipped_in_a_row += 1
+        limit = self.config.max_consecutive_skipped_steps
+        if limit is not None and state.skipped_in_a_row >= limit:
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank for "
+                f"{state.skipped_in_a_row} optimizer steps in a row (the last at {where}); the "
+                f"run has diverged, so every rank stops here. Lower the learning rate, check the "
+                f"data, or raise TrainerConfig(max_consecutive_skipped_steps=...)."
+            )
+        self.log.warning("skipped the optimizer step at {}: NaN/inf loss or gradients", where)
+
+    def _loss_of(self, output: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return output
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            return output["loss"]
+        keys = f" with keys {sorted(output)}" if isinstance(output, Mapping) else ""
+        raise ConfigError(
+            f"training_step must return the loss tensor or a dict with a 'loss' tensor, got "
+            f"{type(output).__name__}{keys}."
+        )
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ConfigError(
+                "training needs an optimizer: pass optimizer= (an instance or a factory such as "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)) or override "
+                "configure_optimizers."
+            )
+        return self.optimizer
+
+
+__all__ = ["StepMixin"]
