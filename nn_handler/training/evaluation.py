@@ -100,24 +100,15 @@ class EvaluationMixin:
         """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
         this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
         EmaConfig's validate_with_ema)."""
-        module = self._eval_module(use_ema)
-        was_training = module.training
-        module.eval()
         means = WeightedMeans()
-        self._active = module
-
         limit = self.config.fast_dev_run or self.config.limit_val_batches
         count = limited(loader_length(loader), limit)
-        batches_to_run = loader if count is None else itertools.islice(loader, count)
+        self._metric_updates = 0
 
-        def validate() -> None:
-            self._metric_updates = batches = 0
-            for batch in batches_to_run:
-                batch = move_to_device(batch, self.device, self._non_blocking)
-                with self.precision.autocast():
-                    values = self.validation_step(batch)
-                means.update(values, batch_size_of(batch))
-                batches += 1
+        def validate(batch: Any) -> None:
+            means.update(self.validation_step(batch), batch_size_of(batch))
+
+        def check_metrics_were_fed(batches: int) -> None:
             if self.metrics and batches and not self._metric_updates:
                 raise ConfigError(
                     f"validation_step is overridden and never called "
@@ -127,15 +118,13 @@ class EvaluationMixin:
                     f"what you return."
                 )
 
-        try:
-            self._together("evaluate: the validation loop", validate)
-            results = means.compute(self.comm, self.device)
-            for name, metric in self._stateful.items():
-                results[name] = compute_stateful(metric)
-                metric.reset()
-        finally:
-            self._active = self.model
-            module.train(was_training)
+        self._eval_pass(
+            loader, use_ema, count, validate, "the validation loop", check_metrics_were_fed
+        )
+        results = means.compute(self.comm, self.device)
+        for name, metric in self._stateful.items():
+            results[name] = compute_stateful(metric)
+            metric.reset()
         self._together(
             "after_validation hooks", lambda: self.hooks.call("after_validation", results)
         )
@@ -155,23 +144,12 @@ class EvaluationMixin:
                 "LoaderFactory.eval_loader (it knows each sample's dataset index); pass the "
                 "dataset to NNHandler.predict instead of a DataLoader."
             )
-        module = self._eval_module(use_ema)
-        was_training = module.training
-        module.eval()
-        self._active = module
         outputs: list[torch.Tensor] = []
 
-        def run() -> None:
-            for batch in loader:
-                batch = move_to_device(batch, self.device, self._non_blocking)
-                with self.precision.autocast():
-                    outputs.append(self.predict_step(batch).float())
+        def collect(batch: Any) -> None:
+            outputs.append(self.predict_step(batch).float())
 
-        try:
-            self._together("predict: the prediction loop", run)
-        finally:
-            self._active = self.model
-            module.train(was_training)
+        self._eval_pass(loader, use_ema, None, collect, "the prediction loop")
         local = torch.cat(outputs) if outputs else torch.empty(0, device=self.device)
         if indices is None:
             return local
@@ -183,6 +161,43 @@ class EvaluationMixin:
             if not outputs:
                 local = torch.empty((0, *tail), device=self.device)
         return gather_in_dataset_order(local, indices, self.comm)  # type: ignore[no-any-return]
+
+    def _eval_pass(
+        self,
+        loader: Iterable[Any],
+        use_ema: bool | None,
+        count: int | None,
+        per_batch: Callable[[Any], None],
+        what: str,
+        after: Callable[[int], None] | None = None,
+    ) -> int:
+        """The one loop evaluation and prediction share: the plain (or EMA) module in eval
+        mode, ``per_batch(batch)`` under autocast for the first ``count`` batches (None: all),
+        then ``after(batches seen)``; a failure on any rank, in either, is raised on every
+        rank. Returns the batches seen."""
+        module = self._eval_module(use_ema)
+        was_training = module.training
+        module.eval()
+        self._active = module
+        seen = 0
+        batches = loader if count is None else itertools.islice(loader, count)
+
+        def run() -> None:
+            nonlocal seen
+            for batch in batches:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+                with self.precision.autocast():
+                    per_batch(batch)
+                seen += 1
+            if after is not None:
+                after(seen)
+
+        try:
+            self._together(what, run)
+        finally:
+            self._active = self.model
+            module.train(was_training)
+        return seen
 
     def _eval_module(self, use_ema: bool | None) -> nn.Module:
         if use_ema is None:

@@ -17,6 +17,15 @@ def limited(batches: int | None, limit: int | float | None) -> int | None:
     return limit if batches is None else min(batches, limit)
 
 
+def window(index: int, accumulate: int, total: int | None) -> tuple[int, int]:
+    """The accumulation window [start, end) that batch ``index`` of an epoch of ``total``
+    batches (None: unknown) belongs to: windows of ``accumulate`` micro-batches from the first
+    batch, the last one cut at the end of the epoch. The optimizer steps after batch end - 1."""
+    start = index - index % accumulate
+    end = start + accumulate
+    return start, end if total is None else min(end, total)
+
+
 def optimizer_steps_per_epoch(batches: int, accumulate: int) -> int:
     """Optimizer steps of an epoch of ``batches`` micro-batches (the last window may be
     shorter, and still steps)."""
@@ -38,4 +47,4 @@ def stepping_batches(
     return total if max_steps is None else min(total, max_steps)
 
 
-__all__ = ["limited", "optimizer_steps_per_epoch", "stepping_batches"]
+__all__ = ["limited", "optimizer_steps_per_epoch", "stepping_batches", "window"]

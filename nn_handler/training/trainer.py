@@ -43,7 +43,7 @@ from nn_handler.training.evaluation import EvaluationMixin, Metric
 from nn_handler.training.fault_tolerance import FaultTolerance
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
-from nn_handler.training.limits import limited
+from nn_handler.training.limits import limited, window
 from nn_handler.training.metrics import RunningLoss, StatefulMetric
 from nn_handler.training.monitors import check_monitors
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
@@ -259,8 +259,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
             if total is not None:  # limit_train_batches / fast_dev_run
                 batches = itertools.islice(batches, max(total - first, 0))
             for index, batch in enumerate(batches, start=first):
-                start = index - index % accumulate
-                end = start + accumulate if total is None else min(start + accumulate, total)
+                start, end = window(index, accumulate, total)
                 state.batch_index = index
                 synced = state.step_synced = index + 1 == end
                 if before:

@@ -150,3 +150,19 @@ def test_a_deferred_scheduler_resumes_its_state(tmp_path: Path) -> None:
         second.train(DATA, epochs=2)
         scheduler = second.trainer.scheduler
         assert scheduler is not None and scheduler.last_epoch == 20  # 5 restored + 15 more
+
+
+@given(st.integers(1, 300), st.integers(1, 9))
+def test_windows_cover_the_epoch_once_and_step_once_each(total: int, accumulate: int) -> None:
+    from nn_handler.training.limits import window
+
+    windows = [window(index, accumulate, total) for index in range(total)]
+    steps = [index for index, (_, end) in enumerate(windows) if index + 1 == end]
+    assert len(steps) == optimizer_steps_per_epoch(total, accumulate)
+    assert steps[-1] == total - 1  # the last, possibly short, window also steps
+    for index, (start, end) in enumerate(windows):
+        assert start <= index < end <= total and start % accumulate == 0
+        assert end - start == accumulate or end == total
+    # Resuming after a step: the window of the next batch starts there.
+    for step in steps[:-1]:
+        assert window(step + 1, accumulate, total)[0] == step + 1

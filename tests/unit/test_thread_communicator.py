@@ -71,3 +71,34 @@ def test_the_docs_example_runs_as_written() -> None:
     text = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
     block = text.split("## Testing with N ranks in one process")[1].split("```python\n")[1]
     exec(compile(block.split("```")[0], "docs/distributed.md", "exec"), {})  # asserts inside
+
+
+def test_a_validation_error_on_one_rank_only_stops_every_rank_at_once() -> None:
+    """One validation sample: rank 1 has no batch and would not raise by itself; the error
+    of rank 0 (an override that forgot update_metrics) reaches it instead of a hang."""
+    from torch import nn
+
+    from nn_handler import NNHandler, Trainer
+    from tests.training_helpers import mlp, regression_data, sgd
+    from tests.unit.test_trainer import _Counter
+
+    class Forgets(Trainer):
+        def validation_step(self, batch: object) -> dict[str, torch.Tensor]:
+            inputs, targets = batch  # type: ignore[misc]
+            return {"loss": self.compute_loss(self.forward(inputs), targets)}
+
+    def evaluate(comm: Communicator) -> None:
+        with NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            communicator=comm,
+            metrics={"count": _Counter()},
+            trainer_class=Forgets,
+        ) as handler:
+            handler.evaluate(regression_data(n=1))
+
+    with pytest.raises(RankFailedError) as info:
+        run_in_threads(evaluate, 2, timeout_s=20)
+    assert "never called self.update_metrics" in str(info.value)
+    assert "BrokenBarrierError" not in str(info.value), "a rank waited for the timeout"

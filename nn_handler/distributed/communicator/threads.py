@@ -119,11 +119,14 @@ class ThreadCommunicator(Communicator):
         return [part.clone() for part in parts] if self._rank == dst else None
 
 
-def run_in_threads(fn: Callable[[Communicator], Any], world_size: int) -> list[Any]:
+def run_in_threads(
+    fn: Callable[[Communicator], Any], world_size: int, *, timeout_s: float = 60.0
+) -> list[Any]:
     """Run ``fn(communicator)`` on ``world_size`` threads, one ThreadCommunicator each, and
     return the results by rank. A rank that raises releases the others (they raise too) and
-    the call raises RankFailedError naming each failed rank."""
-    group = ThreadGroup(world_size)
+    the call raises RankFailedError naming each failed rank; a collective that waits more than
+    ``timeout_s`` for a rank fails with BrokenBarrierError on every rank."""
+    group = ThreadGroup(world_size, timeout_s)
     results: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
     first: list[BaseException] = []
