@@ -117,6 +117,9 @@ def build_checkpoint(trainer: Trainer, running: RunningLoss | None = None) -> di
         "model": model_state_dict(trainer.module),
         "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        # Manual optimization with several: every one, in order (the first also above).
+        "optimizers": [o.state_dict() for o in trainer._optimizers[1:]],
+        "schedulers": [s.state_dict() for s in trainer._schedulers[1:]],
         "precision": trainer.precision.state_dict(),
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None,
         "early_stopping": (
@@ -190,6 +193,8 @@ def apply_checkpoint(
         )
     load_model_state(trainer.module, ckpt["model"], source=source)
     _load_part(trainer.optimizer, ckpt.get("optimizer"), "optimizer", source)
+    _load_more(trainer._optimizers[1:], ckpt.get("optimizers") or [], "optimizer", source)
+    _load_more(trainer._schedulers[1:], ckpt.get("schedulers") or [], "scheduler", source)
     if trainer.scheduler is None and trainer._scheduler_factory is not None:
         # Built at the start of fit (it needs the run's length): loaded then.
         trainer._pending_scheduler_state = ckpt.get("scheduler")
@@ -239,6 +244,17 @@ def _load_part(target: Any, state: Any, name: str, source: str) -> None:
             f"cannot load the {name} state from {source}: {error}. Build the {name} the same "
             f"way as the run that wrote it."
         ) from error
+
+
+def _load_more(targets: list[Any], states: list[Any], kind: str, source: str) -> None:
+    """The second and later optimizers (or schedulers) of manual optimization."""
+    if len(targets) != len(states):
+        raise CheckpointError(
+            f"{source} holds {len(states) + 1} {kind}s' states but this run has "
+            f"{len(targets) + 1}; build the {kind}s the same way as the run that wrote it."
+        )
+    for index, (target, state) in enumerate(zip(targets, states, strict=True), start=1):
+        _load_part(target, state, f"{kind} {index}", source)
 
 
 def _load_tracked(trainer: Trainer, saved: Mapping[str, Any], source: str) -> None:

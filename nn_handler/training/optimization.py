@@ -45,16 +45,22 @@ class OptimizationMixin:
     scheduler: Any
     _scheduler_factory: Callable[[Any, int], Any] | None
     _pending_scheduler_state: Any
+    _optimizers: list[torch.optim.Optimizer]
+    _schedulers: list[Any]
+    automatic_optimization: bool
 
-    def configure_optimizers(
-        self, optimizer: torch.optim.Optimizer | OptimizerFactory | None, scheduler: Any
-    ) -> tuple[torch.optim.Optimizer | None, Any]:
+    def configure_optimizers(self, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
         """Build the optimizer and scheduler (override to construct them yourself).
 
         Called once, after the model is wrapped and once ``state``, ``history``, ``hooks``,
         ``metrics`` and ``strategy`` exist; factories receive ``self.model.parameters()`` and
-        the optimizer respectively.
+        the optimizer respectively. Returns (optimizer, scheduler), or (a list of optimizers,
+        a list of schedulers or None) for several, which needs manual optimization
+        (``automatic_optimization = False``); a list passed as ``optimizer=`` is used as is.
         """
+        if isinstance(optimizer, (list, tuple)):
+            schedulers = scheduler if isinstance(scheduler, (list, tuple)) else []
+            return list(optimizer), list(schedulers)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
                 raise ConfigError(
@@ -72,18 +78,60 @@ class OptimizationMixin:
             scheduler = scheduler(optimizer)
         return optimizer, scheduler
 
+    def _adopt_optimizers(self, built: tuple[Any, Any]) -> None:
+        """Keep what ``configure_optimizers`` returned: ``optimizer``/``scheduler`` are the
+        first ones; several optimizers need manual optimization."""
+        optimizers, schedulers = built
+        self._optimizers = _as_list(optimizers)
+        self._schedulers = _as_list(schedulers)
+        for index, optimizer in enumerate(self._optimizers):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ConfigError(
+                    f"optimizer {index} is a {type(optimizer).__name__}, not a "
+                    f"torch.optim.Optimizer."
+                )
+        self.optimizer = self._optimizers[0] if self._optimizers else None
+        self.scheduler = self._schedulers[0] if self._schedulers else None
+        if len(self._optimizers) > 1 and self.automatic_optimization:
+            raise ConfigError(
+                f"{len(self._optimizers)} optimizers need manual optimization: set "
+                f"automatic_optimization = False on your Trainer subclass and call "
+                f"self.manual_backward(loss), optimizer.step() and optimizer.zero_grad() in "
+                f"training_step (the global step, EMA and per-step schedulers still advance "
+                f"once per batch)."
+            )
+        if not self.automatic_optimization:
+            self._check_manual()
+
+    def _check_manual(self) -> None:
+        config, reasons = self.config, []
+        if config.accumulate_grad_batches != 1:
+            reasons.append("accumulate_grad_batches must be 1 (accumulate in training_step)")
+        if config.gradient_clip_val is not None:
+            reasons.append(
+                "gradient_clip_val is not applied (clip in training_step with "
+                "self.strategy.clip_grad_norm)"
+            )
+        if self.precision.scaler is not None:
+            reasons.append("fp16's GradScaler is not supported yet (use bf16 or 32)")
+        if reasons:
+            raise ConfigError("with manual optimization " + "; ".join(reasons) + ".")
+
     def _build_deferred_scheduler(self, loader: Iterable[Any], epochs: int) -> None:
         factory, self._scheduler_factory = self._scheduler_factory, None
         if factory is None:
             return
         self.scheduler = factory(self.optimizer, self.estimated_stepping_batches(loader, epochs))
+        self._schedulers = [self.scheduler]
         self._check_scheduler()
         pending, self._pending_scheduler_state = self._pending_scheduler_state, None
         if pending is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(pending)
 
     def _check_scheduler(self) -> None:
-        plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        plateau = any(
+            isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) for s in self._schedulers
+        )
         if plateau and self.config.scheduler_interval == "step":
             raise ConfigError(
                 "ReduceLROnPlateau steps on an epoch metric: use "
@@ -155,18 +203,25 @@ class OptimizationMixin:
         )
 
     def _step_scheduler_per_epoch(self, record: Record) -> None:
-        if self.scheduler is None or self.config.scheduler_interval != "epoch":
+        if self.config.scheduler_interval != "epoch":
             return
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            monitor = self.config.scheduler_monitor
-            if monitor not in record:
-                raise ConfigError(
-                    f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "
-                    f"{sorted(record)}; set TrainerConfig(scheduler_monitor=...)."
-                )
-            self.scheduler.step(record[monitor])
-        else:
-            self.scheduler.step()
+        for scheduler in self._schedulers:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                monitor = self.config.scheduler_monitor
+                if monitor not in record:
+                    raise ConfigError(
+                        f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "
+                        f"{sorted(record)}; set TrainerConfig(scheduler_monitor=...)."
+                    )
+                scheduler.step(record[monitor])
+            else:
+                scheduler.step()
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _required_positional(fn: Callable[..., Any]) -> int:

@@ -48,6 +48,9 @@ class StepMixin:
     _window_losses: list[torch.Tensor]
     _non_blocking: bool
     _running: RunningLoss | None
+    _optimizers: list[torch.optim.Optimizer]
+    _schedulers: list[Any]
+    automatic_optimization: bool
 
     def training_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         raise NotImplementedError
@@ -59,6 +62,8 @@ class StepMixin:
         loss is divided by it so the gradient is the window's mean. Returns the detached loss.
         """
         batch = move_to_device(batch, self.device, self._non_blocking)
+        if not self.automatic_optimization:
+            return self._manual_step(batch)
         if not sync:
             # Gradients are synchronised across ranks only on the last micro-batch of a window.
             with self.strategy.no_sync():
@@ -75,15 +80,7 @@ class StepMixin:
         with self.precision.autocast():
             output = self.training_step(batch)
             loss = self._loss_of(output)
-        if isinstance(output, Mapping) and len(output) > 1 and self._running is not None:
-            # Other scalars the step returned: sample-weighted per epoch, no host sync here.
-            extras = {
-                k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
-                for k, v in output.items()
-                if k != "loss" and is_scalar(v)
-            }
-            if extras:
-                self._running.extras.update(extras, batch_size_of(batch))
+        self._record_extras(output, batch)
         if self._guard and self.strategy.reduces_gradients:
             # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
             # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
@@ -95,6 +92,53 @@ class StepMixin:
         if self._guard:  # without DDP the window's losses join the gradients' finite check
             self._window_losses.append(detached)
         return detached
+
+    def _record_extras(self, output: Any, batch: Any) -> None:
+        """Other scalars the step returned: sample-weighted per epoch, no host sync here."""
+        if not isinstance(output, Mapping) or len(output) < 2 or self._running is None:
+            return
+        extras = {
+            k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
+            for k, v in output.items()
+            if k != "loss" and is_scalar(v)
+        }
+        if extras:
+            self._running.extras.update(extras, batch_size_of(batch))
+
+    # ----------------------------------------------------------------- manual optimization
+    def _manual_step(self, batch: Any) -> torch.Tensor:
+        """``automatic_optimization = False``: ``training_step`` does its own backward
+        (``manual_backward``) and optimizer steps; the loop advances once per batch: the
+        global step, the EMA and every per-step scheduler."""
+        with self.precision.autocast():
+            output = self.training_step(batch)
+        self._record_extras(output, batch)
+        loss = output if isinstance(output, torch.Tensor) else None
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            loss = output["loss"]
+        if self.ema is not None:
+            self.ema.update()
+        if self.config.scheduler_interval == "step":
+            for scheduler in self._schedulers:
+                scheduler.step()
+        self.state.global_step += 1
+        self.state.skipped_in_a_row = 0
+        if loss is None:  # nothing to log as train_loss: left out of its mean
+            return torch.full((), float("nan"), device=self.device)
+        return loss.detach()
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """Backward for manual optimization (gradients synchronised across ranks as in the
+        automatic loop). Call it in ``training_step`` instead of ``loss.backward()``."""
+        self.precision.backward(loss)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer, in the order ``configure_optimizers`` returned them."""
+        return list(self._optimizers)
+
+    def lr_schedulers(self) -> list[Any]:
+        """Every LR scheduler, in the order ``configure_optimizers`` returned them."""
+        return list(self._schedulers)
 
     def optimizer_step(self) -> bool:
         """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the

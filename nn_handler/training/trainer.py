@@ -19,6 +19,7 @@ model while training, the plain or EMA model while evaluating).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -67,6 +68,10 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
     called after wrapping.
     """
 
+    #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``,
+    #: ``self.manual_backward``), as for GANs; needed for several optimizers.
+    automatic_optimization: bool = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -113,7 +118,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                     name if name not in self.tracked else f"{name}.{len(self.tracked)}"
                 ] = hook
         # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
-        self.optimizer, self.scheduler = self.configure_optimizers(optimizer, scheduler)
+        self._adopt_optimizers(self.configure_optimizers(optimizer, scheduler))
         self._check_scheduler()
         self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
@@ -187,10 +192,10 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
         return params
 
     # ----------------------------------------------------------------- override points
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the active model: the DDP-wrapped one in training, the plain (or EMA) one in
-        evaluation."""
-        return self._active(inputs)
+        evaluation. Arguments are passed through (``self.forward(z, part="generator")``)."""
+        return self._active(*args, **kwargs)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """(inputs, targets) of a batch; the default takes a pair. Override for other layouts."""
@@ -297,6 +302,8 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
             "skipped_steps": float(self.state.skipped_steps),
         }
         record.update({f"train_{key}": value for key, value in extras.items()})
+        if not self.automatic_optimization and math.isnan(loss_value):
+            del record["train_loss"]  # a manual training_step that returned no "loss"
         return record
 
     def _check_equal_lengths(self, total: int | None) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from nn_handler import ConfigError, NNHandler
@@ -160,3 +161,34 @@ def _tracked_per_rank(rank: int, world_size: int, folder: str) -> int:
 
 def test_tracked_state_is_each_ranks_own_after_a_resume(tmp_path: Path) -> None:
     assert run_group(_tracked_per_rank, 2, args=(str(tmp_path),)) == [100, 101]
+
+
+def _gan_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+
+    from tests.gan_helpers import GANTrainer, TinyGAN, ring_data
+
+    torch.manual_seed(10 + rank)  # different noise per rank: DDP must still keep one model
+    with NNHandler(
+        TinyGAN(),
+        config={
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False, "find_unused_parameters": True},
+        },
+        trainer_class=GANTrainer,
+    ) as handler:
+        history = handler.train(ring_data(), epochs=2)
+        return {
+            "weights": torch.cat([p.detach().flatten() for p in handler.model.parameters()]),
+            "steps": handler.trainer.state.global_step,
+            "d_loss": history["train_d_loss"],
+            "wrapped": type(handler.trainer.model).__name__,
+        }
+
+
+def test_a_gan_with_manual_optimization_stays_one_model_under_ddp() -> None:
+    first, second = run_group(_gan_on_two_ranks, 2)
+    assert first["wrapped"] == "DistributedDataParallel"
+    assert first["steps"] == second["steps"] == 8  # 64 points, 2 ranks x batch 8, 2 epochs
+    assert torch.equal(first["weights"], second["weights"])  # gradients averaged by DDP
+    assert first["d_loss"] == second["d_loss"]  # reduced exactly over both ranks

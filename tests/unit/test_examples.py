@@ -143,6 +143,35 @@ def test_seed_003_example_script_trains_distributed_with_amp() -> None:
     assert found is not None and float(found.group(1)) < 0.5, output
 
 
+def _gan_line(output: str) -> re.Match[str]:
+    found = re.search(
+        r"(\d+) steps on (\d) process\(es\): d_loss ([\d.]+), g_loss ([\d.]+), "
+        r"generated radius ([\d.]+)",
+        output,
+    )
+    assert found is not None, output
+    return found
+
+
+def test_gan_manual_optimization_example_reaches_the_circle() -> None:
+    script = [sys.executable, str(EXAMPLES / "gan_manual_optimization.py")]
+    code, output = run_command(script, timeout=120)
+    assert code == 0, output
+    found = _gan_line(output)
+    assert found.group(1) == "480" and abs(float(found.group(5)) - 1.0) < 0.25, output
+
+
+@pytest.mark.distributed
+def test_gan_manual_optimization_example_under_torchrun() -> None:
+    code, output = run_command(
+        torchrun_command(EXAMPLES / "gan_manual_optimization.py"), timeout=120
+    )
+    assert code == 0, output
+    found = _gan_line(output)
+    assert found.group(1) == "240" and found.group(2) == "2", output
+    assert abs(float(found.group(3)) - 1.386) < 0.5, "the discriminator is near chance"
+
+
 def test_slurm_script_starts_an_existing_example_with_its_options() -> None:
     sbatch = (EXAMPLES / "slurm_job.sbatch").read_text()
     started = re.search(r"srun python (\S+) --dir \S+ --epochs \d+", sbatch)
