@@ -261,7 +261,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
             after_optimizer_step = self.fault_tolerance.after_optimizer_step
             per_step = self.fault_tolerance.wants_step_calls()
             max_steps = self.config.max_steps
-            if total is not None:  # limit_train_batches / fast_dev_run
+            if total is not None and self._train_limit() is not None:  # a limited epoch
                 batches = itertools.islice(batches, max(total - first, 0))
             for index, batch in enumerate(batches, start=first):
                 start, end = window(index, accumulate, total)
