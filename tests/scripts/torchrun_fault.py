@@ -1,11 +1,13 @@
 """Run by tests/distributed/test_fault_tolerance.py under the real torchrun (not by pytest).
 
 Usage: torchrun --nproc-per-node=2 [--max-restarts=1] torchrun_fault.py CKPT_DIR OUT_DIR MODE
+[gan]
 MODE: 'plain' trains uninterrupted; 'sigkill' makes rank 1 SIGKILL itself after optimizer step
 7 in the first attempt; 'slow' sleeps 0.1 s per step and reports its progress (for a SIGTERM
 from outside). Resumes per CheckpointConfig(resume=...): 'on_restart' unless MODE is 'slow'
 ('auto', for the relaunch after a preemption). Each rank writes OUT_DIR/rank<r>-attempt<a>.json
-and OUT_DIR/rank<r>.pt (the final weights) when it finishes.
+and OUT_DIR/rank<r>.pt (the final weights) when it finishes. With 'gan', a GAN trained with
+manual optimization (two optimizers) and a hook whose per-rank loss sum is tracked state.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,11 +59,21 @@ def main() -> None:
         torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
     )
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    model: nn.Module = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    gan = len(sys.argv) > 4 and sys.argv[4] == "gan"
+    extra: dict[str, Any] = {}
+    hooks: list[Hook] = []
+    if gan:
+        from tests.gan_helpers import GANTrainer, TinyGAN, ring_data
+        from tests.unit.test_tracked_state import LossSums
+
+        model, data = TinyGAN(), ring_data()
+        extra = {"trainer_class": GANTrainer}
+        hooks = [LossSums()]
     config = HandlerConfig.from_dict(
         {
             "loader": {"batch_size": 4, "shuffle": True, "seed": 1},
-            "trainer": {"epochs": 3, "progress_bar": False},
+            "trainer": {"epochs": 3, "progress_bar": False, "find_unused_parameters": gan},
             "checkpoint": {
                 "dir": str(ckpt_dir),
                 "every_n_steps": 3,
@@ -74,7 +87,8 @@ def main() -> None:
         lambda params: torch.optim.Adam(params, lr=0.01),
         nn.CrossEntropyLoss(),
         config=config,
-        hooks=[fault],
+        hooks=[fault, *hooks],
+        **extra,
     ) as handler:
         report = {"attempt": attempt, "rank": handler.rank}
         try:
@@ -84,6 +98,8 @@ def main() -> None:
             raise
         else:
             report.update(step=handler.trainer.state.global_step)
+            if hooks:  # the tracked loss sum, exactly (hex keeps every bit)
+                report["loss_total"] = hooks[0].total.hex()  # type: ignore[attr-defined]
             torch.save(handler.model.state_dict(), out / f"rank{handler.rank}.pt")
         finally:
             report["first_step"] = fault.first_step
