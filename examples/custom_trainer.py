@@ -4,8 +4,11 @@
     torchrun --nproc-per-node=2 examples/custom_trainer.py  # two processes, same code
 
 The model has two outputs (class scores and a reconstruction of its input); the subclass
-trains on a weighted sum of both losses and reports the reconstruction error as a validation
-metric. The hook prints the best validation accuracy so far, on rank 0 only.
+trains on a weighted sum of both losses and returns each of them too, so the History logs
+``train_classification`` and ``train_reconstruction`` (exact over ranks). Its validation_step
+reports the reconstruction error and feeds ``metrics=`` (a torchmetrics F1 score) through
+``self.update_metrics``. The hook prints the best validation accuracy so far on rank 0, and
+its ``state_dict`` makes it part of every checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchmetrics.classification import MulticlassF1Score
 
 from nn_handler import Hook, NNHandler, Trainer, accuracy
 from nn_handler.digits import digits_datasets
@@ -39,7 +43,11 @@ class TwoLossTrainer(Trainer):
         scores, rebuilt = self.forward(images)  # self.forward: the DDP model while training
         classification = nn.functional.cross_entropy(scores, labels)
         reconstruction = nn.functional.mse_loss(rebuilt, images)
-        return {"loss": classification + 0.5 * reconstruction}
+        return {
+            "loss": classification + 0.5 * reconstruction,
+            "classification": classification.detach(),  # logged as train_classification
+            "reconstruction": reconstruction.detach(),
+        }
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         images, labels = batch
@@ -48,6 +56,7 @@ class TwoLossTrainer(Trainer):
             "loss": nn.functional.cross_entropy(scores, labels),
             "reconstruction": nn.functional.mse_loss(rebuilt, images),
             "accuracy": accuracy(scores, labels),
+            **self.update_metrics(scores, labels),  # feeds metrics= (the F1 score below)
         }
 
 
@@ -60,12 +69,19 @@ class BestAccuracy(Hook):
     def after_validation(self, metrics: dict[str, float]) -> None:
         self.best = max(self.best, metrics["accuracy"])
 
+    def state_dict(self) -> dict[str, float]:  # a hook with state: checkpointed by itself
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.best = state["best"]
+
     def after_epoch(self) -> None:
         if self.trainer.is_main_process:
             record = self.trainer.history.last
             print(
                 f"epoch {record['epoch']:.0f}: val_accuracy={record['val_accuracy']:.3f} "
-                f"reconstruction={record['val_reconstruction']:.4f} best={self.best:.3f}"
+                f"val_f1={record['val_f1']:.3f} reconstruction={record['val_reconstruction']:.4f} "
+                f"train_classification={record['train_classification']:.4f} best={self.best:.3f}"
             )
 
 
@@ -77,6 +93,7 @@ def main() -> None:
         optimizer=lambda params: torch.optim.Adam(params, lr=2e-3),
         config={"loader": {"batch_size": 32}, "trainer": {"epochs": 6, "progress_bar": False}},
         trainer_class=TwoLossTrainer,
+        metrics={"f1": MulticlassF1Score(num_classes=10)},
         hooks=[BestAccuracy()],
     ) as handler:
         history = handler.train(train, val)

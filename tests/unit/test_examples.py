@@ -61,8 +61,19 @@ def test_custom_trainer_example_trains_with_its_subclass_and_hook() -> None:
     code, output = run_command([sys.executable, str(EXAMPLES / "custom_trainer.py")], timeout=120)
     assert code == 0, output
     assert "epoch 6: val_accuracy=" in output and "reconstruction=" in output
+    assert "val_f1=" in output and "train_classification=" in output  # torchmetrics, extras
     final = float(output.split("final: val_accuracy=")[1].split()[0])
     assert final >= 0.9, output
+
+
+@pytest.mark.distributed
+def test_custom_trainer_example_under_torchrun() -> None:
+    pytest.importorskip("sklearn")
+    code, output = run_command(torchrun_command(EXAMPLES / "custom_trainer.py"), timeout=180)
+    assert code == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("epoch 6: ")]
+    assert len(lines) == 1 and "val_f1=" in lines[0], output  # printed once, by rank 0
+    assert float(output.split("final: val_accuracy=")[1].split()[0]) >= 0.9, output
 
 
 def test_preemptible_training_example_continues_in_a_second_run(tmp_path: Path) -> None:
