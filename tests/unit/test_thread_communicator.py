@@ -102,3 +102,13 @@ def test_a_validation_error_on_one_rank_only_stops_every_rank_at_once() -> None:
         run_in_threads(evaluate, 2, timeout_s=20)
     assert "never called self.update_metrics" in str(info.value)
     assert "BrokenBarrierError" not in str(info.value), "a rank waited for the timeout"
+
+
+def test_a_rank_that_never_joins_a_collective_breaks_it_after_the_timeout() -> None:
+    def only_rank_0_waits(comm: Communicator) -> None:
+        if comm.rank == 0:
+            comm.barrier()
+
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[0\]") as info:
+        run_in_threads(only_rank_0_waits, 2, timeout_s=0.5)
+    assert "BrokenBarrierError" in str(info.value)

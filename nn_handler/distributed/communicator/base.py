@@ -70,20 +70,6 @@ def format_error(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
-def _reduce_dict_one_process(input_dict: Mapping[str, Any]) -> dict[str, Any] | None:
-    """reduce_dict's result in a group of one (NaN stays NaN), or None for nested input."""
-    result: dict[str, Any] = {}
-    for key, value in input_dict.items():
-        if isinstance(value, torch.Tensor):
-            floating = value.is_floating_point()
-            result[key] = value.detach().to(value.dtype if floating else torch.float64, copy=True)
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            result[key] = float(value)
-        else:
-            return None
-    return result
-
-
 class Communicator(ABC):
     """Collectives on tensors, numbers, nested containers of them, and picklable objects.
 
@@ -154,8 +140,6 @@ class Communicator(ABC):
         ranks; other backends wait up to the process group's timeout.
         """
         delta = to_timedelta(timeout)
-        if self.world_size == 1:
-            return
         self._check_signature("barrier()")
         self._do_barrier(delta)
 
@@ -169,11 +153,6 @@ class Communicator(ABC):
         bool tensors reduce as int64.
         """
         checked = self._check_op(op)
-        if self.world_size == 1 and isinstance(data, torch.Tensor):
-            # One process: a copy in the reduction's dtype; no flattening, no communication.
-            single = data.detach().to(_reduce_transport(data.dtype), copy=True)
-            result_tensor = self._mean(single) if checked == "mean" else single
-            return result_tensor  # type: ignore[return-value]
         leaves, spec = self._prepare(data, f"all_reduce(op={checked})")
         values = self._reduce_leaves(leaves, "sum" if checked == "mean" else checked)
         if checked == "mean":
@@ -198,8 +177,6 @@ class Communicator(ABC):
                 f"all_reduce_(op='mean') cannot write a mean into a {tensor.dtype} tensor; pass "
                 f"a floating-point tensor, or use all_reduce (it returns float64 means)."
             )
-        if self.world_size == 1:
-            return tensor
         self._check_signature(f"all_reduce_({tuple(tensor.shape)}, {tensor.dtype}, op={op})")
         target = tensor.detach()
         direct = (
@@ -229,9 +206,6 @@ class Communicator(ABC):
         checked = self._check_op(op)
         if checked == "mean":
             raise ConfigError("all_reduce_async supports sum, min, max and product, not mean.")
-        if self.world_size == 1:
-            single = tensor.detach().clone()
-            return lambda: single
         self._check_signature(f"all_reduce_async({tuple(tensor.shape)}, {tensor.dtype})")
         return self._do_all_reduce_async(tensor.detach().clone(), op)
 
@@ -247,13 +221,10 @@ class Communicator(ABC):
         """
         self._check_rank("src", src)
         leaves, spec = self._prepare(data, f"broadcast(src={src})")
-        if self.world_size == 1:
-            values = [leaf.clone() for leaf in leaves]
-        else:
-            values = _tree.packed_apply(
-                leaves, self.device, _copy_transport, lambda b: self._do_broadcast(b, src)
-            )
-            values = [v.to(leaf.dtype) for v, leaf in zip(values, leaves, strict=True)]
+        values = _tree.packed_apply(
+            leaves, self.device, _copy_transport, lambda b: self._do_broadcast(b, src)
+        )
+        values = [v.to(leaf.dtype) for v, leaf in zip(values, leaves, strict=True)]
         result: T = _tree.unflatten(spec, iter(values))
         return result
 
@@ -266,8 +237,6 @@ class Communicator(ABC):
         """
         self._require_tensor(tensor, "all_gather")
         self._check_signature("all_gather(tensor)")
-        if self.world_size == 1:
-            return [tensor.detach().clone()]
         return self._gather_variable(tensor.detach(), None, "all_gather") or []
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor]:
@@ -279,8 +248,6 @@ class Communicator(ABC):
         self._require_tensor(tensor, "gather")
         self._check_rank("dst", dst)
         self._check_signature(f"gather(tensor, dst={dst})")
-        if self.world_size == 1:
-            return [tensor.detach().clone()]
         return self._gather_variable(tensor.detach(), dst, "gather") or []
 
     def gather_into_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -303,8 +270,6 @@ class Communicator(ABC):
         members.
         """
         self._check_signature("all_gather_object(obj)")
-        if self.world_size == 1:
-            return [obj]
         frame, error = _objects.dumps(obj)
         lengths, failed_flags, small = self._exchange_small(frame, error)
         if small is not None:  # every frame came with the lengths: one round trip
@@ -334,8 +299,6 @@ class Communicator(ABC):
         """
         self._check_rank("dst", dst)
         self._check_signature(f"gather_object(obj, dst={dst})")
-        if self.world_size == 1:
-            return [obj]
         frame, error = _objects.dumps(obj)
         lengths, failed_flags = self._exchange_lengths(frame.length, error)
         if any(failed_flags):
@@ -354,8 +317,6 @@ class Communicator(ABC):
         """
         self._check_rank("src", src)
         self._check_signature(f"broadcast_object(obj, src={src})")
-        if self.world_size == 1:
-            return obj
         frame, error = _objects.dumps(obj) if self.rank == src else (_objects.Frame(b"", []), None)
         status = torch.tensor([int(error is not None), frame.length], dtype=torch.int64)
         failed_flag, length = self._do_broadcast(status.to(self.device), src).tolist()
@@ -418,10 +379,6 @@ class Communicator(ABC):
             )
         # Keys in sorted order, as detectron2's: the same dict built in another order agrees.
         ordered = dict(sorted(input_dict.items(), key=lambda item: str(item[0])))
-        if self.world_size == 1:
-            single = _reduce_dict_one_process(ordered)
-            if single is not None:
-                return single
         what = f"reduce_dict(average={average}, ignore_nan={ignore_nan})"
         leaves, spec = self._prepare(ordered, what)
         self._agree_on_structure(f"{what} {_tree.describe(spec)}")
@@ -453,8 +410,6 @@ class Communicator(ABC):
         """A random int in [0, 2**31) that is the same on every rank (rank 0's draw from
         numpy's global generator, so seeded runs repeat). Every rank must call this."""
         seed = int(np.random.randint(2**31))
-        if self.world_size == 1:
-            return seed
         self._check_signature("shared_random_seed()")
         tensor = torch.tensor([seed], dtype=torch.int64, device=self.device)
         return int(self._do_broadcast(tensor, 0).item())
@@ -493,7 +448,7 @@ class Communicator(ABC):
 
     def _check_signature(self, signature: str) -> None:
         """Debug mode: raise CollectiveMismatchError on every rank unless all signatures match."""
-        if not self._debug or self.world_size == 1:
+        if not self._debug:
             return
         digest = torch.tensor([_wire.signature_hash(signature)], dtype=torch.int64)
         digests = {int(d.item()) for d in self._do_all_gather(digest.to(self.device))}
@@ -511,7 +466,7 @@ class Communicator(ABC):
         """Raise CollectiveMismatchError on every rank unless every rank's ``signature`` (keys,
         dtypes, shapes) is the same: one max-reduce of [hash, -hash], equal only when all are.
         (Debug mode already compared the signatures.)"""
-        if self.world_size == 1 or self._debug:
+        if self._debug:
             return
         digest = _wire.signature_hash(signature)
         pair = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
@@ -526,8 +481,6 @@ class Communicator(ABC):
         )
 
     def _reduce_leaves(self, leaves: list[torch.Tensor], op: BackendReduceOp) -> list[torch.Tensor]:
-        if self.world_size == 1:
-            return [leaf.to(_reduce_transport(leaf.dtype), copy=True) for leaf in leaves]
         return _tree.packed_apply(
             leaves, self.device, _reduce_transport, lambda b: self._do_all_reduce(b, op)
         )

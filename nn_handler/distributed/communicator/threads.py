@@ -20,6 +20,7 @@ communicator's world size is 1.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,24 +40,56 @@ _COMBINE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class ThreadGroup:
-    """The meeting point of N ThreadCommunicators: each collective is one ``exchange``."""
+    """The meeting point of N ThreadCommunicators: each collective is one ``exchange``.
+
+    A barrier with generations: ``abort`` breaks the rounds not yet complete (their waiters
+    raise BrokenBarrierError) but never a round every rank already reached, which
+    ``threading.Barrier.abort`` can do to a waiter that has not woken up yet."""
 
     def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
         self.world_size = world_size
-        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self.timeout_s = timeout_s
         self._slots: list[Any] = [None] * world_size
+        self._condition = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+        self._broken = False
 
     def exchange(self, rank: int, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank, on every rank."""
         self._slots[rank] = value
-        self._barrier.wait()
+        self._wait()
         values = list(self._slots)
-        self._barrier.wait()  # nobody writes the next round before everyone has read this one
+        self._wait()  # nobody writes the next round before everyone has read this one
         return values
 
+    def _wait(self) -> None:
+        with self._condition:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.world_size:
+                self._arrived = 0
+                self._generation += 1
+                self._condition.notify_all()
+                return
+            deadline = time.monotonic() + self.timeout_s
+            while generation == self._generation and not self._broken:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._broken = True  # a rank never came: every waiter raises
+                    self._condition.notify_all()
+                    break
+                self._condition.wait(remaining)
+            if generation == self._generation:  # the round did not complete
+                raise threading.BrokenBarrierError
+
     def abort(self) -> None:
-        """Release every rank waiting in an exchange (they raise)."""
-        self._barrier.abort()
+        """Release every rank waiting in an incomplete exchange (they raise)."""
+        with self._condition:
+            self._broken = True
+            self._condition.notify_all()
 
 
 class ThreadCommunicator(Communicator):
