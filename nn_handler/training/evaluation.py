@@ -11,39 +11,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from nn_handler.config.training import TrainerConfig
 from nn_handler.data.exact import gather_in_dataset_order
-from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
-from nn_handler.strategies import Strategy
 from nn_handler.training.batch import batch_size_of, loader_length, move_to_device
-from nn_handler.training.ema import ModelEma
-from nn_handler.training.hooks import HookList
 from nn_handler.training.limits import limited
 from nn_handler.training.metrics import MetricFn, StatefulMetric, WeightedMeans, compute_stateful
-from nn_handler.training.precision import Precision
-from nn_handler.training.state import TrainerState
+from nn_handler.training.parts import TrainerParts
 
 Metric = MetricFn | StatefulMetric
 
 
-class EvaluationMixin:
+class EvaluationMixin(TrainerParts):
     """``evaluate``, ``predict`` and the per-batch ``validation_step`` / ``predict_step``."""
 
-    # Provided by Trainer (declared here for the type checker).
-    config: TrainerConfig
-    comm: Communicator
-    device: torch.device
-    log: Any
-    state: TrainerState
-    hooks: HookList
-    strategy: Strategy
-    module: nn.Module
-    model: nn.Module
-    precision: Precision
-    ema: ModelEma | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
     metrics: dict[str, Metric]
     _stateful: dict[str, StatefulMetric]
     _metric_updates: int

@@ -11,38 +11,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from nn_handler.config.training import TrainerConfig
-from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
-from nn_handler.strategies import Strategy
 from nn_handler.training.batch import loader_length
-from nn_handler.training.ema import ModelEma
 from nn_handler.training.history import Record
-from nn_handler.training.hooks import HookList
 from nn_handler.training.limits import limited, stepping_batches
-from nn_handler.training.precision import Precision
-from nn_handler.training.state import TrainerState
+from nn_handler.training.parts import TrainerParts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-class OptimizationMixin:
+class OptimizationMixin(TrainerParts):
     """``configure_optimizers``, ``estimated_stepping_batches`` and scheduler stepping."""
 
-    # Provided by Trainer (declared here for the type checker).
-    config: TrainerConfig
-    comm: Communicator
-    device: torch.device
-    log: Any
-    state: TrainerState
-    hooks: HookList
-    strategy: Strategy
-    module: nn.Module
-    model: nn.Module
-    precision: Precision
-    ema: ModelEma | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
     _scheduler_factory: Callable[[Any, int], Any] | None
     _pending_scheduler_state: Any
     _optimizers: list[torch.optim.Optimizer]

@@ -11,36 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from nn_handler.config.training import TrainerConfig
-from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, NonFiniteError
-from nn_handler.strategies import Strategy
 from nn_handler.training.batch import batch_size_of, is_scalar, move_to_device
-from nn_handler.training.ema import ModelEma
-from nn_handler.training.hooks import HookList
 from nn_handler.training.metrics import RunningLoss
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
-from nn_handler.training.precision import Precision
-from nn_handler.training.state import TrainerState
+from nn_handler.training.parts import TrainerParts
 
 
-class StepMixin:
+class StepMixin(TrainerParts):
     """``run_step`` and ``optimizer_step``."""
 
-    # Provided by Trainer (declared here for the type checker).
-    config: TrainerConfig
-    comm: Communicator
-    device: torch.device
-    log: Any
-    state: TrainerState
-    hooks: HookList
-    strategy: Strategy
-    module: nn.Module
-    model: nn.Module
-    precision: Precision
-    ema: ModelEma | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
     _params: list[nn.Parameter]
     _guard: bool
     _finite: GradientFiniteCheck
