@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
+from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
@@ -84,6 +87,46 @@ class Strategy(ABC):
         model's gradients, on every rank alike) and return the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
 
+    def checkpoint_parts(self) -> list[Part]:
+        """The model's parts of a checkpoint: ``model`` (weights and buffers with plain keys,
+        shared) and, with several ranks, ``buffers`` (each rank's own: BatchNorm statistics
+        differ between the ranks' forwards). A sharded strategy returns collective views."""
+        module = self._setup_module()
+        parts = [
+            Part(
+                "model",
+                lambda: model_state_dict(module),
+                lambda state, source: load_model_state(module, state, source=source),
+                missing="error",
+            )
+        ]
+        if self.comm.world_size > 1:
+            parts.append(
+                Part(
+                    "buffers",
+                    lambda: {n: b.detach().clone() for n, b in module.named_buffers()},
+                    lambda state, _source: _copy_buffers(module, state),
+                    per_rank=True,
+                    missing="ignore",
+                )
+            )
+        return parts
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state as a checkpoint holds it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        """Load a state from ``optimizer_state_dict`` into ``optimizer``."""
+        optimizer.load_state_dict(dict(state))
+
+    def _setup_module(self) -> nn.Module:
+        if self.module is None:
+            raise ConfigError(f"{type(self).__name__}.setup(model) has not been called.")
+        return self.module
+
     def release(self) -> None:
         """Drop the wrappers (call before the process group is destroyed); the plain module
         stays usable for evaluation."""
@@ -91,6 +134,12 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.comm.world_size}, device={self.device})"
+
+
+def _copy_buffers(module: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+    for name, buffer in module.named_buffers():
+        if name in saved:
+            buffer.copy_(saved[name])
 
 
 __all__ = ["Strategy"]

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nn_handler.errors import ConfigError, NNHandlerError
-
-if TYPE_CHECKING:
-    from nn_handler.training.trainer import Trainer
 
 HOOK_POINTS = (
     "before_train",
@@ -23,6 +20,7 @@ HOOK_POINTS = (
     "after_epoch",
     "before_step",
     "after_step",
+    "after_optimizer_step",
     "after_validation",
 )
 
@@ -34,20 +32,24 @@ class Hook:
     - ``before_epoch`` / ``after_epoch``: around each epoch; ``trainer.history.last`` holds
       the finished epoch's record in after_epoch.
     - ``before_step`` / ``after_step``: around each batch (``trainer.state`` tells which).
+    - ``after_optimizer_step``: after each optimizer step (the last batch of an accumulation
+      window), once ``trainer.state.global_step`` counts it.
     - ``after_validation(metrics)``: with the reduced validation metrics (same on every rank).
     Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only.
+    ``self.trainer`` is the Trainer the hook is attached to (typed ``Any`` so that this module
+    does not import the Trainer; annotate ``trainer: MyTrainer = self.trainer`` for checks).
     """
 
-    _trainer_ref: weakref.ReferenceType[Trainer] | None = None
+    _trainer_ref: weakref.ReferenceType[Any] | None = None
 
     @property
-    def trainer(self) -> Trainer:
+    def trainer(self) -> Any:
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if trainer is None:
             raise NNHandlerError(f"{type(self).__name__} is not attached to a live Trainer.")
         return trainer
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Any) -> None:
         self._trainer_ref = weakref.ref(trainer)
 
     def before_train(self) -> None:
@@ -68,6 +70,9 @@ class Hook:
     def after_step(self) -> None:
         """After each batch (``trainer.state.last_loss`` is a device tensor: no host sync)."""
 
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step (every rank alike, also a step skipped for NaN/inf)."""
+
     def after_validation(self, metrics: dict[str, float]) -> None:
         """After each validation run, with its reduced metrics."""
 
@@ -75,7 +80,7 @@ class Hook:
 class HookList:
     """The hooks of one trainer, indexed by the points each one overrides."""
 
-    def __init__(self, hooks: Iterable[Hook], trainer: Trainer) -> None:
+    def __init__(self, hooks: Iterable[Hook], trainer: Any) -> None:
         self.hooks = list(hooks)
         for hook in self.hooks:
             if not isinstance(hook, Hook):

@@ -5,66 +5,65 @@ after a whole epoch of training."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.config.training import TrainerConfig
 from nn_handler.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nn_handler.training.trainer import Trainer
+from nn_handler.training.early_stopping import EarlyStopping
 
 #: The keys every epoch record has (train_epoch and the loop), besides validation's.
 TRAINING_KEYS = ("epoch", "train_loss", "samples_per_sec", "epoch_time", "skipped_steps", "lr")
+#: Trainer methods whose override decides the record's keys.
+RECORD_METHODS = ("train_epoch", "validation_step", "evaluate")
 
 
-def expected_keys(trainer: Trainer, validates: bool) -> set[str] | None:
-    """The keys the epoch records of ``trainer.fit`` will have, or None when a subclass
-    decides them (an overridden ``train_epoch``, ``validation_step`` or ``evaluate``)."""
-    from nn_handler.training.trainer import Trainer
-
-    overridden = [
-        name
-        for name in ("train_epoch", "validation_step", "evaluate")
-        if getattr(type(trainer), name) is not getattr(Trainer, name)
-    ]
-    if overridden:
+def expected_keys(
+    overridden: Collection[str], metric_names: Iterable[str], validates: bool
+) -> set[str] | None:
+    """The keys the epoch records of a fit will have, or None when a subclass decides them
+    (``overridden`` names one of RECORD_METHODS)."""
+    if any(name in overridden for name in RECORD_METHODS):
         return None
     keys = set(TRAINING_KEYS)
     if validates:
-        keys |= {"val_loss", *(f"val_{name}" for name in trainer.metrics)}
+        keys |= {"val_loss", *(f"val_{name}" for name in metric_names)}
     return keys
 
 
-def monitored(trainer: Trainer) -> Iterable[tuple[str, str, str]]:
-    """(what, key, where to change it) for every key this trainer's configuration watches."""
-    stopper = trainer.early_stopping
-    if stopper is not None:
-        yield "early stopping", stopper.config.monitor, "EarlyStoppingConfig(monitor=...)"
-    manager = trainer.checkpoints
-    if manager is not None and manager.config.save_best:
-        yield "save_best", manager.config.monitor, "CheckpointConfig(monitor=...)"
+def monitored(
+    early_stopping: EarlyStopping | None,
+    checkpoint: CheckpointConfig | None,
+    scheduler: Any,
+    config: TrainerConfig,
+) -> Iterable[tuple[str, str, str]]:
+    """(what, key, where to change it) for every key the configuration watches
+    (``checkpoint``: the config of a run that writes checkpoints, else None)."""
+    if early_stopping is not None:
+        yield "early stopping", early_stopping.config.monitor, "EarlyStoppingConfig(monitor=...)"
+    if checkpoint is not None and checkpoint.save_best:
+        yield "save_best", checkpoint.monitor, "CheckpointConfig(monitor=...)"
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-    if isinstance(trainer.scheduler, plateau) and trainer.config.scheduler_interval == "epoch":
-        yield (
-            "ReduceLROnPlateau",
-            trainer.config.scheduler_monitor,
-            ("TrainerConfig(scheduler_monitor=...)"),
-        )
+    if isinstance(scheduler, plateau) and config.scheduler_interval == "epoch":
+        yield "ReduceLROnPlateau", config.scheduler_monitor, "TrainerConfig(scheduler_monitor=...)"
 
 
-def check_monitors(trainer: Trainer, validates: bool) -> None:
-    """Raise ConfigError when a monitored key is not one the run will produce (where that can
-    be known). The same decision on every rank: it depends on the configuration only."""
-    keys = expected_keys(trainer, validates)
+def check_monitors(
+    keys: set[str] | None,
+    watched: Iterable[tuple[str, str, str]],
+    validates: bool,
+    own_training_keys: bool,
+) -> None:
+    """Raise ConfigError when a watched key is not one the run will produce (where that can be
+    known: ``keys`` from expected_keys). ``own_training_keys``: an overridden training_step may
+    return more scalars, logged as train_<name>. The same decision on every rank: it depends on
+    the configuration only."""
     if keys is None:
         return
-    from nn_handler.training.trainer import Trainer
-
-    # An overridden training_step may return more scalars, logged as train_<name>.
-    own_training_keys = type(trainer).training_step is not Trainer.training_step
-    for what, key, setting in monitored(trainer):
+    for what, key, setting in watched:
         if key in keys or (own_training_keys and key.startswith("train_")):
             continue
         if key.startswith("val_") and not validates:
@@ -80,4 +79,4 @@ def check_monitors(trainer: Trainer, validates: bool) -> None:
         )
 
 
-__all__ = ["TRAINING_KEYS", "check_monitors", "expected_keys", "monitored"]
+__all__ = ["RECORD_METHODS", "TRAINING_KEYS", "check_monitors", "expected_keys", "monitored"]

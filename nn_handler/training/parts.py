@@ -13,6 +13,7 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.strategies import Strategy
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.hooks import HookList
+from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.state import TrainerState
 
@@ -25,6 +26,7 @@ class TrainerParts:
     device: torch.device
     log: Any
     state: TrainerState
+    position: LoopPosition
     hooks: HookList
     strategy: Strategy
     module: nn.Module

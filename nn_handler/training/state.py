@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-
-@runtime_checkable
-class Stateful(Protocol):
-    """What ``Trainer.track`` keeps in checkpoints."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
+from nn_handler.checkpoint.registry import Stateful
 
 
 @dataclass

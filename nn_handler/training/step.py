@@ -13,7 +13,6 @@ from torch import nn
 
 from nn_handler.errors import ConfigError, NonFiniteError
 from nn_handler.training.batch import batch_size_of, is_scalar, move_to_device
-from nn_handler.training.metrics import RunningLoss
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.parts import TrainerParts
 
@@ -27,7 +26,6 @@ class StepMixin(TrainerParts):
     _buffers: BufferSnapshot | None
     _window_losses: list[torch.Tensor]
     _non_blocking: bool
-    _running: RunningLoss | None
     _optimizers: list[torch.optim.Optimizer]
     _schedulers: list[Any]
     automatic_optimization: bool
@@ -75,7 +73,8 @@ class StepMixin(TrainerParts):
 
     def _record_extras(self, output: Any, batch: Any) -> None:
         """Other scalars the step returned: sample-weighted per epoch, no host sync here."""
-        if not isinstance(output, Mapping) or len(output) < 2 or self._running is None:
+        running = self.position.running
+        if not isinstance(output, Mapping) or len(output) < 2 or running is None:
             return
         extras = {
             k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
@@ -83,7 +82,7 @@ class StepMixin(TrainerParts):
             if k != "loss" and is_scalar(v)
         }
         if extras:
-            self._running.extras.update(extras, batch_size_of(batch))
+            running.extras.update(extras, batch_size_of(batch))
 
     # ----------------------------------------------------------------- manual optimization
     def _manual_step(self, batch: Any) -> torch.Tensor:

@@ -18,37 +18,38 @@ model while training, the plain or EMA model while evaluating).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
 from torch import nn
 
-from nn_handler.checkpoint.manager import CheckpointManager
-from nn_handler.checkpoint.rng import capture_rng, restore_rng
+from nn_handler.checkpoint.rng import restore_rng
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import CheckpointError, ConfigError, UnevenDataError
 from nn_handler.strategies import Strategy, select_strategy
 from nn_handler.training.batch import batch_size_of, loader_length, set_epoch
-from nn_handler.training.checkpointing import build_checkpoint, describe_loader, plain_config
+from nn_handler.training.checkpoint_api import CheckpointMixin
+from nn_handler.training.checkpointing import plain_config
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.evaluation import EvaluationMixin, Metric
-from nn_handler.training.fault_tolerance import FaultTolerance
+from nn_handler.training.fault_tolerance import failing_together
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
 from nn_handler.training.limits import limited, window
 from nn_handler.training.metrics import RunningLoss, StatefulMetric
-from nn_handler.training.monitors import check_monitors
+from nn_handler.training.monitors import RECORD_METHODS, check_monitors, expected_keys, monitored
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.optimization import OptimizationMixin, OptimizerFactory
+from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.state import Stateful, TrainerState
@@ -57,7 +58,7 @@ from nn_handler.training.step import StepMixin
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
+class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
     """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
 
     How the model is parallelised is the Strategy's (``TrainerConfig.strategy``, see
@@ -103,20 +104,14 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                 metric.to(self.device)
         self.history = History()
         self.state = TrainerState()
+        self.position = LoopPosition(self.state)
         self.early_stopping = (
             EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
         )
         self.hooks = HookList(hooks, self)
         self._scheduler_factory: Callable[[Any, int], Any] | None = None
         self._pending_scheduler_state: Any = None
-        #: The user's own checkpointed state, by name (see ``track``).
-        self.tracked: dict[str, Stateful] = {}
-        for hook in self.hooks.hooks:
-            if isinstance(hook, Stateful):
-                name = f"hook.{type(hook).__name__}"
-                self.tracked[
-                    name if name not in self.tracked else f"{name}.{len(self.tracked)}"
-                ] = hook
+        self._tracked: dict[str, Stateful] = {}
         # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
         self._adopt_optimizers(self.configure_optimizers(optimizer, scheduler))
         self._check_scheduler()
@@ -132,43 +127,18 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
         self._metric_updates = 0
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
         #: whole HandlerConfig here).
-        self.run_config: dict[str, Any] = {
+        run_config: dict[str, Any] = {
             "trainer": plain_config(self.config),
             "precision": plain_config(precision or PrecisionConfig()),
             "ema": plain_config(ema or EmaConfig()),
             "checkpoint": plain_config(checkpoint or CheckpointConfig()),
         }
-        self.epoch_rng: dict[str, Any] | None = None
-        self.batches_done = 0
-        self.data_description: dict[str, Any] = {}
-        self._running: RunningLoss | None = None
-        self.fault_tolerance = FaultTolerance(self, checkpoint or CheckpointConfig())
+        self._build_checkpointing(checkpoint or CheckpointConfig(), run_config, self.hooks.hooks)
 
     # ----------------------------------------------------------------- construction
     @property
     def is_main_process(self) -> bool:
         return self.comm.rank == 0
-
-    def track(self, name: str, obj: Stateful) -> None:
-        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
-        every checkpoint under ``name``: each rank's own state is saved and restored on that
-        rank, so per-rank sums or counters resume exactly. Call it on every rank before ``fit``
-        or ``resume`` (which restore it), e.g. in ``configure_optimizers`` or right after
-        building the handler. Hooks with ``state_dict``/``load_state_dict`` are tracked by
-        themselves, as ``hook.<ClassName>``."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"track needs a non-empty str name, got {name!r}.")
-        missing = [
-            m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
-        ]
-        if missing:
-            raise ConfigError(
-                f"track({name!r}, ...): {type(obj).__name__} has no {' or '.join(missing)}; "
-                f"track an object with state_dict() and load_state_dict(state)."
-            )
-        if name in self.tracked and self.tracked[name] is not obj:
-            raise ConfigError(f"track: the name {name!r} is already tracked for another object.")
-        self.tracked[name] = obj
 
     def release_wrappers(self) -> None:
         """Drop the strategy's wrappers (DDP, compile), keeping the plain module for evaluation.
@@ -234,7 +204,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
             )
         self._check_equal_lengths(total)
         running = RunningLoss(self.config.log_every_n_steps)
-        self._running = running
+        self.position.running = running
         self._window_losses.clear()  # nothing left over from an epoch that raised
         bar = ProgressBar(
             self.config.progress_bar and self.is_main_process,
@@ -258,8 +228,11 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                 running.end_window,
                 bar.update,
             )
-            after_optimizer_step = self.fault_tolerance.after_optimizer_step
-            per_step = self.fault_tolerance.wants_step_calls()
+            after_optimizer_step = self._after_optimizer_step
+            checkpoint_hook = self.checkpoint_hook
+            per_step = hooks.has("after_optimizer_step") or (
+                checkpoint_hook is not None and checkpoint_hook.wants_step_calls()
+            )
             max_steps = self.config.max_steps
             if total is not None and self._train_limit() is not None:  # a limited epoch
                 batches = itertools.islice(batches, max(total - first, 0))
@@ -273,7 +246,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                 state.last_loss = loss
                 add(loss, batch_size_of(batch))
                 if synced:
-                    self.batches_done = index + 1
+                    self.position.batches_done = index + 1
                     end_window(end - start, state.skipped_in_a_row > 0)
                 if after:
                     hooks.call("after_step")
@@ -292,7 +265,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                     break
         finally:
             bar.close()
-            self._running = None
+            self.position.running = None
         loss_value, samples, extras = running.compute(self.comm, self.device)
         elapsed = time.perf_counter() - started
         record = {
@@ -330,7 +303,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
         resume, the batches already trained are read and discarded (so the data order and
         the RNG streams continue exactly) and the partial loss and RNG state are restored."""
         iterator = iter(loader)
-        point = self.fault_tolerance.take_resume_point()
+        point = self.position.take_resume()
         if point is None or not point.batches_done:
             return iterator, 0
         for done in range(point.batches_done):
@@ -364,22 +337,43 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
         if self.config.fast_dev_run:
             epochs = self.state.epoch + 1
-        check_monitors(self, validates=val_loader is not None)
+        self._check_monitors(validates=val_loader is not None)
+        checkpoint_hook = self.checkpoint_hook
         failed = True
         try:
-            with self.fault_tolerance.failing_together():
+            with failing_together(self.comm, self.state, self.release_wrappers):
                 self._build_deferred_scheduler(train_loader, epochs)
-                self.fault_tolerance.begin_fit(train_loader)
+                self.checkpointing.begin_fit(train_loader)
                 self._warn_if_the_schedule_ends_early(epochs, train_loader)
                 self._together("before_train hooks", lambda: self.hooks.call("before_train"))
-                with self.fault_tolerance.watching():
+                with checkpoint_hook.watching() if checkpoint_hook else contextlib.nullcontext():
                     while self.state.epoch < epochs and not self._stop_before_epoch():
                         self._run_epoch(train_loader, val_loader, epochs)
-                    self.fault_tolerance.end_fit()
+                    if checkpoint_hook is not None:
+                        checkpoint_hook.end_fit()
             failed = False
         finally:
             self._after_train(failed)
         return self.history
+
+    def _check_monitors(self, validates: bool) -> None:
+        """Monitored keys (early stopping, save_best, ReduceLROnPlateau) the run will never
+        record are a ConfigError before the first step."""
+        base = Trainer
+        overridden = {m for m in RECORD_METHODS if getattr(type(self), m) is not getattr(base, m)}
+        checkpoint = self.checkpoint_config if self.checkpoints is not None else None
+        check_monitors(
+            expected_keys(overridden, self.metrics, validates),
+            monitored(self.early_stopping, checkpoint, self.scheduler, self.config),
+            validates,
+            own_training_keys=type(self).training_step is not base.training_step,
+        )
+
+    def _after_optimizer_step(self) -> None:
+        """The user's ``after_optimizer_step`` hooks, then the checkpoint policy's."""
+        self.hooks.call("after_optimizer_step")
+        if self.checkpoint_hook is not None:
+            self.checkpoint_hook.after_optimizer_step()
 
     def _stop_before_epoch(self) -> bool:
         max_steps = self.config.max_steps
@@ -398,11 +392,7 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
-        point = self.fault_tolerance.resume_point
-        if point is not None and point.start_rng is not None:
-            restore_rng(point.start_rng)
-        self.epoch_rng = capture_rng()
-        self.data_description = describe_loader(train_loader)
+        self.position.start_epoch(train_loader)
         set_epoch(train_loader, self.state.epoch)
         self._together("before_epoch hooks", lambda: self.hooks.call("before_epoch"))
         record: Record = {"epoch": float(self.state.epoch + 1)}
@@ -413,10 +403,11 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
         self._step_scheduler_per_epoch(record)
         self.history.append(record)
         self.state.epoch += 1
-        self.batches_done = 0
+        self.position.end_epoch()
         self._together("early stopping and after_epoch hooks", self._end_epoch)
         self.state.should_stop = self._agree(self.state.should_stop)
-        self.fault_tolerance.after_epoch(record)
+        if self.checkpoint_hook is not None:
+            self.checkpoint_hook.after_epoch()
         self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
         if self.state.should_stop and self.early_stopping is not None:
             self.log.info(
@@ -426,61 +417,6 @@ class Trainer(EvaluationMixin, StepMixin, OptimizationMixin):
                 self.early_stopping.best,
                 self.early_stopping.best_epoch,
             )
-
-    # ----------------------------------------------------------------- checkpoints
-    @property
-    def checkpoints(self) -> CheckpointManager | None:
-        """The CheckpointManager of CheckpointConfig.dir (None without a folder)."""
-        return self.fault_tolerance.manager
-
-    @property
-    def checkpoint_config(self) -> CheckpointConfig:
-        return self.fault_tolerance.config
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The full checkpoint (see training/checkpointing.py) on rank 0, None on the other
-        ranks. Every rank must call this (it gathers every rank's RNG state)."""
-        return build_checkpoint(self, self._running)
-
-    def load_state_dict(
-        self,
-        checkpoint: Mapping[str, Any],
-        source: str = "checkpoint",
-        allow_world_size_change: bool | None = None,
-    ) -> None:
-        """Restore a checkpoint from ``state_dict``; the next ``fit`` continues exactly
-        where it was written (mid-epoch too). ``allow_world_size_change`` (default:
-        CheckpointConfig.allow_world_size_change) accepts another number of ranks between
-        epochs. Every rank must call this with the same one."""
-        self.fault_tolerance.load(checkpoint, source, allow_world_size_change)
-
-    def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:
-        """Write the full checkpoint to ``path`` atomically (rank 0 writes). Every rank must
-        call this; all raise CheckpointError if the write failed."""
-        return self.fault_tolerance.save(path, budget_s)
-
-    def save_periodic(self, budget_s: float | None = None) -> Path:
-        """Write the periodic checkpoint of the current position (named by epoch and step) and
-        point latest.json at it. Every rank must call this."""
-        return self.fault_tolerance.save_periodic(budget_s)
-
-    def resume(
-        self,
-        path: str | Path = "latest",
-        *,
-        allow_world_size_change: bool | None = None,
-        missing_ok: bool = False,
-    ) -> Path | None:
-        """Load a checkpoint so that the next ``fit`` continues the run exactly.
-
-        ``path`` is a checkpoint file, a checkpoint folder, or "latest" (the newest complete
-        checkpoint in CheckpointConfig.dir; an unreadable newest one falls back to the previous).
-        Rank 0 chooses the file and every rank loads it (map_location: this rank's device).
-        Returns the path, or None when ``missing_ok`` and there is none.
-        ``allow_world_size_change`` defaults to CheckpointConfig.allow_world_size_change.
-        Every rank must call this; a failure on any rank raises CheckpointError on every rank.
-        """
-        return self.fault_tolerance.resume(path, allow_world_size_change, missing_ok)
 
     def _end_epoch(self) -> None:
         stopper = self.early_stopping

@@ -1,0 +1,173 @@
+"""StateRegistry: the named stateful parts a checkpoint holds, collected and restored without
+knowing whose they are.
+
+A part is shared (one state for the run, taken from rank 0) or per rank (every rank's own
+state: RNG streams, partial sums, a user's per-rank counters). ``collect`` gathers them into
+``({name: state}, [per rank {name: state}])``; ``restore`` gives each part its state back and
+says what was not used. The Trainer's checkpoint format (training/checkpointing.py) is built
+on it; a strategy contributes its model's parts (strategies/base.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from loguru import logger
+
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import CheckpointError
+
+#: What a part does when the checkpoint has no state for it.
+Missing = Literal["warn", "error", "ignore"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """One named entry of a checkpoint.
+
+    Attributes:
+        name: its key in the checkpoint.
+        save: returns its state (plain values and tensors).
+        load: takes a saved state back: ``load(state, source)``, source naming the checkpoint
+            for error messages.
+        per_rank: every rank saves and restores its own state.
+        missing: when a checkpoint has no state for it: warn and start fresh, raise, or say
+            nothing (state that may legitimately be absent).
+        on_resize: a per-rank part restored with another number of ranks: every rank takes
+            rank 0's state ("rank0") or keeps its own ("keep").
+        collective: ``save`` must run on every rank (a sharded model's full state); shared
+            parts otherwise run on rank 0 only.
+    """
+
+    name: str
+    save: Callable[[], Any]
+    load: Callable[[Any, str], Any]
+    per_rank: bool = False
+    missing: Missing = "warn"
+    on_resize: Literal["rank0", "keep"] = "keep"
+    collective: bool = False
+
+
+def part_of(
+    name: str,
+    obj: Stateful,
+    *,
+    per_rank: bool = False,
+    missing: Missing = "warn",
+    on_resize: Literal["rank0", "keep"] = "keep",
+) -> Part:
+    """The Part of a Stateful object."""
+    return Part(
+        name,
+        obj.state_dict,
+        lambda state, _source: obj.load_state_dict(state),
+        per_rank,
+        missing=missing,
+        on_resize=on_resize,
+    )
+
+
+class StateRegistry:
+    """The named parts of a checkpoint, in the order they are saved and restored."""
+
+    def __init__(self, parts: Iterable[Part] = ()) -> None:
+        self._parts: dict[str, Part] = {}
+        for part in parts:
+            self.add(part)
+
+    def add(self, part: Part, *, replace: bool = False) -> None:
+        """Register ``part``; a name registered twice is an error unless ``replace``."""
+        if part.name in self._parts and not replace:
+            raise CheckpointError(f"the checkpoint part {part.name!r} is registered twice.")
+        self._parts[part.name] = part
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts
+
+    def names(self, per_rank: bool | None = None) -> list[str]:
+        return [p.name for p in self._parts.values() if per_rank is None or p.per_rank == per_rank]
+
+    def collect(self, comm: Communicator) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(shared states, every rank's states) on rank 0, None elsewhere. Every rank must
+        call this (one gather_object of the per-rank states when there are several ranks)."""
+        parts = list(self._parts.values())
+        mine = {p.name: p.save() for p in parts if p.per_rank}
+        collective = {p.name: p.save() for p in parts if p.collective and not p.per_rank}
+        ranks = comm.gather_object(mine, dst=0) if comm.world_size > 1 else [mine]
+        if comm.rank != 0:
+            return None
+        shared = {
+            p.name: collective[p.name] if p.collective else p.save()
+            for p in parts
+            if not p.per_rank
+        }
+        return shared, list(ranks)
+
+    def restore(
+        self,
+        shared: Mapping[str, Any],
+        ranks: Sequence[Mapping[str, Any]],
+        rank: int,
+        source: str,
+        *,
+        same_world: bool = True,
+        ignore: Iterable[str] = (),
+    ) -> None:
+        """Give every part its saved state: shared parts from ``shared``, per-rank parts from
+        ``ranks[rank]`` (after a change of world size, ``on_resize`` decides). Every rank must
+        call this with the same checkpoint. Keys no part uses are named once (an info line);
+        ``ignore`` lists keys that are not parts."""
+        skip = set(ignore)
+        for part in self._parts.values():
+            if not part.per_rank:
+                _restore(part, shared.get(part.name), source)
+        mine: Mapping[str, Any] | None = ranks[rank] if same_world and rank < len(ranks) else None
+        first: Mapping[str, Any] = ranks[0] if ranks else {}
+        for part in self._parts.values():
+            if not part.per_rank:
+                continue
+            if mine is not None:
+                _restore(part, mine.get(part.name), source)
+            elif part.on_resize == "rank0":
+                _restore(part, first.get(part.name), source)
+        unused = sorted(
+            {k for k, v in shared.items() if v is not None and k not in self._parts} - skip
+        ) + sorted({k for k, v in first.items() if v is not None and k not in self._parts})
+        if unused:
+            logger.info("{}: {} not used (this run has no such part)", source, unused)
+
+
+def _restore(part: Part, state: Any, source: str) -> None:
+    if state is None:
+        if part.missing == "error":
+            raise CheckpointError(
+                f"{source} has no {part.name!r} state; it was not written by this kind of run."
+            )
+        if part.missing == "warn":
+            logger.warning(
+                "{} has no {} state; this run's {} starts fresh", source, part.name, part.name
+            )
+        return
+    try:
+        part.load(state, source)
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError, RuntimeError, TypeError) as error:
+        raise CheckpointError(
+            f"cannot load the {part.name} state from {source}: {error}. Build the {part.name} "
+            f"the same way as the run that wrote it."
+        ) from error
+
+
+__all__ = ["Missing", "Part", "StateRegistry", "Stateful", "part_of"]

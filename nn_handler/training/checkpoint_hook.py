@@ -1,0 +1,143 @@
+"""CheckpointHook: periodic and best checkpoints and preemption, at the loop's hook points.
+
+``after_optimizer_step``: a step checkpoint every ``every_n_steps`` and the agreed SIGTERM /
+Ctrl-C check; ``after_epoch``: an epoch checkpoint, best.pt and a forced preemption check. The
+Trainer also enters ``watching()`` around its epochs and calls ``end_fit()`` when fit completes.
+It runs after the user's hooks at each point, outside their error agreement: everything it
+does is collective, and its errors are agreed on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nn_handler.checkpoint.manager import CheckpointManager
+from nn_handler.checkpoint.registry import Part
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.errors import CheckpointError, ConfigError, TrainingInterrupted, TrainingPreempted
+from nn_handler.training.checkpointing import TrainerCheckpoints
+from nn_handler.training.history import History
+from nn_handler.training.hooks import Hook
+from nn_handler.training.preemption import PreemptionWatch
+
+
+class CheckpointHook(Hook):
+    """The checkpoint policy of ``CheckpointConfig`` for one fit (needs a checkpoint folder).
+
+    Attributes:
+        watch: the SIGTERM / Ctrl-C watch while ``watching()`` is entered (None otherwise, and
+            when ``handle_sigterm`` is off).
+    """
+
+    def __init__(
+        self, checkpoints: TrainerCheckpoints, history: History, device: torch.device
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.manager: CheckpointManager = checkpoints.require_manager("CheckpointHook")
+        self.config: CheckpointConfig = checkpoints.config
+        self.state = checkpoints.position.state
+        self.history = history
+        self.device = device
+        self.watch: PreemptionWatch | None = None
+
+    def part(self) -> Part:
+        """The ``best`` value save_best compares with, kept in checkpoints."""
+
+        def load(value: Any, _source: str) -> None:
+            self.manager.best_value = float(value)
+
+        return Part("best", lambda: self.manager.best_value, load, missing="ignore")
+
+    def watching(self) -> contextlib.AbstractContextManager[Any]:
+        """SIGTERM and Ctrl-C handling around the loop (when handle_sigterm is on; Ctrl-C also
+        needs handle_sigint)."""
+        if not self.config.handle_sigterm:
+            self.watch = None
+            return contextlib.nullcontext()
+        comm = self.checkpoints.comm
+        self.watch = PreemptionWatch(
+            comm,
+            self.device,
+            self.config.preemption_check_interval_s,
+            interrupt=self.config.handle_sigint,
+        )
+        return self.watch
+
+    def wants_step_calls(self) -> bool:
+        """Whether ``after_optimizer_step`` has anything to do in this fit; the loop skips the
+        call otherwise."""
+        return bool(self.config.save_last and self.config.every_n_steps) or self.watch is not None
+
+    # ----------------------------------------------------------------- hook points
+    def after_optimizer_step(self) -> None:
+        """Step checkpoints and the preemption check (the same steps on every rank)."""
+        every, step = self.config.every_n_steps, self.state.global_step
+        if self.config.save_last and every and step % every == 0:
+            self.checkpoints.save_periodic()
+        if self.watch is not None and self.watch.agreed(step):
+            self.preempt()
+
+    def after_epoch(self) -> None:
+        """Epoch checkpoints, best.pt, and a forced preemption check."""
+        config, state, record = self.config, self.state, self.history.last
+        path: Path | None = None
+        every = config.every_n_epochs
+        if config.save_last and every is not None and state.epoch % every == 0:
+            path = self.checkpoints.save_periodic()
+        if config.save_best:
+            if config.monitor not in record:
+                raise ConfigError(
+                    f"save_best monitors {config.monitor!r}, but the epoch record has only "
+                    f"{sorted(record)}; set CheckpointConfig(monitor=...)."
+                )
+            value = float(record[config.monitor])
+            if self.manager.improves(value):
+                checkpoint = self.checkpoints.state_dict() if path is None else None
+                self.manager.update_best(value, path, checkpoint)
+        if self.watch is not None and self.watch.agreed(state.global_step, force=True):
+            self.preempt()
+
+    def end_fit(self) -> None:
+        """The last position is saved (save_last) unless it already is."""
+        if self.config.save_last and self.manager.last_saved_step != self.state.global_step:
+            self.checkpoints.save_periodic()
+
+    def preempt(self) -> None:
+        """Every rank agreed that a SIGTERM or a Ctrl-C arrived: write the emergency
+        checkpoint (within the budget) and leave with TrainingPreempted (TrainingInterrupted
+        for a Ctrl-C)."""
+        manager, config, log = self.manager, self.config, self.checkpoints.log
+        step = self.state.global_step
+        path: Path | None = None
+        # Decided from memory, the same on every rank (a directory listing could differ
+        # between machines, and only some ranks would then enter the collective save).
+        if manager.last_saved_step == step:
+            path = manager.last_saved_path
+        else:
+            try:
+                path = self.checkpoints.save_periodic(budget_s=config.preemption_budget_s)
+            except CheckpointError as error:
+                log.error("no emergency checkpoint: {}", error)
+        interrupted = self.watch is not None and self.watch.agreed_interrupt
+        manager.mark_preempted("interrupted" if interrupted else "preempted")
+        saved = str(path) if path else None
+        stop = (
+            TrainingInterrupted(saved, step)
+            if interrupted
+            else TrainingPreempted(config.preemption_exit_code, saved, step)
+        )
+        log.warning(
+            "{} after optimizer step {}: exiting with status {} (checkpoint {})",
+            "interrupted" if interrupted else "preempted",
+            step,
+            stop.code,
+            path,
+        )
+        raise stop
+
+
+__all__ = ["CheckpointHook"]

@@ -1,0 +1,211 @@
+"""LoopPosition: where the training loop is, as checkpoint parts.
+
+It absorbs what only checkpoints need: the RNG state at the start of the epoch, the batches
+done in it, the loader's description and the partial epoch loss. Its parts:
+
+- ``trainer`` (shared): epochs completed, optimizer steps, batches done, skipped steps, stop;
+- ``data`` (shared): the loader's seed, batch size and batches per epoch;
+- ``rng``, ``epoch_rng``, ``running`` (per rank): the RNG state now and at the epoch start, and
+  the partial epoch loss.
+
+Restoring them leaves a ResumePoint that the loop takes when it restarts: mid-epoch it re-reads
+(and discards) the batches already trained, so the data order, the RNG streams and the summed
+losses continue exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+from nn_handler.checkpoint.registry import Part
+from nn_handler.checkpoint.rng import capture_rng, restore_rng
+from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.training.metrics import RunningLoss
+from nn_handler.training.state import TrainerState
+
+
+@dataclass
+class ResumePoint:
+    """What a loaded checkpoint still has to restore once the loop restarts.
+
+    Attributes:
+        start_rng: this rank's RNG state to set at the start of the next epoch (None: keep).
+        step_rng: the RNG state to set after skipping ``batches_done`` batches (mid-epoch).
+        batches_done: batches of the current epoch already trained.
+        running: the partial epoch loss (mid-epoch).
+        skipped_steps: steps of the current epoch skipped for NaN/inf.
+        data: the loader description the checkpoint was written with.
+    """
+
+    start_rng: dict[str, Any] | None = None
+    step_rng: dict[str, Any] | None = None
+    batches_done: int = 0
+    running: dict[str, Any] | None = None
+    skipped_steps: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def describe_loader(loader: Iterable[Any]) -> dict[str, Any]:
+    """The facts of a loader that fix its data order: seed, batch size, batches per epoch."""
+    sampler = getattr(loader, "sampler", None)
+    seed = getattr(loader, "seed", getattr(sampler, "seed", None))
+    try:
+        batches: int | None = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        batches = None
+    return {
+        "seed": seed if isinstance(seed, int) else None,
+        "batch_size": getattr(loader, "batch_size", None),
+        "batches_per_epoch": batches,
+    }
+
+
+class LoopPosition:
+    """The loop's position (TrainerState plus what only checkpoints need).
+
+    Attributes:
+        state: the Trainer's TrainerState (shared, not copied).
+        batches_done: batches of the current epoch that ended an optimizer step.
+        epoch_rng: this rank's RNG state at the start of the current epoch.
+        data: the current loader's description.
+        running: the current epoch's partial loss (None between epochs).
+        resume: what a restored checkpoint still has to restore (None: nothing).
+    """
+
+    def __init__(self, state: TrainerState) -> None:
+        self.state = state
+        self.batches_done = 0
+        self.epoch_rng: dict[str, Any] | None = None
+        self.data: dict[str, Any] = {}
+        self.running: RunningLoss | None = None
+        self.resume: ResumePoint | None = None
+
+    # ----------------------------------------------------------------- the loop's calls
+    def start_epoch(self, loader: Iterable[Any]) -> None:
+        """Restore a resumed epoch's starting RNG, then remember it and the loader."""
+        if self.resume is not None and self.resume.start_rng is not None:
+            restore_rng(self.resume.start_rng)
+        self.epoch_rng = capture_rng()
+        self.data = describe_loader(loader)
+
+    def end_epoch(self) -> None:
+        self.batches_done = 0
+
+    def take_resume(self) -> ResumePoint | None:
+        point, self.resume = self.resume, None
+        return point
+
+    def check_saveable(self) -> None:
+        """A checkpoint inside an epoch must be taken at the end of an accumulation window
+        (the accumulated gradients are not saved). The same answer on every rank."""
+        if self.running is not None and not self.state.step_synced:
+            raise ConfigError(
+                f"cannot checkpoint in the middle of an accumulation window (batch "
+                f"{self.state.batch_index + 1} of epoch {self.state.epoch + 1}): the "
+                f"accumulated gradients are not saved. Save when trainer.state.step_synced is "
+                f"True."
+            )
+
+    # ----------------------------------------------------------------- checkpoint parts
+    def parts(self) -> list[Part]:
+        return [
+            Part("trainer", self._save_position, self._load_position, missing="error"),
+            Part("data", lambda: dict(self.data), self._load_data, missing="ignore"),
+            Part("rng", capture_rng, self._load_rng, per_rank=True, missing="ignore"),
+            Part(
+                "epoch_rng",
+                lambda: self.epoch_rng,
+                self._load_epoch_rng,
+                per_rank=True,
+                missing="ignore",
+            ),
+            Part(
+                "running",
+                lambda: self.running.state_dict() if self.running is not None else None,
+                self._load_running,
+                per_rank=True,
+                missing="ignore",
+            ),
+        ]
+
+    def saved_batches_done(self, shared: dict[str, Any]) -> int:
+        """The batches done recorded in a checkpoint's shared states."""
+        return int((shared.get("trainer") or {}).get("batches_done", 0))
+
+    def _save_position(self) -> dict[str, Any]:
+        state = self.state
+        return {
+            "epoch": state.epoch,
+            "global_step": state.global_step,
+            "batches_done": self.batches_done,
+            "skipped_steps": state.skipped_steps,
+            "skipped_in_a_row": state.skipped_in_a_row,
+            "should_stop": state.should_stop,
+        }
+
+    def _load_position(self, saved: dict[str, Any], _source: str) -> None:
+        state = self.state
+        state.epoch = int(saved["epoch"])
+        state.global_step = int(saved["global_step"])
+        state.should_stop = bool(saved["should_stop"])
+        state.skipped_steps = int(saved["skipped_steps"])
+        state.skipped_in_a_row = int(saved.get("skipped_in_a_row", 0))
+        self.resume = ResumePoint(
+            batches_done=int(saved["batches_done"]), skipped_steps=state.skipped_steps
+        )
+
+    def _point(self) -> ResumePoint:
+        if self.resume is None:  # the shared 'trainer' part is restored first
+            self.resume = ResumePoint()
+        return self.resume
+
+    def _load_data(self, saved: dict[str, Any], _source: str) -> None:
+        self._point().data = dict(saved)
+
+    def _load_rng(self, saved: dict[str, Any], _source: str) -> None:
+        point = self._point()
+        if point.batches_done:
+            point.step_rng = saved
+        else:
+            point.start_rng = saved
+
+    def _load_epoch_rng(self, saved: dict[str, Any], _source: str) -> None:
+        point = self._point()
+        if point.batches_done:
+            point.start_rng = saved
+
+    def _load_running(self, saved: dict[str, Any], _source: str) -> None:
+        point = self._point()
+        if point.batches_done:
+            point.running = saved
+
+
+def check_data(point: ResumePoint, loader: Iterable[Any], rank: int) -> None:
+    """Warn when the loader differs from the checkpoint's (its data order would too); refuse
+    a mid-epoch position the loader cannot reach."""
+    now = describe_loader(loader)
+    changed = {
+        k: (v, now.get(k))
+        for k, v in point.data.items()
+        if v is not None and now.get(k) is not None and now.get(k) != v
+    }
+    if changed:
+        logger.bind(rank=rank).warning(
+            "the training loader differs from the checkpoint's ({}): the data order will "
+            "differ from an uninterrupted run",
+            ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()),
+        )
+    batches = now.get("batches_per_epoch")
+    if point.batches_done and batches is not None and point.batches_done > batches:
+        raise CheckpointError(
+            f"the checkpoint stopped after batch {point.batches_done} of its epoch, but this "
+            f"loader has only {batches} batches per epoch; resume with the same data and "
+            f"batch size."
+        )
+
+
+__all__ = ["LoopPosition", "ResumePoint", "check_data", "describe_loader"]
