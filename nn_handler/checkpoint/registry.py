@@ -142,10 +142,15 @@ class StateRegistry:
             elif part.on_resize == "rank0":
                 _restore(part, first.get(part.name), source)
         unused = sorted(
-            {k for k, v in shared.items() if v is not None and k not in self._parts} - skip
-        ) + sorted({k for k, v in first.items() if v is not None and k not in self._parts})
+            {k for k, v in shared.items() if _holds_state(v) and k not in self._parts} - skip
+        ) + sorted({k for k, v in first.items() if _holds_state(v) and k not in self._parts})
         if unused:
             logger.info("{}: {} not used (this run has no such part)", source, unused)
+
+
+def _holds_state(value: Any) -> bool:
+    """Not None and not an empty list or dict (what a run without the part writes)."""
+    return value is not None and not (isinstance(value, (list, tuple, dict)) and not value)
 
 
 def _restore(part: Part, state: Any, source: str) -> None:

@@ -1,9 +1,11 @@
-"""The Strategy seam in a real 2-rank gloo group: 'auto' is DDP, 'single' is refused, and a
-communicator double that disagrees with the group is a ConfigError naming both views."""
+"""The Strategy seam and the Trainer's parts in a real 2-rank gloo group: 'auto' is DDP,
+'single' is refused, a communicator double that disagrees with the group is a ConfigError
+naming both views; the collectives per step, extra logged values, per-rank tracked state, the
+after_optimizer_step point and a GAN. One spawned group runs every check (the suite stays
+fast); each test reads its part of the results."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,8 +38,25 @@ def _choices(rank: int, world_size: int) -> dict[str, Any]:
     return seen
 
 
-def test_strategy_choices_in_a_real_group() -> None:
-    for rank, seen in enumerate(run_group(_choices, 2)):
+def _every_check(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    return {
+        "choices": _choices(rank, world_size),
+        "collectives": _collectives_per_epoch(rank, world_size),
+        "extras": _extras_on_two_ranks(rank, world_size),
+        "tracked": _tracked_per_rank(rank, world_size, folder),
+        "optimizer_steps": _optimizer_step_hooks(rank, world_size),
+        "gan": _gan_on_two_ranks(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("tracked")
+    return run_group(_every_check, 2, args=(str(folder),), timeout=240)
+
+
+def test_strategy_choices_in_a_real_group(results: list[dict[str, Any]]) -> None:
+    for rank, seen in enumerate(r["choices"] for r in results):
         assert seen["auto"] == DDPStrategy.__name__ and seen["wrapped"] == "DistributedDataParallel"
         assert seen["reduces"] is True
         single, double = seen["errors"]
@@ -97,7 +116,9 @@ def _collectives_per_epoch(rank: int, world_size: int) -> dict[int, list[str]]:
     return seen
 
 
-def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group() -> None:
+def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group(
+    results: list[dict[str, Any]],
+) -> None:
     """With DDP and no preemption check, what the library reduces per epoch does not grow
     with the steps (a per-micro-batch agreement would): only DDP's own reducer runs per step."""
     # Per epoch: the failure agreements around hooks and the validation loop (tiny
@@ -105,7 +126,7 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group() -> 
     # validation, and rank 0's stop decision; plus one agreement per fit (before_train).
     epoch = ["all_gather"] * 3 + ["all_reduce"] + ["all_gather"] * 3 + ["all_reduce"]
     epoch += ["all_gather"] * 2 + ["broadcast"]
-    for seen in run_group(_collectives_per_epoch, 2):
+    for seen in (r["collectives"] for r in results):
         assert seen[2] == seen[10], seen
         assert seen[2] == ["all_gather", *epoch, *epoch], seen[2]
 
@@ -132,8 +153,10 @@ def _extras_on_two_ranks(rank: int, world_size: int) -> dict[str, float]:
         return {k: v for k, v in handler.history.last.items() if k in ("train_rank", "train_first")}
 
 
-def test_extra_training_values_are_reduced_exactly_over_ranks() -> None:
-    for seen in run_group(_extras_on_two_ranks, 2):
+def test_extra_training_values_are_reduced_exactly_over_ranks(
+    results: list[dict[str, Any]],
+) -> None:
+    for seen in (r["extras"] for r in results):
         # Equal samples per rank: the mean of 0 and 1; a key only rank 0 has: its own mean.
         assert seen == {"train_rank": 0.5, "train_first": 7.0}
 
@@ -159,8 +182,29 @@ def _tracked_per_rank(rank: int, world_size: int, folder: str) -> int:
     return restored.value
 
 
-def test_tracked_state_is_each_ranks_own_after_a_resume(tmp_path: Path) -> None:
-    assert run_group(_tracked_per_rank, 2, args=(str(tmp_path),)) == [100, 101]
+def test_tracked_state_is_each_ranks_own_after_a_resume(results: list[dict[str, Any]]) -> None:
+    assert [r["tracked"] for r in results] == [100, 101]
+
+
+def _optimizer_step_hooks(rank: int, world_size: int) -> list[int]:
+    from tests.training_helpers import regression_data
+    from tests.unit.test_checkpoint_registry import StepCounter
+
+    counter = StepCounter()
+    config = {
+        "loader": {"batch_size": 2},
+        "trainer": {"progress_bar": False, "accumulate_grad_batches": 3},
+    }
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[counter]) as h:
+        h.train(regression_data(n=20), epochs=1)
+    return counter.calls
+
+
+def test_after_optimizer_step_runs_once_per_step_on_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    # 10 samples per rank, batches of 2: 5 micro-batches, windows of 3 and 2 -> 2 steps.
+    assert [r["optimizer_steps"] for r in results] == [[1, 2], [1, 2]]
 
 
 def _gan_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -186,8 +230,10 @@ def _gan_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         }
 
 
-def test_a_gan_with_manual_optimization_stays_one_model_under_ddp() -> None:
-    first, second = run_group(_gan_on_two_ranks, 2)
+def test_a_gan_with_manual_optimization_stays_one_model_under_ddp(
+    results: list[dict[str, Any]],
+) -> None:
+    first, second = (r["gan"] for r in results)
     assert first["wrapped"] == "DistributedDataParallel"
     assert first["steps"] == second["steps"] == 8  # 64 points, 2 ranks x batch 8, 2 epochs
     assert torch.equal(first["weights"], second["weights"])  # gradients averaged by DDP
