@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -107,6 +107,12 @@ class TrainerConfig(ConfigModel):
             of each rank's batches (a float in (0, 1]); None: all.
         limit_val_batches: the same for validation (per rank: the metrics are then those of
             the batches seen, exact over them).
+        val_check_interval: also validate inside each epoch: every this many training batches
+            (an int, a multiple of accumulate_grad_batches) or this fraction of the epoch (a
+            float in (0, 1]; needs a loader with len()). Each mid-epoch result goes to the
+            ``after_validation`` hooks and one log line; the epoch record (and early stopping,
+            save_best, ReduceLROnPlateau) keeps the end-of-epoch validation. None: at the end
+            of each epoch only.
         fast_dev_run: a smoke run of the whole loop: this many training and validation
             batches, one epoch, and no checkpoint written or resumed (0: off).
         log_every_n_steps: how often the rank-0 progress bar shows the running loss (the only
@@ -132,9 +138,12 @@ class TrainerConfig(ConfigModel):
     max_steps: int | None = Field(default=None, ge=1, strict=True)
     limit_train_batches: int | float | None = Field(default=None, gt=0)
     limit_val_batches: int | float | None = Field(default=None, gt=0)
+    val_check_interval: int | float | None = Field(default=None, gt=0)
     fast_dev_run: int = Field(default=0, ge=0, strict=True)
 
-    @field_validator("limit_train_batches", "limit_val_batches", mode="before")
+    @field_validator(
+        "limit_train_batches", "limit_val_batches", "val_check_interval", mode="before"
+    )
     @classmethod
     def _check_limit(cls, value: object) -> object:
         if isinstance(value, bool):
@@ -149,6 +158,16 @@ class TrainerConfig(ConfigModel):
     log_every_n_steps: int = Field(default=50, ge=1, strict=True)
     progress_bar: bool = True
     non_blocking: bool = True
+
+    @model_validator(mode="after")
+    def _check_val_interval(self) -> TrainerConfig:
+        interval, accumulate = self.val_check_interval, self.accumulate_grad_batches
+        if isinstance(interval, int) and interval % accumulate:
+            raise ValueError(
+                f"val_check_interval={interval} batches ends inside an accumulation window of "
+                f"accumulate_grad_batches={accumulate}; use a multiple of {accumulate}"
+            )
+        return self
 
 
 __all__ = [

@@ -47,4 +47,20 @@ def stepping_batches(
     return total if max_steps is None else min(total, max_steps)
 
 
-__all__ = ["limited", "optimizer_steps_per_epoch", "stepping_batches", "window"]
+def val_check_every(batches: int | None, interval: int | float, accumulate: int) -> int | None:
+    """Training batches between two validations inside an epoch of ``batches`` batches (None:
+    unknown), for ``val_check_interval`` (an int number of batches, or a float fraction of the
+    epoch): always a whole number of accumulation windows, at least one. None when the epoch
+    ends before the first one (validation then runs at the end of the epoch only)."""
+    if isinstance(interval, float):
+        if batches is None:
+            raise ValueError("a fraction of an epoch of unknown length")
+        every = max(accumulate, int(batches * interval) // accumulate * accumulate)
+    else:
+        every = interval
+    if every % accumulate:
+        raise ValueError(f"{every} batches end inside an accumulation window of {accumulate}")
+    return every if batches is None or every < batches else None
+
+
+__all__ = ["limited", "optimizer_steps_per_epoch", "stepping_batches", "val_check_every", "window"]

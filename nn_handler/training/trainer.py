@@ -1,15 +1,23 @@
 """Trainer: the training loop, extended by subclassing and hooks.
 
-The loop, in pseudocode (every rank runs it on its own shard)::
+The loop, in pseudocode (every rank runs it on its own shard), with the file of each part::
 
-    for epoch in range(done, epochs):
+    for epoch in range(done, epochs):            # trainer.py: fit, _run_epoch
         loader.set_epoch(epoch)
-        for each batch:                      # window = accumulate_grad_batches micro-batches
-            run_step(batch)                  # forward (autocast), backward; on the last
-                                             # micro-batch of a window: sync, clip, step, EMA
-        train_loss <- one all_reduce         # no host sync inside the epoch
-        metrics <- evaluate(val_loader)      # exact: every sample once, sums and counts
-        scheduler.step(); history.append(record); early stopping (same decision everywhere)
+        for each batch:                          # epoch.py: train_epoch
+            run_step(batch)                      # step.py: forward (autocast), backward; on
+                                                 # the last micro-batch of a window: sync,
+                                                 # clip, step, EMA, per-step scheduler
+            [evaluate every val_check_interval]  # epoch.py, evaluation.py
+            after_optimizer_step hooks           # hooks.py; checkpoint_hook.py: step
+                                                 # checkpoints and the preemption check
+        train_loss <- one all_reduce             # no host sync inside the epoch
+        metrics <- evaluate(val_loader)          # evaluation.py: exact, every sample once
+        scheduler.step()                         # optimization.py
+        history.append(record); early stopping; after_epoch hooks; CheckpointHook.after_epoch
+
+The model's parallelism is the Strategy's (nn_handler/strategies/); what a checkpoint holds
+is a registry of named parts (checkpoint_api.py, position.py, checkpointing.py).
 
 Override ``training_step``, ``validation_step``, ``predict_step``, ``compute_loss`` or
 ``configure_optimizers``; call ``forward`` inside them so the right model runs (the DDP
@@ -19,46 +27,41 @@ model while training, the plain or EMA model while evaluating).
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from loguru import logger
 from torch import nn
 
-from nn_handler.checkpoint.rng import restore_rng
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
-from nn_handler.errors import CheckpointError, ConfigError, UnevenDataError
+from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
-from nn_handler.training.batch import batch_size_of, loader_length, set_epoch
+from nn_handler.training.batch import set_epoch
 from nn_handler.training.checkpoint_api import CheckpointMixin
 from nn_handler.training.checkpointing import plain_config
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma
+from nn_handler.training.epoch import EpochMixin, summary
 from nn_handler.training.evaluation import EvaluationMixin, Metric
 from nn_handler.training.fault_tolerance import failing_together
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
-from nn_handler.training.limits import limited, window
-from nn_handler.training.metrics import RunningLoss, StatefulMetric
+from nn_handler.training.metrics import StatefulMetric
 from nn_handler.training.monitors import RECORD_METHODS, check_monitors, expected_keys, monitored
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.optimization import OptimizationMixin, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
-from nn_handler.training.progress import ProgressBar
 from nn_handler.training.state import Stateful, TrainerState
 from nn_handler.training.step import StepMixin
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
+class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, OptimizationMixin):
     """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
 
     How the model is parallelised is the Strategy's (``TrainerConfig.strategy``, see
@@ -188,140 +191,6 @@ class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
         inputs, targets = self.split_batch(batch)
         return self.compute_loss(self.forward(inputs), targets)
 
-    # ----------------------------------------------------------------- one step
-    # ----------------------------------------------------------------- epochs
-    def train_epoch(self, loader: Iterable[Any], epochs: int) -> Record:
-        """One pass over ``loader``; returns the epoch's train loss, samples and timing."""
-        self._require_optimizer()
-        self.model.train()
-        total = limited(loader_length(loader), self._train_limit())
-        accumulate = self.config.accumulate_grad_batches
-        if accumulate > 1 and total is None:
-            raise ConfigError(
-                "gradient accumulation needs a loader with len() (to close the last window of "
-                "an epoch on every rank alike); set accumulate_grad_batches=1 or pass a sized "
-                "loader."
-            )
-        self._check_equal_lengths(total)
-        running = RunningLoss(self.config.log_every_n_steps)
-        self.position.running = running
-        self._window_losses.clear()  # nothing left over from an epoch that raised
-        bar = ProgressBar(
-            self.config.progress_bar and self.is_main_process,
-            total,
-            f"epoch {self.state.epoch + 1}/{epochs}",
-        )
-        show = bar.active  # the running values are read (a host sync) only for a shown bar
-        self.state.skipped_steps = 0
-        started = time.perf_counter()
-        try:
-            batches, first = self._batches(loader, running)
-            bar.update(first)
-            # The per-batch path, with its lookups hoisted: in one process it is what the loop
-            # costs on top of the model (benchmarks/training_step.py).
-            state, hooks, log_every = self.state, self.hooks, self.config.log_every_n_steps
-            before = hooks.has("before_step")
-            after = hooks.has("after_step")
-            run_step, add, end_window, update = (
-                self.run_step,
-                running.add,
-                running.end_window,
-                bar.update,
-            )
-            after_optimizer_step = self._after_optimizer_step
-            checkpoint_hook = self.checkpoint_hook
-            per_step = hooks.has("after_optimizer_step") or (
-                checkpoint_hook is not None and checkpoint_hook.wants_step_calls()
-            )
-            max_steps = self.config.max_steps
-            if total is not None and self._train_limit() is not None:  # a limited epoch
-                batches = itertools.islice(batches, max(total - first, 0))
-            for index, batch in enumerate(batches, start=first):
-                start, end = window(index, accumulate, total)
-                state.batch_index = index
-                synced = state.step_synced = index + 1 == end
-                if before:
-                    hooks.call("before_step")
-                loss = run_step(batch, synced, end - start)
-                state.last_loss = loss
-                add(loss, batch_size_of(batch))
-                if synced:
-                    self.position.batches_done = index + 1
-                    end_window(end - start, state.skipped_in_a_row > 0)
-                if after:
-                    hooks.call("after_step")
-                update()
-                if show and (index + 1) % log_every == 0:
-                    elapsed = time.perf_counter() - started
-                    bar.show(
-                        loss=running.local_mean(),
-                        samples_s=running.samples / elapsed,
-                        **running.extras.local_means(),
-                    )
-                if synced and per_step:
-                    after_optimizer_step()
-                if synced and max_steps is not None and state.global_step >= max_steps:
-                    state.should_stop = True  # every rank alike: the same steps everywhere
-                    break
-        finally:
-            bar.close()
-            self.position.running = None
-        loss_value, samples, extras = running.compute(self.comm, self.device)
-        elapsed = time.perf_counter() - started
-        record = {
-            "train_loss": loss_value,
-            "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
-            "epoch_time": elapsed,
-            "skipped_steps": float(self.state.skipped_steps),
-        }
-        record.update({f"train_{key}": value for key, value in extras.items()})
-        if not self.automatic_optimization and math.isnan(loss_value):
-            del record["train_loss"]  # a manual training_step that returned no "loss"
-        return record
-
-    def _check_equal_lengths(self, total: int | None) -> None:
-        """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
-        ranks' steps): one tiny all_gather per epoch compares the loaders' lengths."""
-        if self.comm.world_size == 1:
-            return
-        mine = torch.tensor([-1 if total is None else total], dtype=torch.int64)
-        lengths = [int(n.item()) for n in self.comm.all_gather(mine.to(self.device))]
-        if len(set(lengths)) == 1:
-            return
-        described = ", ".join(
-            f"rank {rank}: {'no len()' if n < 0 else n}" for rank, n in enumerate(lengths)
-        )
-        raise UnevenDataError(
-            f"the training loaders have different numbers of batches per rank ({described}) in "
-            f"epoch {self.state.epoch + 1}; every rank must take the same number of optimizer "
-            f"steps. Pass the dataset instead of a DataLoader (the LoaderFactory gives every "
-            f"rank equal batches) or use a DistributedSampler over the whole dataset."
-        )
-
-    def _batches(self, loader: Iterable[Any], running: RunningLoss) -> tuple[Iterator[Any], int]:
-        """The epoch's batch iterator and the index of its first batch: after a mid-epoch
-        resume, the batches already trained are read and discarded (so the data order and
-        the RNG streams continue exactly) and the partial loss and RNG state are restored."""
-        iterator = iter(loader)
-        point = self.position.take_resume()
-        if point is None or not point.batches_done:
-            return iterator, 0
-        for done in range(point.batches_done):
-            try:
-                next(iterator)
-            except StopIteration:
-                raise CheckpointError(
-                    f"the checkpoint stopped after batch {point.batches_done} of epoch "
-                    f"{self.state.epoch + 1}, but the loader ended after {done} batches; resume "
-                    f"with the same data and batch size."
-                ) from None
-        if point.running is not None:
-            running.load_state_dict(point.running, self.device)
-        self.state.skipped_steps = point.skipped_steps
-        if point.step_rng is not None:
-            restore_rng(point.step_rng)
-        return iterator, point.batches_done
-
     # ----------------------------------------------------------------- the loop
     def fit(
         self,
@@ -369,12 +238,6 @@ class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
             own_training_keys=type(self).training_step is not base.training_step,
         )
 
-    def _after_optimizer_step(self) -> None:
-        """The user's ``after_optimizer_step`` hooks, then the checkpoint policy's."""
-        self.hooks.call("after_optimizer_step")
-        if self.checkpoint_hook is not None:
-            self.checkpoint_hook.after_optimizer_step()
-
     def _stop_before_epoch(self) -> bool:
         max_steps = self.config.max_steps
         return self.state.should_stop or (
@@ -396,7 +259,10 @@ class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
         set_epoch(train_loader, self.state.epoch)
         self._together("before_epoch hooks", lambda: self.hooks.call("before_epoch"))
         record: Record = {"epoch": float(self.state.epoch + 1)}
-        record.update(self.train_epoch(train_loader, epochs))
+        if self.config.val_check_interval is not None and val_loader is not None:
+            record.update(self.train_epoch(train_loader, epochs, val_loader=val_loader))
+        else:  # a subclass's train_epoch(loader, epochs) keeps working
+            record.update(self.train_epoch(train_loader, epochs))
         record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
         if val_loader is not None:
             record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
@@ -408,7 +274,7 @@ class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
         self.state.should_stop = self._agree(self.state.should_stop)
         if self.checkpoint_hook is not None:
             self.checkpoint_hook.after_epoch()
-        self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, _summary(record))
+        self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, summary(record))
         if self.state.should_stop and self.early_stopping is not None:
             self.log.info(
                 "early stopping: {} has not improved for {} epochs (best {:.6g} at epoch {})",
@@ -442,11 +308,6 @@ class Trainer(CheckpointMixin, EvaluationMixin, StepMixin, OptimizationMixin):
             return flag
         decision = self.comm.broadcast(torch.tensor([int(flag)], device=self.device), src=0)
         return bool(decision.item())
-
-
-def _summary(record: Record) -> str:
-    shown = {k: v for k, v in record.items() if k != "epoch" and (k != "skipped_steps" or v)}
-    return ", ".join(f"{k}={v:.4g}" for k, v in shown.items())
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

@@ -45,6 +45,7 @@ def _every_check(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "extras": _extras_on_two_ranks(rank, world_size),
         "tracked": _tracked_per_rank(rank, world_size, folder),
         "optimizer_steps": _optimizer_step_hooks(rank, world_size),
+        "validations": _mid_epoch_validations(rank, world_size),
         "gan": _gan_on_two_ranks(rank, world_size),
     }
 
@@ -198,6 +199,28 @@ def _optimizer_step_hooks(rank: int, world_size: int) -> list[int]:
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[counter]) as h:
         h.train(regression_data(n=20), epochs=1)
     return counter.calls
+
+
+def _mid_epoch_validations(rank: int, world_size: int) -> list[tuple[int, int, float]]:
+    from tests.training_helpers import regression_data
+    from tests.unit.test_val_check_interval import Validations
+
+    seen = Validations()
+    config = {"loader": {"batch_size": 2}, "trainer": {"progress_bar": False}}
+    config["trainer"]["val_check_interval"] = 0.5  # type: ignore[index]
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[seen]) as h:
+        h.train(regression_data(n=20), regression_data(n=7, seed=1), epochs=1)
+    return seen.seen
+
+
+def test_mid_epoch_validation_is_exact_and_the_same_on_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    first, second = (r["validations"] for r in results)
+    # 10 samples per rank in batches of 2: every 2 batches (half of 5, rounded down), and at
+    # the end of the epoch.
+    assert [b for _, b, _ in first] == [2, 4, 5]
+    assert first == second  # the 7 validation samples reduced exactly over both ranks
 
 
 def test_after_optimizer_step_runs_once_per_step_on_every_rank(
