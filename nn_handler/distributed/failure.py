@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from loguru import logger
 
-from nn_handler.distributed.communicator.base import format_error
+from nn_handler.distributed.communicator._common import format_error
 from nn_handler.distributed.context import collect_before_destroy
 from nn_handler.distributed.liveness import default_store, departed, describe_exit, note_departure
 from nn_handler.errors import RankFailedError

@@ -1,11 +1,7 @@
 """Communicators: one strategy object for all collectives (see ``Communicator``)."""
 
-from nn_handler.distributed.communicator.base import (
-    DEBUG_ENV_VAR,
-    Communicator,
-    ReduceOp,
-    debug_from_env,
-)
+from nn_handler.distributed.communicator._common import DEBUG_ENV_VAR, debug_from_env
+from nn_handler.distributed.communicator.base import Communicator, ReduceOp
 from nn_handler.distributed.communicator.null import NullCommunicator
 from nn_handler.distributed.communicator.threads import (
     ThreadCommunicator,

@@ -6,6 +6,8 @@ import hashlib
 
 import torch
 
+from nn_handler.errors import CollectiveMismatchError
+
 #: Every dtype a tensor collective can carry; the index is the code sent to other ranks.
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -65,3 +67,33 @@ def signature_hash(signature: str) -> int:
     """A stable 63-bit hash of a collective's signature text (equal on every rank and run)."""
     digest = hashlib.blake2b(signature.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def reduce_transport(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if dtype == torch.bool else dtype
+
+
+def copy_transport(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def check_gatherable(
+    decoded: list[tuple[torch.dtype | None, tuple[int, ...]]], what: str
+) -> list[tuple[int, ...]]:
+    first_dtype, first_shape = decoded[0]
+    consistent = all(
+        dtype is not None
+        and dtype == first_dtype
+        and len(shape) == len(first_shape)
+        and shape[1:] == first_shape[1:]
+        and len(shape) <= MAX_DIMS
+        for dtype, shape in decoded
+    )
+    if not consistent:
+        raise CollectiveMismatchError(
+            what,
+            [describe_meta(dtype, shape) for dtype, shape in decoded],
+            hint="Tensors may differ in their first dimension only; dtype, number of "
+            f"dimensions (at most {MAX_DIMS}) and the other dimensions must match.",
+        )
+    return [shape for _, shape in decoded]

@@ -13,64 +13,32 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 
 from __future__ import annotations
 
-import os
-import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
 
-from nn_handler.distributed.communicator import _objects, _tree, _wire
+from nn_handler.distributed.communicator import _tree, _wire
+from nn_handler.distributed.communicator._common import (
+    debug_from_env,
+    format_error,
+    to_timedelta,
+)
+from nn_handler.distributed.communicator.object_collectives import ObjectCollectives
 from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
 
 ReduceOp = Literal["sum", "mean", "min", "max", "product"]
 BackendReduceOp = Literal["sum", "min", "max", "product"]
 REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
-DEBUG_ENV_VAR = "NN_HANDLER_DEBUG_COLLECTIVES"
 
 T = TypeVar("T")
 Waiter = Callable[[], torch.Tensor]
-#: Object payloads above this size move one rank at a time (bounded memory).
-_LARGE_FRAME = 16 * 2**20
-#: all_gather_object's first round: a fixed 16 KiB buffer that carries the lengths and, when
-#: every rank's frame fits, the frames themselves (a 64-byte header keeps them aligned).
-_EAGER_BYTES = 16384
-_EAGER_HEADER = 64
 
 
-def debug_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """True when ``NN_HANDLER_DEBUG_COLLECTIVES`` is set to 1/true/yes/on."""
-    value = (env if env is not None else os.environ).get(DEBUG_ENV_VAR, "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def to_timedelta(timeout: float | timedelta | None) -> timedelta | None:
-    """Seconds or a timedelta, validated to be positive."""
-    if timeout is None:
-        return None
-    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if delta.total_seconds() <= 0:
-        raise ConfigError(f"timeout must be positive, got {timeout!r}.")
-    return delta
-
-
-def _reduce_transport(dtype: torch.dtype) -> torch.dtype:
-    return torch.int64 if dtype == torch.bool else dtype
-
-
-def _copy_transport(dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if dtype == torch.bool else dtype
-
-
-def format_error(error: BaseException) -> str:
-    """The error's type, message and traceback as text, to send to other ranks."""
-    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
-
-
-class Communicator(ABC):
+class Communicator(ObjectCollectives, ABC):
     """Collectives on tensors, numbers, nested containers of them, and picklable objects.
 
     Every public method must be called by every rank of the group, in the same order.
@@ -184,7 +152,7 @@ class Communicator(ABC):
         )
         buffer = target
         if not direct:
-            transport = _reduce_transport(target.dtype)
+            transport = _wire.reduce_transport(target.dtype)
             buffer = torch.empty(target.shape, dtype=transport, device=self.device)
             buffer.copy_(target)
         reduced = self._do_all_reduce(buffer, "sum" if mean else checked)  # type: ignore[arg-type]
@@ -222,7 +190,7 @@ class Communicator(ABC):
         self._check_rank("src", src)
         leaves, spec = self._prepare(data, f"broadcast(src={src})")
         values = _tree.packed_apply(
-            leaves, self.device, _copy_transport, lambda b: self._do_broadcast(b, src)
+            leaves, self.device, _wire.copy_transport, lambda b: self._do_broadcast(b, src)
         )
         values = [v.to(leaf.dtype) for v, leaf in zip(values, leaves, strict=True)]
         result: T = _tree.unflatten(spec, iter(values))
@@ -255,81 +223,6 @@ class Communicator(ABC):
         rank. Every rank must call this. First dimensions may differ per rank."""
         parts = self.all_gather(tensor)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
-
-    # ----------------------------------------------------------------- object collectives
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
-
-        Each rank pickles first; an object that cannot be pickled on some rank raises
-        ``RankFailedError`` naming that rank on every rank (agreed in
-        the size exchange, at no extra round trip), and the group stays usable. CPU tensors and
-        NumPy arrays inside objects travel as raw bytes and arrive as views of the received
-        buffer (tensors as contiguous tensors of the same dtype and shape; views of one storage
-        arrive as separate tensors). Payloads above 16 MiB move one rank at a time, so a rank
-        holds at most one peer's payload besides the results. Unpickling trusts the group's
-        members.
-        """
-        self._check_signature("all_gather_object(obj)")
-        frame, error = _objects.dumps(obj)
-        lengths, failed_flags, small = self._exchange_small(frame, error)
-        if small is not None:  # every frame came with the lengths: one round trip
-            if any(failed_flags):
-                failed = self._failures(small, failed_flags)
-                raise RankFailedError("all_gather_object: pickling the object", failed) from error
-            return self._unpickle_together(small, "all_gather_object")
-        large = max(lengths) > _LARGE_FRAME and not any(failed_flags)
-        send = self._send_buffer(frame, lengths[self.rank] if large else max(lengths))
-        del frame  # the send buffer holds the only copy now
-        if not large:
-            parts = [part.cpu().numpy() for part in self._do_all_gather(send)]
-            if any(failed_flags):
-                failed = self._failures(parts, failed_flags)
-                raise RankFailedError("all_gather_object: pickling the object", failed) from error
-            return self._unpickle_together(parts, "all_gather_object")
-        # One rank at a time: each payload is unpickled and its buffer dropped before the next.
-        frames = self._broadcast_frames(send, lengths)
-        del send
-        return self._unpickle_together(frames, "all_gather_object")
-
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
-        """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
-
-        Every rank must call this. Pickling failures raise on every rank and tensors travel as
-        in ``all_gather_object``.
-        """
-        self._check_rank("dst", dst)
-        self._check_signature(f"gather_object(obj, dst={dst})")
-        frame, error = _objects.dumps(obj)
-        lengths, failed_flags = self._exchange_lengths(frame.length, error)
-        if any(failed_flags):
-            parts = self._all_gather_frames(frame, lengths)
-            failed = self._failures(parts, failed_flags)
-            raise RankFailedError("gather_object: pickling the object", failed) from error
-        gathered = self._do_gather(self._send_buffer(frame, max(lengths)), dst)
-        parts = [] if gathered is None else [part.cpu().numpy() for part in gathered]
-        return self._unpickle_together(parts, "gather_object")
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
-
-        Every rank must call this. If ``src`` cannot pickle it, every rank raises
-        ``RankFailedError`` naming ``src``.
-        """
-        self._check_rank("src", src)
-        self._check_signature(f"broadcast_object(obj, src={src})")
-        frame, error = _objects.dumps(obj) if self.rank == src else (_objects.Frame(b"", []), None)
-        status = torch.tensor([int(error is not None), frame.length], dtype=torch.int64)
-        failed_flag, length = self._do_broadcast(status.to(self.device), src).tolist()
-        send = self._send_buffer(frame, length) if self.rank == src else None
-        buffer = send if send is not None else torch.empty(length, dtype=torch.uint8)
-        part = self._do_broadcast(buffer.to(self.device), src).cpu().numpy()
-        if failed_flag:
-            message = {src: _objects.read_stream(part).decode(errors="replace")}
-            raise RankFailedError("broadcast_object: pickling the object", message) from error
-        if self.rank == src:
-            self.raise_if_any_failed(None, "broadcast_object: unpickling the object")
-            return obj
-        return self._unpickle_together([part], "broadcast_object")[0]
 
     # ----------------------------------------------------------------- agreement and helpers
     def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
@@ -482,7 +375,7 @@ class Communicator(ABC):
 
     def _reduce_leaves(self, leaves: list[torch.Tensor], op: BackendReduceOp) -> list[torch.Tensor]:
         return _tree.packed_apply(
-            leaves, self.device, _reduce_transport, lambda b: self._do_all_reduce(b, op)
+            leaves, self.device, _wire.reduce_transport, lambda b: self._do_all_reduce(b, op)
         )
 
     def _mean(self, total: torch.Tensor) -> torch.Tensor:
@@ -497,91 +390,14 @@ class Communicator(ABC):
         parts = self._do_all_gather(_wire.bytes_to_tensor(payload, max(lengths), self.device))
         return [_wire.tensor_to_bytes(p, n) for p, n in zip(parts, lengths, strict=True)]
 
-    def _exchange_small(
-        self, frame: _objects.Frame, error: BaseException | None
-    ) -> tuple[list[int], list[int], list[np.ndarray] | None]:
-        """Every rank's frame length and pickling-failure flag, in one all-gather of a fixed
-        buffer that also carries each frame small enough to fit (a list of floats, a dict of
-        metrics: the common case). Returns the frames too when every one fitted, else None
-        (the caller then sends them in a second round)."""
-        buffer = torch.zeros(_EAGER_BYTES, dtype=torch.uint8)
-        out = buffer.numpy()
-        out[:16].view(np.int64)[:] = [int(error is not None), frame.length]
-        if frame.length <= _EAGER_BYTES - _EAGER_HEADER:
-            frame.write_into(out[_EAGER_HEADER:])
-        parts = [part.cpu().numpy() for part in self._do_all_gather(buffer.to(self.device))]
-        statuses = [part[:16].view(np.int64).tolist() for part in parts]
-        lengths = [int(length) for _, length in statuses]
-        flags = [int(flag) for flag, _ in statuses]
-        if max(lengths) <= _EAGER_BYTES - _EAGER_HEADER:
-            return lengths, flags, [part[_EAGER_HEADER:] for part in parts]
-        return lengths, flags, None
-
-    def _exchange_lengths(
-        self, length: int, error: BaseException | None
-    ) -> tuple[list[int], list[int]]:
-        """Every rank's frame length and pickling-failure flag, in one all-gather."""
-        status = torch.tensor([int(error is not None), length], dtype=torch.int64)
-        statuses = [s.tolist() for s in self._do_all_gather(status.to(self.device))]
-        return [length for _, length in statuses], [flag for flag, _ in statuses]
-
-    def _send_buffer(self, frame: _objects.Frame, length: int) -> torch.Tensor:
-        """``frame`` in a uint8 tensor of ``length`` bytes on the communicator's device."""
-        buffer = torch.empty(length, dtype=torch.uint8)
-        frame.write_into(buffer.numpy())
-        buffer[frame.length :] = 0
-        return buffer.to(self.device)
-
-    def _all_gather_frames(self, frame: _objects.Frame, lengths: list[int]) -> list[np.ndarray]:
-        """Every rank's frame, in one all-gather padded to the longest."""
-        parts = self._do_all_gather(self._send_buffer(frame, max(lengths)))
-        return [part.cpu().numpy() for part in parts]
-
-    def _broadcast_frames(self, send: torch.Tensor, lengths: list[int]) -> Iterator[np.ndarray]:
-        """Every rank's frame (this rank's in ``send``), one broadcast per rank, each sized to
-        its own length; a part is yielded before the next is allocated, so the caller can
-        unpickle it and drop it first."""
-        own: torch.Tensor | None = send
-        del send
-        for src, length in enumerate(lengths):
-            if src == self.rank and own is not None:
-                buffer, own = own, None
-            else:
-                buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
-            yield self._do_broadcast(buffer, src).cpu().numpy()
-            del buffer
-
-    def _unpickle_together(self, parts: Iterable[np.ndarray], what: str) -> list[Any]:
-        """Unpickle ``parts`` (possibly none), then agree with every rank on whether that
-        worked: an object that pickles on its sender but fails to unpickle on a receiver
-        raises RankFailedError on every rank, naming the receiver (one tiny all_gather)."""
-        objects: list[Any] = []
-        error: BaseException | None = None
-        for part in parts:  # every part is received, also after a failure (collectives)
-            if error is None:
-                try:
-                    objects.append(_objects.loads(part))
-                except Exception as caught:
-                    error = caught
-        self.raise_if_any_failed(error, f"{what}: unpickling the object")
-        return objects
-
-    @staticmethod
-    def _failures(parts: list[np.ndarray], flags: list[int]) -> dict[int, str]:
-        return {
-            rank: _objects.read_stream(part).decode(errors="replace")
-            for rank, (part, flag) in enumerate(zip(parts, flags, strict=True))
-            if flag
-        }
-
     def _gather_variable(
         self, tensor: torch.Tensor, dst: int | None, what: str
     ) -> list[torch.Tensor] | None:
         """Gather tensors whose first dimension may differ: exchange shapes, pad, gather, trim."""
         metas = self._do_all_gather(_wire.encode_meta(tensor, self.device))
         decoded = [_wire.decode_meta(meta) for meta in metas]
-        shapes = self._check_gatherable(decoded, what)
-        dtype = _copy_transport(tensor.dtype)
+        shapes = _wire.check_gatherable(decoded, what)
+        dtype = _wire.copy_transport(tensor.dtype)
         buffer = tensor.to(device=self.device, dtype=dtype)
         if tensor.dim() > 0:
             longest = max(shape[0] for shape in shapes)
@@ -596,25 +412,3 @@ class Communicator(ABC):
             (part[: shape[0]] if shape else part).to(device=tensor.device, dtype=tensor.dtype)
             for part, shape in zip(parts, shapes, strict=True)
         ]
-
-    @staticmethod
-    def _check_gatherable(
-        decoded: list[tuple[torch.dtype | None, tuple[int, ...]]], what: str
-    ) -> list[tuple[int, ...]]:
-        first_dtype, first_shape = decoded[0]
-        consistent = all(
-            dtype is not None
-            and dtype == first_dtype
-            and len(shape) == len(first_shape)
-            and shape[1:] == first_shape[1:]
-            and len(shape) <= _wire.MAX_DIMS
-            for dtype, shape in decoded
-        )
-        if not consistent:
-            raise CollectiveMismatchError(
-                what,
-                [_wire.describe_meta(dtype, shape) for dtype, shape in decoded],
-                hint="Tensors may differ in their first dimension only; dtype, number of "
-                f"dimensions (at most {_wire.MAX_DIMS}) and the other dimensions must match.",
-            )
-        return [shape for _, shape in decoded]

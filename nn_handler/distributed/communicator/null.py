@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 import torch
 from typing_extensions import override
 
+from nn_handler.distributed.communicator import _wire
 from nn_handler.distributed.communicator.base import (
     BackendReduceOp,
     Communicator,
     ReduceOp,
-    _reduce_transport,
 )
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ class NullCommunicator(Communicator):
             return super().all_reduce(data, op)
         checked = self._check_op(op)
         # A copy in the reduction's dtype; no flattening, no communication.
-        single = data.detach().to(_reduce_transport(data.dtype), copy=True)
+        single = data.detach().to(_wire.reduce_transport(data.dtype), copy=True)
         result = self._mean(single) if checked == "mean" else single  # integers average to f64
         return result  # type: ignore[return-value]
 
@@ -97,7 +97,7 @@ class NullCommunicator(Communicator):
     @override
     def _reduce_leaves(self, leaves: list[torch.Tensor], op: BackendReduceOp) -> list[torch.Tensor]:
         # Numbers and nested containers: each leaf copied in its reduction dtype, unpacked.
-        return [leaf.to(_reduce_transport(leaf.dtype), copy=True) for leaf in leaves]
+        return [leaf.to(_wire.reduce_transport(leaf.dtype), copy=True) for leaf in leaves]
 
     # ----------------------------------------------------------------- backend hooks
     @override
