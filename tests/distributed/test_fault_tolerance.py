@@ -72,13 +72,18 @@ def test_elastic_restart_after_sigkill_resumes_from_the_latest_checkpoint(
         assert _same(_weights(out, rank), uninterrupted[rank])
 
 
-def test_a_gan_with_tracked_state_resumes_bit_identical_after_sigkill(tmp_path: Path) -> None:
-    """Manual optimization (two optimizers, two schedulers' worth of state) and a hook whose
-    per-rank loss sum is tracked: a SIGKILL mid-epoch on rank 1, torchrun restarts the group,
-    and both ranks end with the weights and the sums of an uninterrupted run."""
-    code, output = _run(tmp_path, "plain", "plain", variant="gan")
+@pytest.mark.parametrize("variant", ["gan", "multitask"])
+def test_user_models_with_tracked_state_resume_bit_identical_after_sigkill(
+    tmp_path: Path, variant: str
+) -> None:
+    """'gan': manual optimization (two optimizers) and a hook whose per-rank loss sum is
+    tracked. 'multitask': examples/custom_trainer.py (two logged training losses, a
+    torchmetrics F1 on its overridden validation_step, a hook with state) plus that sum. A
+    SIGKILL mid-epoch on rank 1, torchrun restarts the group, and both ranks end with the
+    weights, the sums, the hook state and the History of an uninterrupted run."""
+    code, output = _run(tmp_path, "plain", "plain", variant=variant)
     assert code == 0, output
-    code, output = _run(tmp_path, "killed", "sigkill", "--max-restarts=1", variant="gan")
+    code, output = _run(tmp_path, "killed", "sigkill", "--max-restarts=1", variant=variant)
     assert code == 0, output
     assert "(exitcode: -9) local_rank: 1" in output, output
     plain, killed = tmp_path / "plain" / "out", tmp_path / "killed" / "out"
@@ -88,6 +93,12 @@ def test_a_gan_with_tracked_state_resumes_bit_identical_after_sigkill(tmp_path: 
         assert report["first_step"] == KILL_AFTER_STEP - KILL_AFTER_STEP % EVERY_N_STEPS
         assert report["loss_total"] == reference["loss_total"], rank  # tracked state
         assert _same(_weights(killed, rank), _weights(plain, rank)), rank
+        if variant == "multitask":
+            assert report["best"] == reference["best"], rank  # the example hook's state
+            assert report["history"] == reference["history"], rank
+            assert {"train_classification", "train_reconstruction", "val_f1"} <= set(
+                report["history"][-1]
+            )
 
 
 def _progress(out: Path, rank: int) -> dict[str, Any] | None:

@@ -1,13 +1,16 @@
 """Run by tests/distributed/test_fault_tolerance.py under the real torchrun (not by pytest).
 
 Usage: torchrun --nproc-per-node=2 [--max-restarts=1] torchrun_fault.py CKPT_DIR OUT_DIR MODE
-[gan]
+[gan | multitask]
 MODE: 'plain' trains uninterrupted; 'sigkill' makes rank 1 SIGKILL itself after optimizer step
 7 in the first attempt; 'slow' sleeps 0.1 s per step and reports its progress (for a SIGTERM
 from outside). Resumes per CheckpointConfig(resume=...): 'on_restart' unless MODE is 'slow'
 ('auto', for the relaunch after a preemption). Each rank writes OUT_DIR/rank<r>-attempt<a>.json
 and OUT_DIR/rank<r>.pt (the final weights) when it finishes. With 'gan', a GAN trained with
 manual optimization (two optimizers) and a hook whose per-rank loss sum is tracked state.
+With 'multitask', examples/custom_trainer.py's model and Trainer (two logged training losses,
+a torchmetrics F1 fed by its overridden validation_step, a hook with state) plus the same
+tracked loss sum, validated every epoch; the report then holds the History too.
 """
 
 from __future__ import annotations
@@ -60,9 +63,27 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
-    gan = len(sys.argv) > 4 and sys.argv[4] == "gan"
+    variant = sys.argv[4] if len(sys.argv) > 4 else ""
+    gan = variant == "gan"
     extra: dict[str, Any] = {}
     hooks: list[Hook] = []
+    val: Any = None
+    if variant == "multitask":
+        from torchmetrics.classification import MulticlassF1Score
+
+        from examples.custom_trainer import BestAccuracy, ClassifyAndRebuild, TwoLossTrainer
+        from tests.unit.test_tracked_state import LossSums
+
+        images = torch.randn(88, 8, 8, generator=generator)
+        labels = torch.randint(0, 10, (88,), generator=generator)
+        data, val = TensorDataset(images[:64], labels[:64]), TensorDataset(images[64:], labels[64:])
+        torch.manual_seed(0)
+        model = ClassifyAndRebuild()
+        extra = {
+            "trainer_class": TwoLossTrainer,
+            "metrics": {"f1": MulticlassF1Score(num_classes=10)},
+        }
+        hooks = [LossSums(), BestAccuracy()]
     if gan:
         from tests.gan_helpers import GANTrainer, TinyGAN, ring_data
         from tests.unit.test_tracked_state import LossSums
@@ -92,7 +113,7 @@ def main() -> None:
     ) as handler:
         report = {"attempt": attempt, "rank": handler.rank}
         try:
-            handler.train(data)
+            history = handler.train(data, val)
         except TrainingPreempted as stop:
             report.update(preempted=stop.code, step=stop.global_step, checkpoint=stop.checkpoint)
             raise
@@ -100,6 +121,13 @@ def main() -> None:
             report.update(step=handler.trainer.state.global_step)
             if hooks:  # the tracked loss sum, exactly (hex keeps every bit)
                 report["loss_total"] = hooks[0].total.hex()  # type: ignore[attr-defined]
+            if variant == "multitask":  # the example's hook state, restored by itself
+                report["best"] = hooks[1].best.hex()  # type: ignore[attr-defined]
+            if val is not None:  # every logged value, exactly (the clocks' aside)
+                report["history"] = [
+                    {k: v.hex() for k, v in r.items() if k not in ("epoch_time", "samples_per_sec")}
+                    for r in history.records
+                ]
             torch.save(handler.model.state_dict(), out / f"rank{handler.rank}.pt")
         finally:
             report["first_step"] = fault.first_step
