@@ -9,6 +9,7 @@ from nn_handler.config.handler import HandlerConfig, LoggingConfig
 from nn_handler.config.training import (
     EarlyStoppingConfig,
     EmaConfig,
+    FsdpConfig,
     PrecisionConfig,
     PrecisionName,
     TrainerConfig,
@@ -20,6 +21,7 @@ __all__ = [
     "DistributedConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
+    "FsdpConfig",
     "HandlerConfig",
     "LoaderConfig",
     "LoaderMode",

@@ -10,7 +10,7 @@ from nn_handler.config.base import ConfigModel
 
 PrecisionName = Literal["32", "bf16", "fp16", "amp"]
 Interval = Literal["epoch", "step"]
-StrategyName = Literal["auto", "single", "ddp"]
+StrategyName = Literal["auto", "single", "ddp", "fsdp"]
 NonFinitePolicy = Literal["skip", "raise", "off"]
 Mode = Literal["min", "max"]
 
@@ -74,6 +74,33 @@ class EarlyStoppingConfig(ConfigModel):
     min_delta: float = Field(default=0.0, ge=0.0)
 
 
+class FsdpConfig(ConfigModel):
+    """How ``strategy: fsdp`` shards the model with FSDP2 (``torch.distributed.fsdp.
+    fully_shard``): every block is a unit whose parameters are all-gathered for its forward and
+    backward and whose gradients are reduce-scattered; the root module is sharded last.
+
+    Attributes:
+        blocks: the class names of the modules to shard one by one (for example
+            ``["TransformerEncoderLayer"]``); empty: the innermost modules with at least
+            ``min_params`` parameters (a module that holds one is not a block itself).
+        min_params: the size of a block when ``blocks`` is empty.
+        reshard_after_forward: free each block's gathered parameters after its forward and
+            gather them again in backward (less memory, more communication).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory
+            (FSDP2's CPUOffloadPolicy).
+        reduce_every_micro_batch: with gradient accumulation, reduce-scatter the gradients of
+            every micro-batch (sharded gradients: less memory, one reduce-scatter per
+            micro-batch) instead of only on the last one of a window (unsharded gradients
+            accumulate: more memory, one reduce-scatter per optimizer step).
+    """
+
+    blocks: list[str] = Field(default_factory=list)
+    min_params: int = Field(default=1_000_000, ge=1, strict=True)
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    reduce_every_micro_batch: bool = False
+
+
 class TrainerConfig(ConfigModel):
     """How the Trainer runs the loop.
 
@@ -88,8 +115,10 @@ class TrainerConfig(ConfigModel):
         scheduler_monitor: the History key given to ReduceLROnPlateau-style schedulers.
         strategy: how the model is parallelised (nn_handler/strategies/): 'ddp' wraps it in
             DistributedDataParallel (needs a process group), 'single' trains one replica as it
-            is (one rank only), 'auto' picks 'ddp' when the run has more than one rank and a
-            process group, 'single' otherwise.
+            is (one rank only), 'fsdp' shards parameters, gradients and optimizer state over
+            the ranks with FSDP2 (needs a process group; see ``fsdp``), 'auto' picks 'ddp'
+            when the run has more than one rank and a process group, 'single' otherwise.
+        fsdp: the sharding of ``strategy: fsdp`` (FsdpConfig).
         sync_batchnorm: convert BatchNorm layers to synchronised ones when world size > 1.
         compile: wrap the model with torch.compile (``compile_kwargs`` are passed through).
         find_unused_parameters: passed to DistributedDataParallel.
@@ -128,6 +157,7 @@ class TrainerConfig(ConfigModel):
     scheduler_interval: Interval = "epoch"
     scheduler_monitor: str = "val_loss"
     strategy: StrategyName = "auto"
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     sync_batchnorm: bool = False
     compile: bool = False
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -173,6 +203,7 @@ class TrainerConfig(ConfigModel):
 __all__ = [
     "EarlyStoppingConfig",
     "EmaConfig",
+    "FsdpConfig",
     "Interval",
     "Mode",
     "NonFinitePolicy",

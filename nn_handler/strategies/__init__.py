@@ -10,9 +10,14 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy
 from nn_handler.strategies.ddp import DDPStrategy
+from nn_handler.strategies.fsdp import FSDP2Strategy
 from nn_handler.strategies.single import SingleDeviceStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
+STRATEGIES: dict[str, type[Strategy]] = {
+    "single": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDP2Strategy,
+}
 
 
 def select_strategy(comm: Communicator, device: torch.device, config: TrainerConfig) -> Strategy:
@@ -34,4 +39,11 @@ def select_strategy(comm: Communicator, device: torch.device, config: TrainerCon
     return STRATEGIES[name](comm, device, config)
 
 
-__all__ = ["STRATEGIES", "DDPStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "DDPStrategy",
+    "FSDP2Strategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "select_strategy",
+]

@@ -36,6 +36,9 @@ class Strategy(ABC):
     """
 
     name: str = ""
+    #: Whether the checkpoint views (``checkpoint_parts``, ``optimizer_state_dict``) are
+    #: collectives that every rank must call (a sharded model's).
+    collective_state: bool = False
 
     def __init__(self, comm: Communicator, device: torch.device, config: TrainerConfig) -> None:
         self.comm = comm
@@ -74,6 +77,22 @@ class Strategy(ABC):
         """Whether backward averages gradients across ranks (then one rank's NaN reaches
         every rank through the gradients themselves)."""
         return False
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each rank holds only its shard of the gradients (then a check of them is
+        local, and ranks agree through ``agree``)."""
+        return False
+
+    def agree(self, flag: bool) -> bool:
+        """``flag`` and-ed over the ranks where each rank sees only its shard (one tiny
+        all-reduce); unchanged otherwise."""
+        return flag
+
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """A context around an evaluation pass (every rank enters it), in which ranks may run
+        different numbers of forwards without a collective per forward."""
+        return contextlib.nullcontext()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context in which backward accumulates gradients without synchronising them (the

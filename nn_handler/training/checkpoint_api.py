@@ -77,6 +77,7 @@ class CheckpointMixin(TrainerParts):
                     "optimizer",
                     lambda: strategy.optimizer_state_dict(optimizer),
                     lambda state, _source: strategy.load_optimizer_state_dict(optimizer, state),
+                    collective=strategy.collective_state,
                 )
             )
         # Manual optimization with several: the second and later ones, in order.
@@ -92,6 +93,7 @@ class CheckpointMixin(TrainerParts):
                     strategy.load_optimizer_state_dict,
                 ),
                 missing="ignore",
+                collective=strategy.collective_state,
             )
         )
         if self.scheduler is not None or self._scheduler_factory is not None:

@@ -173,7 +173,8 @@ class EvaluationMixin(TrainerParts):
                 after(seen)
 
         try:
-            self._together(what, run)
+            with self.strategy.evaluation():  # every rank enters it (sharded models gather)
+                self._together(what, run)
         finally:
             self._active = self.model
             module.train(was_training)

@@ -30,6 +30,9 @@ class GradientFiniteCheck:
             (members, torch.zeros(1, device=device), torch.ones(1, device=device))
             for (device, _), members in groups.items()
         ]
+        # Sharded parameters (FSDP2's DTensors): each rank checks its own shard, and the
+        # strategy makes the ranks agree.
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self._params(groups))
 
     def all_finite(self, extra: Sequence[torch.Tensor] = ()) -> bool:
         """Whether every gradient, and every tensor in ``extra`` (detached floating-point
@@ -39,13 +42,13 @@ class GradientFiniteCheck:
             members, found_inf, one = self._groups[0]
             device = found_inf.device
             if all(t.device == device for t in extra):
-                tensors = [p.grad for p in members if p.grad is not None]
+                tensors = self._grads(members)
                 tensors.extend(extra)
                 return not tensors or self._check(tensors, found_inf, one)
         finite = True
         pending = list(extra)
         for members, found_inf, one in self._groups:
-            tensors = [p.grad for p in members if p.grad is not None]
+            tensors = self._grads(members)
             if pending:
                 device = found_inf.device
                 tensors += [t for t in pending if t.device == device]
@@ -55,6 +58,18 @@ class GradientFiniteCheck:
         return finite and all(bool(torch.isfinite(t).all()) for t in pending)
 
     @staticmethod
+    def _params(
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]],
+    ) -> Iterable[torch.nn.Parameter]:
+        return (p for members in groups.values() for p in members)
+
+    def _grads(self, members: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        grads = [p.grad for p in members if p.grad is not None]
+        if self._sharded:
+            return [_local(g) for g in grads]
+        return grads
+
+    @staticmethod
     def _check(tensors: list[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> bool:
         # found_inf stays zero between calls (reset only after a hit): one op less per step.
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, one)
@@ -62,6 +77,12 @@ class GradientFiniteCheck:
             found_inf.zero_()
             return False
         return True
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 class BufferSnapshot:

@@ -132,6 +132,8 @@ class StepMixin(TrainerParts):
                 self.config.gradient_clip_norm_type,
             )
         stepped = self._finite.all_finite(self._window_losses) if self._guard else True
+        if self._guard and self.strategy.shards_gradients:  # each rank checked its shard
+            stepped = self.strategy.agree(stepped)
         self._window_losses.clear()
         if stepped:
             scaler = self.precision.scaler

@@ -118,6 +118,11 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
         self._adopt_optimizers(self.configure_optimizers(optimizer, scheduler))
         self._check_scheduler()
+        if ema is not None and ema.enabled and self.strategy.collective_state:
+            raise ConfigError(
+                f"EMA with strategy {self.strategy.name!r} is not supported yet: the EMA copy "
+                f"would have to be sharded like the parameters. Turn EMA off or use 'ddp'."
+            )
         self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None

@@ -1,0 +1,205 @@
+"""FSDP2Strategy: parameters, gradients and optimizer state sharded over the ranks with
+``torch.distributed.fsdp.fully_shard`` (FSDP2), so a model that does not fit one device trains.
+
+Each block (FsdpConfig.blocks, or every module of at least ``min_params`` parameters) is one
+unit: its parameters are all-gathered for its forward and backward and its gradients are
+reduce-scattered; the root is sharded last. The collectives it makes outside the
+Communicator are FSDP2's own (all-gather, reduce-scatter) on torch.distributed's default
+group, plus, in the checkpoint views, those of ``torch.distributed.checkpoint.state_dict``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+from nn_handler.checkpoint.registry import Part
+from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.strategies.base import Strategy
+from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
+
+#: Full (unsharded) state, on rank 0 only: what a single-file checkpoint holds.
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+#: Loading a full state that every rank holds: each rank keeps its shard.
+LOAD_FULL = StateDictOptions(full_state_dict=True)
+
+
+def shard_blocks(module: nn.Module, blocks: Iterable[str], min_params: int) -> list[nn.Module]:
+    """The submodules to shard one by one, bottom-up (children before parents), never the
+    root: those whose class name is in ``blocks``, or, when ``blocks`` is empty, the innermost
+    modules of at least ``min_params`` parameters (a module holding one is not taken)."""
+    names = set(blocks)
+    chosen: list[nn.Module] = []
+
+    def visit(current: nn.Module) -> bool:  # whether a block lies at or under ``current``
+        below = [visit(child) for child in current.children()]
+        if current is module:
+            return any(below)
+        if names:
+            take = type(current).__name__ in names
+        else:
+            own = sum(p.numel() for p in current.parameters())
+            take = own >= min_params and not any(below)
+        if take:
+            chosen.append(current)
+        return take or any(below)
+
+    visit(module)
+    return chosen
+
+
+class FSDP2Strategy(Strategy):
+    """FSDP2 over every rank of the run (a 1-D device mesh on torch.distributed's default
+    group); each rank holds 1/world of the parameters, gradients and optimizer state."""
+
+    name = "fsdp"
+    #: Checkpoint views of the model and optimizers are collectives (every rank saves).
+    collective_state = True
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"strategy 'fsdp' shards the model over a process group, and there is none "
+                f"(the communicator reports world size {self.comm.world_size}). Launch with "
+                f"torchrun, SLURM or nn_handler.launch."
+            )
+        if dist.get_world_size() != self.comm.world_size:
+            raise ConfigError(
+                f"strategy 'fsdp': the communicator reports world size {self.comm.world_size} "
+                f"but the process group has {dist.get_world_size()}; FSDP shards over the group."
+            )
+        if self.config.sync_batchnorm and self.comm.world_size > 1:
+            module = convert_sync_batchnorm(module, self.device)
+        settings = self.config.fsdp
+        mesh = init_device_mesh(self.device.type, (self.comm.world_size,))
+        offload: OffloadPolicy = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
+        blocks = shard_blocks(module, settings.blocks, settings.min_params)
+        if settings.blocks and not blocks:
+            present = sorted({type(m).__name__ for m in module.modules()})
+            raise ConfigError(
+                f"fsdp.blocks names {settings.blocks}, and the model has no such module; its "
+                f"module classes are {present}."
+            )
+        for block in blocks:
+            fully_shard(
+                block,
+                mesh=mesh,
+                reshard_after_forward=settings.reshard_after_forward,
+                offload_policy=offload,
+            )
+        fully_shard(module, mesh=mesh, offload_policy=offload)
+        self.blocks = len(blocks)
+        return module
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return module  # fully_shard changed the module in place
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return True  # reduce-scatter sums every rank's gradient into every shard
+
+    @property
+    def shards_gradients(self) -> bool:
+        return True
+
+    def agree(self, flag: bool) -> bool:
+        """Every rank's flag, and-ed: each rank checks its own shard of the gradients."""
+        flags = self.comm.all_reduce(torch.tensor([int(flag)], device=self.device), op="min")
+        return bool(flags.item())
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.fsdp.reduce_every_micro_batch:
+            return contextlib.nullcontext()
+        return self._without_gradient_sync()
+
+    @contextlib.contextmanager
+    def _without_gradient_sync(self) -> Iterator[None]:
+        module = self._fsdp_module()
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(
+        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        """The norm of the whole model's gradients across every shard (DTensor arithmetic:
+        one small all-reduce), the same on every rank."""
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+        full = getattr(norm, "full_tensor", None)
+        return full() if callable(full) else norm
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Every block's parameters gathered once for the whole evaluation (every rank must
+        enter): ranks may then run different numbers of batches, as exact evaluation needs,
+        without a collective per forward. Needs the whole model to fit each device."""
+        modules = [m for m in self._setup_module().modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+            reshard = self.config.fsdp.reshard_after_forward
+            for module in modules[1:] if modules else []:  # the root keeps its default
+                module.set_reshard_after_forward(reshard, recurse=False)
+
+    # ----------------------------------------------------------------- checkpoint views
+    def checkpoint_parts(self) -> list[Part]:
+        module = self._setup_module()
+
+        def load(state: Mapping[str, Any], source: str) -> None:
+            result = set_model_state_dict(module, dict(state), options=LOAD_FULL)
+            if result.missing_keys or result.unexpected_keys:
+                raise CheckpointError(
+                    f"the weights in {source} do not match {type(module).__name__}: missing "
+                    f"{list(result.missing_keys)[:10]}, unexpected "
+                    f"{list(result.unexpected_keys)[:10]}."
+                )
+
+        parts = [
+            Part(
+                "model",
+                lambda: get_model_state_dict(module, options=FULL),
+                load,
+                missing="error",
+                collective=True,
+            )
+        ]
+        return parts + [p for p in super().checkpoint_parts() if p.per_rank]
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's full state keyed by parameter name, on rank 0 (a collective)."""
+        return dict(get_optimizer_state_dict(self._setup_module(), optimizer, options=FULL))
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        set_optimizer_state_dict(self._setup_module(), optimizer, dict(state), options=LOAD_FULL)
+
+    def _fsdp_module(self) -> FSDPModule:
+        module = self._setup_module()
+        if not isinstance(module, FSDPModule):
+            raise ConfigError("FSDP2Strategy.setup(model) has not been called.")
+        return module
+
+
+__all__ = ["FSDP2Strategy", "shard_blocks"]

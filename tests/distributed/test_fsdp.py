@@ -1,0 +1,168 @@
+"""FSDP2Strategy in a real 2-rank gloo group: the same parameters as DDP with batch B per rank
+and as one process with 2B (accumulation with a partial last window, clipping), exact
+evaluation with uneven ranks, the NaN guard agreed over shards, exact resume from a
+checkpoint (model and optimizer state gathered and re-sharded), and what is refused.
+
+One spawned group runs every check; the single-process reference runs in the test process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import ConfigError, NNHandler
+from nn_handler.strategies.fsdp import shard_blocks
+from tests.distributed.test_trainer import EQUIVALENCE, NaNOnRankOne, _config
+from tests.harness import run_group
+from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
+
+pytestmark = pytest.mark.distributed
+
+SHARDED = {"strategy": "fsdp", "gradient_clip_val": 0.5, "fsdp": {"blocks": ["Linear"]}}
+
+
+def _full_state(handler: NNHandler) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)  # every rank gets it (a collective)
+    state = get_model_state_dict(handler.trainer.module, options=options)
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    val = regression_data(n=7, seed=1)  # 4 and 3 samples: the ranks run different batches
+    with NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, world_size, **SHARDED)
+    ) as h:
+        out["type"] = type(h.trainer.model).__name__
+        out["local_numel"] = sum(p.to_local().numel() for p in h.trainer.module.parameters())
+        h.train(regression_data(), epochs=2)
+        out["fsdp"] = _full_state(h)
+        out["fsdp_eval"] = h.evaluate(val)
+        out["history"] = h.history.records[-1]["train_loss"]
+    reduce_each = {**SHARDED, "fsdp": {"blocks": ["Linear"], "reduce_every_micro_batch": True}}
+    with NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, world_size, **reduce_each)
+    ) as h:
+        h.train(regression_data(), epochs=2)
+        out["reduce_each"] = _full_state(h)
+    ddp = {"gradient_clip_val": 0.5}
+    with NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, world_size, **ddp)
+    ) as h:
+        h.train(regression_data(), epochs=2)
+        out["ddp"] = state_of(h.model)
+        out["ddp_eval"] = h.evaluate(val)
+    # A NaN loss on rank 1 only: the step is skipped on both ranks (each checks its shard).
+    with NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config=_config(EQUIVALENCE, world_size, **SHARDED),
+        trainer_class=NaNOnRankOne,
+    ) as h:
+        h.train(regression_data(), epochs=1)
+        out["skipped"] = h.history.records[0]["skipped_steps"]
+    # Exact resume: one epoch, a checkpoint (gathered to rank 0), a fresh handler resumes it.
+    path = Path(folder) / "fsdp.pt"
+    with NNHandler(
+        mlp(), torch.optim.Adam, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, 2, **SHARDED)
+    ) as h:
+        h.train(regression_data(), epochs=1)
+        h.trainer.save_checkpoint(path)
+        h.train(regression_data(), epochs=2)
+        out["straight"] = _full_state(h)
+    with NNHandler(
+        mlp(seed=5),
+        torch.optim.Adam,
+        nn.CrossEntropyLoss(),
+        config=_config(EQUIVALENCE, 2, **SHARDED),
+    ) as h:
+        h.trainer.resume(path)
+        h.train(regression_data(), epochs=2)
+        out["resumed"] = _full_state(h)
+    try:
+        NNHandler(
+            mlp(),
+            sgd,
+            nn.CrossEntropyLoss(),
+            config={**_config(EQUIVALENCE, 2, **SHARDED).model_dump(), "ema": {"enabled": True}},
+        )
+    except ConfigError as error:
+        out["ema_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("fsdp")
+    return run_group(_fsdp_checks, 2, args=(str(folder),), timeout=240)
+
+
+def test_the_model_is_sharded_over_the_ranks(results: list[dict[str, Any]]) -> None:
+    total = sum(p.numel() for p in mlp().parameters())
+    for seen in results:
+        assert seen["type"] == "FSDPSequential"
+        assert seen["local_numel"] < total  # each rank holds a shard (padded to even splits)
+    assert sum(r["local_numel"] for r in results) >= total
+
+
+def test_fsdp_trains_like_ddp_and_like_one_process_with_the_whole_batch(
+    results: list[dict[str, Any]],
+) -> None:
+    reference = NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, 1, gradient_clip_val=0.5)
+    )
+    reference.train(regression_data(), epochs=2)
+    one_process = state_of(reference.model)
+    reference.close()
+    for seen in results:
+        assert max_difference(seen["fsdp"], seen["ddp"]) < 1e-6
+        assert max_difference(seen["fsdp"], one_process) < 1e-5
+        assert max_difference(seen["reduce_each"], seen["fsdp"]) < 1e-6
+    assert results[0]["history"] == results[1]["history"]
+
+
+def test_exact_evaluation_with_uneven_ranks_matches_ddp(results: list[dict[str, Any]]) -> None:
+    for seen in results:
+        assert seen["fsdp_eval"] == seen["ddp_eval"]
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(results: list[dict[str, Any]]) -> None:
+    assert [r["skipped"] for r in results] == [1.0, 1.0]
+
+
+def test_a_checkpoint_resumes_bit_identical(results: list[dict[str, Any]]) -> None:
+    for seen in results:
+        assert max_difference(seen["resumed"], seen["straight"]) == 0.0
+
+
+def test_what_fsdp_cannot_do_yet_is_refused_with_the_reason(
+    results: list[dict[str, Any]],
+) -> None:
+    for seen in results:
+        assert "EMA with strategy 'fsdp' is not supported yet" in seen["ema_error"]
+
+
+def test_fsdp_without_a_process_group_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="strategy 'fsdp' shards the model over a process"):
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": {"strategy": "fsdp"}})
+
+
+def test_blocks_are_chosen_bottom_up_by_class_or_by_size() -> None:
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10)), nn.Linear(10, 2), nn.ReLU()
+    )
+    by_class = shard_blocks(model, ["Linear"], 1)
+    assert by_class == [model[0][0], model[0][1], model[1]]
+    # 110 parameters per inner Linear, 220 in the inner Sequential, 22 in the last Linear:
+    # the innermost modules that are big enough.
+    assert shard_blocks(model, [], 200) == [model[0]]
+    assert shard_blocks(model, [], 100) == [model[0][0], model[0][1]]
+    assert shard_blocks(model, [], 10_000) == []
