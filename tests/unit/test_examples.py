@@ -76,6 +76,15 @@ def test_custom_trainer_example_under_torchrun() -> None:
     assert float(output.split("final: val_accuracy=")[1].split()[0]) >= 0.9, output
 
 
+@pytest.mark.distributed
+def test_fsdp_transformer_example_under_torchrun_shards_and_learns() -> None:
+    code, output = run_command(torchrun_command(EXAMPLES / "fsdp_transformer.py"), timeout=180)
+    assert code == 0, output
+    finals = [line for line in output.splitlines() if line.startswith("final: ")]
+    assert len(finals) == 1 and "(FSDP2Strategy)" in finals[0], output
+    assert float(finals[0].split("val_accuracy=")[1].split()[0]) >= 0.95, output
+
+
 def test_preemptible_training_example_continues_in_a_second_run(tmp_path: Path) -> None:
     script = [sys.executable, str(EXAMPLES / "preemptible_training.py"), "--dir", str(tmp_path)]
     code, output = run_command([*script, "--epochs", "1"], timeout=120)
