@@ -153,7 +153,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print what nn_handler sees: torch version, distributed backends, CUDA "
         "devices and memory, and the DistributedInfo parsed from the environment.",
     )
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="look into a checkpoint file",
+        description="Tools for checkpoint files.",
+    )
+    tools = checkpoint.add_subparsers(dest="tool", required=True)
+    inspect = tools.add_parser(
+        "inspect",
+        help="print what a checkpoint holds: position, parts and their sizes, ranks",
+        description="Print what a checkpoint file holds (read weights-only, memory-mapped).",
+    )
+    inspect.add_argument("path", help="a checkpoint file")
     return parser
+
+
+def run_inspect(path: str) -> int:
+    """Print the checkpoint's description; 1 with the reason when it cannot be read."""
+    from nn_handler.checkpoint.inspect import describe_checkpoint
+    from nn_handler.errors import CheckpointError
+
+    try:
+        print(describe_checkpoint(path))
+    except (CheckpointError, OSError) as error:
+        print(f"nn-handler checkpoint inspect: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args)
     if args.command == "env":
         return run_env(os.environ)
+    if args.command == "checkpoint":
+        return run_inspect(args.path)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -135,3 +135,40 @@ def test_demo_places_processes_on_gpus_only_when_there_are_enough(
     placed_backend, device, note = demo_placement(nproc, gpus, backend)
     assert (placed_backend, device) == expected
     assert (note is not None) == (device == "cpu" and gpus > 0)
+
+
+def test_checkpoint_inspect_lists_the_position_parts_and_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from tests.training_helpers import mlp, regression_data, sgd
+
+    config = {"loader": {"batch_size": 8}, "trainer": {"progress_bar": False}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        handler.train(regression_data(), epochs=1)
+        path = handler.trainer.save_checkpoint(tmp_path / "run.pt")
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "written by 1 rank(s); epochs done 1, optimizer steps 5" in out
+    assert "  model: 4 tensor(s), 652 B" in out  # 6x16 + 16 + 16x3 + 3 float32
+    assert "  optimizer: 4 tensor(s), 652 B" in out  # SGD's momentum buffers
+    assert "  history: no tensors" in out and "  optimizers: empty" in out
+    assert "per-rank parts (1 rank(s)): epoch_rng, rng" in out
+    torch.save(mlp().state_dict(), tmp_path / "weights.pt")
+    assert main(["checkpoint", "inspect", str(tmp_path / "weights.pt")]) == 0
+    assert (
+        "not an nn_handler training checkpoint (OrderedDict): 4 tensor(s), 652 B"
+        in capsys.readouterr().out
+    )
+
+
+def test_checkpoint_inspect_of_a_broken_file_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    assert main(["checkpoint", "inspect", str(tmp_path / "bad.pt")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nn-handler checkpoint inspect: ") and "bad.pt" in err
+    assert len(err.splitlines()) == 1

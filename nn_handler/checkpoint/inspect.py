@@ -1,0 +1,85 @@
+"""What a checkpoint file holds, as text: ``nn-handler checkpoint inspect PATH``.
+
+Reads the file weights-only (memory-mapped, so a large one is not read into memory) and
+lists the run's position, then every part with its number of tensors and bytes, shared parts
+first, then the per-rank ones. A file that is not an nn_handler training checkpoint (bare
+weights, say) is described as a plain state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nn_handler.checkpoint.io import load_file
+
+#: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
+_META = ("format", "version", "world_size", "config", "ranks")
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _size(value: Any) -> str:
+    tensors = list(_tensors(value))
+    if not tensors:
+        empty = value is None or (isinstance(value, (Mapping, list, tuple)) and not value)
+        return "empty" if empty else "no tensors"
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return f"{len(tensors)} tensor(s), {_bytes(total)}"
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"  # pragma: no cover - the loop returns
+
+
+def describe_checkpoint(path: str | Path) -> str:
+    """A few lines saying what the checkpoint at ``path`` holds (raises CheckpointError when
+    it cannot be read)."""
+    path = Path(path)
+    checkpoint = load_file(path, mmap=True, verify=False)
+    lines = [f"{path} ({_bytes(path.stat().st_size)})"]
+    if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != "nn_handler.checkpoint":
+        kind = type(checkpoint).__name__
+        lines.append(f"not an nn_handler training checkpoint ({kind}): {_size(checkpoint)}")
+        if isinstance(checkpoint, Mapping):
+            keys = list(checkpoint)
+            lines.append(f"keys: {keys[:10]}{' ...' if len(keys) > 10 else ''}")
+        return "\n".join(lines)
+    position = checkpoint.get("trainer") or {}
+    lines.append(
+        f"format version {checkpoint.get('version')}, written by "
+        f"{checkpoint.get('world_size')} rank(s); epochs done {position.get('epoch')}, "
+        f"optimizer steps {position.get('global_step')}, batches done in the epoch "
+        f"{position.get('batches_done')}"
+    )
+    lines.append("shared parts:")
+    for name, value in checkpoint.items():
+        if name not in _META and value is not None:
+            lines.append(f"  {name}: {_size(value)}")
+    ranks = checkpoint.get("ranks") or []
+    if ranks:
+        names = sorted({name for rank in ranks for name, v in rank.items() if v is not None})
+        lines.append(f"per-rank parts ({len(ranks)} rank(s)): {', '.join(names)}")
+    config = checkpoint.get("config") or {}
+    if config:
+        lines.append(f"config sections: {', '.join(sorted(config))}")
+    return "\n".join(lines)
+
+
+__all__ = ["describe_checkpoint"]
