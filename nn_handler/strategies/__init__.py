@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from nn_handler.config.training import TrainerConfig
@@ -10,14 +12,9 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy
 from nn_handler.strategies.ddp import DDPStrategy
-from nn_handler.strategies.fsdp import FSDP2Strategy
 from nn_handler.strategies.single import SingleDeviceStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "single": SingleDeviceStrategy,
-    "ddp": DDPStrategy,
-    "fsdp": FSDP2Strategy,
-}
+STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
 
 
 def select_strategy(comm: Communicator, device: torch.device, config: TrainerConfig) -> Strategy:
@@ -36,7 +33,19 @@ def select_strategy(comm: Communicator, device: torch.device, config: TrainerCon
             f"run has {comm.world_size} ranks: the replicas would drift apart. Use 'ddp' (or "
             f"'auto')."
         )
+    if name == "fsdp":  # imported when chosen: torch.distributed.checkpoint costs ~1 s
+        from nn_handler.strategies.fsdp import FSDP2Strategy
+
+        return FSDP2Strategy(comm, device, config)
     return STRATEGIES[name](comm, device, config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FSDP2Strategy":
+        from nn_handler.strategies.fsdp import FSDP2Strategy
+
+        return FSDP2Strategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

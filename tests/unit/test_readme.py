@@ -59,7 +59,8 @@ def _parts_example(folder: Path) -> Path:
     section = README.split("The parts underneath can be used on their own:", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = folder / "parts.py"
-    script.write_text(code + "print(ctx.rank, tuple(every.shape), metrics)\n")
+    # One write per rank's line: two ranks' prints must not interleave inside a line.
+    script.write_text(code + 'print(f"{ctx.rank} {tuple(every.shape)} {metrics}", flush=True)\n')
     return script
 
 

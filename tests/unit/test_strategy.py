@@ -86,3 +86,18 @@ def test_configure_optimizers_runs_once_the_trainer_parts_exist() -> None:
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), trainer_class=Reads) as handler:
         assert handler.trainer.optimizer is not None
     assert seen == {"parts": (0, 0, 0), "strategy": "single"}
+
+
+def test_importing_nn_handler_leaves_fsdp_and_dcp_unimported() -> None:
+    """torch.distributed.checkpoint takes about a second to import, in every process a run
+    spawns: it is imported when strategy 'fsdp' is chosen, not with nn_handler."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, nn_handler, nn_handler.strategies as s; "
+        "print(sorted(m for m in ('torch.distributed.checkpoint', 'nn_handler.strategies.fsdp') "
+        "if m in sys.modules)); s.FSDP2Strategy; print('nn_handler.strategies.fsdp' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["[]", "True"], done.stdout + done.stderr
