@@ -71,6 +71,12 @@ class FSDP2Strategy(Strategy):
     collective_state = True
 
     def prepare(self, module: nn.Module) -> nn.Module:
+        if self.config.fsdp.cpu_offload and self.device.type == "cpu":
+            raise ConfigError(
+                "fsdp.cpu_offload moves the shards, gradients and optimizer state from the "
+                "accelerator to CPU memory, and this run's device is the CPU already: leave "
+                "cpu_offload off."
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 f"strategy 'fsdp' shards the model over a process group, and there is none "

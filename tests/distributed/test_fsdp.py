@@ -87,6 +87,7 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         h.trainer.resume(path)
         h.train(regression_data(), epochs=2)
         out["resumed"] = _full_state(h)
+    out["gan"] = {strategy: _gan(rank, strategy) for strategy in ("fsdp", "ddp")}
     try:
         NNHandler(
             mlp(),
@@ -97,6 +98,24 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     except ConfigError as error:
         out["ema_error"] = str(error)
     return out
+
+
+def _gan(rank: int, strategy: str) -> dict[str, torch.Tensor]:
+    """Manual optimization (two optimizers, two backwards per step) with each network one
+    FSDP unit."""
+    from tests.gan_helpers import GANTrainer, TinyGAN, ring_data
+
+    torch.manual_seed(10 + rank)  # each rank its own noise
+    trainer = {"progress_bar": False, "strategy": strategy, "fsdp": {"blocks": ["Sequential"]}}
+    if strategy == "ddp":
+        trainer = {"progress_bar": False, "find_unused_parameters": True}
+    with NNHandler(
+        TinyGAN(),
+        config={"loader": {"batch_size": 8}, "trainer": trainer},
+        trainer_class=GANTrainer,
+    ) as h:
+        h.train(ring_data(), epochs=1)
+        return _full_state(h) if strategy == "fsdp" else state_of(h.model)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +162,14 @@ def test_a_checkpoint_resumes_bit_identical(results: list[dict[str, Any]]) -> No
         assert max_difference(seen["resumed"], seen["straight"]) == 0.0
 
 
+def test_a_gan_with_manual_optimization_trains_like_under_ddp(
+    results: list[dict[str, Any]],
+) -> None:
+    for seen in results:
+        assert max_difference(seen["gan"]["fsdp"], seen["gan"]["ddp"]) < 1e-5
+    assert max_difference(results[0]["gan"]["fsdp"], results[1]["gan"]["fsdp"]) == 0.0
+
+
 def test_what_fsdp_cannot_do_yet_is_refused_with_the_reason(
     results: list[dict[str, Any]],
 ) -> None:
@@ -153,6 +180,12 @@ def test_what_fsdp_cannot_do_yet_is_refused_with_the_reason(
 def test_fsdp_without_a_process_group_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="strategy 'fsdp' shards the model over a process"):
         NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": {"strategy": "fsdp"}})
+
+
+def test_cpu_offload_on_the_cpu_is_a_config_error() -> None:
+    config = {"trainer": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}}
+    with pytest.raises(ConfigError, match="device is the CPU already: leave cpu_offload off"):
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config)
 
 
 def test_blocks_are_chosen_bottom_up_by_class_or_by_size() -> None:
