@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
+from nn_handler.checkpoint.optimizer_state import is_named, to_indexed
 from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
@@ -138,7 +139,10 @@ class Strategy(ABC):
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
     ) -> None:
-        """Load a state from ``optimizer_state_dict`` into ``optimizer``."""
+        """Load a state from ``optimizer_state_dict`` into ``optimizer``; a state keyed by
+        parameter name (written by the FSDP2 strategy) is converted."""
+        if is_named(state):
+            state = to_indexed(state, self._setup_module(), optimizer)
         optimizer.load_state_dict(dict(state))
 
     def _setup_module(self) -> nn.Module:

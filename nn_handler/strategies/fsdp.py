@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from nn_handler.checkpoint.optimizer_state import is_named, to_named
 from nn_handler.checkpoint.registry import Part
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.strategies.base import Strategy
@@ -193,13 +194,17 @@ class FSDP2Strategy(Strategy):
         return parts + [p for p in super().checkpoint_parts() if p.per_rank]
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's full state keyed by parameter name, on rank 0 (a collective)."""
+        """The optimizer's full state keyed by parameter name, on rank 0 (a collective); the
+        other strategies load it too (converted to their index-keyed layout)."""
         return dict(get_optimizer_state_dict(self._setup_module(), optimizer, options=FULL))
 
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
     ) -> None:
-        set_optimizer_state_dict(self._setup_module(), optimizer, dict(state), options=LOAD_FULL)
+        module = self._setup_module()
+        if not is_named(state):  # written by the single-device or DDP strategy
+            state = to_named(state, module, optimizer)
+        set_optimizer_state_dict(module, optimizer, dict(state), options=LOAD_FULL)
 
     def _fsdp_module(self) -> FSDPModule:
         module = self._setup_module()

@@ -35,7 +35,7 @@ def _full_state(handler: NNHandler) -> dict[str, torch.Tensor]:
 
 
 def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"folder": folder}
     val = regression_data(n=7, seed=1)  # 4 and 3 samples: the ranks run different batches
     with NNHandler(
         mlp(), sgd, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, world_size, **SHARDED)
@@ -88,6 +88,24 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         h.train(regression_data(), epochs=2)
         out["resumed"] = _full_state(h)
     out["gan"] = {strategy: _gan(rank, strategy) for strategy in ("fsdp", "ddp")}
+    # Across strategies: a DDP checkpoint resumed under FSDP, and the FSDP one under DDP.
+    ddp_path = Path(folder) / "ddp.pt"
+    adam_ddp = _config(EQUIVALENCE, 2)
+    with NNHandler(mlp(), torch.optim.Adam, nn.CrossEntropyLoss(), config=adam_ddp) as h:
+        h.train(regression_data(), epochs=1)
+        h.trainer.save_checkpoint(ddp_path)
+        h.train(regression_data(), epochs=2)
+        out["ddp_straight"] = state_of(h.model)
+    sharded = _config(EQUIVALENCE, 2, strategy="fsdp", fsdp={"blocks": ["Linear"]})
+    with NNHandler(mlp(seed=5), torch.optim.Adam, nn.CrossEntropyLoss(), config=sharded) as h:
+        h.trainer.resume(ddp_path)
+        h.train(regression_data(), epochs=2)
+        out["ddp_to_fsdp"] = _full_state(h)
+    clipped_ddp = _config(EQUIVALENCE, 2, gradient_clip_val=0.5)  # as the FSDP run was
+    with NNHandler(mlp(seed=5), torch.optim.Adam, nn.CrossEntropyLoss(), config=clipped_ddp) as h:
+        h.trainer.resume(path)  # written under FSDP
+        h.train(regression_data(), epochs=2)
+        out["fsdp_to_ddp"] = state_of(h.model)
     try:
         NNHandler(
             mlp(),
@@ -168,6 +186,27 @@ def test_a_gan_with_manual_optimization_trains_like_under_ddp(
     for seen in results:
         assert max_difference(seen["gan"]["fsdp"], seen["gan"]["ddp"]) < 1e-5
     assert max_difference(results[0]["gan"]["fsdp"], results[1]["gan"]["fsdp"]) == 0.0
+
+
+def test_checkpoints_move_between_ddp_and_fsdp(results: list[dict[str, Any]]) -> None:
+    """The model's weights have the same plain keys under both; the optimizer state is keyed
+    by index under DDP and by name under FSDP, and converted when loaded."""
+    for seen in results:
+        assert max_difference(seen["ddp_to_fsdp"], seen["ddp_straight"]) < 1e-6
+        assert max_difference(seen["fsdp_to_ddp"], seen["straight"]) < 1e-6
+
+
+def test_an_fsdp_checkpoint_resumes_in_one_process(results: list[dict[str, Any]]) -> None:
+    folder = results[0]["folder"]
+    config = _config(EQUIVALENCE, 1, **{**SHARDED, "strategy": "auto"})
+    with NNHandler(mlp(seed=5), torch.optim.Adam, nn.CrossEntropyLoss(), config=config) as h:
+        h.trainer.resume(Path(folder) / "fsdp.pt", allow_world_size_change=True)
+        assert h.trainer.state.epoch == 1
+        steps = {int(s["step"]) for s in h.trainer.optimizer.state_dict()["state"].values()}
+        # Adam's state came along: 3 steps in the first epoch (5 batches, windows of 2).
+        assert steps == {3}
+        h.train(regression_data(), epochs=2)
+        assert h.trainer.state.global_step == 6
 
 
 def test_what_fsdp_cannot_do_yet_is_refused_with_the_reason(
