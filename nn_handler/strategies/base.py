@@ -132,6 +132,16 @@ class Strategy(ABC):
             )
         return parts
 
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole state of ``module`` (this strategy's kind of model) with plain keys."""
+        return model_state_dict(module)
+
+    def load_module_state_dict(
+        self, module: nn.Module, state: Mapping[str, Any], source: str
+    ) -> None:
+        """Load a state from ``module_state_dict`` into ``module``."""
+        load_model_state(module, state, source=source)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state as a checkpoint holds it."""
         return optimizer.state_dict()

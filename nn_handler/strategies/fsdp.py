@@ -172,26 +172,29 @@ class FSDP2Strategy(Strategy):
     # ----------------------------------------------------------------- checkpoint views
     def checkpoint_parts(self) -> list[Part]:
         module = self._setup_module()
+        model = Part(
+            "model",
+            lambda: self.module_state_dict(module),
+            lambda state, source: self.load_module_state_dict(module, state, source),
+            missing="error",
+            collective=True,
+        )
+        return [model] + [p for p in super().checkpoint_parts() if p.per_rank]
 
-        def load(state: Mapping[str, Any], source: str) -> None:
-            result = set_model_state_dict(module, dict(state), options=LOAD_FULL)
-            if result.missing_keys or result.unexpected_keys:
-                raise CheckpointError(
-                    f"the weights in {source} do not match {type(module).__name__}: missing "
-                    f"{list(result.missing_keys)[:10]}, unexpected "
-                    f"{list(result.unexpected_keys)[:10]}."
-                )
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole state of a sharded ``module``, gathered to rank 0 (a collective)."""
+        return dict(get_model_state_dict(module, options=FULL))
 
-        parts = [
-            Part(
-                "model",
-                lambda: get_model_state_dict(module, options=FULL),
-                load,
-                missing="error",
-                collective=True,
+    def load_module_state_dict(
+        self, module: nn.Module, state: Mapping[str, Any], source: str
+    ) -> None:
+        result = set_model_state_dict(module, dict(state), options=LOAD_FULL)
+        if result.missing_keys or result.unexpected_keys:
+            raise CheckpointError(
+                f"the weights in {source} do not match {type(module).__name__}: missing "
+                f"{list(result.missing_keys)[:10]}, unexpected "
+                f"{list(result.unexpected_keys)[:10]}."
             )
-        ]
-        return parts + [p for p in super().checkpoint_parts() if p.per_rank]
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state keyed by parameter name, on rank 0 (a collective); the

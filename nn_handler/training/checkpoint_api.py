@@ -20,6 +20,7 @@ from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.history import History
 from nn_handler.training.parts import TrainerParts
 from nn_handler.training.position import LoopPosition
+from nn_handler.training.sharded_ema import ShardedEma
 
 
 class CheckpointMixin(TrainerParts):
@@ -121,8 +122,11 @@ class CheckpointMixin(TrainerParts):
                 missing="ignore",
             )
         )
-        if self.ema is not None:
-            registry.add(part_of("ema", self.ema))
+        ema = self.ema
+        if isinstance(ema, ShardedEma):  # gathered whole, like the model (a collective)
+            registry.add(Part("ema", ema.state_dict, ema.load_state_dict, collective=True))
+        elif ema is not None:
+            registry.add(part_of("ema", ema))
         if self.early_stopping is not None:
             registry.add(part_of("early_stopping", self.early_stopping))
 

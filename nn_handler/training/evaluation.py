@@ -4,8 +4,9 @@ ranks (every sample once). Mixed into Trainer; override ``validation_step`` /
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from nn_handler.training.batch import batch_size_of, loader_length, move_to_devi
 from nn_handler.training.limits import limited
 from nn_handler.training.metrics import MetricFn, StatefulMetric, WeightedMeans, compute_stateful
 from nn_handler.training.parts import TrainerParts
+from nn_handler.training.sharded_ema import ShardedEma
 
 Metric = MetricFn | StatefulMetric
 
@@ -155,10 +157,6 @@ class EvaluationMixin(TrainerParts):
         mode, ``per_batch(batch)`` under autocast for the first ``count`` batches (None: all),
         then ``after(batches seen)``; a failure on any rank, in either, is raised on every
         rank. Returns the batches seen."""
-        module = self._eval_module(use_ema)
-        was_training = module.training
-        module.eval()
-        self._active = module
         seen = 0
         batches = loader if count is None else itertools.islice(loader, count)
 
@@ -172,21 +170,33 @@ class EvaluationMixin(TrainerParts):
             if after is not None:
                 after(seen)
 
-        try:
-            with self.strategy.evaluation():  # every rank enters it (sharded models gather)
-                self._together(what, run)
-        finally:
-            self._active = self.model
-            module.train(was_training)
+        with self._eval_weights(use_ema) as module:
+            was_training = module.training
+            module.eval()
+            self._active = module
+            try:
+                with self.strategy.evaluation():  # every rank enters it (sharded models gather)
+                    self._together(what, run)
+            finally:
+                self._active = self.model
+                module.train(was_training)
         return seen
 
-    def _eval_module(self, use_ema: bool | None) -> nn.Module:
+    @contextlib.contextmanager
+    def _eval_weights(self, use_ema: bool | None) -> Iterator[nn.Module]:
+        """The module to evaluate: the plain module, or its EMA (a copy, or for a sharded
+        model the averaged shards swapped in for the duration)."""
         if use_ema is None:
             use_ema = self.ema is not None and self.ema.config.validate_with_ema
         if use_ema and self.ema is None:
             raise ConfigError("use_ema=True but EMA is off: set EmaConfig(enabled=True).")
-        # The plain module, never the DDP wrapper: ranks may see different batch counts here.
-        return self.ema.module if use_ema and self.ema is not None else self.module
+        ema = self.ema if use_ema else None
+        if isinstance(ema, ShardedEma):
+            with ema.applied() as module:
+                yield module
+        else:
+            # The plain module, never the DDP wrapper: ranks may see different batch counts.
+            yield ema.module if ema is not None else self.module
 
 
 __all__ = ["EvaluationMixin", "Metric"]

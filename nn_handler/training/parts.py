@@ -15,6 +15,7 @@ from nn_handler.training.ema import ModelEma
 from nn_handler.training.hooks import HookList
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
+from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import TrainerState
 
 
@@ -32,7 +33,7 @@ class TrainerParts:
     module: nn.Module
     model: nn.Module
     precision: Precision
-    ema: ModelEma | None
+    ema: ModelEma | ShardedEma | None
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
 

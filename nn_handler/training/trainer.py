@@ -55,6 +55,7 @@ from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.optimization import OptimizationMixin, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
+from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import Stateful, TrainerState
 from nn_handler.training.step import StepMixin
 
@@ -118,12 +119,16 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
         self._adopt_optimizers(self.configure_optimizers(optimizer, scheduler))
         self._check_scheduler()
-        if ema is not None and ema.enabled and self.strategy.collective_state:
-            raise ConfigError(
-                f"EMA with strategy {self.strategy.name!r} is not supported yet: the EMA copy "
-                f"would have to be sharded like the parameters. Turn EMA off or use 'ddp'."
+        self.ema: ModelEma | ShardedEma | None = None
+        if ema is not None and ema.enabled:
+            strategy = self.strategy
+            self.ema = (  # a sharded model's EMA stays sharded: one averaged shard per rank
+                ShardedEma(
+                    self.module, ema, strategy.module_state_dict, strategy.load_module_state_dict
+                )
+                if strategy.collective_state
+                else ModelEma(self.module, ema)
             )
-        self.ema = ModelEma(self.module, ema) if ema is not None and ema.enabled else None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
         self._finite = GradientFiniteCheck(self._params)

@@ -1,0 +1,126 @@
+"""ShardedEma: the exponential moving average of a sharded model (FSDP2), kept sharded.
+
+An FSDP2 module cannot be copied, and a full copy would defeat the sharding: each rank keeps
+an averaged copy of its own shard of every parameter (and of the buffers, which FSDP2 does not
+shard), updated with the same foreach kernels as ModelEma. To evaluate with it, or to save it,
+the averaged shards are swapped into the model for the duration (``applied()``) and the
+training shards put back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler.config.training import EmaConfig
+from nn_handler.training.ema import _grouped
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class ShardedEma:
+    """The EMA of a sharded ``model``, one shard per rank; every rank must call ``update``,
+    ``applied`` and the state methods alike.
+
+    ``state_view`` and ``load_view`` are the strategy's full-state views of a module (the
+    checkpoint keeps the EMA whole, like the model).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EmaConfig,
+        state_view: Callable[[nn.Module], dict[str, Any]],
+        load_view: Callable[[nn.Module, dict[str, Any], str], None],
+    ) -> None:
+        self.config = config
+        self.model = model
+        self._state_view, self._load_view = state_view, load_view
+        with torch.no_grad():
+            self._live = [_local(p) for p in model.parameters()] + list(model.buffers())
+            self._shadow = [t.detach().clone() for t in self._live]
+        params = len(list(model.parameters()))  # the first ones; buffers follow
+        averaged = [
+            (s, t)
+            for i, (s, t) in enumerate(zip(self._shadow, self._live, strict=True))
+            if s.is_floating_point() and (i < params or config.buffers == "average")
+        ]
+        ids = {id(s) for s, _ in averaged}
+        copied = [(s, t) for s, t in zip(self._shadow, self._live, strict=True) if id(s) not in ids]
+        self._averaged = _grouped(averaged)
+        self._copied = _grouped(copied)
+        self.num_updates = 0
+        self._optimizer_steps = 0
+
+    def decay(self) -> float:
+        if self.config.warmup:
+            n = self.num_updates
+            return min(self.config.decay, (1 + n) / (10 + n))
+        return self.config.decay
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """As ModelEma.update, on this rank's shards."""
+        self._optimizer_steps += 1
+        if self._optimizer_steps <= self.config.start_step:
+            self.copy_from_model()
+            return
+        if (self._optimizer_steps - self.config.start_step) % self.config.update_every:
+            return
+        weight = 1.0 - self.decay()
+        for targets, sources in self._averaged:
+            torch._foreach_lerp_(targets, sources, weight)
+        for targets, sources in self._copied:
+            torch._foreach_copy_(targets, sources)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def copy_from_model(self) -> None:
+        torch._foreach_copy_(self._shadow, self._live)
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[nn.Module]:
+        """The model holding the averaged weights for the duration (its own put back after)."""
+        with torch.no_grad():
+            saved = [t.clone() for t in self._live]
+            torch._foreach_copy_(self._live, self._shadow)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self._live, saved)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole averaged model (gathered to rank 0 by the strategy's view: a collective)."""
+        with self.applied() as model:
+            # Copies: a view may share the model's storage, which gets its own weights back.
+            module = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self._state_view(model).items()
+            }
+        return {
+            "module": module,
+            "num_updates": self.num_updates,
+            "optimizer_steps": self._optimizer_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        with self.applied() as model:
+            self._load_view(model, state["module"], source)
+            with torch.no_grad():
+                torch._foreach_copy_(self._shadow, self._live)
+        self.num_updates = int(state["num_updates"])
+        self._optimizer_steps = int(state["optimizer_steps"])
+
+    def __repr__(self) -> str:
+        return f"ShardedEma(decay={self.config.decay}, updates={self.num_updates})"
+
+
+__all__ = ["ShardedEma"]
