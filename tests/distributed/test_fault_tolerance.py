@@ -18,7 +18,7 @@ import torch
 
 from nn_handler import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from nn_handler.checkpoint import load_file
-from tests.harness import run_command, torchrun_command
+from tests.harness import run_command, run_commands, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -30,14 +30,18 @@ EVERY_N_STEPS = 3
 TOTAL_STEPS = 24  # 64 samples, batch 4 on 2 ranks, 3 epochs
 
 
-def _run(
-    tmp: Path, name: str, mode: str, *extra: str, timeout: float = 120, variant: str = ""
-) -> tuple[int, str]:
+def _command(tmp: Path, name: str, mode: str, *extra: str, variant: str = "") -> list[str]:
     ckpt, out = tmp / name / "ckpt", tmp / name / "out"
     out.mkdir(parents=True, exist_ok=True)
     command = torchrun_command(SCRIPT, str(ckpt), str(out), mode, *([variant] if variant else []))
     command[3:3] = list(extra)  # torchrun options go before the script
-    return run_command(command, timeout=timeout, env=ENV)
+    return command
+
+
+def _run(
+    tmp: Path, name: str, mode: str, *extra: str, timeout: float = 120, variant: str = ""
+) -> tuple[int, str]:
+    return run_command(_command(tmp, name, mode, *extra, variant=variant), timeout=timeout, env=ENV)
 
 
 def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -81,9 +85,17 @@ def test_user_models_with_tracked_state_resume_bit_identical_after_sigkill(
     torchmetrics F1 on its overridden validation_step, a hook with state) plus that sum. A
     SIGKILL mid-epoch on rank 1, torchrun restarts the group, and both ranks end with the
     weights, the sums, the hook state and the History of an uninterrupted run."""
-    code, output = _run(tmp_path, "plain", "plain", variant=variant)
+    # The uninterrupted reference and the killed run side by side (independent folders).
+    (code, output), (killed_code, killed_output) = run_commands(
+        [
+            _command(tmp_path, "plain", "plain", variant=variant),
+            _command(tmp_path, "killed", "sigkill", "--max-restarts=1", variant=variant),
+        ],
+        timeout=180,
+        env=ENV,
+    )
     assert code == 0, output
-    code, output = _run(tmp_path, "killed", "sigkill", "--max-restarts=1", variant=variant)
+    code, output = killed_code, killed_output
     assert code == 0, output
     assert "(exitcode: -9) local_rank: 1" in output, output
     plain, killed = tmp_path / "plain" / "out", tmp_path / "killed" / "out"
