@@ -28,35 +28,16 @@ def _grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_Group]:
     return list(groups.values())
 
 
-class ModelEma:
-    """An EMA copy of ``model`` (unwrapped from DDP/compile), updated from its weights.
+class EmaUpdates:
+    """The update rule every EMA here shares: ``_averaged`` and ``_copied`` are (targets,
+    sources) groups; subclasses fill them, plus ``config``, ``num_updates`` and
+    ``_optimizer_steps``."""
 
-    ``update()`` after each optimizer step. Updated from weights that DDP keeps identical on
-    every rank, the EMA is identical on every rank with no communication. ``module`` is the
-    averaged model, in eval mode and without gradients; ``num_updates`` is checkpointed.
-    """
-
-    def __init__(self, model: nn.Module, config: EmaConfig) -> None:
-        self.config = config
-        source = unwrap_model(model)
-        self.module = copy.deepcopy(source).eval().requires_grad_(False)
-        self.num_updates = 0
-        self._optimizer_steps = 0
-        self._bind(source)
-
-    def _bind(self, source: nn.Module) -> None:
-        params: list[tuple[torch.Tensor, torch.Tensor]] = list(
-            zip(self.module.parameters(), source.parameters(), strict=True)
-        )
-        buffers = list(zip(self.module.buffers(), source.buffers(), strict=True))
-        averaged = [(e, s) for e, s in params if e.is_floating_point()]
-        copied = [(e, s) for e, s in params if not e.is_floating_point()]
-        for ema_buffer, buffer in buffers:
-            floating = ema_buffer.is_floating_point()
-            target = averaged if floating and self.config.buffers == "average" else copied
-            target.append((ema_buffer, buffer))
-        self._averaged = _grouped(averaged)
-        self._copied = _grouped(copied)
+    config: EmaConfig
+    num_updates: int
+    _optimizer_steps: int
+    _averaged: list[_Group]
+    _copied: list[_Group]
 
     def decay(self) -> float:
         """The decay of the next update (with warm-up: ``min(decay, (1+n)/(10+n))``)."""
@@ -88,6 +69,37 @@ class ModelEma:
         for group in (*self._averaged, *self._copied):
             torch._foreach_copy_(*group)
 
+
+class ModelEma(EmaUpdates):
+    """An EMA copy of ``model`` (unwrapped from DDP/compile), updated from its weights.
+
+    ``update()`` after each optimizer step. Updated from weights that DDP keeps identical on
+    every rank, the EMA is identical on every rank with no communication. ``module`` is the
+    averaged model, in eval mode and without gradients; ``num_updates`` is checkpointed.
+    """
+
+    def __init__(self, model: nn.Module, config: EmaConfig) -> None:
+        self.config = config
+        source = unwrap_model(model)
+        self.module = copy.deepcopy(source).eval().requires_grad_(False)
+        self.num_updates = 0
+        self._optimizer_steps = 0
+        self._bind(source)
+
+    def _bind(self, source: nn.Module) -> None:
+        params: list[tuple[torch.Tensor, torch.Tensor]] = list(
+            zip(self.module.parameters(), source.parameters(), strict=True)
+        )
+        buffers = list(zip(self.module.buffers(), source.buffers(), strict=True))
+        averaged = [(e, s) for e, s in params if e.is_floating_point()]
+        copied = [(e, s) for e, s in params if not e.is_floating_point()]
+        for ema_buffer, buffer in buffers:
+            floating = ema_buffer.is_floating_point()
+            target = averaged if floating and self.config.buffers == "average" else copied
+            target.append((ema_buffer, buffer))
+        self._averaged = _grouped(averaged)
+        self._copied = _grouped(copied)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "module": self.module.state_dict(),
@@ -104,4 +116,4 @@ class ModelEma:
         return f"ModelEma(decay={self.config.decay}, updates={self.num_updates})"
 
 
-__all__ = ["ModelEma", "unwrap_model"]
+__all__ = ["EmaUpdates", "ModelEma", "unwrap_model"]

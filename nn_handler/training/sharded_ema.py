@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nn_handler.config.training import EmaConfig
-from nn_handler.training.ema import _grouped
+from nn_handler.training.ema import EmaUpdates, _grouped
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -25,8 +25,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-class ShardedEma:
-    """The EMA of a sharded ``model``, one shard per rank; every rank must call ``update``,
+class ShardedEma(EmaUpdates):
+    """The EMA of a sharded ``model``, one shard per rank (the update rule is ModelEma's,
+    on this rank's shards); every rank must call ``update``,
     ``applied`` and the state methods alike.
 
     ``state_view`` and ``load_view`` are the strategy's full-state views of a module (the
@@ -58,32 +59,6 @@ class ShardedEma:
         self._copied = _grouped(copied)
         self.num_updates = 0
         self._optimizer_steps = 0
-
-    def decay(self) -> float:
-        if self.config.warmup:
-            n = self.num_updates
-            return min(self.config.decay, (1 + n) / (10 + n))
-        return self.config.decay
-
-    @torch.no_grad()
-    def update(self) -> None:
-        """As ModelEma.update, on this rank's shards."""
-        self._optimizer_steps += 1
-        if self._optimizer_steps <= self.config.start_step:
-            self.copy_from_model()
-            return
-        if (self._optimizer_steps - self.config.start_step) % self.config.update_every:
-            return
-        weight = 1.0 - self.decay()
-        for targets, sources in self._averaged:
-            torch._foreach_lerp_(targets, sources, weight)
-        for targets, sources in self._copied:
-            torch._foreach_copy_(targets, sources)
-        self.num_updates += 1
-
-    @torch.no_grad()
-    def copy_from_model(self) -> None:
-        torch._foreach_copy_(self._shadow, self._live)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[nn.Module]:
