@@ -155,16 +155,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkpoint = commands.add_parser(
         "checkpoint",
-        help="look into a checkpoint file",
-        description="Tools for checkpoint files.",
+        help="look into a checkpoint, or make one file of a sharded one",
+        description="Tools for checkpoint files and sharded checkpoint folders.",
     )
     tools = checkpoint.add_subparsers(dest="tool", required=True)
     inspect = tools.add_parser(
         "inspect",
         help="print what a checkpoint holds: position, parts and their sizes, ranks",
-        description="Print what a checkpoint file holds (read weights-only, memory-mapped).",
+        description="Print what a checkpoint file (read weights-only, memory-mapped) or a "
+        "sharded checkpoint folder (its index, not its shards) holds.",
     )
-    inspect.add_argument("path", help="a checkpoint file")
+    inspect.add_argument("path", help="a checkpoint file or sharded checkpoint folder")
+    consolidate = tools.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint folder as one weights-only file",
+        description="Write the sharded checkpoint DIR as the single file OUT: the whole "
+        "model and EMA and the small parts, without the optimizers' states; NNHandler.load "
+        "restores it in one process.",
+    )
+    consolidate.add_argument("folder", metavar="DIR", help="a sharded checkpoint folder")
+    consolidate.add_argument("out", metavar="OUT", help="the file to write (e.g. model.pt)")
     return parser
 
 
@@ -181,12 +191,28 @@ def run_inspect(path: str) -> int:
     return 0
 
 
+def run_consolidate(folder: str, out: str) -> int:
+    """Write the consolidated file; 1 with the reason when the folder cannot be read."""
+    from nn_handler.checkpoint.consolidate import consolidate
+    from nn_handler.errors import CheckpointError
+
+    try:
+        written = consolidate(folder, out)
+    except (CheckpointError, OSError) as error:
+        print(f"nn-handler checkpoint consolidate: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {written}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "env":
         return run_env(os.environ)
+    if args.command == "checkpoint" and args.tool == "consolidate":
+        return run_consolidate(args.folder, args.out)
     if args.command == "checkpoint":
         return run_inspect(args.path)
     return 2  # pragma: no cover - argparse rejects unknown commands

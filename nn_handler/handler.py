@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.sharded import is_sharded, read_rest
 from nn_handler.config import HandlerConfig, LoggingConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
@@ -261,7 +262,8 @@ class NNHandler:
         communicator: Communicator | None = None,
         **kwargs: Any,
     ) -> NNHandler:
-        """A handler restored from a checkpoint file, on this machine's hardware.
+        """A handler restored from a checkpoint file (or sharded checkpoint folder), on this
+        machine's hardware.
 
         The config defaults to the checkpoint's own, without its checkpoint folder: a loaded
         handler writes (and rotates) checkpoints only where a ``config`` you pass points it,
@@ -271,7 +273,8 @@ class NNHandler:
         is allowed when the checkpoint was written between epochs (the data is re-sharded; a
         warning says so). Every rank must call this.
         """
-        checkpoint = load_file(path)
+        folder = Path(path) if is_sharded(path) else None
+        checkpoint = read_rest(path) if folder is not None else load_file(path)
         if config is None:
             saved = check_checkpoint(checkpoint, str(path)).get("config") or {}
             config = _without_checkpoint_dir(
@@ -279,7 +282,7 @@ class NNHandler:
             )
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
-            handler.trainer.load_state_dict(checkpoint, str(path), allow_world_size_change=True)
+            handler.trainer.checkpointing.load(checkpoint, str(path), True, folder)
         except BaseException:
             handler.close()
             raise

@@ -1,9 +1,10 @@
-"""What a checkpoint file holds, as text: ``nn-handler checkpoint inspect PATH``.
+"""What a checkpoint holds, as text: ``nn-handler checkpoint inspect PATH``.
 
-Reads the file weights-only (memory-mapped, so a large one is not read into memory) and
-lists the run's position, then every part with its number of tensors and bytes, shared parts
-first, then the per-rank ones. A file that is not an nn_handler training checkpoint (bare
-weights, say) is described as a plain state dict.
+Reads a file weights-only (memory-mapped, so a large one is not read into memory) and lists
+the run's position, then every part with its number of tensors and bytes, shared parts first,
+then the per-rank ones. A file that is not an nn_handler training checkpoint (bare weights,
+say) is described as a plain state dict. A sharded checkpoint (a folder) is described from its
+``trainer.pt`` and DCP's index of the shards, without reading the shards.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.sharded import REST, SHARDED, is_sharded
 
 #: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
-_META = ("format", "version", "world_size", "config", "ranks")
+_META = ("format", "version", "world_size", "config", "ranks", SHARDED, "consolidated_without")
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -52,8 +54,9 @@ def describe_checkpoint(path: str | Path) -> str:
     """A few lines saying what the checkpoint at ``path`` holds (raises CheckpointError when
     it cannot be read)."""
     path = Path(path)
-    checkpoint = load_file(path, mmap=True, verify=False)
-    lines = [f"{path} ({_bytes(path.stat().st_size)})"]
+    sharded = is_sharded(path)
+    checkpoint = load_file(path / REST if sharded else path, mmap=True, verify=False)
+    lines = [_heading(path, sharded)]
     if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != "nn_handler.checkpoint":
         kind = type(checkpoint).__name__
         lines.append(f"not an nn_handler training checkpoint ({kind}): {_size(checkpoint)}")
@@ -72,6 +75,9 @@ def describe_checkpoint(path: str | Path) -> str:
     for name, value in checkpoint.items():
         if name not in _META and value is not None:
             lines.append(f"  {name}: {_size(value)}")
+    if sharded:
+        lines.append("sharded parts (whole sizes):")
+        lines.extend(f"  {name}: {size}" for name, size in _shard_sizes(path).items())
     ranks = checkpoint.get("ranks") or []
     if ranks:
         names = sorted({name for rank in ranks for name, v in rank.items() if v is not None})
@@ -80,6 +86,29 @@ def describe_checkpoint(path: str | Path) -> str:
     if config:
         lines.append(f"config sections: {', '.join(sorted(config))}")
     return "\n".join(lines)
+
+
+def _heading(path: Path, sharded: bool) -> str:
+    if not sharded:
+        return f"{path} ({_bytes(path.stat().st_size)})"
+    shards = sorted(path.glob("*.distcp"))
+    total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return f"{path} (sharded: {len(shards)} shard file(s), {_bytes(total)} in all)"
+
+
+def _shard_sizes(folder: Path) -> dict[str, str]:
+    """Every sharded part's number of tensors and bytes, from DCP's index."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    counts: dict[str, list[int]] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            count = counts.setdefault(fqn.split(".", 1)[0], [0, 0])
+            count[0] += 1
+            count[1] += entry.size.numel() * entry.properties.dtype.itemsize
+    return {name: f"{n} tensor(s), {_bytes(size)}" for name, (n, size) in counts.items()}
 
 
 __all__ = ["describe_checkpoint"]

@@ -181,7 +181,8 @@ def atomic_link(source: str | Path, path: str | Path) -> Path:
 
 
 def remove_orphans(folder: str | Path) -> list[Path]:
-    """Delete temporary files left in ``folder`` by writers that were killed mid-save.
+    """Delete temporary files (and sharded checkpoints' staging folders) left in ``folder``
+    by writers that were killed mid-save.
 
     Call it only when no save into ``folder`` is in flight (the CheckpointManager does, on
     rank 0, when it starts). Returns the removed paths.
@@ -193,7 +194,10 @@ def remove_orphans(folder: str | Path) -> list[Path]:
     for candidate in base.iterdir():
         if candidate.name.startswith(".") and TMP_MARKER in candidate.name:
             with contextlib.suppress(OSError):
-                candidate.unlink()
+                if candidate.is_dir() and not candidate.is_symlink():  # a sharded save's
+                    shutil.rmtree(candidate)
+                else:
+                    candidate.unlink()
                 removed.append(candidate)
     return removed
 

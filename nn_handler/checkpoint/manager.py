@@ -3,13 +3,16 @@
 Layout of ``config.dir``::
 
     ckpt-e0003-s00000120.pt   periodic checkpoints (epochs completed, optimizer steps), newest
-                              ``keep_last`` kept
-    best.pt                   the best one by ``config.monitor`` (a hard link, no extra write)
+                              ``keep_last`` kept; a sharded run's are folders without the
+                              ``.pt`` (checkpoint/sharded.py)
+    best.pt                   the best one by ``config.monitor`` (a hard link, no extra write;
+                              ``best/``, a folder of hard links, for sharded checkpoints)
     latest.json               names the newest complete checkpoint; written after it, atomically;
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
-Rank 0 writes; every rank calls ``write`` and raises the same CheckpointError if rank 0
-failed, so no rank trains on believing a checkpoint exists.
+Rank 0 writes single files (every rank writes its shards of a sharded one); every rank calls
+``write`` and raises the same CheckpointError if the write failed, so no rank trains on
+believing a checkpoint exists.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import math
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
 
+from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import (
     atomic_link,
     atomic_save,
@@ -34,18 +38,27 @@ from nn_handler.checkpoint.io import (
     remove_orphans,
     unsafe_entries,
 )
+from nn_handler.checkpoint.sharded import is_sharded, link_tree, read_rest, remove_tree
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
 LATEST = "latest.json"
 BEST = "best.pt"
-_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
+BEST_SHARDED = "best"
+_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)(\.pt)?$")
 _COUNT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() accepts '¹', int() does not
 
 
-def periodic_name(epoch: int, step: int) -> str:
-    return f"ckpt-e{epoch:04d}-s{step:08d}.pt"
+def periodic_name(epoch: int, step: int, sharded: bool = False) -> str:
+    """The name of the periodic checkpoint after ``epoch`` epochs and ``step`` steps (a
+    folder's, without ``.pt``, when ``sharded``)."""
+    return f"ckpt-e{epoch:04d}-s{step:08d}{'' if sharded else '.pt'}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint: a file, or a committed sharded folder."""
+    return path.is_file() or is_sharded(path)
 
 
 def restart_count(env: Mapping[str, str]) -> int:
@@ -56,21 +69,6 @@ def restart_count(env: Mapping[str, str]) -> int:
         if _COUNT.fullmatch(value) and int(value) > 0:
             return int(value)
     return 0
-
-
-def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -> None:
-    """Raise the same CheckpointError on every rank if ``what`` failed on any (``error`` is this
-    rank's failure, or None). Every rank must call this."""
-    text = None if error is None else str(error) if isinstance(error, str) else _text(error)
-    texts = comm.all_gather_object(text) if comm.world_size > 1 else [text]
-    failed = {rank: t for rank, t in enumerate(texts) if t is not None}
-    if not failed:
-        return
-    if isinstance(error, CheckpointError) and comm.world_size == 1:
-        raise error
-    details = "; ".join(f"rank {rank}: {t}" for rank, t in failed.items())
-    cause = error if isinstance(error, BaseException) else None
-    raise CheckpointError(f"{what} failed on rank(s) {list(failed)}: {details}") from cause
 
 
 def write_together(
@@ -87,10 +85,6 @@ def write_together(
     return target
 
 
-def _text(error: BaseException) -> str:
-    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-
-
 class CheckpointManager:
     """Writes, rotates and finds the checkpoints of one run in ``config.dir``.
 
@@ -99,13 +93,18 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, config: CheckpointConfig, communicator: Communicator, clean: bool = True
+        self,
+        config: CheckpointConfig,
+        communicator: Communicator,
+        clean: bool = True,
+        sharded: bool = False,
     ) -> None:
         if config.dir is None:
             raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
         self.config = config
         self.comm = communicator
         self.dir = Path(config.dir)
+        self.sharded = sharded
         self.best_value: float | None = None
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None
@@ -138,14 +137,23 @@ class CheckpointManager:
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                self._point_latest(path, epoch, step, "periodic")
-                self._prune(keep=path)
+                self.committed(path, epoch, step)
             except OSError as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, self.dir / LATEST)
+        self.saved(path, epoch, step)
+        return path
+
+    def committed(self, path: Path, epoch: int, step: int) -> None:
+        """Rank 0, once the periodic checkpoint ``path`` is complete: point latest.json at it
+        and delete periodic ones beyond ``keep_last``."""
+        self._point_latest(path, epoch, step, "periodic")
+        self._prune(keep=path)
+
+    def saved(self, path: Path, epoch: int, step: int) -> None:
+        """Remember the periodic checkpoint every rank has just written (or started to)."""
         self.last_saved_step, self.last_saved_path = step, path
         self.last_saved_epoch = epoch
-        return path
 
     def mark_preempted(self, reason: str = "preempted") -> None:
         """Record in latest.json that the run stopped on a preemption (``"reason":
@@ -181,22 +189,39 @@ class CheckpointManager:
             self.dir / LATEST,
         )
 
-    def update_best(self, value: float, source: Path | None, checkpoint: Any = None) -> bool:
-        """If ``value`` improves on the best so far, make best.pt this checkpoint (a hard link
-        to ``source``, or a write of ``checkpoint``). Every rank must call this with the same
-        value; returns whether it improved."""
+    @property
+    def best_path(self) -> Path:
+        """best.pt, or the folder ``best`` for sharded checkpoints."""
+        return self.dir / (BEST_SHARDED if self.sharded else BEST)
+
+    def update_best(
+        self,
+        value: float,
+        source: Path | None,
+        checkpoint: Any = None,
+        write: Callable[[Path], Path] | None = None,
+    ) -> bool:
+        """If ``value`` improves on the best so far, make best.pt (``best/``) this checkpoint:
+        hard links to ``source``, or ``write(path)`` (default: rank 0 writes ``checkpoint``).
+        Every rank must call this with the same value; returns whether it improved."""
         if math.isnan(value) or not self.improves(value):
             return False
         self.best_value = value
-        target = self.dir / BEST
+        target = self.best_path
         if source is None:
-            self.write(checkpoint, target)
+            if write is not None:
+                write(target)
+            else:
+                self.write(checkpoint, target)
             return True
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                atomic_link(source, target)
-            except OSError as caught:
+                if source.is_dir():
+                    link_tree(source, target)
+                else:
+                    atomic_link(source, target)
+            except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
         return True
@@ -210,13 +235,13 @@ class CheckpointManager:
         periodic = sorted(self.periodic(), key=_order, reverse=True)
         for old in periodic[self.config.keep_last :]:
             if old != keep:
-                old.unlink(missing_ok=True)
+                remove_tree(old)
 
     # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        return [p for p in self.dir.iterdir() if _PERIODIC.match(p.name)]
+        return [p for p in self.dir.iterdir() if _PERIODIC.match(p.name) and is_checkpoint(p)]
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
@@ -238,19 +263,25 @@ class CheckpointManager:
             logger.warning("ignoring unreadable {}: {}", pointer, error)
             return None
         target = self.dir / str(name)
-        return target if target.is_file() else None
+        return target if is_checkpoint(target) else None
 
     def load_latest(
         self, map_location: torch.device | str | None = None
     ) -> tuple[Path, dict[str, Any]] | None:
-        """The newest readable checkpoint and its contents, or None when there is none; an
-        unreadable newest one is reported and the previous complete one is used."""
+        """The newest readable checkpoint and its contents (a sharded one's unsharded parts),
+        or None when there is none; an unreadable newest one is reported and the previous
+        complete one is used."""
         for candidate in self.candidates():
             try:
-                return candidate, load_file(candidate, map_location)
+                return candidate, read_checkpoint(candidate, map_location)
             except CheckpointError as error:
                 logger.warning("{}; trying the previous checkpoint", error)
         return None
+
+
+def read_checkpoint(path: Path, map_location: torch.device | str | None = None) -> Any:
+    """A checkpoint file's contents, or a sharded folder's unsharded parts."""
+    return read_rest(path, map_location) if is_sharded(path) else load_file(path, map_location)
 
 
 def _order(path: Path) -> tuple[int, int]:
@@ -315,6 +346,9 @@ CANCEL_GRACE_S = 10.0
 
 __all__ = [
     "BEST",
+    "BEST_SHARDED",
+    "is_checkpoint",
+    "read_checkpoint",
     "agree_on",
     "write_together",
     "LATEST",

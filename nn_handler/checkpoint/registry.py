@@ -10,7 +10,7 @@ on it; a strategy contributes its model's parts (strategies/base.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -48,6 +48,12 @@ class Part:
             rank 0's state ("rank0") or keeps its own ("keep").
         collective: ``save`` must run on every rank (a sharded model's full state); shared
             parts otherwise run on rank 0 only.
+        shards: in a sharded checkpoint (checkpoint/sharded.py) the part is written by every
+            rank through torch.distributed.checkpoint: ``shards()`` is its state as DCP saves
+            it (DTensors keep their sharding), called on every rank, and also the template
+            DCP fills when loading. None: the part goes with the unsharded ones.
+        load_shards: takes back a state of the form ``shards()`` returns, once DCP filled it:
+            ``load_shards(state, source)``.
     """
 
     name: str
@@ -57,6 +63,8 @@ class Part:
     missing: Missing = "warn"
     on_resize: Literal["rank0", "keep"] = "keep"
     collective: bool = False
+    shards: Callable[[], Any] | None = None
+    load_shards: Callable[[Any, str], Any] | None = None
 
 
 def part_of(
@@ -98,10 +106,17 @@ class StateRegistry:
     def names(self, per_rank: bool | None = None) -> list[str]:
         return [p.name for p in self._parts.values() if per_rank is None or p.per_rank == per_rank]
 
-    def collect(self, comm: Communicator) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """(shared states, every rank's states) on rank 0, None elsewhere. Every rank must
-        call this (one gather_object of the per-rank states when there are several ranks)."""
-        parts = list(self._parts.values())
+    def sharded(self) -> list[Part]:
+        """The parts a sharded checkpoint writes through DCP (those with ``shards``)."""
+        return [p for p in self._parts.values() if p.shards is not None]
+
+    def collect(
+        self, comm: Communicator, skip: Collection[str] = ()
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(shared states, every rank's states) on rank 0, None elsewhere; the parts named in
+        ``skip`` are left out. Every rank must call this (one gather_object of the per-rank
+        states when there are several ranks)."""
+        parts = [p for p in self._parts.values() if p.name not in skip]
         mine = {p.name: p.save() for p in parts if p.per_rank}
         collective = {p.name: p.save() for p in parts if p.collective and not p.per_rank}
         ranks = comm.gather_object(mine, dst=0) if comm.world_size > 1 else [mine]
@@ -123,18 +138,21 @@ class StateRegistry:
         *,
         same_world: bool = True,
         ignore: Iterable[str] = (),
+        skip: Collection[str] = (),
     ) -> None:
         """Give every part its saved state: shared parts from ``shared``, per-rank parts from
         ``ranks[rank]`` (after a change of world size, ``on_resize`` decides). Every rank must
         call this with the same checkpoint. Keys no part uses are named once (an info line);
-        ``ignore`` lists keys that are not parts."""
-        skip = set(ignore)
-        for part in self._parts.values():
+        ``ignore`` lists keys that are not parts; the parts named in ``skip`` are restored
+        elsewhere (a sharded checkpoint's)."""
+        unused_ok = set(ignore) | set(skip)
+        restored = [p for p in self._parts.values() if p.name not in skip]
+        for part in restored:
             if not part.per_rank:
                 _restore(part, shared.get(part.name), source)
         mine: Mapping[str, Any] | None = ranks[rank] if same_world and rank < len(ranks) else None
         first: Mapping[str, Any] = ranks[0] if ranks else {}
-        for part in self._parts.values():
+        for part in restored:
             if not part.per_rank:
                 continue
             if mine is not None:
@@ -142,7 +160,7 @@ class StateRegistry:
             elif part.on_resize == "rank0":
                 _restore(part, first.get(part.name), source)
         unused = sorted(
-            {k for k, v in shared.items() if _holds_state(v) and k not in self._parts} - skip
+            {k for k, v in shared.items() if _holds_state(v) and k not in self._parts} - unused_ok
         ) + sorted({k for k, v in first.items() if _holds_state(v) and k not in self._parts})
         if unused:
             logger.info("{}: {} not used (this run has no such part)", source, unused)
@@ -153,7 +171,17 @@ def _holds_state(value: Any) -> bool:
     return value is not None and not (isinstance(value, (list, tuple, dict)) and not value)
 
 
-def _restore(part: Part, state: Any, source: str) -> None:
+def restore_shards(part: Part, state: Any, source: str) -> None:
+    """Give a sharded part the state DCP filled (None: what ``part.missing`` says); a state it
+    cannot take is a CheckpointError naming the part and ``source``."""
+    if part.load_shards is None:
+        raise CheckpointError(f"the checkpoint part {part.name!r} is not sharded.")
+    _restore(part, state, source, part.load_shards)
+
+
+def _restore(
+    part: Part, state: Any, source: str, load: Callable[[Any, str], Any] | None = None
+) -> None:
     if state is None:
         if part.missing == "error":
             raise CheckpointError(
@@ -165,7 +193,7 @@ def _restore(part: Part, state: Any, source: str) -> None:
             )
         return
     try:
-        part.load(state, source)
+        (load or part.load)(state, source)
     except CheckpointError:
         raise
     except (KeyError, ValueError, RuntimeError, TypeError) as error:
@@ -175,4 +203,4 @@ def _restore(part: Part, state: Any, source: str) -> None:
         ) from error
 
 
-__all__ = ["Missing", "Part", "StateRegistry", "Stateful", "part_of"]
+__all__ = ["Missing", "Part", "StateRegistry", "Stateful", "part_of", "restore_shards"]

@@ -10,6 +10,7 @@ from nn_handler.config.base import ConfigModel
 from nn_handler.config.training import Mode
 
 ResumePolicy = Literal["never", "on_restart", "auto"]
+CheckpointFormat = Literal["auto", "file", "sharded"]
 
 
 class CheckpointConfig(ConfigModel):
@@ -46,6 +47,15 @@ class CheckpointConfig(ConfigModel):
         preemption_budget_s: the longest the emergency checkpoint may take; past it the save is
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
+        format: 'file' writes one file (rank 0 writes it, the state gathered to rank 0);
+            'sharded' a folder every rank writes its shards into in parallel, through
+            torch.distributed.checkpoint, which any number of ranks can resume (see
+            docs/checkpoints.md); 'auto' is 'sharded' with ``strategy='fsdp'`` and 'file'
+            otherwise.
+        async_save: (sharded checkpoints) return to training once every rank has copied its
+            state; the files are written in the background, and the next save, the end of
+            ``fit`` or a preemption waits for them. The ``latest.json`` pointer moves only
+            once the folder is complete.
     """
 
     dir: str | None = None
@@ -63,6 +73,8 @@ class CheckpointConfig(ConfigModel):
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float = Field(default=120.0, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
+    format: CheckpointFormat = "auto"
+    async_save: bool = False
 
     @model_validator(mode="after")
     def _something_to_save(self) -> CheckpointConfig:
@@ -70,7 +82,12 @@ class CheckpointConfig(ConfigModel):
             raise ValueError(
                 "save_last needs every_n_epochs or every_n_steps (or set save_last=False)"
             )
+        if self.async_save and self.format == "file":
+            raise ValueError(
+                "async_save writes sharded checkpoints in the background; it needs "
+                "format='sharded' (or 'auto' with strategy='fsdp')"
+            )
         return self
 
 
-__all__ = ["CheckpointConfig", "ResumePolicy"]
+__all__ = ["CheckpointConfig", "CheckpointFormat", "ResumePolicy"]

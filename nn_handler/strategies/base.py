@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
@@ -22,7 +23,7 @@ from nn_handler.checkpoint.optimizer_state import is_named, to_indexed
 from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import ConfigError
+from nn_handler.errors import CheckpointError, ConfigError
 
 
 class Strategy(ABC):
@@ -47,6 +48,7 @@ class Strategy(ABC):
         self.config = config
         self.module: nn.Module | None = None
         self.model: nn.Module | None = None
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     def setup(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         """(plain module, training model): ``model`` moved to the device, prepared and wrapped.
@@ -118,6 +120,8 @@ class Strategy(ABC):
                 lambda: model_state_dict(module),
                 lambda state, source: load_model_state(module, state, source=source),
                 missing="error",
+                shards=lambda: self.model_shards(module),
+                load_shards=lambda state, source: self.load_model_shards(module, state, source),
             )
         ]
         if self.comm.world_size > 1:
@@ -142,6 +146,53 @@ class Strategy(ABC):
         """Load a state from ``module_state_dict`` into ``module``."""
         load_model_state(module, state, source=source)
 
+    # ----------------------------------------------------------------- sharded views (DCP)
+    def model_shards(self, module: nn.Module) -> dict[str, Any]:
+        """The state of ``module`` as a sharded checkpoint holds it: plain keys, DTensors where
+        the module is sharded (torch.distributed.checkpoint.state_dict's view). Every rank must
+        call this."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return dict(get_model_state_dict(module))
+
+    def load_model_shards(self, module: nn.Module, state: Mapping[str, Any], source: str) -> None:
+        """Load a state of the form ``model_shards`` returns (filled by DCP) into ``module``."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        check_loaded(set_model_state_dict(module, dict(state)), module, source)
+
+    def optimizer_shards(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state as a sharded checkpoint holds it (keyed by parameter name,
+        DTensors where the model is sharded). Every rank must call this."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return dict(get_optimizer_state_dict(self._setup_module(), optimizer))
+
+    def load_optimizer_shards(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        """Load a state of the form ``optimizer_shards`` returns (filled by DCP)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self._setup_module(), optimizer, dict(state))
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The process group of sharded checkpoints' collectives: a gloo group of their own,
+        made at the first call (every rank must call it then), so that a save running in the
+        background never interleaves with training's collectives. None in one process."""
+        world = self.comm.world_size
+        if world == 1:
+            return None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+            raise ConfigError(
+                f"sharded checkpoints are written by every rank through a torch.distributed "
+                f"process group, and this run's communicator (world size {world}) has none "
+                f"of that size; use checkpoint.format='file' with a test communicator."
+            )
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state as a checkpoint holds it."""
         return optimizer.state_dict()
@@ -164,9 +215,22 @@ class Strategy(ABC):
         """Drop the wrappers (call before the process group is destroyed); the plain module
         stays usable for evaluation."""
         self.model = self.module
+        group, self._checkpoint_group = self._checkpoint_group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.comm.world_size}, device={self.device})"
+
+
+def check_loaded(result: Any, module: nn.Module, source: str) -> None:
+    """Raise CheckpointError when ``load_state_dict``'s ``result`` names missing or
+    unexpected keys."""
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"the weights in {source} do not match {type(module).__name__}: missing "
+            f"{list(result.missing_keys)[:10]}, unexpected {list(result.unexpected_keys)[:10]}."
+        )
 
 
 def _copy_buffers(module: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
@@ -175,4 +239,4 @@ def _copy_buffers(module: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
             buffer.copy_(saved[name])
 
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "check_loaded"]

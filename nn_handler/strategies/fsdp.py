@@ -29,8 +29,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 
 from nn_handler.checkpoint.optimizer_state import is_named, to_named
 from nn_handler.checkpoint.registry import Part
-from nn_handler.errors import CheckpointError, ConfigError
-from nn_handler.strategies.base import Strategy
+from nn_handler.errors import ConfigError
+from nn_handler.strategies.base import Strategy, check_loaded
 from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 
 #: Full (unsharded) state, on rank 0 only: what a single-file checkpoint holds.
@@ -178,6 +178,8 @@ class FSDP2Strategy(Strategy):
             lambda state, source: self.load_module_state_dict(module, state, source),
             missing="error",
             collective=True,
+            shards=lambda: self.model_shards(module),
+            load_shards=lambda state, source: self.load_model_shards(module, state, source),
         )
         return [model] + [p for p in super().checkpoint_parts() if p.per_rank]
 
@@ -188,13 +190,7 @@ class FSDP2Strategy(Strategy):
     def load_module_state_dict(
         self, module: nn.Module, state: Mapping[str, Any], source: str
     ) -> None:
-        result = set_model_state_dict(module, dict(state), options=LOAD_FULL)
-        if result.missing_keys or result.unexpected_keys:
-            raise CheckpointError(
-                f"the weights in {source} do not match {type(module).__name__}: missing "
-                f"{list(result.missing_keys)[:10]}, unexpected "
-                f"{list(result.unexpected_keys)[:10]}."
-            )
+        check_loaded(set_model_state_dict(module, dict(state), options=LOAD_FULL), module, source)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state keyed by parameter name, on rank 0 (a collective); the

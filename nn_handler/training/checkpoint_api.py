@@ -56,6 +56,8 @@ class CheckpointMixin(TrainerParts):
             config,
             run_config,
             enabled=not self.config.fast_dev_run,
+            group=self.strategy.checkpoint_group,
+            sharded=_sharded(config, self.strategy.collective_state),
         )
         self.checkpoint_hook = None
         if self.checkpointing.manager is not None:
@@ -79,6 +81,10 @@ class CheckpointMixin(TrainerParts):
                     lambda: strategy.optimizer_state_dict(optimizer),
                     lambda state, _source: strategy.load_optimizer_state_dict(optimizer, state),
                     collective=strategy.collective_state,
+                    shards=lambda: strategy.optimizer_shards(optimizer),
+                    load_shards=lambda state, _source: strategy.load_optimizer_shards(
+                        optimizer, state
+                    ),
                 )
             )
         # Manual optimization with several: the second and later ones, in order.
@@ -95,6 +101,18 @@ class CheckpointMixin(TrainerParts):
                 ),
                 missing="ignore",
                 collective=strategy.collective_state,
+                # DCP keys are names: the second optimizer is "1", and so on.
+                shards=lambda: {
+                    str(i): strategy.optimizer_shards(o)
+                    for i, o in enumerate(self._optimizers[1:], start=1)
+                },
+                load_shards=lambda states, source: _load_more(
+                    self._optimizers[1:],
+                    [states[str(i)] for i in range(1, len(self._optimizers))],
+                    "optimizer",
+                    source,
+                    strategy.load_optimizer_shards,
+                ),
             )
         )
         if self.scheduler is not None or self._scheduler_factory is not None:
@@ -124,9 +142,27 @@ class CheckpointMixin(TrainerParts):
         )
         ema = self.ema
         if isinstance(ema, ShardedEma):  # gathered whole, like the model (a collective)
-            registry.add(Part("ema", ema.state_dict, ema.load_state_dict, collective=True))
+            registry.add(
+                Part(
+                    "ema",
+                    ema.state_dict,
+                    ema.load_state_dict,
+                    collective=True,
+                    shards=ema.shards,
+                    load_shards=ema.load_shards,
+                )
+            )
         elif ema is not None:
-            registry.add(part_of("ema", ema))
+            plain = ema
+            registry.add(
+                Part(
+                    "ema",
+                    plain.state_dict,
+                    lambda state, _source: plain.load_state_dict(state),
+                    shards=plain.state_dict,
+                    load_shards=lambda state, _source: plain.load_state_dict(state),
+                )
+            )
         if self.early_stopping is not None:
             registry.add(part_of("early_stopping", self.early_stopping))
 
@@ -236,6 +272,18 @@ class CheckpointMixin(TrainerParts):
         Every rank must call this; a failure on any rank raises CheckpointError on every rank.
         """
         return self.checkpointing.resume(path, allow_world_size_change, missing_ok)
+
+
+def _sharded(config: CheckpointConfig, sharded_model: bool) -> bool:
+    """Whether checkpoints are sharded folders (``format``; 'auto': when the model is)."""
+    sharded = config.format == "sharded" or (config.format == "auto" and sharded_model)
+    if config.async_save and not sharded:
+        raise ConfigError(
+            "checkpoint.async_save writes sharded checkpoints in the background, and this run "
+            "writes single files (format='auto' shards with strategy='fsdp' only): set "
+            "checkpoint.format='sharded', or async_save=False."
+        )
+    return sharded
 
 
 def _load_more(

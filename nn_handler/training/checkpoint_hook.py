@@ -96,15 +96,16 @@ class CheckpointHook(Hook):
                 )
             value = float(record[config.monitor])
             if self.manager.improves(value):
-                checkpoint = self.checkpoints.state_dict() if path is None else None
-                self.manager.update_best(value, path, checkpoint)
+                self.checkpoints.finish()  # best links the files of a complete checkpoint
+                self.manager.update_best(value, path, write=self.checkpoints.save)
         if self.watch is not None and self.watch.agreed(state.global_step, force=True):
             self.preempt()
 
     def end_fit(self) -> None:
         """The last position is saved (save_last) unless it already is."""
         if self.config.save_last and self.manager.last_saved_step != self.state.global_step:
-            self.checkpoints.save_periodic()
+            self.checkpoints.save_periodic(final=True)
+        self.checkpoints.finish()
 
     def preempt(self) -> None:
         """Every rank agreed that a SIGTERM or a Ctrl-C arrived: write the emergency
@@ -117,9 +118,16 @@ class CheckpointHook(Hook):
         # between machines, and only some ranks would then enter the collective save).
         if manager.last_saved_step == step:
             path = manager.last_saved_path
+            try:
+                self.checkpoints.finish()  # it may still be writing in the background
+            except CheckpointError as error:
+                log.error("the last checkpoint did not complete: {}", error)
+                path = None
         else:
             try:
-                path = self.checkpoints.save_periodic(budget_s=config.preemption_budget_s)
+                path = self.checkpoints.save_periodic(
+                    budget_s=config.preemption_budget_s, final=True
+                )
             except CheckpointError as error:
                 log.error("no emergency checkpoint: {}", error)
         interrupted = self.watch is not None and self.watch.agreed_interrupt

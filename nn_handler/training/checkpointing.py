@@ -7,6 +7,10 @@ Top level: ``format``, ``version``, ``world_size``, ``config`` and every shared 
 ``best`` with a checkpoint folder); ``ranks``: for every rank its per-rank parts (``rng``,
 ``epoch_rng``, ``running``, the strategy's ``buffers``, the user's ``tracked.<name>``).
 
+A sharded checkpoint (``CheckpointConfig.format``, checkpoint/sharded.py) is a folder: the
+parts with a sharded view (model, optimizers, EMA) in every rank's DCP shards, the rest in
+``trainer.pt`` in the format above, whose ``sharded`` entry names the parts in the shards.
+
 ``TrainerCheckpoints`` writes and reads them; it takes the registry, the communicator and the
 loop position, never the Trainer.
 """
@@ -15,17 +19,25 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
 from pydantic import BaseModel
+from torch.distributed import ProcessGroup
 
-from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.manager import CheckpointManager, agree_on, restart_count, write_together
-from nn_handler.checkpoint.registry import StateRegistry
+from nn_handler.checkpoint.agreement import agree_on
+from nn_handler.checkpoint.manager import (
+    CheckpointManager,
+    periodic_name,
+    read_checkpoint,
+    restart_count,
+    write_together,
+)
+from nn_handler.checkpoint.registry import StateRegistry, restore_shards
+from nn_handler.checkpoint.sharded import SHARDED, ShardedWriter, is_sharded, load_shards
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -34,7 +46,7 @@ from nn_handler.training.position import LoopPosition, check_data
 FORMAT = "nn_handler.checkpoint"
 VERSION = 1
 #: Top-level keys of the format that are not parts.
-META = ("format", "version", "world_size", "config", "ranks")
+META = ("format", "version", "world_size", "config", "ranks", SHARDED, "consolidated_without")
 
 
 def plain_config(config: BaseModel) -> dict[str, Any]:
@@ -81,6 +93,9 @@ class TrainerCheckpoints:
         manager: the CheckpointManager of ``config.dir`` (None without a folder, or in a
             fast_dev_run, which neither writes nor resumes checkpoints).
         run_config: the run's configuration as plain values, stored in every checkpoint.
+        writer: the ShardedWriter when checkpoints are sharded (None: single files). Either
+            way a sharded checkpoint can be loaded; ``group`` gives the process group of its
+            collectives (the strategy's ``checkpoint_group``).
     """
 
     def __init__(
@@ -93,6 +108,8 @@ class TrainerCheckpoints:
         run_config: dict[str, Any],
         *,
         enabled: bool = True,
+        group: Callable[[], ProcessGroup | None] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.registry = registry
         self.position = position
@@ -100,7 +117,13 @@ class TrainerCheckpoints:
         self.device = device
         self.config = config
         self.run_config = run_config
-        self.manager = CheckpointManager(config, comm) if enabled and config.dir else None
+        self._group = group
+        self.writer = ShardedWriter(comm, self._checkpoint_group) if sharded else None
+        self.manager = (
+            CheckpointManager(config, comm, sharded=self.writer is not None)
+            if enabled and config.dir
+            else None
+        )
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
 
@@ -108,12 +131,15 @@ class TrainerCheckpoints:
     def state_dict(self) -> dict[str, Any] | None:
         """The whole checkpoint on rank 0 (None elsewhere). Every rank must call this, at the
         end of an accumulation window when inside an epoch."""
+        return self._collect([])
+
+    def _collect(self, skip: list[str]) -> dict[str, Any] | None:
         self.position.check_saveable()
-        collected = self.registry.collect(self.comm)
+        collected = self.registry.collect(self.comm, skip)
         if collected is None:
             return None
         shared, ranks = collected
-        return {
+        checkpoint = {
             "format": FORMAT,
             "version": VERSION,
             "world_size": self.comm.world_size,
@@ -121,12 +147,20 @@ class TrainerCheckpoints:
             "config": self.run_config,
             "ranks": ranks,
         }
+        if skip:
+            checkpoint[SHARDED] = list(skip)
+        return checkpoint
 
     def load(
-        self, checkpoint: Mapping[str, Any], source: str, allow_world_size_change: bool | None
+        self,
+        checkpoint: Mapping[str, Any],
+        source: str,
+        allow_world_size_change: bool | None,
+        folder: Path | None = None,
     ) -> None:
-        """Give every part its state from ``checkpoint``; the next fit continues where it was
-        written. Every rank must call this with the same checkpoint."""
+        """Give every part its state from ``checkpoint`` (a sharded checkpoint's unsharded
+        parts, with its ``folder``); the next fit continues where it was written. Every rank
+        must call this with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
@@ -143,10 +177,40 @@ class TrainerCheckpoints:
             )
         shared = {k: v for k, v in ckpt.items() if k not in META}
         ranks = [_rank_parts(r) for r in ckpt["ranks"]]
+        sharded = [str(name) for name in ckpt.get(SHARDED) or []]
+        if sharded and folder is None:
+            raise CheckpointError(
+                f"{source} holds the unsharded parts of a sharded checkpoint only; resume "
+                f"from its folder (trainer.resume(folder)) to load the shards too."
+            )
         self.registry.restore(
-            shared, ranks, self.comm.rank, source, same_world=saved_world == world
+            shared, ranks, self.comm.rank, source, same_world=saved_world == world, skip=sharded
         )
+        if folder is not None and sharded:
+            self._load_shards(folder, sharded, source)
         self._first_fit = False
+
+    def _load_shards(self, folder: Path, names: list[str], source: str) -> None:
+        """Every sharded part of this run that ``folder`` holds, resharded to this run."""
+        parts = [p for p in self.registry.sharded() if p.name in names]
+        template = {p.name: p.shards() for p in parts if p.shards is not None}
+        load_shards(folder, template, self._checkpoint_group())  # raises alike on every rank
+        for part in parts:
+            restore_shards(part, template[part.name], source)
+        for name in sorted(set(self.registry.names()) & set(names) - set(template)):
+            self.log.info(
+                "{}: its {} shards are not used (this run has no such part)", source, name
+            )
+
+    def _checkpoint_group(self) -> ProcessGroup | None:
+        if self._group is None:
+            if self.comm.world_size == 1:
+                return None
+            raise CheckpointError(
+                "sharded checkpoints need a process group for their collectives (pass the "
+                "strategy's checkpoint_group to TrainerCheckpoints)."
+            )
+        return self._group()
 
     # ----------------------------------------------------------------- writing
     def require_manager(self, what: str) -> CheckpointManager:
@@ -158,12 +222,46 @@ class TrainerCheckpoints:
         return self.manager
 
     def save(self, path: str | Path, budget_s: float | None = None) -> Path:
-        return write_together(self.comm, self.state_dict(), path, budget_s)
+        """Write the checkpoint to ``path`` (a folder when sharded). Every rank must call this."""
+        if self.writer is None:
+            return write_together(self.comm, self.state_dict(), path, budget_s)
+        return self._save_sharded(Path(path))
 
-    def save_periodic(self, budget_s: float | None = None) -> Path:
+    def _save_sharded(
+        self,
+        target: Path,
+        *,
+        asynchronous: bool = False,
+        then: Callable[[Path], None] | None = None,
+    ) -> Path:
+        assert self.writer is not None
+        shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
+        shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
+        rest = self._collect(list(shards))
+        return self.writer.save(rest, shards, target, asynchronous=asynchronous, then=then)
+
+    def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
+        """The periodic checkpoint of the current position; ``final`` (the end of fit, a
+        preemption) never leaves it writing in the background. Every rank must call this."""
         manager = self.require_manager("save_periodic")
         state = self.position.state
-        return manager.save_periodic(self.state_dict(), state.epoch, state.global_step, budget_s)
+        epoch, step = state.epoch, state.global_step
+        if self.writer is None:
+            return manager.save_periodic(self.state_dict(), epoch, step, budget_s)
+        path = manager.dir / periodic_name(epoch, step, sharded=True)
+        self._save_sharded(
+            path,
+            asynchronous=self.config.async_save and not final,
+            then=lambda done: manager.committed(done, epoch, step),
+        )
+        manager.saved(path, epoch, step)
+        return path
+
+    def finish(self) -> None:
+        """Wait for a checkpoint still being written in the background and commit it. Every
+        rank must call this (the end of fit does)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     # ----------------------------------------------------------------- resuming
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
@@ -178,18 +276,20 @@ class TrainerCheckpoints:
     def resume(
         self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool
     ) -> Path | None:
-        if str(path) == "latest" or Path(path).is_dir():
+        self.finish()
+        if str(path) == "latest" or (Path(path).is_dir() and not is_sharded(path)):
             target, checkpoint = self._load_latest(path, missing_ok)
             if target is None:
                 return None
         else:
             target, problem, checkpoint = Path(path), None, None
             try:
-                checkpoint = load_file(target, self.device)
+                checkpoint = read_checkpoint(target, self.device)
             except Exception as error:
                 problem = error
             agree_on(self.comm, problem, f"loading checkpoint {target}")
-        self.load(checkpoint, str(target), allow_world_size_change)
+        folder = target if is_sharded(target) else None
+        self.load(checkpoint, str(target), allow_world_size_change, folder)
         return target
 
     def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
@@ -198,7 +298,8 @@ class TrainerCheckpoints:
         if str(path) == "latest":
             manager = self.require_manager("resume('latest')")
         else:
-            manager = CheckpointManager(CheckpointConfig(dir=str(path)), comm, clean=False)
+            folder = CheckpointConfig(dir=str(path))
+            manager = CheckpointManager(folder, comm, clean=False, sharded=self.writer is not None)
         name: str | None = None
         checkpoint: Any = None
         problem: BaseException | None = None
@@ -213,7 +314,7 @@ class TrainerCheckpoints:
             name = comm.broadcast_object(name)
             if name is not None and comm.rank != 0:
                 try:
-                    checkpoint = load_file(name, device)
+                    checkpoint = read_checkpoint(Path(name), device)
                 except Exception as error:
                     problem = error
         agree_on(comm, problem, f"loading the latest checkpoint in {manager.dir}")

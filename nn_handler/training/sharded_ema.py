@@ -10,8 +10,8 @@ training shards put back afterwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,25 +25,36 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+class ModuleViews(Protocol):
+    """A strategy's views of a module's state: whole (single-file checkpoints) and sharded
+    (DCP). Every rank must call each."""
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]: ...
+
+    def load_module_state_dict(
+        self, module: nn.Module, state: Mapping[str, Any], source: str
+    ) -> None: ...
+
+    def model_shards(self, module: nn.Module) -> dict[str, Any]: ...
+
+    def load_model_shards(
+        self, module: nn.Module, state: Mapping[str, Any], source: str
+    ) -> None: ...
+
+
 class ShardedEma(EmaUpdates):
     """The EMA of a sharded ``model``, one shard per rank (the update rule is ModelEma's,
     on this rank's shards); every rank must call ``update``,
     ``applied`` and the state methods alike.
 
-    ``state_view`` and ``load_view`` are the strategy's full-state views of a module (the
-    checkpoint keeps the EMA whole, like the model).
+    ``views`` are the strategy's views of a module's state: a single-file checkpoint keeps the
+    EMA whole, like the model (``state_dict``); a sharded one keeps it sharded (``shards``).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: EmaConfig,
-        state_view: Callable[[nn.Module], dict[str, Any]],
-        load_view: Callable[[nn.Module, dict[str, Any], str], None],
-    ) -> None:
+    def __init__(self, model: nn.Module, config: EmaConfig, views: ModuleViews) -> None:
         self.config = config
         self.model = model
-        self._state_view, self._load_view = state_view, load_view
+        self.views = views
         with torch.no_grad():
             self._live = [_local(p) for p in model.parameters()] + list(model.buffers())
             self._shadow = [t.detach().clone() for t in self._live]
@@ -75,11 +86,7 @@ class ShardedEma(EmaUpdates):
     def state_dict(self) -> dict[str, Any]:
         """The whole averaged model (gathered to rank 0 by the strategy's view: a collective)."""
         with self.applied() as model:
-            # Copies: a view may share the model's storage, which gets its own weights back.
-            module = {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in self._state_view(model).items()
-            }
+            module = _copied(self.views.module_state_dict(model))
         return {
             "module": module,
             "num_updates": self.num_updates,
@@ -88,9 +95,33 @@ class ShardedEma(EmaUpdates):
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
         with self.applied() as model:
-            self._load_view(model, state["module"], source)
-            with torch.no_grad():
-                torch._foreach_copy_(self._shadow, self._live)
+            self.views.load_module_state_dict(model, state["module"], source)
+            self._take_live()
+        self._load_counts(state)
+
+    def shards(self) -> dict[str, Any]:
+        """The averaged model as this rank's shards (DTensors), for a sharded checkpoint;
+        never gathered."""
+        with self.applied() as model:
+            module = _copied(self.views.model_shards(model))
+        return {
+            "module": module,
+            "num_updates": self.num_updates,
+            "optimizer_steps": self._optimizer_steps,
+        }
+
+    def load_shards(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Take back a state of the form ``shards`` returns (filled by DCP)."""
+        with self.applied() as model:
+            self.views.load_model_shards(model, state["module"], source)
+            self._take_live()
+        self._load_counts(state)
+
+    def _take_live(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self._shadow, self._live)
+
+    def _load_counts(self, state: Mapping[str, Any]) -> None:
         self.num_updates = int(state["num_updates"])
         self._optimizer_steps = int(state["optimizer_steps"])
 
@@ -98,4 +129,10 @@ class ShardedEma(EmaUpdates):
         return f"ShardedEma(decay={self.config.decay}, updates={self.num_updates})"
 
 
-__all__ = ["ShardedEma"]
+def _copied(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Copies of a state's tensors: a view may share the model's storage, which gets its own
+    weights back when ``applied`` ends."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+__all__ = ["ModuleViews", "ShardedEma"]

@@ -123,9 +123,7 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         if ema is not None and ema.enabled:
             strategy = self.strategy
             self.ema = (  # a sharded model's EMA stays sharded: one averaged shard per rank
-                ShardedEma(
-                    self.module, ema, strategy.module_state_dict, strategy.load_module_state_dict
-                )
+                ShardedEma(self.module, ema, strategy)
                 if strategy.collective_state
                 else ModelEma(self.module, ema)
             )

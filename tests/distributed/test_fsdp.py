@@ -1,7 +1,7 @@
 """FSDP2Strategy in a real 2-rank gloo group: the same parameters as DDP with batch B per rank
 and as one process with 2B (accumulation with a partial last window, clipping), exact
 evaluation with uneven ranks, the NaN guard agreed over shards, exact resume from a
-checkpoint (model and optimizer state gathered and re-sharded), and what is refused.
+checkpoint (a sharded folder; the EMA case writes one gathered file), and what is refused.
 
 One spawned group runs every check; the single-process reference runs in the test process.
 """
@@ -69,7 +69,8 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     ) as h:
         h.train(regression_data(), epochs=1)
         out["skipped"] = h.history.records[0]["skipped_steps"]
-    # Exact resume: one epoch, a checkpoint (gathered to rank 0), a fresh handler resumes it.
+    # Exact resume: one epoch, a checkpoint (a sharded folder: format 'auto' under FSDP2), a
+    # fresh handler resumes it.
     path = Path(folder) / "fsdp.pt"
     with NNHandler(
         mlp(), torch.optim.Adam, nn.CrossEntropyLoss(), config=_config(EQUIVALENCE, 2, **SHARDED)
@@ -115,6 +116,7 @@ def _ema(strategy: str, val: Any, folder: Path) -> dict[str, Any]:
     from a checkpoint that holds it."""
     data = _config(EQUIVALENCE, 2).model_dump()
     data["ema"] = {"enabled": True, "decay": 0.9}
+    data["checkpoint"] = {"format": "file"}  # one file: the EMA gathered whole, like the model
     if strategy == "fsdp":
         data["trainer"].update(strategy="fsdp", fsdp={"blocks": ["Linear"]})
     seen: dict[str, Any] = {}

@@ -31,6 +31,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         sys.executable,
         str(BENCHMARKS / "run_all.py"),
         "--quick",
+        "--jobs",
+        "2",
         "--results",
         str(folder),
         "--report",

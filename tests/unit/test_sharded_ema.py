@@ -3,14 +3,13 @@ rank's shard of an FSDP2 model: tests/distributed/test_fsdp.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
-from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
-from nn_handler.config.training import EmaConfig
+from nn_handler.config.training import EmaConfig, TrainerConfig
+from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.strategies.single import SingleDeviceStrategy
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.sharded_ema import ShardedEma
 
@@ -20,8 +19,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
 
 
-def _load(module: nn.Module, state: dict[str, Any], source: str) -> None:
-    load_model_state(module, state, source=source)
+def _views() -> SingleDeviceStrategy:
+    return SingleDeviceStrategy(NullCommunicator(), torch.device("cpu"), TrainerConfig())
 
 
 @pytest.mark.parametrize("buffers", ["copy", "average"])
@@ -30,7 +29,7 @@ def test_sharded_ema_averages_exactly_like_model_ema(buffers: str, warmup: bool)
     config = EmaConfig(enabled=True, decay=0.8, warmup=warmup, buffers=buffers, start_step=1)
     model = _model()
     full = ModelEma(model, config)
-    sharded = ShardedEma(model, config, model_state_dict, _load)
+    sharded = ShardedEma(model, config, _views())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(4):
         model.train()
@@ -48,8 +47,16 @@ def test_sharded_ema_averages_exactly_like_model_ema(buffers: str, warmup: bool)
         assert torch.equal(value, training[key]), key
     saved = sharded.state_dict()
     assert saved["num_updates"] == full.num_updates == 3
-    other = ShardedEma(_model(), config, model_state_dict, _load)
+    other = ShardedEma(_model(), config, _views())
     other.load_state_dict(saved)
     with other.applied() as applied:
+        for key, value in full.module.state_dict().items():
+            assert torch.equal(applied.state_dict()[key], value), key
+    # The sharded view (a sharded checkpoint's) round-trips the same way.
+    shards = sharded.shards()
+    assert shards["num_updates"] == 3
+    third = ShardedEma(_model(), config, _views())
+    third.load_shards(shards)
+    with third.applied() as applied:
         for key, value in full.module.state_dict().items():
             assert torch.equal(applied.state_dict()[key], value), key

@@ -1,0 +1,92 @@
+"""One file from a sharded checkpoint: ``nn-handler checkpoint consolidate DIR OUT.pt``.
+
+Reads the folder in one process (no process group) and writes a single-file training
+checkpoint holding the whole model, the whole EMA when there is one, and every unsharded part
+(history, loop position, schedulers, RNG): weights only, without the optimizers' states, so
+``NNHandler.load(OUT.pt, model)`` restores it in one process. The run configuration stored in
+it is made loadable in one process: a sharded strategy becomes 'auto', checkpoints 'file'.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nn_handler.checkpoint.io import atomic_save
+from nn_handler.checkpoint.sharded import SHARDED, is_sharded, read_rest
+from nn_handler.errors import CheckpointError
+
+#: The sharded parts a consolidated file holds whole.
+WEIGHTS = ("model", "ema")
+
+
+def read_whole(folder: str | Path, parts: tuple[str, ...] = WEIGHTS) -> dict[str, Any]:
+    """The named parts of a sharded checkpoint, each whole (plain tensors on the CPU), read
+    in this process alone. Parts the folder does not hold are left out."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    paths = metadata.planner_data or {}
+    template: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        path = paths.get(fqn, tuple(fqn.split(".", 1)))
+        if path[0] not in parts:
+            continue
+        if not all(isinstance(key, str) for key in path):
+            raise CheckpointError(f"{folder}: the entry {fqn} is not a plain name.")
+        node = template
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = (
+            torch.empty(entry.size, dtype=entry.properties.dtype)
+            if isinstance(entry, TensorStorageMetadata)
+            else None  # a plain value (a count): DCP puts the saved one in its place
+        )
+    if template:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            load(template, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    return template
+
+
+def consolidate(folder: str | Path, out: str | Path) -> Path:
+    """Write the sharded checkpoint ``folder`` as the single file ``out`` (weights only; see
+    the module docstring) and return its path."""
+    source = Path(folder)
+    if not is_sharded(source):
+        raise CheckpointError(
+            f"{source} is not a sharded checkpoint folder (it has no trainer.pt); "
+            f"consolidate takes a folder such as ckpt-e0003-s00000120/."
+        )
+    rest = dict(read_rest(source, "cpu"))
+    sharded = [str(name) for name in rest.pop(SHARDED, None) or []]
+    whole = read_whole(source, tuple(name for name in sharded if name in WEIGHTS))
+    rest.update(whole)
+    rest["config"] = _loadable_in_one_process(rest.get("config") or {})
+    left_out = sorted(set(sharded) - set(whole))
+    if left_out:
+        rest["consolidated_without"] = left_out
+    return atomic_save(rest, Path(out))
+
+
+def _loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:
+    plain = copy.deepcopy(dict(config))
+    handler = plain.get("handler")
+    if isinstance(handler, dict):
+        trainer = handler.get("trainer")
+        if isinstance(trainer, dict) and trainer.get("strategy") == "fsdp":
+            trainer["strategy"] = "auto"
+        checkpoint = handler.get("checkpoint")
+        if isinstance(checkpoint, dict):
+            checkpoint.update({"format": "auto", "async_save": False})
+    return plain
+
+
+__all__ = ["WEIGHTS", "consolidate", "read_whole"]

@@ -1,0 +1,291 @@
+"""Sharded checkpoints: a folder every rank writes in parallel through
+torch.distributed.checkpoint (DCP), and that any number of ranks can load.
+
+Layout::
+
+    ckpt-e0003-s00000120/
+        trainer.pt      every part that is not sharded (loop position, history, schedulers,
+                        every rank's RNG, ...): the single-file format without the sharded
+                        parts, which its "sharded" entry names; rank 0 writes it
+        __0_0.distcp    each rank's shards of the sharded parts (model, optimizers, EMA)
+        .metadata       DCP's index of the shards, written last, once every rank has written
+
+The folder is written as ``.ckpt-e0003-s00000120.tmp-sharded`` and committed by one rename on
+rank 0 after every rank has finished, so a kill at any moment leaves the previous checkpoint
+the newest complete one (the CheckpointManager removes the staging folder at the next start).
+DCP reshards on load: a folder written by W ranks loads on W' ranks, under FSDP2, DDP or in
+one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nn_handler.checkpoint.agreement import agree_on
+from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import CheckpointError
+
+#: The file of a sharded checkpoint holding its unsharded parts.
+REST = "trainer.pt"
+#: The entry of REST naming the parts that are in the shards.
+SHARDED = "sharded"
+_STAGING = f"{TMP_MARKER}sharded"
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a (committed) sharded checkpoint folder."""
+    folder = Path(path)
+    return folder.is_dir() and (folder / REST).is_file()
+
+
+def staging_path(target: Path) -> Path:
+    """Where the folder ``target`` is written before its commit."""
+    return target.with_name(f".{target.name}{_STAGING}")
+
+
+def read_rest(path: str | Path, map_location: torch.device | str | None = None) -> Any:
+    """The unsharded parts of the sharded checkpoint at ``path`` (a training checkpoint's
+    top level, with ``sharded`` naming the parts in the shards)."""
+    return load_file(Path(path) / REST, map_location)
+
+
+@dataclass
+class _Pending:
+    future: Future[Any]
+    staging: Path
+    target: Path
+    then: Callable[[Path], None] | None
+
+
+class ShardedWriter:
+    """Writes one run's sharded checkpoints (every rank calls every method at the same point).
+
+    ``group`` returns the process group DCP's collectives use (the strategy's
+    ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
+    save returns once every rank has copied its state; the files are written in a background
+    thread, and the next ``save`` or ``wait`` waits for it and commits it.
+    """
+
+    def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
+        self.comm = comm
+        self._group = group
+        self._pending: _Pending | None = None
+
+    @property
+    def pending(self) -> Path | None:
+        """The folder an asynchronous save is still writing (None: none)."""
+        return None if self._pending is None else self._pending.target
+
+    def save(
+        self,
+        rest: Mapping[str, Any] | None,
+        shards: dict[str, Any],
+        target: str | Path,
+        *,
+        asynchronous: bool = False,
+        then: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Write the folder ``target``: ``rest`` (used on rank 0) as its REST file and every
+        rank's ``shards`` through DCP; ``then(target)`` runs on rank 0 once it is committed
+        (a failure in it fails the save). Every rank must call this; all raise the same
+        CheckpointError if any failed. Asynchronous: returns once the state is staged."""
+        self.wait()
+        target = Path(target)
+        staging = staging_path(target)
+        error = _prepare(staging, rest) if self.comm.rank == 0 else None
+        agree_on(self.comm, error, f"writing checkpoint {target}")
+        group = self._group()
+        options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
+        writer = _writer(staging)
+        if asynchronous:
+            try:
+                future = dcp_async_save(shards, writer, options)
+            except _dcp_errors() as caught:
+                error = failure_text(caught)
+            agree_on(self.comm, error, f"staging checkpoint {target}")
+            self._pending = _Pending(future, staging, target, then)
+            return target
+        try:
+            dcp_save(shards, writer, options)
+        except _dcp_errors() as caught:
+            error = failure_text(caught)
+        if error is None and self.comm.rank == 0:
+            error = _commit(staging, target, then)
+        agree_on(self.comm, error, f"writing checkpoint {target}")
+        return target
+
+    def wait(self) -> Path | None:
+        """Wait for the asynchronous save in flight, if any, and commit it; returns its folder.
+        Every rank must call this; all raise the same CheckpointError if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error: str | None = None
+        try:
+            pending.future.result()
+        except _dcp_errors() as caught:
+            error = failure_text(caught)
+        if error is None and self.comm.rank == 0:
+            error = _commit(pending.staging, pending.target, pending.then)
+        agree_on(self.comm, error, f"writing checkpoint {pending.target} (in the background)")
+        return pending.target
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises: its CheckpointException is a BaseException, not an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def failure_text(error: BaseException) -> str:
+    """One line per failed rank of a DCP error (DCP wraps every rank's exception and its
+    traceback in one CheckpointException); the error's own text otherwise."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, Mapping):
+        return f"{type(error).__name__}: {error}"
+    lines = []
+    for rank, wrapped in sorted(failures.items()):
+        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        lines.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+    return "; ".join(lines)
+
+
+def load_shards(
+    path: str | Path, template: dict[str, Any], group: dist.ProcessGroup | None
+) -> None:
+    """Fill ``template`` (the parts' ``shards()``, on every rank) in place from the folder at
+    ``path``, resharded to this run's ranks. Every rank must call this; a failure on any rank
+    is a CheckpointError on every rank."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    try:
+        with _one_process(group is None):
+            load(
+                template,
+                storage_reader=FileSystemReader(str(path)),
+                process_group=group,
+                no_dist=group is None,
+            )
+    except _dcp_errors() as error:  # DCP raised the same error on every rank
+        raise CheckpointError(
+            f"cannot load the shards of {path}: {failure_text(error)}. Build the model, "
+            f"optimizers and EMA the same way as the run that wrote it."
+        ) from error
+
+
+@contextlib.contextmanager
+def _one_process(alone: bool) -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process, which is what we asked for."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    with _one_process(options["no_dist"]):
+        save(shards, storage_writer=writer, **options)
+
+
+def dcp_async_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> Future[Any]:
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    with _one_process(options["no_dist"]):
+        return async_save(shards, storage_writer=writer, **options)  # type: ignore[return-value]
+
+
+def _writer(staging: Path) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    return FileSystemWriter(str(staging), sync_files=True)
+
+
+def _prepare(staging: Path, rest: Mapping[str, Any] | None) -> str | None:
+    """Rank 0: an empty staging folder holding the REST file."""
+    if rest is None:
+        return "no checkpoint contents were given on rank 0"
+    try:
+        if staging.exists():  # left by a save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        atomic_save(dict(rest), staging / REST)
+    except Exception as caught:
+        return f"{type(caught).__name__}: {caught}"
+    return None
+
+
+def _commit(staging: Path, target: Path, then: Callable[[Path], None] | None) -> str | None:
+    """Rank 0: the staging folder becomes ``target`` in one rename (an older folder of that
+    name is moved aside first and removed after)."""
+    old = target.with_name(f".{target.name}{TMP_MARKER}replaced")
+    try:
+        if target.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(target, old)
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        if then is not None:
+            then(target)
+    except Exception as caught:
+        return f"{type(caught).__name__}: {caught}"
+    return None
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a checkpoint file or folder (missing is fine)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def link_tree(source: Path, target: Path) -> Path:
+    """Make the folder ``target`` hold the same files as the folder ``source`` (hard links;
+    copies where links are not supported), replacing ``target`` as one rename."""
+    staging = staging_path(target)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    for item in source.iterdir():
+        try:
+            os.link(item, staging / item.name)
+        except OSError:
+            shutil.copyfile(item, staging / item.name)
+    error = _commit(staging, target, None)
+    if error is not None:
+        raise CheckpointError(f"cannot link {source} as {target}: {error}")
+    return target
+
+
+__all__ = [
+    "REST",
+    "SHARDED",
+    "ShardedWriter",
+    "failure_text",
+    "is_sharded",
+    "link_tree",
+    "load_shards",
+    "read_rest",
+    "remove_tree",
+    "staging_path",
+]

@@ -1,0 +1,248 @@
+"""Sharded checkpoints (torch.distributed.checkpoint folders) with real gloo groups: every rank
+writes its shards; an asynchronous save trains the same; a run resumes exactly from one;
+and they reshard: 2 ranks -> 1 and -> 3, 1 -> 2, DDP -> FSDP2, and a consolidated single
+file. One 2-rank group runs the 2-rank checks; one 3-rank group resumes at 3; a torchrun
+job is SIGKILLed during a save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import HandlerConfig, Hook, NNHandler
+from nn_handler.checkpoint.consolidate import consolidate
+from nn_handler.checkpoint.sharded import is_sharded, read_rest
+from tests.harness import run_command, run_group, torchrun_command
+from tests.training_helpers import max_difference, mlp, regression_data, state_of
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).parents[2]
+
+DATA = regression_data()
+VAL = regression_data(n=14, seed=1)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _config(world: int, folder: Path | None, strategy: str = "fsdp", **ckpt: Any) -> Any:
+    trainer: dict[str, Any] = {"accumulate_grad_batches": 2, "progress_bar": False}
+    if strategy == "fsdp":
+        trainer.update(strategy="fsdp", fsdp={"blocks": ["Linear"]})
+    checkpoint = {"dir": None if folder is None else str(folder), "keep_last": 5, **ckpt}
+    return HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8 // world, "shuffle": True, "seed": 3},
+            "trainer": trainer,
+            "ema": {"enabled": True, "decay": 0.9},
+            "checkpoint": {"resume": "never", **checkpoint},
+        }
+    )
+
+
+def _whole(handler: NNHandler) -> dict[str, torch.Tensor]:
+    """The model's whole state on every rank (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(
+        handler.trainer.module, options=StateDictOptions(full_state_dict=True)
+    )
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _adam_steps(handler: NNHandler) -> set[int]:
+    state = handler.trainer.optimizer.state_dict()["state"]
+    return {int(s["step"]) for s in state.values()}
+
+
+class SeesPending(Hook):
+    """Records which folder is still being written in the background as each epoch starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str | None] = []
+
+    def before_epoch(self) -> None:
+        pending = self.trainer.checkpointing.writer.pending
+        self.seen.append(None if pending is None else pending.name)
+
+
+def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, Any]:
+    folder = Path(base)
+    out: dict[str, Any] = {}
+    # Three epochs, a sharded checkpoint after each (format 'auto' under FSDP2).
+    with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=_config(2, folder / "sync")) as h:
+        h.train(DATA, VAL, epochs=3)
+        out["straight"] = _whole(h)
+        out["ema"] = h.trainer.ema.state_dict()["module"]  # type: ignore[union-attr]
+        out["losses"] = [r["val_loss"] for r in h.history.records]
+    out["files"] = sorted(p.name for p in (folder / "sync" / "ckpt-e0003-s00000009").iterdir())
+    # The same run saving in the background: the same weights, every checkpoint complete.
+    config = _config(2, folder / "async", async_save=True)
+    sees = SeesPending()
+    with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=config, hooks=[sees]) as h:
+        h.train(DATA, VAL, epochs=3)
+        out["pending_at_epoch_start"] = sees.seen
+        out["async"] = _whole(h)
+        out["async_pending"] = h.trainer.checkpointing.writer.pending  # type: ignore[union-attr]
+    out["async_names"] = sorted(p.name for p in (folder / "async").iterdir())
+    # An exact resume from the first epoch's folder.
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
+        h.trainer.resume(folder / "sync" / "ckpt-e0001-s00000003")
+        h.train(DATA, VAL, epochs=3)
+        out["resumed"] = _whole(h)
+        out["resumed_losses"] = [r["val_loss"] for r in h.history.records]
+    # DDP writing a sharded folder, FSDP2 resuming it, and the other way round.
+    ddp = _config(2, None, strategy="ddp", format="sharded")
+    with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=ddp) as h:
+        h.train(DATA, epochs=1)
+        h.trainer.save_checkpoint(folder / "ddp")
+        h.train(DATA, epochs=2)
+        out["ddp_straight"] = state_of(h.model)
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
+        h.trainer.resume(folder / "ddp")
+        h.train(DATA, epochs=2)
+        out["ddp_to_fsdp"] = _whole(h)
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=ddp) as h:
+        h.trainer.resume(folder / "sync" / "ckpt-e0001-s00000003")
+        out["fsdp_to_ddp_steps"] = _adam_steps(h)
+        out["fsdp_to_ddp_start"] = state_of(h.model)
+    # A folder written by one process, resumed by two.
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
+        h.trainer.resume(one_process, allow_world_size_change=True)
+        out["from_one"] = _whole(h)
+        out["from_one_epoch"] = h.trainer.state.epoch
+        h.train(DATA, epochs=2)
+        out["from_one_trained"] = h.trainer.state.epoch
+    return out
+
+
+def _three_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(3, None)) as h:
+        h.trainer.resume(folder, allow_world_size_change=True)
+        out = {"loaded": _whole(h), "epoch": h.trainer.state.epoch}
+        out["local"] = sum(p.to_local().numel() for p in h.trainer.module.parameters())
+        h.train(DATA, epochs=4)
+        out["trained_to"] = h.trainer.state.epoch
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("sharded")
+    single = _config(1, None, strategy="auto", format="sharded")
+    with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=single) as h:
+        h.train(DATA, epochs=1)
+        h.trainer.save_checkpoint(base / "one")
+        one = state_of(h.model)
+    ranks = run_group(_two_ranks, 2, args=(str(base), str(base / "one")), timeout=240)
+    return {"base": base, "ranks": ranks, "one": one}
+
+
+def test_every_rank_writes_its_shards_into_one_committed_folder(runs: dict[str, Any]) -> None:
+    for seen in runs["ranks"]:
+        assert seen["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
+    rest = read_rest(runs["base"] / "sync" / "ckpt-e0003-s00000009")
+    assert rest["world_size"] == 2 and len(rest["ranks"]) == 2
+    assert rest["sharded"] == ["model", "optimizer", "ema"]
+
+
+def test_a_sharded_resume_is_bit_identical(runs: dict[str, Any]) -> None:
+    for seen in runs["ranks"]:
+        assert max_difference(seen["resumed"], seen["straight"]) == 0.0
+        assert seen["resumed_losses"] == seen["losses"]
+
+
+def test_an_asynchronous_save_trains_the_same_and_completes(runs: dict[str, Any]) -> None:
+    for seen in runs["ranks"]:
+        assert max_difference(seen["async"], seen["straight"]) == 0.0
+        assert seen["async_pending"] is None
+        # Each save was still in flight when the next epoch started (it waits at the next).
+        assert seen["pending_at_epoch_start"] == [
+            None,
+            "ckpt-e0001-s00000003",
+            "ckpt-e0002-s00000006",
+        ]
+        assert seen["async_names"] == [
+            "ckpt-e0001-s00000003",
+            "ckpt-e0002-s00000006",
+            "ckpt-e0003-s00000009",
+            "latest.json",
+        ]
+
+
+def test_sharded_folders_move_between_ddp_and_fsdp(runs: dict[str, Any]) -> None:
+    for seen in runs["ranks"]:
+        assert max_difference(seen["ddp_to_fsdp"], seen["ddp_straight"]) < 1e-6
+        assert seen["fsdp_to_ddp_steps"] == {3}  # Adam's state came along, resharded
+    # The FSDP folder of epoch 1 loads into DDP as the weights FSDP had then.
+    ranks = runs["ranks"]
+    assert max_difference(ranks[0]["fsdp_to_ddp_start"], ranks[1]["fsdp_to_ddp_start"]) == 0.0
+
+
+def test_a_one_process_folder_resumes_on_two_ranks(runs: dict[str, Any]) -> None:
+    for seen in runs["ranks"]:
+        assert max_difference(seen["from_one"], runs["one"]) == 0.0
+        assert seen["from_one_epoch"] == 1 and seen["from_one_trained"] == 2
+
+
+def test_a_two_rank_folder_resumes_in_one_process_and_consolidates(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    source = runs["base"] / "sync" / "ckpt-e0003-s00000009"
+    straight, ema = runs["ranks"][0]["straight"], runs["ranks"][0]["ema"]
+    single = _config(1, None, strategy="auto")
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=single) as h:
+        h.trainer.resume(source, allow_world_size_change=True)
+        assert max_difference(state_of(h.model), straight) == 0.0
+        assert _adam_steps(h) == {9}
+    out = consolidate(source, tmp_path / "model.pt")
+    with NNHandler.load(out, mlp(seed=5)) as h:  # the stored config said fsdp: now 'auto'
+        assert max_difference(state_of(h.model), straight) == 0.0
+        assert max_difference(h.trainer.ema.state_dict()["module"], ema) == 0.0  # type: ignore[union-attr]
+
+
+def test_a_two_rank_folder_resumes_on_three_ranks(runs: dict[str, Any]) -> None:
+    folder = runs["base"] / "sync" / "ckpt-e0003-s00000009"
+    straight = runs["ranks"][0]["straight"]
+    ranks = run_group(_three_ranks, 3, args=(str(folder),), timeout=120)
+    total = sum(p.numel() for p in mlp().parameters())
+    for seen in ranks:
+        assert max_difference(seen["loaded"], straight) == 0.0
+        assert seen["epoch"] == 3 and seen["trained_to"] == 4
+        assert seen["local"] < total / 2  # a third of each block, padded
+
+
+@pytest.mark.parametrize("when", ["before_shards", "before_commit"])
+def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, when: str
+) -> None:
+    """A rank is SIGKILLed inside the second epoch's save (rank 1 before writing its shards,
+    or rank 0 once every shard and the index are written, just before the rename): the first
+    epoch's folder stays the latest, the staging folder is removed at the next start, and the
+    run resumes from it."""
+    command = torchrun_command(
+        ROOT / "tests" / "scripts" / "torchrun_sharded_kill.py", str(tmp_path), when
+    )
+    code, output = run_command(command, timeout=120)
+    assert code != 0, output
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "ckpt-e0001-s00000003" in names and "ckpt-e0002-s00000006" not in names, names
+    assert any(n.startswith(".ckpt-e0002-s00000006") for n in names), names  # the staging
+    assert '"checkpoint": "ckpt-e0001-s00000003"' in (tmp_path / "latest.json").read_text()
+    with NNHandler(
+        mlp(seed=5),
+        _adam,
+        nn.CrossEntropyLoss(),
+        config=_config(1, tmp_path, strategy="auto", allow_world_size_change=True),
+    ) as h:
+        assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # cleaned
+        found = h.trainer.resume("latest")
+        assert found is not None and found.name == "ckpt-e0001-s00000003"
+        assert is_sharded(found) and h.trainer.state.epoch == 1

@@ -1,0 +1,196 @@
+"""Sharded checkpoints (checkpoint/sharded.py) in one process: the folder's layout, an exact
+resume, asynchronous saves, best/, orphaned staging folders, consolidate and inspect, and
+their error paths. The multi-rank cases (resharding, DDP <-> FSDP2, a kill during a save)
+are in tests/distributed/test_sharded_checkpoints.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import CheckpointError, ConfigError, HandlerConfig, NNHandler
+from nn_handler.checkpoint.consolidate import consolidate
+from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.manager import LATEST
+from nn_handler.checkpoint.sharded import REST, is_sharded, read_rest, staging_path
+from nn_handler.cli import main
+from tests.training_helpers import max_difference, mlp, regression_data, state_of
+
+DATA = regression_data()
+VAL = regression_data(n=16, seed=1)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _handler(folder: Path, seed: int = 0, **checkpoint: Any) -> NNHandler:
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8, "shuffle": True, "seed": 3},
+            "trainer": {"progress_bar": False},
+            "ema": {"enabled": True, "decay": 0.9},
+            "checkpoint": {
+                "dir": str(folder),
+                "format": "sharded",
+                "keep_last": 5,
+                "resume": "never",
+                **checkpoint,
+            },
+        }
+    )
+    return NNHandler(mlp(seed=seed), _adam, nn.CrossEntropyLoss(), config=config)
+
+
+def _ema_weights(handler: NNHandler) -> dict[str, torch.Tensor]:
+    ema = handler.trainer.ema
+    assert ema is not None
+    return {k: v.clone() for k, v in ema.state_dict()["module"].items()}
+
+
+def _losses(records: list[dict[str, float]]) -> list[tuple[float, float]]:
+    return [(r["train_loss"], r["val_loss"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three epochs with a sharded checkpoint after each, and what they left."""
+    folder = tmp_path_factory.mktemp("sharded")
+    with _handler(folder) as h:
+        h.train(DATA, VAL, epochs=3)
+        return {
+            "folder": folder,
+            "model": state_of(h.model),
+            "ema": _ema_weights(h),
+            "history": h.history.records,
+            "optimizer_steps": h.trainer.state.global_step,
+        }
+
+
+def test_a_sharded_checkpoint_is_a_committed_folder(straight: dict[str, Any]) -> None:
+    folder: Path = straight["folder"]
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [
+        "ckpt-e0001-s00000005",
+        "ckpt-e0002-s00000010",
+        "ckpt-e0003-s00000015",
+        LATEST,
+    ]
+    newest = folder / "ckpt-e0003-s00000015"
+    assert is_sharded(newest)
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", REST]
+    assert json.loads((folder / LATEST).read_text())["checkpoint"] == newest.name
+    rest = read_rest(newest)
+    assert rest["sharded"] == ["model", "optimizer", "ema"]
+    assert "model" not in rest and "optimizer" not in rest  # they are in the shards
+    assert rest["trainer"]["epoch"] == 3 and len(rest["ranks"]) == 1
+
+
+def test_resuming_a_sharded_checkpoint_is_bit_identical(
+    straight: dict[str, Any], tmp_path: Path
+) -> None:
+    first = straight["folder"] / "ckpt-e0001-s00000005"
+    with _handler(tmp_path, seed=5) as h:
+        assert h.trainer.resume(first) == first
+        assert h.trainer.state.epoch == 1
+        h.train(DATA, VAL, epochs=3)
+        assert max_difference(state_of(h.model), straight["model"]) == 0.0
+        assert max_difference(_ema_weights(h), straight["ema"]) == 0.0
+        assert _losses(h.history.records) == _losses(straight["history"])
+
+
+def test_an_asynchronous_save_is_complete_when_fit_returns(
+    straight: dict[str, Any], tmp_path: Path
+) -> None:
+    with _handler(tmp_path, async_save=True) as h:
+        h.train(DATA, VAL, epochs=3)
+        assert h.trainer.checkpointing.writer is not None
+        assert h.trainer.checkpointing.writer.pending is None
+        assert max_difference(state_of(h.model), straight["model"]) == 0.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in straight["folder"].iterdir()
+    )
+    with _handler(tmp_path, seed=5) as h:  # the latest resumes: the run is complete
+        h.trainer.resume("latest")
+        assert h.trainer.state.global_step == straight["optimizer_steps"]
+        assert max_difference(state_of(h.model), straight["model"]) == 0.0
+
+
+def test_best_is_a_folder_of_links_to_the_best_checkpoint(tmp_path: Path) -> None:
+    with _handler(tmp_path, save_best=True, monitor="val_loss") as h:
+        h.train(DATA, VAL, epochs=2)
+        losses = [r["val_loss"] for r in h.history.records]
+    best = tmp_path / "best"
+    assert is_sharded(best)
+    epoch = 1 + losses.index(min(losses))
+    assert read_rest(best)["trainer"]["epoch"] == epoch
+    source = next(tmp_path.glob(f"ckpt-e{epoch:04d}-*"))
+    assert (best / "__0_0.distcp").stat().st_ino == (source / "__0_0.distcp").stat().st_ino
+
+
+def test_a_staging_folder_left_by_a_killed_save_is_removed(tmp_path: Path) -> None:
+    staging = staging_path(tmp_path / "ckpt-e0004-s00000020")
+    staging.mkdir()
+    (staging / REST).write_bytes(b"half")
+    with _handler(tmp_path) as h:
+        assert not staging.exists()
+        assert h.trainer.resume("latest", missing_ok=True) is None
+
+
+def test_consolidate_writes_one_file_that_nn_handler_load_restores(
+    straight: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = straight["folder"] / "ckpt-e0003-s00000015"
+    out = tmp_path / "model.pt"
+    assert main(["checkpoint", "consolidate", str(source), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    saved = load_file(out)
+    assert "optimizer" not in saved and saved["consolidated_without"] == ["optimizer"]
+    assert saved["config"]["handler"]["checkpoint"]["format"] == "auto"
+    with NNHandler.load(out, mlp(seed=5)) as h:
+        assert max_difference(state_of(h.model), straight["model"]) == 0.0
+        assert max_difference(_ema_weights(h), straight["ema"]) == 0.0
+        assert h.trainer.state.epoch == 3
+    # NNHandler.load takes the folder itself too (same strategy, here one process).
+    with NNHandler.load(source, mlp(seed=5), _adam) as h:
+        assert max_difference(state_of(h.model), straight["model"]) == 0.0
+        steps = {int(s["step"]) for s in h.trainer.optimizer.state_dict()["state"].values()}
+        assert steps == {15}
+
+
+def test_inspect_describes_a_sharded_folder_without_reading_its_shards(
+    straight: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = straight["folder"] / "ckpt-e0003-s00000015"
+    assert main(["checkpoint", "inspect", str(source)]) == 0
+    text = capsys.readouterr().out
+    assert "(sharded: 1 shard file(s)" in text
+    assert "epochs done 3, optimizer steps 15" in text
+    params = sum(p.numel() for p in mlp().parameters())
+    assert f"  model: 4 tensor(s), {params * 4} B" in text
+    assert "  optimizer: 12 tensor(s)" in text  # exp_avg, exp_avg_sq, step per parameter
+    assert "  ema: 4 tensor(s)" in text
+
+
+def test_sharded_error_paths(straight: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="is not a sharded checkpoint folder"):
+        consolidate(tmp_path, tmp_path / "out.pt")
+    assert main(["checkpoint", "consolidate", str(tmp_path), str(tmp_path / "o.pt")]) == 1
+    with pytest.raises(ConfigError, match="async_save writes sharded checkpoints"):
+        HandlerConfig.from_dict({"checkpoint": {"format": "file", "async_save": True}})
+    auto = {"checkpoint": {"dir": str(tmp_path), "async_save": True}, "trainer": {}}
+    with pytest.raises(ConfigError, match="format='auto' shards with strategy='fsdp' only"):
+        NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=auto)
+    rest = read_rest(straight["folder"] / "ckpt-e0001-s00000005")
+    with _handler(tmp_path / "other") as h:
+        with pytest.raises(CheckpointError, match="unsharded parts of a sharded checkpoint"):
+            h.trainer.load_state_dict(rest)
+        wrong = NNHandler(nn.Linear(6, 3), _adam, nn.CrossEntropyLoss())
+        missing = r"cannot load the shards of .*: rank 0: RuntimeError: Missing key in checkpoint"
+        with wrong, pytest.raises(CheckpointError, match=missing):
+            wrong.trainer.resume(straight["folder"] / "ckpt-e0001-s00000005")
