@@ -270,8 +270,8 @@ class NNHandler:
         so the run that wrote ``path`` never loses a file to it. Weights (and EMA weights,
         history and position) always load; the optimizer and scheduler states load when you
         pass them. A GPU checkpoint loads on CPU and the other way round; another world size
-        is allowed when the checkpoint was written between epochs (the data is re-sharded; a
-        warning says so). Every rank must call this.
+        is allowed (the data is re-sharded; mid-epoch, the rest of the epoch visits each
+        remaining sample once; a warning says so). Every rank must call this.
         """
         folder = Path(path) if is_sharded(path) else None
         checkpoint = read_rest(path) if folder is not None else load_file(path)

@@ -33,9 +33,9 @@ class CheckpointConfig(ConfigModel):
             restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0), 'auto'
             whenever ``dir`` holds one, 'never' starts afresh.
         allow_world_size_change: resuming (``resume`` 'auto'/'on_restart', or ``resume()``
-            without the argument) may continue a checkpoint written between epochs by another
-            number of ranks, with the data re-sharded over the new ranks (a different data
-            order from then on). A mid-epoch position is refused either way.
+            without the argument) may continue a checkpoint written by another number of
+            ranks, with the data re-sharded over the new ranks (a different data order from
+            then on; mid-epoch, the rest of the epoch visits each remaining sample once).
         handle_sigterm: on SIGTERM, every rank stops after the current step, writes an
             emergency checkpoint and exits with ``preemption_exit_code``.
         handle_sigint: treat a Ctrl-C (SIGINT) the same way, exiting with status 130

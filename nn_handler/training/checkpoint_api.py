@@ -241,8 +241,8 @@ class CheckpointMixin(TrainerParts):
     ) -> None:
         """Restore a checkpoint from ``state_dict``; the next ``fit`` continues exactly
         where it was written (mid-epoch too). ``allow_world_size_change`` (default:
-        CheckpointConfig.allow_world_size_change) accepts another number of ranks between
-        epochs. Every rank must call this with the same one."""
+        CheckpointConfig.allow_world_size_change) accepts another number of ranks (the data
+        re-sharded). Every rank must call this with the same one."""
         self.checkpointing.load(checkpoint, source, allow_world_size_change)
 
     def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:

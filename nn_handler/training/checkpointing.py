@@ -167,13 +167,16 @@ class TrainerCheckpoints:
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
         if saved_world != world:
-            _check_world_change(source, saved_world, world, batches_done, allow_world_size_change)
+            _check_world_change(source, saved_world, world, allow_world_size_change)
             self.log.warning(
                 "resuming {} (written by {} ranks) with {} ranks: the data is re-sharded, so "
-                "the order differs from an uninterrupted run from here on",
+                "the order differs from an uninterrupted run from here on{}",
                 source,
                 saved_world,
                 world,
+                " (the rest of the interrupted epoch visits each of its remaining samples once)"
+                if batches_done
+                else "",
             )
         shared = {k: v for k, v in ckpt.items() if k not in META}
         ranks = [_rank_parts(r) for r in ckpt["ranks"]]
@@ -188,6 +191,8 @@ class TrainerCheckpoints:
         )
         if folder is not None and sharded:
             self._load_shards(folder, sharded, source)
+        if saved_world != world and self.position.resume is not None:
+            self.position.resume.saved_world = saved_world
         self._first_fit = False
 
     def _load_shards(self, folder: Path, names: list[str], source: str) -> None:
@@ -348,23 +353,15 @@ class TrainerCheckpoints:
             )
 
 
-def _check_world_change(
-    source: str, saved_world: int, world: int, batches_done: int, allowed: bool
-) -> None:
-    if allowed and not batches_done:
+def _check_world_change(source: str, saved_world: int, world: int, allowed: bool) -> None:
+    if allowed:
         return
-    where = f"mid-epoch (after batch {batches_done})" if batches_done else "after an epoch"
     raise CheckpointError(
-        f"{source} was written by {saved_world} rank(s) {where}; this run has {world}. "
-        f"Resume with {saved_world} rank(s) to continue exactly"
-        + (
-            ", or set checkpoint.allow_world_size_change=True (or pass "
-            "allow_world_size_change=True) to continue with the data re-sharded over the "
-            "new ranks (a different data order from then on)."
-            if not batches_done
-            else "; a mid-epoch position cannot be re-sharded (load the weights only "
-            "with NNHandler.load or load_model_state)."
-        )
+        f"{source} was written by {saved_world} rank(s); this run has {world}. Resume with "
+        f"{saved_world} rank(s) to continue exactly, or set "
+        f"checkpoint.allow_world_size_change=True (or pass allow_world_size_change=True) to "
+        f"continue with the data re-sharded over the new ranks (a different data order from "
+        f"then on; mid-epoch, the rest of the epoch visits each remaining sample once)."
     )
 
 

@@ -11,8 +11,10 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from nn_handler.checkpoint.rng import restore_rng
+from nn_handler.data.reshard import rest_of_epoch
 from nn_handler.errors import CheckpointError, ConfigError, UnevenDataError
 from nn_handler.training.batch import batch_size_of, loader_length
 from nn_handler.training.checkpoint_hook import CheckpointHook
@@ -20,6 +22,7 @@ from nn_handler.training.history import Record
 from nn_handler.training.limits import limited, val_check_every, window
 from nn_handler.training.metrics import RunningLoss
 from nn_handler.training.parts import TrainerParts
+from nn_handler.training.position import ResumePoint
 from nn_handler.training.progress import ProgressBar
 
 
@@ -74,7 +77,7 @@ class EpochMixin(TrainerParts):
         self.state.skipped_steps = 0
         started = time.perf_counter()
         try:
-            batches, first = self._batches(loader, running)
+            batches, first = self._batches(loader, running, total)
             bar.update(first)
             # The per-batch path, with its lookups hoisted: in one process it is what the loop
             # costs on top of the model (benchmarks/training_step.py).
@@ -185,12 +188,16 @@ class EpochMixin(TrainerParts):
             f"rank equal batches) or use a DistributedSampler over the whole dataset."
         )
 
-    def _batches(self, loader: Iterable[Any], running: RunningLoss) -> tuple[Iterator[Any], int]:
+    def _batches(
+        self, loader: Iterable[Any], running: RunningLoss, total: int | None
+    ) -> tuple[Iterator[Any], int]:
         """The epoch's batch iterator and the index of its first batch: after a mid-epoch
         resume, the batches already trained are read and discarded (so the data order and
         the RNG streams continue exactly) and the partial loss and RNG state are restored."""
-        iterator = iter(loader)
         point = self.position.take_resume()
+        if point is not None and point.batches_done and point.saved_world is not None:
+            return self._rest_of_epoch(loader, point, total)
+        iterator = iter(loader)
         if point is None or not point.batches_done:
             return iterator, 0
         for done in range(point.batches_done):
@@ -208,6 +215,30 @@ class EpochMixin(TrainerParts):
         if point.step_rng is not None:
             restore_rng(point.step_rng)
         return iterator, point.batches_done
+
+    def _rest_of_epoch(
+        self, loader: Iterable[Any], point: ResumePoint, total: int | None
+    ) -> tuple[Iterator[Any], int]:
+        """A mid-epoch position written by another number of ranks: the epoch's samples not
+        yet visited, re-sharded over this run's ranks (data/reshard.py); its batches are
+        numbered to end where this run's epoch ends."""
+        if not isinstance(loader, DataLoader):
+            raise CheckpointError(
+                f"a mid-epoch checkpoint written by {point.saved_world} rank(s) can continue "
+                f"on {self.comm.world_size} only with the LoaderFactory's training loader; "
+                f"this one is a {type(loader).__name__}."
+            )
+        rest = rest_of_epoch(
+            loader,
+            saved_world=int(point.saved_world or 1),
+            saved_batch_size=int(point.data.get("batch_size") or loader.batch_size or 1),
+            batches_done=point.batches_done,
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+        )
+        self.state.skipped_steps = point.skipped_steps
+        first = max((total or len(rest)) - len(rest), 0)
+        return iter(rest), first
 
     def _after_optimizer_step(self) -> None:
         """The user's ``after_optimizer_step`` hooks, then the checkpoint policy's."""

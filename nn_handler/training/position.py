@@ -39,6 +39,8 @@ class ResumePoint:
         running: the partial epoch loss (mid-epoch).
         skipped_steps: steps of the current epoch skipped for NaN/inf.
         data: the loader description the checkpoint was written with.
+        saved_world: the number of ranks that wrote it, when this run has another (a
+            mid-epoch position then continues with the rest of the epoch re-sharded).
     """
 
     start_rng: dict[str, Any] | None = None
@@ -47,6 +49,7 @@ class ResumePoint:
     running: dict[str, Any] | None = None
     skipped_steps: int = 0
     data: dict[str, Any] = field(default_factory=dict)
+    saved_world: int | None = None
 
 
 def describe_loader(loader: Iterable[Any]) -> dict[str, Any]:
@@ -188,10 +191,14 @@ def check_data(point: ResumePoint, loader: Iterable[Any], rank: int) -> None:
     """Warn when the loader differs from the checkpoint's (its data order would too); refuse
     a mid-epoch position the loader cannot reach."""
     now = describe_loader(loader)
+    resized = point.saved_world is not None  # batches per epoch follow the world size
     changed = {
         k: (v, now.get(k))
         for k, v in point.data.items()
-        if v is not None and now.get(k) is not None and now.get(k) != v
+        if v is not None
+        and now.get(k) is not None
+        and now.get(k) != v
+        and not (resized and k == "batches_per_epoch")
     }
     if changed:
         logger.bind(rank=rank).warning(
@@ -199,6 +206,8 @@ def check_data(point: ResumePoint, loader: Iterable[Any], rank: int) -> None:
             "differ from an uninterrupted run",
             ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()),
         )
+    if point.saved_world is not None:  # the batch count follows the world size
+        return
     batches = now.get("batches_per_epoch")
     if point.batches_done and batches is not None and point.batches_done > batches:
         raise CheckpointError(

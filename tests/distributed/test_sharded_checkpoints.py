@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from nn_handler import HandlerConfig, Hook, NNHandler
+from nn_handler import HandlerConfig, Hook, NNHandler, Trainer
 from nn_handler.checkpoint.consolidate import consolidate
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
 from tests.harness import run_command, run_group, torchrun_command
@@ -73,9 +74,58 @@ class SeesPending(Hook):
         self.seen.append(None if pending is None else pending.name)
 
 
+# The exactly-once ledger: 37 samples that carry their index; 2 of an epoch's batches of 4 (8
+# for one process) are trained, a mid-epoch checkpoint is written, and another number of ranks
+# finishes the epoch.
+LEDGER_N = 37
+
+
+def _indexed() -> Any:
+    x, y = regression_data(n=LEDGER_N).tensors
+    return TensorDataset(x, y, torch.arange(LEDGER_N))
+
+
+class LedgerTrainer(Trainer):
+    """Records the dataset indices each training step of the first epoch sees."""
+
+    def training_step(self, batch: Any) -> Any:
+        inputs, targets, index = batch
+        if self.state.epoch == 0:
+            self.__dict__.setdefault("ledger", []).extend(index.tolist())
+        return self.compute_loss(self.forward(inputs), targets)
+
+
+def _ledger_run(
+    world: int, folder: Path, strategy: str, resume: str | None = None
+) -> dict[str, Any]:
+    """Two steps of the first epoch (a mid-epoch checkpoint in ``folder``), or, with
+    ``resume``, the rest of that epoch from it; this rank's ledger."""
+    config = _config(world, folder, strategy=strategy, every_n_epochs=None, every_n_steps=2)
+    config = config.model_copy(
+        update={
+            "trainer": config.trainer.model_copy(
+                update={"accumulate_grad_batches": 1, "max_steps": None if resume else 2}
+            )
+        }
+    )
+    with NNHandler(
+        mlp(), _adam, nn.CrossEntropyLoss(), config=config, trainer_class=LedgerTrainer
+    ) as h:
+        if resume is not None:
+            h.trainer.resume(resume, allow_world_size_change=True)
+        h.train(_indexed(), epochs=1)
+        return {"ledger": h.trainer.__dict__.get("ledger", []), "epoch": h.trainer.state.epoch}
+
+
 def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, Any]:
     folder = Path(base)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        "ledger_ddp": _ledger_run(2, folder / "ledger-ddp", "ddp"),
+        "ledger_fsdp": _ledger_run(2, folder / "ledger-fsdp", "fsdp"),
+        "ledger_from_one": _ledger_run(
+            2, folder / "ledger-1to2", "ddp", resume=str(folder / "ledger-one" / (MID + ".pt"))
+        ),
+    }
     # Three epochs, a sharded checkpoint after each (format 'auto' under FSDP2).
     with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=_config(2, folder / "sync")) as h:
         h.train(DATA, VAL, epochs=3)
@@ -123,14 +173,16 @@ def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, 
     return out
 
 
-def _three_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
+def _three_ranks(rank: int, world: int, folder: str, ledger: str) -> dict[str, Any]:
+    rest = _ledger_run(3, Path(ledger) / "after", "fsdp", resume=str(Path(ledger) / MID))
     with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(3, None)) as h:
         h.trainer.resume(folder, allow_world_size_change=True)
         out = {"loaded": _whole(h), "epoch": h.trainer.state.epoch}
         out["local"] = sum(p.to_local().numel() for p in h.trainer.module.parameters())
         h.train(DATA, epochs=4)
         out["trained_to"] = h.trainer.state.epoch
-        return out
+    out["ledger"] = rest
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +193,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         h.train(DATA, epochs=1)
         h.trainer.save_checkpoint(base / "one")
         one = state_of(h.model)
+    one_ledger = _ledger_run(1, base / "ledger-one", "auto")
     ranks = run_group(_two_ranks, 2, args=(str(base), str(base / "one")), timeout=240)
-    return {"base": base, "ranks": ranks, "one": one}
+    return {"base": base, "ranks": ranks, "one": one, "one_ledger": one_ledger}
 
 
 def test_every_rank_writes_its_shards_into_one_committed_folder(runs: dict[str, Any]) -> None:
@@ -211,12 +264,45 @@ def test_a_two_rank_folder_resumes_in_one_process_and_consolidates(
 def test_a_two_rank_folder_resumes_on_three_ranks(runs: dict[str, Any]) -> None:
     folder = runs["base"] / "sync" / "ckpt-e0003-s00000009"
     straight = runs["ranks"][0]["straight"]
-    ranks = run_group(_three_ranks, 3, args=(str(folder),), timeout=120)
+    ledger = runs["base"] / "ledger-fsdp"
+    ranks = run_group(_three_ranks, 3, args=(str(folder), str(ledger)), timeout=120)
     total = sum(p.numel() for p in mlp().parameters())
     for seen in ranks:
         assert max_difference(seen["loaded"], straight) == 0.0
         assert seen["epoch"] == 3 and seen["trained_to"] == 4
         assert seen["local"] < total / 2  # a third of each block, padded
+    # The mid-epoch FSDP folder of 2 ranks: 3 ranks visit the rest of its epoch, each once.
+    before = [i for seen in runs["ranks"] for i in seen["ledger_fsdp"]["ledger"]]
+    _exactly_once(before, [i for seen in ranks for i in seen["ledger"]["ledger"]])
+    assert {seen["ledger"]["epoch"] for seen in ranks} == {1}
+
+
+MID = "ckpt-e0000-s00000002"
+
+
+def _exactly_once(before: list[int], after: list[int]) -> None:
+    """The interrupted epoch's samples: 2 steps before the checkpoint, the rest after it,
+    every sample of the dataset exactly once."""
+    assert len(before) == 16 and len(set(before)) == 16  # 2 steps of 8 samples in all
+    assert sorted(before + after) == list(range(LEDGER_N)), (sorted(before), sorted(after))
+
+
+def test_a_mid_epoch_position_continues_on_another_number_of_ranks_exactly_once(
+    runs: dict[str, Any],
+) -> None:
+    """2 ranks -> 1 (DDP, one file) and 1 -> 2 (sharded folder of one process, DDP); 2 -> 3
+    (FSDP2, sharded) is checked with the 3-rank group above."""
+    ranks = runs["ranks"]
+    assert [p.name for p in (runs["base"] / "ledger-ddp").glob("ckpt-*")] == [MID + ".pt"]
+    before = [i for seen in ranks for i in seen["ledger_ddp"]["ledger"]]
+    rest = _ledger_run(
+        1, runs["base"] / "ledger-2to1", "auto", str(runs["base"] / "ledger-ddp" / (MID + ".pt"))
+    )
+    _exactly_once(before, rest["ledger"])
+    assert rest["epoch"] == 1
+    after = [i for seen in ranks for i in seen["ledger_from_one"]["ledger"]]
+    _exactly_once(runs["one_ledger"]["ledger"], after)
+    assert {seen["ledger_from_one"]["epoch"] for seen in ranks} == {1}
 
 
 @pytest.mark.parametrize("when", ["before_shards", "before_commit"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from nn_handler.config import LoaderConfig
 from nn_handler.data import LoaderFactory, ShardBatchSampler
+from nn_handler.data.reshard import rest_batches
 from nn_handler.data.sharding import (
     eval_indices,
     eval_steps,
@@ -121,3 +123,42 @@ def test_loader_config_rejects_bad_values_naming_the_field(bad: dict[str, object
     with pytest.raises(ConfigError) as info:
         LoaderConfig(**bad)  # type: ignore[arg-type]
     assert any(name in str(info.value) for name in bad)
+
+
+@given(sizes, worlds, batches, st.randoms(use_true_random=False), st.data())
+def test_after_any_batches_every_world_has_visited_a_prefix_of_the_epoch_order(
+    n: int, world: int, batch: int, rng: random.Random, data: st.DataObject
+) -> None:
+    """What makes a mid-epoch position re-shardable: rank r takes positions r, r + W, ... so
+    the samples visited after b batches on every rank are the order's first b * B * W."""
+    order = list(range(n))
+    rng.shuffle(order)
+    steps = train_steps_per_rank(n, world, batch, drop_last=False)
+    done = data.draw(st.integers(0, steps))
+    visited = [
+        index
+        for rank in range(world)
+        for index in train_shard(order, world, rank, drop_last=False)[: done * batch]
+    ]
+    prefix = done * batch * world
+    if prefix <= n:
+        assert sorted(visited) == sorted(order[:prefix])
+    else:  # into the padding: everything, and repeats of the order's start only
+        assert set(visited) == set(order)
+
+
+@given(sizes, worlds, batches, st.data())
+def test_the_rest_of_an_epoch_is_split_once_with_equal_steps(
+    n: int, world: int, batch: int, data: st.DataObject
+) -> None:
+    rest = list(range(1000, 1000 + data.draw(st.integers(0, n))))
+    parts = [rest_batches(rest, world, rank, batch) for rank in range(world)]
+    steps = math.ceil(len(rest) / (world * batch))
+    assert all(len(p) == steps for p in parts)  # DDP and FSDP pair the ranks' steps
+    assert all(1 <= len(b) <= batch for p in parts for b in p)
+    seen = Counter(i for p in parts for b in p for i in b)
+    assert set(seen) == set(rest)
+    if len(rest) >= world and (batch > 1 or len(rest) % world == 0):
+        assert all(count == 1 for count in seen.values()), seen  # exactly once
+    else:  # the documented corners: fewer samples than ranks, or batches of one
+        assert sum(seen.values()) == steps * world

@@ -78,18 +78,25 @@ def _saved_mid_epoch(folder: Path) -> Path:
     return folder / "ckpt-e0000-s00000004.pt"
 
 
-def test_world_size_change_is_refused_or_resharded_between_epochs(tmp_path: Path) -> None:
-    mid = load_file(_saved_mid_epoch(tmp_path))
+def test_world_size_change_is_refused_or_resharded(tmp_path: Path) -> None:
+    _saved_mid_epoch(tmp_path)
+    mid = load_file(tmp_path / "ckpt-e0000-s00000002.pt")  # 2 of 5 batches of 8 done
     after = load_file(tmp_path / "ckpt-e0001-s00000005.pt")
     for checkpoint in (mid, after):
         checkpoint["world_size"] = 2
     with _simple(tmp_path / "other") as h:
-        with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\) after an epoch"):
+        with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\); this run has 1"):
             h.trainer.load_state_dict(after, "after.pt")
-        with pytest.raises(CheckpointError, match=r"mid-epoch .*cannot be re-sharded"):
-            h.trainer.load_state_dict(mid, "mid.pt", allow_world_size_change=True)
+        with pytest.raises(CheckpointError, match=r"mid-epoch, the rest of the epoch visits"):
+            h.trainer.load_state_dict(mid, "mid.pt")
         h.trainer.load_state_dict(after, "after.pt", allow_world_size_change=True)
         assert h.trainer.state.epoch == 1 and h.trainer.state.global_step == 5
+    with _simple(tmp_path / "third") as h:
+        # As if 2 ranks had trained 2 batches of 8 each: 32 of the 40 samples are done, and
+        # one batch of the 8 others is left for this one rank.
+        h.trainer.load_state_dict(mid, "mid.pt", allow_world_size_change=True)
+        h.train(DATA, epochs=1)
+        assert h.trainer.state.epoch == 1 and h.trainer.state.global_step == 3
 
 
 def test_resume_auto_follows_the_allow_world_size_change_config_field(tmp_path: Path) -> None:
