@@ -24,6 +24,7 @@ ORDER = [
     "ema_update",
     "checkpoint_io",
     "scaling",
+    "fsdp_sharding",
 ]
 Table = list[str]
 
@@ -270,6 +271,75 @@ def scaling(data: dict[str, Any]) -> Table:
     ]
 
 
+def fsdp_sharding(data: dict[str, Any]) -> Table:
+    ddp, fsdp = data["results"]["ddp"], data["results"]["fsdp"]
+    ratio = data["fsdp_over_ddp"]
+    parts = [("parameters", "parameters_mb"), ("gradients", "gradients_mb")]
+    parts.append(("Adam moments", "optimizer_mb"))
+    rows = [
+        (
+            name,
+            f"{ddp['state'][key]:.1f}",
+            f"{fsdp['state'][key]:.1f}",
+            _x(ratio["state_parts"][key]),
+        )
+        for name, key in parts
+    ]
+    rows.append(
+        (
+            "RSS over the baseline after setup",
+            f"{ddp['rss_after_setup_over_baseline_mb']:.0f}",
+            f"{fsdp['rss_after_setup_over_baseline_mb']:.0f}",
+            _x(fsdp["rss_after_setup_over_baseline_mb"] / ddp["rss_after_setup_over_baseline_mb"]),
+        )
+    )
+    rows.append(
+        (
+            "peak RSS over the baseline",
+            f"{ddp['peak_rss_over_baseline_mb']:.0f}",
+            f"{fsdp['peak_rss_over_baseline_mb']:.0f}",
+            _x(ratio["peak_rss"]),
+        )
+    )
+    rows.append(
+        ("ms per step", _ms(ddp["step_s"] * 1e3), _ms(fsdp["step_s"] * 1e3), _x(ratio["step_time"]))
+    )
+    default = data.get("peak_rss_over_baseline_mb_mmap_threshold") or {}
+    if default:
+        rows.append(
+            (
+                "peak RSS over the baseline, MALLOC_MMAP_THRESHOLD_=131072",
+                f"{default['ddp']:.0f}",
+                f"{default['fsdp']:.0f}",
+                _x(default["fsdp"] / default["ddp"]),
+            )
+        )
+    ckpt = fsdp["checkpoints"]
+    seconds = ckpt["seconds"]
+    io_rows = [
+        ("save", f"{seconds['sharded']:.2f}", f"{seconds['file']:.2f}"),
+        ("load", f"{seconds['load_sharded']:.2f}", f"{seconds['load_file']:.2f}"),
+    ]
+    return [
+        f"A model of {fsdp['parameters'] / 1e6:.1f}M parameters with Adam, 2 CPU ranks (gloo), "
+        "per rank (MB unless stated):",
+        "",
+        *_table(["", "DDP", "FSDP2", "FSDP2 / DDP"], rows),
+        "",
+        f"Training state per rank, FSDP2 over DDP: {_x(ratio['state_per_rank'])}.",
+        "",
+        f"FSDP2 checkpoints of the same run ({ckpt['single_file_mb']:.0f} MB as one file), "
+        "seconds:",
+        "",
+        *_table(["", "sharded folder (every rank)", "one file (gathered to rank 0)"], io_rows),
+        "",
+        "Asynchronous sharded save, as a fraction of a synchronous sharded save: back to "
+        f"training after {ckpt['async_return_fraction_of_sync_save']:.0%} of it; the next "
+        f"epoch took {ckpt['async_stall_s']:+.3f} s longer than one without a save in the "
+        f"background ({ckpt['async_stall_fraction_of_sync_save']:+.0%}).",
+    ]
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "training_step": training_step,
     "object_collectives": object_collectives,
@@ -278,6 +348,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "ema_update": ema_update,
     "checkpoint_io": checkpoint_io,
     "scaling": scaling,
+    "fsdp_sharding": fsdp_sharding,
 }
 
 

@@ -121,6 +121,27 @@ def test_scaling_quick_mode_writes_its_fields(quick_run: Path) -> None:
     assert "skipped" in gpu or gpu["bf16_speedup"] > 0
 
 
+def test_fsdp_sharding_quick_mode_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("fsdp_sharding.py", quick_run)
+    ddp, fsdp = results["results"]["ddp"], results["results"]["fsdp"]
+    assert ddp["parameters"] == fsdp["parameters"] == 4 * (256 * 256 + 256) + 2570
+    for key, value in ddp["state"].items():  # each rank holds half the state, or about
+        assert 0.45 < fsdp["state"][key] / value < 0.56, key
+    assert results["fsdp_over_ddp"]["step_time"] > 0
+    checkpoints = fsdp["checkpoints"]
+    assert set(checkpoints["seconds"]) == {
+        "sharded",
+        "file",
+        "load_sharded",
+        "load_file",
+        "epoch",
+        "async_epoch",
+        "async_return",
+    }
+    assert checkpoints["single_file_mb"] > 0
+    assert len(results["targets_met"]) == 2
+
+
 def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run: Path) -> None:
     results = run_quick("training_step.py", quick_run)
     assert [(r["world_size"], r["case"]) for r in results["results"]] == [
