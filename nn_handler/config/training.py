@@ -92,6 +92,10 @@ class FsdpConfig(ConfigModel):
             every micro-batch (sharded gradients: less memory, one reduce-scatter per
             micro-batch) instead of only on the last one of a window (unsharded gradients
             accumulate: more memory, one reduce-scatter per optimizer step).
+        mixed_precision: with ``precision: bf16``, FSDP2's MixedPrecisionPolicy: the gathered
+            parameters are bf16 for forward and backward (half the all-gather bytes), the
+            gradients are reduced in fp32, and the shards, gradients and optimizer state stay
+            fp32. False: fp32 parameters under autocast, as under DDP.
     """
 
     blocks: list[str] = Field(default_factory=list)
@@ -99,6 +103,7 @@ class FsdpConfig(ConfigModel):
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     reduce_every_micro_batch: bool = False
+    mixed_precision: bool = True
 
 
 class TrainerConfig(ConfigModel):

@@ -17,10 +17,13 @@ from nn_handler.strategies.single import SingleDeviceStrategy
 STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
 
 
-def select_strategy(comm: Communicator, device: torch.device, config: TrainerConfig) -> Strategy:
+def select_strategy(
+    comm: Communicator, device: torch.device, config: TrainerConfig, precision: str = "32"
+) -> Strategy:
     """The strategy ``config.strategy`` names; 'auto' is DDP when the run has more than one
     rank and a process group, one device otherwise (a test double of several ranks without a
-    group trains its one replica as it is)."""
+    group trains its one replica as it is). ``precision`` is the run's resolved precision
+    ('32', 'bf16', 'fp16'), which a sharded strategy applies to its communication."""
     name = config.strategy
     if name == "auto":
         import torch.distributed as dist
@@ -36,8 +39,8 @@ def select_strategy(comm: Communicator, device: torch.device, config: TrainerCon
     if name == "fsdp":  # imported when chosen: torch.distributed.checkpoint costs ~1 s
         from nn_handler.strategies.fsdp import FSDP2Strategy
 
-        return FSDP2Strategy(comm, device, config)
-    return STRATEGIES[name](comm, device, config)
+        return FSDP2Strategy(comm, device, config, precision)
+    return STRATEGIES[name](comm, device, config, precision)
 
 
 def __getattr__(name: str) -> Any:

@@ -35,6 +35,7 @@ class Strategy(ABC):
         device: this rank's device.
         module: the plain module after ``setup`` (on the device, BatchNorm converted).
         model: what the loop calls in training (the wrapped module), after ``setup``.
+        precision: the run's resolved precision ('32', 'bf16', 'fp16').
     """
 
     name: str = ""
@@ -42,10 +43,17 @@ class Strategy(ABC):
     #: collectives that every rank must call (a sharded model's).
     collective_state: bool = False
 
-    def __init__(self, comm: Communicator, device: torch.device, config: TrainerConfig) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        device: torch.device,
+        config: TrainerConfig,
+        precision: str = "32",
+    ) -> None:
         self.comm = comm
         self.device = device
         self.config = config
+        self.precision = precision
         self.module: nn.Module | None = None
         self.model: nn.Module | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None
@@ -179,11 +187,16 @@ class Strategy(ABC):
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The process group of sharded checkpoints' collectives: a gloo group of their own,
         made at the first call (every rank must call it then), so that a save running in the
-        background never interleaves with training's collectives. None in one process."""
+        background never interleaves with training's collectives (and one whose backend
+        handles CPU tensors, which DCP's coordination needs, also beside nccl). None in one
+        process without a process group."""
         world = self.comm.world_size
-        if world == 1:
-            return None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+        grouped = dist.is_available() and dist.is_initialized()
+        if grouped and self._checkpoint_group is not None:
+            return self._checkpoint_group
+        if world == 1 and not (grouped and dist.get_world_size() == 1):
+            return None  # one process without a group: DCP runs without collectives
+        if not grouped or dist.get_world_size() != world:
             raise ConfigError(
                 f"sharded checkpoints are written by every rank through a torch.distributed "
                 f"process group, and this run's communicator (world size {world}) has none "

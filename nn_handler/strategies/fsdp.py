@@ -25,7 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from nn_handler.checkpoint.optimizer_state import is_named, to_named
 from nn_handler.checkpoint.registry import Part
@@ -94,6 +100,7 @@ class FSDP2Strategy(Strategy):
         settings = self.config.fsdp
         mesh = init_device_mesh(self.device.type, (self.comm.world_size,))
         offload: OffloadPolicy = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
+        mixed = self.mixed_precision()
         blocks = shard_blocks(module, settings.blocks, settings.min_params)
         if settings.blocks and not blocks:
             present = sorted({type(m).__name__ for m in module.modules()})
@@ -107,10 +114,21 @@ class FSDP2Strategy(Strategy):
                 mesh=mesh,
                 reshard_after_forward=settings.reshard_after_forward,
                 offload_policy=offload,
+                mp_policy=mixed,
             )
-        fully_shard(module, mesh=mesh, offload_policy=offload)
+        fully_shard(module, mesh=mesh, offload_policy=offload, mp_policy=mixed)
         self.blocks = len(blocks)
         return module
+
+    def mixed_precision(self) -> MixedPrecisionPolicy:
+        """With ``precision: bf16`` (and ``fsdp.mixed_precision``), FSDP2 casts each block's
+        gathered parameters to bf16 for forward and backward (half the all-gather bytes) and
+        reduces the gradients in fp32; the sharded parameters, gradients and optimizer state
+        stay fp32. Otherwise the parameters keep their dtype (fp16 runs use autocast and the
+        GradScaler, as under DDP)."""
+        if self.precision == "bf16" and self.config.fsdp.mixed_precision:
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changed the module in place

@@ -99,7 +99,9 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self.loss_fn = loss_fn
         self.precision = Precision(precision or PrecisionConfig(), self.device)
         self.log = logger.bind(rank=self.comm.rank)
-        self.strategy: Strategy = select_strategy(self.comm, self.device, self.config)
+        self.strategy: Strategy = select_strategy(
+            self.comm, self.device, self.config, self.precision.name
+        )
         self.module, self.model = self.strategy.setup(model)
         self.metrics: dict[str, Metric] = dict(metrics or {})
         self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}

@@ -89,6 +89,7 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         h.train(regression_data(), epochs=2)
         out["resumed"] = _full_state(h)
     out["gan"] = {strategy: _gan(rank, strategy) for strategy in ("fsdp", "ddp")}
+    out["bf16"] = {mixed: _bf16(world_size, mixed) for mixed in (True, False)}
     # Across strategies: a DDP checkpoint resumed under FSDP, and the FSDP one under DDP.
     ddp_path = Path(folder) / "ddp.pt"
     adam_ddp = _config(EQUIVALENCE, 2)
@@ -136,6 +137,20 @@ def _ema(strategy: str, val: Any, folder: Path) -> dict[str, Any]:
         seen["resumed_val"] = h.history.records[-1]["val_loss"]
         seen["resumed_weights"] = h.trainer.ema.state_dict()["module"]  # type: ignore[union-attr]
     return seen
+
+
+def _bf16(world_size: int, mixed: bool) -> dict[str, Any]:
+    """precision bf16: the dtype a block's weight has inside its forward, and the shards'."""
+    trainer = {**SHARDED, "fsdp": {"blocks": ["Linear"], "mixed_precision": mixed}}
+    config = _config(EQUIVALENCE, world_size, **trainer).model_dump()
+    config["precision"] = "bf16"
+    inside: set[str] = set()
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as h:
+        block = next(m for m in h.trainer.module.modules() if isinstance(m, nn.Linear))
+        block.register_forward_pre_hook(lambda m, _: inside.add(str(m.weight.dtype)))
+        h.train(regression_data(), epochs=1)
+        shard = next(h.trainer.module.parameters())
+        return {"inside": inside, "shard": str(shard.dtype), "loss": h.history.last["train_loss"]}
 
 
 def _gan(rank: int, strategy: str) -> dict[str, torch.Tensor]:
@@ -206,6 +221,19 @@ def test_a_gan_with_manual_optimization_trains_like_under_ddp(
     for seen in results:
         assert max_difference(seen["gan"]["fsdp"], seen["gan"]["ddp"]) < 1e-5
     assert max_difference(results[0]["gan"]["fsdp"], results[1]["gan"]["fsdp"]) == 0.0
+
+
+def test_bf16_gathers_bf16_parameters_and_keeps_fp32_shards(
+    results: list[dict[str, Any]],
+) -> None:
+    """FSDP2's MixedPrecisionPolicy with precision bf16: each block computes with bf16
+    parameters (half the all-gather bytes); the shards (and so the gradients and optimizer
+    state) stay fp32; fsdp.mixed_precision=False keeps fp32 parameters under autocast."""
+    for seen in results:
+        mixed, plain = seen["bf16"][True], seen["bf16"][False]
+        assert mixed["inside"] == {"torch.bfloat16"} and mixed["shard"] == "torch.float32"
+        assert plain["inside"] == {"torch.float32"} and plain["shard"] == "torch.float32"
+        assert abs(mixed["loss"] - plain["loss"]) < 0.05  # both bf16 matmuls under autocast
 
 
 def test_checkpoints_move_between_ddp_and_fsdp(results: list[dict[str, Any]]) -> None:

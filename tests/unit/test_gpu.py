@@ -116,3 +116,60 @@ def test_a_cuda_checkpoint_resumes_exactly_on_cuda_and_loads_on_cpu(tmp_path: An
     assert checkpoint["model"]["0.weight"].device.type == "cpu"
     assert checkpoint["ranks"][0]["rng"]["cuda"]  # the CUDA generator state was saved
     load_model_state(mlp(), checkpoint["model"])
+
+
+def _fsdp_on_cuda(folder: Any, **checkpoint: Any) -> Any:
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from tests.training_helpers import mlp, sgd
+
+    config = {
+        "distributed": {"enabled": True, "backend": "nccl", "device": "cuda"},
+        "precision": "bf16",
+        "ema": {"enabled": True, "decay": 0.9},
+        "trainer": {"progress_bar": False, "strategy": "fsdp", "fsdp": {"blocks": ["Linear"]}},
+        "checkpoint": {"dir": str(folder), "resume": "never", "keep_last": 3, **checkpoint},
+    }
+    return NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config)
+
+
+def _whole(handler: Any) -> dict[str, torch.Tensor]:
+    """The sharded model's whole state, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dict(get_model_state_dict(handler.trainer.module, options=options))
+
+
+def test_fsdp2_trains_in_bf16_over_nccl_and_resumes_from_an_async_sharded_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """FSDP2 on a CUDA device with nccl (a group of one), bf16 through its
+    MixedPrecisionPolicy, a sharded EMA, checkpoints saved in the background through DCP on a
+    gloo side group; an exact resume, and a consolidated file that loads on the CPU."""
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from nn_handler.checkpoint.consolidate import consolidate
+    from tests.training_helpers import max_difference, mlp, regression_data
+
+    inside: set[torch.dtype] = set()
+    with _fsdp_on_cuda(tmp_path / "run", async_save=True) as handler:
+        block = next(m for m in handler.trainer.module.modules() if isinstance(m, nn.Linear))
+        block.register_forward_pre_hook(lambda m, _: inside.add(m.weight.dtype))
+        handler.train(regression_data(), regression_data(n=10), epochs=3)
+        shard = next(handler.trainer.module.parameters())
+        assert shard.device.type == "cuda" and shard.dtype == torch.float32
+        straight = _whole(handler)
+    assert inside == {torch.bfloat16}
+    first = next((tmp_path / "run").glob("ckpt-e0001-*"))
+    with _fsdp_on_cuda(tmp_path / "again") as handler:
+        handler.trainer.resume(first)
+        handler.train(regression_data(), regression_data(n=10), epochs=3)
+        again = _whole(handler)
+    assert max_difference(again, straight) == 0.0
+    last = next((tmp_path / "run").glob("ckpt-e0003-*"))
+    out = consolidate(last, tmp_path / "model.pt")
+    with NNHandler.load(out, mlp(seed=5), config={"distributed": {"device": "cpu"}}) as cpu:
+        assert max_difference(dict(cpu.model.state_dict()), straight) == 0.0
