@@ -61,6 +61,53 @@ def read_rest(path: str | Path, map_location: torch.device | str | None = None) 
     return load_file(Path(path) / REST, map_location)
 
 
+class CachedStager:
+    """Stages a state for DCP's asynchronous save into CPU buffers kept between saves (a
+    ``torch.distributed.checkpoint.staging.AsyncStager``): the first save allocates them (pinned
+    when CUDA is there), later ones only copy, so returning to training costs one copy of this
+    rank's state, without fresh allocations. The buffers are rebuilt when the state's layout
+    changes. The writer waits for the previous save before staging the next one, so a buffer
+    is never overwritten while it is written."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+        self._layout: list[tuple[Any, ...]] = []
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        if self._cache is None or layout != self._layout:
+            pinned = torch.cuda.is_available()
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=pinned)
+            self._layout = layout
+        return _copy_state_dict(state_dict, self._cache, type_check=False)
+
+    def synchronize_staging(self) -> None:
+        """Staging is a blocking copy: nothing to wait for."""
+
+    def close(self) -> None:
+        self._cache = None
+
+
+def _layout(value: Any, path: str = "") -> list[tuple[Any, ...]]:
+    """Every tensor's path, local shape and dtype (the buffers a staged copy needs)."""
+    if isinstance(value, Mapping):
+        return [item for key, v in value.items() for item in _layout(v, f"{path}.{key}")]
+    if isinstance(value, (list, tuple)):
+        return [item for i, v in enumerate(value) for item in _layout(v, f"{path}.{i}")]
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return [(path, tuple(local.shape), local.dtype)]
+    return [(path, type(value).__name__)]
+
+
 @dataclass
 class _Pending:
     future: Future[Any]
@@ -82,6 +129,7 @@ class ShardedWriter:
         self.comm = comm
         self._group = group
         self._pending: _Pending | None = None
+        self._stager = CachedStager()
 
     @property
     def pending(self) -> Path | None:
@@ -111,7 +159,7 @@ class ShardedWriter:
         writer = _writer(staging)
         if asynchronous:
             try:
-                future = dcp_async_save(shards, writer, options)
+                future = dcp_async_save(shards, writer, {**options, "async_stager": self._stager})
             except _dcp_errors() as caught:
                 error = failure_text(caught)
             agree_on(self.comm, error, f"staging checkpoint {target}")

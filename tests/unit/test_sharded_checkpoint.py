@@ -194,3 +194,23 @@ def test_sharded_error_paths(straight: dict[str, Any], tmp_path: Path) -> None:
         missing = r"cannot load the shards of .*: rank 0: RuntimeError: Missing key in checkpoint"
         with wrong, pytest.raises(CheckpointError, match=missing):
             wrong.trainer.resume(straight["folder"] / "ckpt-e0001-s00000005")
+
+
+def test_the_async_stager_copies_into_the_same_buffers_until_the_layout_changes() -> None:
+    from nn_handler.checkpoint.sharded import CachedStager
+
+    stager = CachedStager()
+    state = {"model": {"w": torch.zeros(3, 2)}, "optimizer": {"step": 1, "m": [torch.ones(4)]}}
+    first = stager.stage(state)
+    state["model"]["w"] += 5  # training changes the state after the copy
+    assert torch.equal(first["model"]["w"], torch.zeros(3, 2))
+    second = stager.stage(state)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # reused
+    assert torch.equal(second["model"]["w"], torch.full((3, 2), 5.0))
+    assert second["optimizer"]["step"] == 1 and torch.equal(
+        second["optimizer"]["m"][0], torch.ones(4)
+    )
+    state["model"]["w"] = torch.zeros(5)  # another layout: new buffers
+    third = stager.stage(state)
+    assert third["model"]["w"].shape == (5,)
+    assert third["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
