@@ -10,7 +10,7 @@ training shards put back afterwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -85,43 +85,39 @@ class ShardedEma(EmaUpdates):
 
     def state_dict(self) -> dict[str, Any]:
         """The whole averaged model (gathered to rank 0 by the strategy's view: a collective)."""
-        with self.applied() as model:
-            module = _copied(self.views.module_state_dict(model))
-        return {
-            "module": module,
-            "num_updates": self.num_updates,
-            "optimizer_steps": self._optimizer_steps,
-        }
+        return self._saved(self.views.module_state_dict)
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
-        with self.applied() as model:
-            self.views.load_module_state_dict(model, state["module"], source)
-            self._take_live()
-        self._load_counts(state)
+        self._load(self.views.load_module_state_dict, state, source)
 
     def shards(self) -> dict[str, Any]:
         """The averaged model as this rank's shards (DTensors), for a sharded checkpoint;
         never gathered."""
+        return self._saved(self.views.model_shards)
+
+    def load_shards(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Take back a state of the form ``shards`` returns (filled by DCP)."""
+        self._load(self.views.load_model_shards, state, source)
+
+    def _saved(self, view: Callable[[nn.Module], dict[str, Any]]) -> dict[str, Any]:
         with self.applied() as model:
-            module = _copied(self.views.model_shards(model))
+            module = _copied(view(model))
         return {
             "module": module,
             "num_updates": self.num_updates,
             "optimizer_steps": self._optimizer_steps,
         }
 
-    def load_shards(self, state: dict[str, Any], source: str = "checkpoint") -> None:
-        """Take back a state of the form ``shards`` returns (filled by DCP)."""
+    def _load(
+        self,
+        view: Callable[[nn.Module, Mapping[str, Any], str], None],
+        state: Mapping[str, Any],
+        source: str,
+    ) -> None:
         with self.applied() as model:
-            self.views.load_model_shards(model, state["module"], source)
-            self._take_live()
-        self._load_counts(state)
-
-    def _take_live(self) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(self._shadow, self._live)
-
-    def _load_counts(self, state: Mapping[str, Any]) -> None:
+            view(model, state["module"], source)
+            with torch.no_grad():
+                torch._foreach_copy_(self._shadow, self._live)
         self.num_updates = int(state["num_updates"])
         self._optimizer_steps = int(state["optimizer_steps"])
 
