@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from nn_handler import HandlerConfig, Hook, NNHandler, Trainer
+from nn_handler import HandlerConfig, Hook, NNHandler, Trainer, TrainingPreempted
 from nn_handler.checkpoint.consolidate import consolidate
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
-from tests.harness import run_command, run_group, torchrun_command
+from tests.harness import run_commands, run_group, torchrun_command
+from tests.resume_helpers import SigtermAt
 from tests.training_helpers import max_difference, mlp, regression_data, state_of
 
 pytestmark = pytest.mark.distributed
@@ -142,6 +143,22 @@ def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, 
         out["async"] = _whole(h)
         out["async_pending"] = h.trainer.checkpointing.writer.pending  # type: ignore[union-attr]
     out["async_names"] = sorted(p.name for p in (folder / "async").iterdir())
+    # A SIGTERM on rank 1 after step 4 (inside the second epoch), with saves in the
+    # background: every rank stops with a sharded emergency checkpoint, and the relaunch
+    # ends where the uninterrupted run did.
+    config = _config(2, folder / "preempted", async_save=True)
+    try:
+        with NNHandler(
+            mlp(), _adam, nn.CrossEntropyLoss(), config=config, hooks=[SigtermAt(4, rank=1)]
+        ) as h:
+            h.train(DATA, VAL, epochs=3)
+    except TrainingPreempted as stop:
+        saved = Path(stop.checkpoint) if stop.checkpoint else None
+        out["preempted"] = (stop.code, stop.global_step, saved and is_sharded(saved))
+    with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=config) as h:
+        h.trainer.resume("latest")
+        h.train(DATA, VAL, epochs=3)
+        out["after_preemption"] = _whole(h)
     # An exact resume from the first epoch's folder.
     with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
         h.trainer.resume(folder / "sync" / "ckpt-e0001-s00000003")
@@ -210,6 +227,15 @@ def test_a_sharded_resume_is_bit_identical(runs: dict[str, Any]) -> None:
     for seen in runs["ranks"]:
         assert max_difference(seen["resumed"], seen["straight"]) == 0.0
         assert seen["resumed_losses"] == seen["losses"]
+
+
+def test_a_preempted_fsdp_run_saves_its_shards_and_resumes_exactly(
+    runs: dict[str, Any],
+) -> None:
+    for seen in runs["ranks"]:
+        code, step, sharded = seen["preempted"]
+        assert code == 75 and sharded is True and 4 <= step < 9  # stopped inside the run
+        assert max_difference(seen["after_preemption"], seen["straight"]) == 0.0
 
 
 def test_an_asynchronous_save_trains_the_same_and_completes(runs: dict[str, Any]) -> None:
@@ -305,30 +331,41 @@ def test_a_mid_epoch_position_continues_on_another_number_of_ranks_exactly_once(
     assert {seen["ledger_from_one"]["epoch"] for seen in ranks} == {1}
 
 
-@pytest.mark.parametrize("when", ["before_shards", "before_commit"])
+KILLS = ["before_shards", "before_commit"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int, str]]:
+    """Both kill points, as two torchrun jobs side by side."""
+    base = tmp_path_factory.mktemp("killed")
+    script = ROOT / "tests" / "scripts" / "torchrun_sharded_kill.py"
+    folders = {when: base / when for when in KILLS}
+    commands = [torchrun_command(script, str(folders[when]), when) for when in KILLS]
+    results = run_commands(commands, timeout=180)
+    return {when: (folders[when], *result) for when, result in zip(KILLS, results, strict=True)}
+
+
+@pytest.mark.parametrize("when", KILLS)
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint(
-    tmp_path: Path, when: str
+    killed: dict[str, tuple[Path, int, str]], when: str
 ) -> None:
     """A rank is SIGKILLed inside the second epoch's save (rank 1 before writing its shards,
     or rank 0 once every shard and the index are written, just before the rename): the first
     epoch's folder stays the latest, the staging folder is removed at the next start, and the
     run resumes from it."""
-    command = torchrun_command(
-        ROOT / "tests" / "scripts" / "torchrun_sharded_kill.py", str(tmp_path), when
-    )
-    code, output = run_command(command, timeout=120)
+    folder, code, output = killed[when]
     assert code != 0, output
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in folder.iterdir())
     assert "ckpt-e0001-s00000003" in names and "ckpt-e0002-s00000006" not in names, names
     assert any(n.startswith(".ckpt-e0002-s00000006") for n in names), names  # the staging
-    assert '"checkpoint": "ckpt-e0001-s00000003"' in (tmp_path / "latest.json").read_text()
+    assert '"checkpoint": "ckpt-e0001-s00000003"' in (folder / "latest.json").read_text()
     with NNHandler(
         mlp(seed=5),
         _adam,
         nn.CrossEntropyLoss(),
-        config=_config(1, tmp_path, strategy="auto", allow_world_size_change=True),
+        config=_config(1, folder, strategy="auto", allow_world_size_change=True),
     ) as h:
-        assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # cleaned
+        assert not any(p.name.startswith(".") for p in folder.iterdir())  # cleaned
         found = h.trainer.resume("latest")
         assert found is not None and found.name == "ckpt-e0001-s00000003"
         assert is_sharded(found) and h.trainer.state.epoch == 1
