@@ -238,8 +238,9 @@ class NNHandler:
     # ----------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
         """Write a full checkpoint (weights, optimizer, scheduler, scaler, EMA, history, config,
-        data position, every rank's RNG) to ``path`` atomically; rank 0 writes. Every rank
-        must call this."""
+        data position, every rank's RNG) to ``path`` atomically; rank 0 writes (with sharded
+        checkpoints ``path`` is a folder every rank writes its shards into). Every rank must
+        call this."""
         return self.trainer.save_checkpoint(path)
 
     def resume(

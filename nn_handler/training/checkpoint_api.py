@@ -246,8 +246,9 @@ class CheckpointMixin(TrainerParts):
         self.checkpointing.load(checkpoint, source, allow_world_size_change)
 
     def save_checkpoint(self, path: str | Path, budget_s: float | None = None) -> Path:
-        """Write the full checkpoint to ``path`` atomically (rank 0 writes). Every rank must
-        call this; all raise CheckpointError if the write failed."""
+        """Write the full checkpoint to ``path`` atomically (rank 0 writes; a sharded
+        checkpoint is a folder every rank writes its shards into). Every rank must call this;
+        all raise CheckpointError if the write failed."""
         return self.checkpointing.save(path, budget_s)
 
     def save_periodic(self, budget_s: float | None = None) -> Path:
