@@ -39,8 +39,6 @@ def read_whole(folder: str | Path, parts: tuple[str, ...] = WEIGHTS) -> dict[str
         path = paths.get(fqn, tuple(fqn.split(".", 1)))
         if path[0] not in parts:
             continue
-        if not all(isinstance(key, str) for key in path):
-            raise CheckpointError(f"{folder}: the entry {fqn} is not a plain name.")
         node = template
         for key in path[:-1]:
             node = node.setdefault(key, {})

@@ -107,8 +107,8 @@ class TrainerCheckpoints:
         config: CheckpointConfig,
         run_config: dict[str, Any],
         *,
+        group: Callable[[], ProcessGroup | None],
         enabled: bool = True,
-        group: Callable[[], ProcessGroup | None] | None = None,
         sharded: bool = False,
     ) -> None:
         self.registry = registry
@@ -118,7 +118,7 @@ class TrainerCheckpoints:
         self.config = config
         self.run_config = run_config
         self._group = group
-        self.writer = ShardedWriter(comm, self._checkpoint_group) if sharded else None
+        self.writer = ShardedWriter(comm, group) if sharded else None
         self.manager = (
             CheckpointManager(config, comm, sharded=self.writer is not None)
             if enabled and config.dir
@@ -199,23 +199,13 @@ class TrainerCheckpoints:
         """Every sharded part of this run that ``folder`` holds, resharded to this run."""
         parts = [p for p in self.registry.sharded() if p.name in names]
         template = {p.name: p.shards() for p in parts if p.shards is not None}
-        load_shards(folder, template, self._checkpoint_group())  # raises alike on every rank
+        load_shards(folder, template, self._group())  # raises alike on every rank
         for part in parts:
             restore_shards(part, template[part.name], source)
         for name in sorted(set(self.registry.names()) & set(names) - set(template)):
             self.log.info(
                 "{}: its {} shards are not used (this run has no such part)", source, name
             )
-
-    def _checkpoint_group(self) -> ProcessGroup | None:
-        if self._group is None:
-            if self.comm.world_size == 1:
-                return None
-            raise CheckpointError(
-                "sharded checkpoints need a process group for their collectives (pass the "
-                "strategy's checkpoint_group to TrainerCheckpoints)."
-            )
-        return self._group()
 
     # ----------------------------------------------------------------- writing
     def require_manager(self, what: str) -> CheckpointManager:
@@ -230,20 +220,20 @@ class TrainerCheckpoints:
         """Write the checkpoint to ``path`` (a folder when sharded). Every rank must call this."""
         if self.writer is None:
             return write_together(self.comm, self.state_dict(), path, budget_s)
-        return self._save_sharded(Path(path))
+        return self._save_sharded(self.writer, Path(path))
 
     def _save_sharded(
         self,
+        writer: ShardedWriter,
         target: Path,
         *,
         asynchronous: bool = False,
         then: Callable[[Path], None] | None = None,
     ) -> Path:
-        assert self.writer is not None
         shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
         shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
         rest = self._collect(list(shards))
-        return self.writer.save(rest, shards, target, asynchronous=asynchronous, then=then)
+        return writer.save(rest, shards, target, asynchronous=asynchronous, then=then)
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
@@ -255,6 +245,7 @@ class TrainerCheckpoints:
             return manager.save_periodic(self.state_dict(), epoch, step, budget_s)
         path = manager.dir / periodic_name(epoch, step, sharded=True)
         self._save_sharded(
+            self.writer,
             path,
             asynchronous=self.config.async_save and not final,
             then=lambda done: manager.committed(done, epoch, step),

@@ -132,7 +132,13 @@ def test_a_checkpoint_is_written_and_read_without_a_trainer(tmp_path: Path) -> N
     position = LoopPosition(state)
     registry = StateRegistry([*strategy.checkpoint_parts(), *position.parts()])
     checkpoints = TrainerCheckpoints(
-        registry, position, comm, torch.device("cpu"), CheckpointConfig(), {"run": 1}
+        registry,
+        position,
+        comm,
+        torch.device("cpu"),
+        CheckpointConfig(),
+        {"run": 1},
+        group=strategy.checkpoint_group,
     )
     path = checkpoints.save(tmp_path / "x.pt")
     saved = torch.load(path, weights_only=True)

@@ -214,3 +214,59 @@ def test_the_async_stager_copies_into_the_same_buffers_until_the_layout_changes(
     third = stager.stage(state)
     assert third["model"]["w"].shape == (5,)
     assert third["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
+
+
+def test_sharded_checkpoints_of_several_ranks_need_a_process_group() -> None:
+    from types import SimpleNamespace
+
+    from nn_handler.config.training import TrainerConfig
+    from nn_handler.strategies.single import SingleDeviceStrategy
+
+    double = SimpleNamespace(world_size=2, rank=0)  # a test double of two ranks, no group
+    strategy = SingleDeviceStrategy(double, torch.device("cpu"), TrainerConfig())  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"use checkpoint\.format='file' with a test communicator"
+    ):
+        strategy.checkpoint_group()
+
+
+def test_a_failed_sharded_save_is_a_checkpoint_error_and_leaves_no_folder(tmp_path: Path) -> None:
+    from concurrent.futures import Future
+
+    from nn_handler.checkpoint.sharded import ShardedWriter, _Pending
+    from nn_handler.distributed.communicator import NullCommunicator
+
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=r"writing checkpoint .*ckpt"):
+        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, blocker / "ckpt")
+    with pytest.raises(CheckpointError, match="no checkpoint contents were given on rank 0"):
+        writer.save(None, {"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+    failed: Future[Any] = Future()
+    failed.set_exception(OSError("disk gone"))
+    target = tmp_path / "late"
+    writer._pending = _Pending(failed, staging_path(target), target, None)
+    with pytest.raises(CheckpointError, match=r"\(in the background\).*OSError: disk gone"):
+        writer.wait()
+    assert writer.pending is None and not target.exists()
+
+
+def test_a_mid_epoch_world_change_needs_the_distributed_loader(tmp_path: Path) -> None:
+    """A rank-cached loader's shards are not a prefix of one order: refused, with the way
+    out (the sharded parts are put back as a whole model: this run writes files)."""
+    with _handler(tmp_path, every_n_steps=2) as h:
+        h.train(DATA, epochs=1)
+    mid = read_rest(next(tmp_path.glob("ckpt-e0000-*")))
+    mid["world_size"] = 2
+    config = HandlerConfig.from_dict(
+        {"loader": {"batch_size": 8, "mode": "rank_cached"}, "trainer": {"progress_bar": False}}
+    )
+    with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=config) as h:
+        h.trainer.load_state_dict(
+            {k: v for k, v in mid.items() if k != "sharded"} | {"model": state_of(h.model)},
+            "mid.pt",
+            allow_world_size_change=True,
+        )
+        with pytest.raises(CheckpointError, match="only with the LoaderFactory's distributed"):
+            h.train(DATA, epochs=1)
