@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, Sampler
@@ -69,7 +69,7 @@ def epoch_order(sampler: DistributedSampler[Any]) -> list[int]:
 
 
 def rest_of_epoch(
-    loader: DataLoader[Any],
+    loader: Iterable[Any],
     *,
     saved_world: int,
     saved_batch_size: int,
@@ -78,12 +78,15 @@ def rest_of_epoch(
     world_size: int,
 ) -> DataLoader[Any]:
     """A loader of this rank's part of the rest of the current epoch, which ``saved_world``
-    ranks with batches of ``saved_batch_size`` had trained ``batches_done`` batches of (call
-    ``loader.set_epoch`` first). Raises CheckpointError for loaders it cannot follow."""
-    sampler: Any = loader.sampler
+    ranks with batches of ``saved_batch_size`` (0: this loader's) had trained
+    ``batches_done`` batches of (call ``loader.set_epoch`` first). Raises CheckpointError
+    for loaders it cannot follow: it follows the LoaderFactory's distributed training loaders
+    (a DataLoader over a DistributedSampler) only."""
+    sampler: Any = getattr(loader, "sampler", None)
     if isinstance(sampler, PassTaggedSampler):
         sampler = sampler.sampler
-    if not isinstance(sampler, DistributedSampler) or isinstance(sampler, ExactEvalSampler):
+    followed = isinstance(sampler, DistributedSampler) and not isinstance(sampler, ExactEvalSampler)
+    if not followed or not isinstance(loader, DataLoader):
         raise CheckpointError(
             f"a mid-epoch checkpoint written by {saved_world} rank(s) can continue on "
             f"{world_size} only with the LoaderFactory's distributed training loader (pass the "
@@ -91,9 +94,10 @@ def rest_of_epoch(
             f"{type(sampler).__name__}. Resume with {saved_world} rank(s), or from a checkpoint "
             f"written between epochs."
         )
+    batch_size = loader.batch_size or saved_batch_size or 1
+    saved_batch_size = saved_batch_size or batch_size  # 0: not recorded, as this loader's
     order = epoch_order(sampler)
     rest = order[min(batches_done * saved_batch_size * saved_world, len(order)) :]
-    batch_size = loader.batch_size or saved_batch_size
     batches = rest_batches(rest, world_size, rank, batch_size)
     dataset = loader.dataset
     if isinstance(dataset, PassSeededDataset):

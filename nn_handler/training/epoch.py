@@ -11,7 +11,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from nn_handler.checkpoint.rng import restore_rng
 from nn_handler.data.reshard import rest_of_epoch
@@ -222,16 +221,10 @@ class EpochMixin(TrainerParts):
         """A mid-epoch position written by another number of ranks: the epoch's samples not
         yet visited, re-sharded over this run's ranks (data/reshard.py); its batches are
         numbered to end where this run's epoch ends."""
-        if not isinstance(loader, DataLoader):
-            raise CheckpointError(
-                f"a mid-epoch checkpoint written by {point.saved_world} rank(s) can continue "
-                f"on {self.comm.world_size} only with the LoaderFactory's training loader; "
-                f"this one is a {type(loader).__name__}."
-            )
         rest = rest_of_epoch(
             loader,
             saved_world=int(point.saved_world or 1),
-            saved_batch_size=int(point.data.get("batch_size") or loader.batch_size or 1),
+            saved_batch_size=int(point.data.get("batch_size") or 0),
             batches_done=point.batches_done,
             rank=self.comm.rank,
             world_size=self.comm.world_size,

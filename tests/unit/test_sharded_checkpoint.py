@@ -270,3 +270,13 @@ def test_a_mid_epoch_world_change_needs_the_distributed_loader(tmp_path: Path) -
         )
         with pytest.raises(CheckpointError, match="only with the LoaderFactory's distributed"):
             h.train(DATA, epochs=1)
+
+
+def test_only_the_distributed_training_loader_can_continue_a_mid_epoch_world_change() -> None:
+    from nn_handler.data.reshard import rest_of_epoch
+
+    for loader in ([(torch.ones(2), torch.zeros(2))], torch.utils.data.DataLoader(DATA)):
+        with pytest.raises(CheckpointError, match=r"sampler is (NoneType|SequentialSampler)"):
+            rest_of_epoch(
+                loader, saved_world=2, saved_batch_size=8, batches_done=1, rank=0, world_size=1
+            )
