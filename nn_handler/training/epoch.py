@@ -31,6 +31,7 @@ class EpochMixin(TrainerParts):
     checkpoint_hook: CheckpointHook | None
     automatic_optimization: bool
     _window_losses: list[torch.Tensor]
+    _window_open: bool
 
     if TYPE_CHECKING:  # provided by the Trainer's other parts
 
@@ -67,6 +68,7 @@ class EpochMixin(TrainerParts):
         running = RunningLoss(self.config.log_every_n_steps)
         self.position.running = running
         self._window_losses.clear()  # nothing left over from an epoch that raised
+        self._window_open = False  # nor its partial window's gradients: zeroed at the start
         bar = ProgressBar(
             self.config.progress_bar and self.is_main_process,
             total,

@@ -135,6 +135,7 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         snapshot = BufferSnapshot(self.module)
         self._buffers = snapshot if self._guard and snapshot.has_buffers else None
         self._window_losses: list[torch.Tensor] = []
+        self._window_open = False  # the next micro-batch starts an optimizer step
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
         self._metric_updates = 0
