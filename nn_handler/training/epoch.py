@@ -19,7 +19,7 @@ from nn_handler.training.batch import batch_size_of, loader_length
 from nn_handler.training.checkpoint_hook import CheckpointHook
 from nn_handler.training.history import Record
 from nn_handler.training.limits import limited, val_check_every, window
-from nn_handler.training.metrics import RunningLoss
+from nn_handler.training.metrics import MetricKeys, RunningLoss
 from nn_handler.training.parts import TrainerParts
 from nn_handler.training.position import ResumePoint
 from nn_handler.training.progress import ProgressBar
@@ -32,6 +32,7 @@ class EpochMixin(TrainerParts):
     automatic_optimization: bool
     _window_losses: list[torch.Tensor]
     _window_open: bool
+    _train_keys: MetricKeys
 
     if TYPE_CHECKING:  # provided by the Trainer's other parts
 
@@ -132,7 +133,7 @@ class EpochMixin(TrainerParts):
         finally:
             bar.close()
             self.position.running = None
-        loss_value, samples, extras = running.compute(self.comm, self.device)
+        loss_value, samples, extras = running.compute(self.comm, self.device, self._train_keys)
         elapsed = time.perf_counter() - started
         record = {
             "train_loss": loss_value,
@@ -172,11 +173,14 @@ class EpochMixin(TrainerParts):
 
     def _check_equal_lengths(self, total: int | None) -> None:
         """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
-        ranks' steps): one tiny all_gather per epoch compares the loaders' lengths."""
+        ranks' steps): one tiny fixed-size all_gather per epoch compares the loaders'
+        lengths."""
         if self.comm.world_size == 1:
             return
-        mine = torch.tensor([-1 if total is None else total], dtype=torch.int64)
-        lengths = [int(n.item()) for n in self.comm.all_gather(mine.to(self.device))]
+        shared = self.comm.raise_if_any_failed(
+            None, "comparing the loaders' lengths", [-1 if total is None else total]
+        )
+        lengths = [row[0] for row in shared]
         if len(set(lengths)) == 1:
             return
         described = ", ".join(

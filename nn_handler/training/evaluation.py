@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,9 +16,10 @@ from nn_handler.data.exact import gather_in_dataset_order
 from nn_handler.errors import ConfigError
 from nn_handler.training.batch import batch_size_of, loader_length, move_to_device
 from nn_handler.training.limits import limited
-from nn_handler.training.metrics import MetricFn, StatefulMetric, WeightedMeans, compute_stateful
+from nn_handler.training.metrics import MetricFn, StatefulMetric, compute_stateful
 from nn_handler.training.parts import TrainerParts
 from nn_handler.training.sharded_ema import ShardedEma
+from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
 
 Metric = MetricFn | StatefulMetric
 
@@ -29,6 +30,7 @@ class EvaluationMixin(TrainerParts):
     metrics: dict[str, Metric]
     _stateful: dict[str, StatefulMetric]
     _metric_updates: int
+    _eval_keys: MetricKeys
     _non_blocking: bool
     _active: nn.Module
 
@@ -41,7 +43,12 @@ class EvaluationMixin(TrainerParts):
     def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def _together(self, what: str, action: Callable[[], None]) -> None:
+    def _together(
+        self,
+        what: str,
+        action: Callable[[], None],
+        share: Callable[[], Sequence[int]] | None = None,
+    ) -> list[list[int]]:
         raise NotImplementedError
 
     def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
@@ -81,7 +88,10 @@ class EvaluationMixin(TrainerParts):
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
         """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
         this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
-        EmaConfig's validate_with_ema)."""
+        EmaConfig's validate_with_ema). A failure on any rank raises on every rank.
+
+        The metrics and the agreement on failure travel in one all_reduce (plus one tiny
+        all_gather for the after_validation hooks, and torchmetrics' own synchronisation)."""
         means = WeightedMeans()
         limit = self.config.fast_dev_run or self.config.limit_val_batches
         count = limited(loader_length(loader), limit)
@@ -90,7 +100,7 @@ class EvaluationMixin(TrainerParts):
         def validate(batch: Any) -> None:
             means.update(self.validation_step(batch), batch_size_of(batch))
 
-        def check_metrics_were_fed(batches: int) -> None:
+        def finish(batches: int) -> None:
             if self.metrics and batches and not self._metric_updates:
                 raise ConfigError(
                     f"validation_step is overridden and never called "
@@ -99,11 +109,17 @@ class EvaluationMixin(TrainerParts):
                     f"call it in validation_step (the default does) and merge its result into "
                     f"what you return."
                 )
+            means.fold()  # a value that cannot be averaged fails here, inside the agreement
 
-        self._eval_pass(
-            loader, use_ema, count, validate, "the validation loop", check_metrics_were_fed
-        )
-        results = means.compute(self.comm, self.device)
+        error = self._eval_pass(loader, use_ema, count, validate, finish)
+        if error is not None and self.comm.world_size == 1:
+            raise error
+        # A failed rank sends nothing of its own, so the reduction has one shape everywhere.
+        reduced = means if error is None else WeightedMeans()
+        failed = [float(error is not None)]
+        results, (failures,) = reduced.reduce(self.comm, self.device, self._eval_keys, failed)
+        if failures:
+            self.comm.raise_if_any_failed(error, "the validation loop")
         for name, metric in self._stateful.items():
             results[name] = compute_stateful(metric)
             metric.reset()
@@ -131,7 +147,8 @@ class EvaluationMixin(TrainerParts):
         def collect(batch: Any) -> None:
             outputs.append(self.predict_step(batch).float())
 
-        self._eval_pass(loader, use_ema, None, collect, "the prediction loop")
+        error = self._eval_pass(loader, use_ema, None, collect)
+        self.comm.raise_if_any_failed(error, "the prediction loop")
         local = torch.cat(outputs) if outputs else torch.empty(0, device=self.device)
         if indices is None:
             return local
@@ -150,37 +167,35 @@ class EvaluationMixin(TrainerParts):
         use_ema: bool | None,
         count: int | None,
         per_batch: Callable[[Any], None],
-        what: str,
         after: Callable[[int], None] | None = None,
-    ) -> int:
+    ) -> Exception | None:
         """The one loop evaluation and prediction share: the plain (or EMA) module in eval
         mode, ``per_batch(batch)`` under autocast for the first ``count`` batches (None: all),
-        then ``after(batches seen)``; a failure on any rank, in either, is raised on every
-        rank. Returns the batches seen."""
-        seen = 0
+        then ``after(batches seen)``. Returns what either raised on this rank (None: nothing);
+        the caller agrees on it with every rank."""
         batches = loader if count is None else itertools.islice(loader, count)
-
-        def run() -> None:
-            nonlocal seen
-            for batch in batches:
-                batch = move_to_device(batch, self.device, self._non_blocking)
-                with self.precision.autocast():
-                    per_batch(batch)
-                seen += 1
-            if after is not None:
-                after(seen)
-
+        error: Exception | None = None
         with self._eval_weights(use_ema) as module:
             was_training = module.training
             module.eval()
             self._active = module
             try:
                 with self.strategy.evaluation():  # every rank enters it (sharded models gather)
-                    self._together(what, run)
+                    seen = 0
+                    try:
+                        for batch in batches:
+                            batch = move_to_device(batch, self.device, self._non_blocking)
+                            with self.precision.autocast():
+                                per_batch(batch)
+                            seen += 1
+                        if after is not None:
+                            after(seen)
+                    except Exception as caught:
+                        error = caught
             finally:
                 self._active = self.model
                 module.train(was_training)
-        return seen
+        return error
 
     @contextlib.contextmanager
     def _eval_weights(self, use_ema: bool | None) -> Iterator[nn.Module]:

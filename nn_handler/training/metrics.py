@@ -1,7 +1,7 @@
 """Exact distributed metrics: per-key sums and counts on the device, reduced once.
 
-Nothing here synchronises with the host while accumulating; ``WeightedMeans.compute``
-makes one all_reduce (plus one small object gather for the key set) per call.
+Nothing here synchronises with the host while accumulating; an epoch's training loss and its
+extra values are reduced in one all_reduce (weighted_means.py: ``WeightedMeans.reduce``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from nn_handler.distributed.communicator import Communicator
+from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
 
 MetricFn = Callable[[Any, Any], torch.Tensor | float]
 
@@ -35,84 +36,6 @@ class StatefulMetric(Protocol):
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Top-1 accuracy of class scores ``outputs`` (N, C) against labels ``targets`` (N,)."""
     return (outputs.argmax(dim=1) == targets).float().mean()
-
-
-class WeightedMeans:
-    """Sample-weighted means of named values over every rank, NaN-aware.
-
-    ``update(values, n)`` adds per-batch means weighted by the batch's sample count ``n``; a
-    NaN value is left out of its key's sum and count. ``compute(comm)`` returns, on every rank,
-    each key's total over all ranks divided by its count (NaN when no rank counted any): the
-    mean one process would compute over all samples. Every rank must call ``compute``, also
-    a rank that saw no batch.
-    """
-
-    def __init__(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, torch.Tensor] = {}
-
-    def update(self, values: Mapping[str, torch.Tensor | float], n: int) -> None:
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensor = value.detach().to(torch.float64)
-            else:  # Python numbers keep their double precision
-                tensor = torch.tensor(float(value), dtype=torch.float64)
-            valid = ~torch.isnan(tensor)
-            weighted = torch.where(valid, tensor * n, 0.0)
-            counted = valid.to(torch.float64) * n
-            if key in self._sums:
-                self._sums[key] += weighted
-                self._counts[key] += counted
-            else:
-                self._sums[key] = weighted
-                self._counts[key] = counted
-
-    def reset(self) -> None:
-        self._sums.clear()
-        self._counts.clear()
-
-    def local_means(self) -> dict[str, float]:
-        """This rank's running mean of every key (host syncs; for display only)."""
-        return {key: self.local_mean(key) for key in self._sums}
-
-    def __bool__(self) -> bool:
-        return bool(self._sums)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sums": dict(self._sums), "counts": dict(self._counts)}
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
-        self._sums = {k: v.to(device) for k, v in state["sums"].items()}
-        self._counts = {k: v.to(device) for k, v in state["counts"].items()}
-
-    def local_mean(self, key: str) -> float:
-        """This rank's running mean of ``key`` (a host sync; for display only)."""
-        if key not in self._sums:
-            return math.nan
-        count = float(self._counts[key])
-        return float(self._sums[key]) / count if count else math.nan
-
-    def compute(self, comm: Communicator, device: torch.device | None = None) -> dict[str, float]:
-        """Every rank gets the exact global mean of every key any rank saw. Every rank must
-        call this."""
-        keys = sorted(self._sums)
-        if comm.world_size > 1:
-            union: set[str] = set()
-            for rank_keys in comm.all_gather_object(keys):
-                union.update(rank_keys)
-            keys = sorted(union)
-        if not keys:  # the union: empty on every rank alike
-            return {}
-        where = device or next(iter(self._sums.values()), torch.zeros(())).device
-        zero = torch.zeros((), dtype=torch.float64, device=where)
-        sums = [self._sums.get(k, zero).to(where) for k in keys]
-        counts = [self._counts.get(k, zero).to(where) for k in keys]
-        totals = comm.all_reduce(torch.stack(sums + counts)).cpu().tolist()
-        means: dict[str, float] = {}
-        for i, key in enumerate(keys):
-            count = totals[len(keys) + i]
-            means[key] = totals[i] / count if count else math.nan
-        return means
 
 
 class RunningLoss:
@@ -194,20 +117,20 @@ class RunningLoss:
             self.extras.load_state_dict(state["extras"], device)
 
     def compute(
-        self, comm: Communicator, device: torch.device | None = None
+        self, comm: Communicator, device: torch.device | None = None, keys: MetricKeys | None = None
     ) -> tuple[float, int, dict[str, float]]:
         """(exact mean loss over every rank's finite batches, samples seen by all ranks, the
-        extras' exact means). Every rank must call this."""
+        extras' exact means), in one all_reduce when the extras' keys are those ``keys``
+        remembers. Every rank must call this."""
         self.fold()
         where = device or (self._sum.device if self._sum is not None else torch.device("cpu"))
-        local = torch.zeros(4, dtype=torch.float64, device=where)
-        if self._sum is not None and self._count is not None:
-            local[0] = self._sum
-            local[1] = self._count
-        local[2] = self.samples
-        local[3] = float(bool(self.extras))
-        total, count, samples, with_extras = comm.all_reduce(local).cpu().tolist()
-        extras = self.extras.compute(comm, where) if with_extras > 0 else {}
+        zero = torch.zeros((), dtype=torch.float64, device=where)
+        local: list[torch.Tensor | float] = [
+            self._sum if self._sum is not None else zero,
+            self._count if self._count is not None else zero,
+            float(self.samples),
+        ]
+        extras, (total, count, samples) = self.extras.reduce(comm, where, keys, local)
         return (total / count if count else math.nan), int(samples), extras
 
 
@@ -219,6 +142,7 @@ def compute_stateful(metric: StatefulMetric) -> float:
 
 __all__ = [
     "MetricFn",
+    "MetricKeys",
     "RunningLoss",
     "StatefulMetric",
     "WeightedMeans",

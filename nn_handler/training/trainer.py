@@ -27,7 +27,7 @@ model while training, the plain or EMA model while evaluating).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from nn_handler.training.precision import Precision
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import Stateful, TrainerState
 from nn_handler.training.step import StepMixin
+from nn_handler.training.weighted_means import MetricKeys
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -136,6 +137,9 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self._buffers = snapshot if self._guard and snapshot.has_buffers else None
         self._window_losses: list[torch.Tensor] = []
         self._window_open = False  # the next micro-batch starts an optimizer step
+        # The key sets of the last reductions, the same on every rank (one all_reduce each).
+        self._eval_keys = MetricKeys()
+        self._train_keys = MetricKeys()
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
         self._metric_updates = 0
@@ -281,8 +285,13 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self.history.append(record)
         self.state.epoch += 1
         self.position.end_epoch()
-        self._together("early stopping and after_epoch hooks", self._end_epoch)
-        self.state.should_stop = self._agree(self.state.should_stop)
+        # Rank 0's stop decision travels with the agreement on the hooks (no extra collective).
+        shared = self._together(
+            "early stopping and after_epoch hooks",
+            self._end_epoch,
+            share=lambda: [int(self.state.should_stop)],
+        )
+        self.state.should_stop = bool(shared[0][0])
         if self.checkpoint_hook is not None:
             self.checkpoint_hook.after_epoch()
         self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, summary(record))
@@ -301,24 +310,24 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
             self.state.should_stop = True
         self.hooks.call("after_epoch")
 
-    def _together(self, what: str, action: Callable[[], None]) -> None:
+    def _together(
+        self,
+        what: str,
+        action: Callable[[], None],
+        share: Callable[[], Sequence[int]] | None = None,
+    ) -> list[list[int]]:
         """Run ``action`` on this rank, then agree with every rank on whether it failed
         anywhere: a hook or validation step that raises on one rank raises RankFailedError on
         every rank instead of leaving the others waiting in their next collective (one tiny
-        all_gather; in one process the original error is re-raised unchanged)."""
+        all_gather; in one process the original error is re-raised unchanged). ``share()``,
+        read after ``action`` (a few integers, as many on every rank), travels with it:
+        returns every rank's."""
         error: Exception | None = None
         try:
             action()
         except Exception as caught:
             error = caught
-        self.comm.raise_if_any_failed(error, what)
-
-    def _agree(self, flag: bool) -> bool:
-        """Rank 0's decision, on every rank (one tiny broadcast per epoch)."""
-        if self.comm.world_size == 1:
-            return flag
-        decision = self.comm.broadcast(torch.tensor([int(flag)], device=self.device), src=0)
-        return bool(decision.item())
+        return self.comm.raise_if_any_failed(error, what, share() if share else ())
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

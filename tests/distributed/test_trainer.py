@@ -7,10 +7,14 @@ references are computed in the test process with the same code.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nn_handler import (
@@ -24,6 +28,7 @@ from nn_handler import (
     Trainer,
     accuracy,
 )
+from nn_handler.distributed.communicator import torch_backend
 from tests.harness import run_group
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
@@ -218,6 +223,8 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     except ConfigError as error:
         out["predict_plain_loader"] = str(error)
 
+    out["reductions"] = _reduction_checks(context, val)
+
     # Failures on one rank outside the step reach every rank instead of hanging the others.
     class FailsOnRankZero(Hook):
         def after_epoch(self) -> None:
@@ -249,6 +256,85 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
         except RankFailedError as error:
             out[f"fail_{name}"] = (error.failed_ranks, str(error))
     context.teardown()
+    return out
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "gather")
+
+
+@contextlib.contextmanager
+def _counting_collectives() -> Iterator[collections.Counter[str]]:
+    """Count the torch.distributed collectives issued from Python (DDP's gradient buckets
+    go through its C++ reducer and are not counted)."""
+    counts: collections.Counter[str] = collections.Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    gather = torch_backend._all_gather_single  # bound when the backend was imported
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        counts["all_gather"] += 1
+        return gather(*args, **kwargs)
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    torch_backend._all_gather_single = counting_gather
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        torch_backend._all_gather_single = gather
+
+
+class ExtraKeyOnRankOne(Trainer):
+    """From its second validation on, rank 1 alone reports one more value."""
+
+    def validation_step(self, batch: Any) -> Any:
+        values = dict(super().validation_step(batch))
+        if self.comm.rank == 1 and self.state.epoch >= 1:
+            values["only_rank_one"] = torch.tensor(2.0)
+        return values
+
+
+def _reduction_checks(context: Any, val: Any) -> dict[str, Any]:
+    """How many collectives evaluation and an epoch's end take in a real group, and the
+    metrics when the ranks' key sets differ."""
+    out: dict[str, Any] = {}
+    handler = NNHandler(
+        mlp(seed=5),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
+        metrics={"accuracy": accuracy},
+        context=context,
+        trainer_class=ExtraKeyOnRankOne,
+    )
+    for call in ("cold", "warm"):
+        with _counting_collectives() as counts:
+            out[f"evaluate_{call}"] = handler.evaluate(val)
+        out[f"evaluate_{call}_collectives"] = dict(counts)
+    train = regression_data()
+    per_epochs = {}
+    # train() continues a run: the first call trains epoch 1, the second epochs 2 and 3, so
+    # their difference is what one epoch costs.
+    for epochs in (1, 3):
+        with _counting_collectives() as counts:
+            handler.train(train, epochs=epochs)
+        per_epochs[epochs] = counts
+    out["epoch_collectives"] = dict(per_epochs[3] - per_epochs[1])
+    handler.trainer.state.epoch = 1  # rank 1 now reports a key rank 0 never saw
+    out["evaluate_new_key"] = handler.evaluate(val)
+    # One sample on two ranks: rank 1 has no validation batch at all, twice.
+    one = torch.utils.data.TensorDataset(val.tensors[0][:1], val.tensors[1][:1])
+    out["evaluate_one_sample"] = [handler.evaluate(one) for _ in range(2)]
+    handler.close()
     return out
 
 
@@ -355,3 +441,35 @@ def test_predict_with_several_ranks_asks_for_an_evaluation_loader(
 ) -> None:
     for rank in (0, 1):
         assert "LoaderFactory.eval_loader" in results[rank]["predict_plain_loader"]
+
+
+def test_validation_and_an_epoch_take_a_fixed_number_of_collectives(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        checks = results[rank]["reductions"]
+        # The first validation agrees on its keys by hashing them (one more small all_reduce);
+        # later ones send metrics and the failure flag in one all_reduce, and the
+        # after_validation hooks' agreement is one tiny all_gather.
+        assert checks["evaluate_cold_collectives"] == {"all_reduce": 2, "all_gather": 1}
+        assert checks["evaluate_warm_collectives"] == {"all_reduce": 1, "all_gather": 1}
+        # An epoch: the before_epoch hooks' agreement and the loaders' lengths (one tiny
+        # all_gather each), the train loss (one all_reduce), the after_epoch hooks' agreement
+        # carrying rank 0's stop decision (one all_gather).
+        assert checks["epoch_collectives"] == {"all_gather": 3, "all_reduce": 1}
+        assert checks["evaluate_cold"] == checks["evaluate_warm"]
+
+
+def test_metrics_are_exact_when_the_ranks_report_different_keys(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        checks = results[rank]["reductions"]
+        new = checks["evaluate_new_key"]
+        assert sorted(new) == ["accuracy", "loss", "only_rank_one"]
+        assert new["only_rank_one"] == 2.0  # rank 1's samples only
+        assert new == results[0]["reductions"]["evaluate_new_key"]
+        # A rank without any batch: the metrics are rank 0's, the same on both ranks.
+        trained = checks["evaluate_one_sample"]
+        assert trained[0] == trained[1] and sorted(trained[0]) == ["accuracy", "loss"]
+        assert trained[0] == results[0]["reductions"]["evaluate_one_sample"][0]

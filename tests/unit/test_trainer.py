@@ -123,6 +123,10 @@ class Counting(NullCommunicator):
         self.calls.append("all_reduce")
         return super().all_reduce(data, op)
 
+    def all_reduce_(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        self.calls.append("all_reduce_")
+        return super().all_reduce_(tensor, op)
+
     def broadcast(self, data: Any, src: int = 0) -> Any:
         self.calls.append("broadcast")
         return super().broadcast(data, src)
@@ -139,7 +143,8 @@ def test_the_loop_reduces_once_per_epoch_and_never_per_step() -> None:
             config={"loader": {"batch_size": batch_size}},
         )
         handler.train(regression_data(), regression_data(n=9), epochs=2)
-        assert comm.calls == ["all_reduce"] * 4  # train loss + validation, per epoch
+        # One in-place reduction for the train loss, one for validation, per epoch.
+        assert comm.calls == ["all_reduce_"] * 4
 
 
 HOST_SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")

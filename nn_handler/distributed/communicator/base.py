@@ -14,7 +14,7 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
@@ -225,23 +225,28 @@ class Communicator(ObjectCollectives, ABC):
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     # ----------------------------------------------------------------- agreement and helpers
-    def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
+    def raise_if_any_failed(
+        self, error: BaseException | None, what: str, share: Sequence[int] = ()
+    ) -> list[list[int]]:
         """Agree across ranks on whether a step succeeded. Every rank must call this.
 
         Pass the exception this rank caught (or None). If any rank passes one, every rank raises
         ``RankFailedError`` naming the failed ranks with their original
         tracebacks (chained as ``__cause__`` on the failing rank). In one process the original
-        exception is re-raised unchanged.
+        exception is re-raised unchanged. ``share``: a few integers (as many on every rank)
+        that travel with the agreement at no extra round trip; returns every rank's, in rank
+        order, when no rank failed.
         """
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return
-        self._check_signature("raise_if_any_failed()")
-        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
-        flags = [int(f.item()) for f in self._do_all_gather(flag)]
+            return [list(share)]
+        self._check_signature(f"raise_if_any_failed(share of {len(share)})")
+        flag = torch.tensor([int(error is not None), *share], dtype=torch.int64, device=self.device)
+        rows = [[int(v) for v in row.tolist()] for row in self._do_all_gather(flag)]
+        flags = [row[0] for row in rows]
         if not any(flags):
-            return
+            return [row[1:] for row in rows]
         text = format_error(error) if error is not None else ""
         texts = self._all_gather_bytes(text.encode())
         failed = {r: t.decode(errors="replace") for r, t in enumerate(texts) if flags[r]}

@@ -9,7 +9,7 @@ hangs and the group stays usable.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,9 @@ class ObjectCollectives:
 
         def _check_rank(self, name: str, value: int) -> None: ...
 
-        def raise_if_any_failed(self, error: BaseException | None, what: str) -> None: ...
+        def raise_if_any_failed(
+            self, error: BaseException | None, what: str, share: Sequence[int] = ()
+        ) -> list[list[int]]: ...
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
