@@ -25,6 +25,7 @@ ORDER = [
     "checkpoint_io",
     "scaling",
     "fsdp_sharding",
+    "realistic",
 ]
 Table = list[str]
 
@@ -340,6 +341,78 @@ def fsdp_sharding(data: dict[str, Any]) -> Table:
     ]
 
 
+def _ci(summary: dict[str, Any]) -> str:
+    return f"{_x(summary['ratio_median'])} [{_spread(summary['ratio_ci95'])}]"
+
+
+def realistic(data: dict[str, Any]) -> Table:
+    lines: Table = [
+        "Per workload: median ms per step, minor page faults per step, and the median of the "
+        "per-repetition ratios to the raw loop and to Fabric [95% interval of the median].",
+        "",
+    ]
+    for result in data["results"]:
+        world = result["world_size"]
+        title = f"**{result['workload']}, {world} {'process' if world == 1 else 'ranks'}**"
+        if "variants" in result:
+            lines += [
+                f"{title} ({result['steps_per_epoch']} steps x batch {result['batch_per_rank']}"
+                f" per rank, {result['repetitions']} repetitions)",
+                "",
+                *_table(
+                    ["variant", "ms/step", "faults/step", "vs raw", "vs Fabric"],
+                    [
+                        (
+                            name,
+                            _ms(row["ms_per_step"]),
+                            f"{row['faults_per_step']:.0f}",
+                            _ci(row["vs_raw"]),
+                            _ci(row["vs_fabric"]),
+                        )
+                        for name, row in result["variants"].items()
+                    ],
+                ),
+                "",
+            ]
+        elif "ms_per_call" in result:
+            calls = result["ms_per_call"]
+            low, high = result["extra_ms_per_call_ci95"]
+            lines += [
+                f"{title}: {result['samples']} samples, {result['batches_per_rank']} batches per "
+                f"rank, {result['repetitions']} repetitions: hand-written {_ms(calls['raw'])} "
+                f"ms, NNHandler.evaluate {_ms(calls['nn_handler'])} ms per call: "
+                f"{_ci(result['vs_raw'])}, {result['extra_ms_per_call']:+.2f} ms per call "
+                f"[{low:+.2f} to {high:+.2f}].",
+                "",
+            ]
+        elif "ms_after_last_step" in result:
+            after, ci = result["ms_after_last_step"], result["ms_after_last_step_ci95"]
+            lines += [
+                f"{title}: from the end of the last step to the epoch's end, "
+                f"{result['repetitions']} epochs: raw {after['raw']:.3f} ms "
+                f"[{_spread(ci['raw'])}], NNHandler {after['nn_handler']:.3f} ms "
+                f"[{_spread(ci['nn_handler'])}].",
+                "",
+            ]
+        else:
+            startup, peak = result["startup_ms"], result["peak_rss_mb"]
+            lines += [
+                f"{title}, fresh processes, {result['repetitions']} repetitions:",
+                "",
+                *_table(
+                    ["variant", "startup to first step, ms", "peak RSS per rank, MB"],
+                    [(n, f"{startup[n]:.0f}", f"{peak[n]:.0f}") for n in startup],
+                ),
+                "",
+                f"NNHandler's startup {_ci(result['startup_vs_raw'])} raw's, "
+                f"{_ci(result['startup_vs_fabric'])} Fabric's; peak RSS "
+                f"{_x(result['peak_rss_vs_raw'])} raw's, {_x(result['peak_rss_vs_fabric'])} "
+                f"Fabric's.",
+                "",
+            ]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "training_step": training_step,
     "object_collectives": object_collectives,
@@ -349,6 +422,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "checkpoint_io": checkpoint_io,
     "scaling": scaling,
     "fsdp_sharding": fsdp_sharding,
+    "realistic": realistic,
 }
 
 
@@ -366,7 +440,7 @@ def _target_line(target: str, ok: bool, evidence: dict[str, Any] | None) -> str:
         f"{_value(low, unit)} to {_value(high, unit)})"
     )
     if low <= evidence["bound"] <= high:
-        line += "; the bound lies inside the interval: this run cannot tell the two apart"
+        line += "; undecidable: the bound lies inside the interval, this run cannot tell them apart"
     return line
 
 

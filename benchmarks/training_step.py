@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import common
+import models
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,37 +47,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from nn_handler import DistributedContext, NNHandler
 
-
-def tiny_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def small_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 7 * 7, 10),
-    )
-
-
 PEERS = ("fabric", "accelerate")
 CASES = {
-    "tiny_mlp": (tiny_mlp, (32,), 64),
-    "small_cnn": (small_cnn, (1, 28, 28), 32),
+    "tiny_mlp": (models.tiny_mlp, (32,), 64),
+    "small_cnn": (models.small_cnn, (1, 28, 28), 32),
 }
 Epoch = Callable[[int], None]
-
-
-def _dataset(shape: tuple[int, ...], samples: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, *shape, generator=generator)
-    y = torch.randint(0, 10, (samples,), generator=generator)
-    return TensorDataset(x, y)
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:
@@ -174,7 +150,7 @@ def _barrier(world: int) -> None:
 
 def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     build, shape, batch = CASES[case]
-    data = _dataset(shape, steps * batch * world)
+    data = models.dataset(shape, steps * batch * world)
     folder = tempfile.mkdtemp(prefix="nnh-bench-")
     ours, handler = _nn_handler(build, data, batch, None)
     guarded, guarded_handler = _nn_handler(build, data, batch, folder)

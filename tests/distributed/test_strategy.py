@@ -122,14 +122,17 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group(
 ) -> None:
     """With DDP and no preemption check, what the library reduces per epoch does not grow
     with the steps (a per-micro-batch agreement would): only DDP's own reducer runs per step."""
-    # Per epoch: the failure agreements around hooks and the validation loop (tiny
-    # all_gathers), the equal-lengths check, one all_reduce for the train loss and one for
-    # validation, and rank 0's stop decision; plus one agreement per fit (before_train).
-    epoch = ["all_gather"] * 3 + ["all_reduce"] + ["all_gather"] * 3 + ["all_reduce"]
-    epoch += ["all_gather"] * 2 + ["broadcast"]
+    # Per epoch: the before_epoch hooks' agreement and the loaders' lengths (tiny
+    # all_gathers), one all_reduce for the train loss and one for validation (its metrics
+    # with the validation loop's failure flag), the after_validation hooks' agreement and the
+    # after_epoch one, which carries rank 0's stop decision. The first validation agrees on
+    # its metric names by a hash, in one more small all_reduce before its values. Plus one
+    # agreement per fit (before_train).
+    epoch = ["all_gather", "all_gather", "all_reduce", "all_reduce", "all_gather", "all_gather"]
+    first = [*epoch[:3], "all_reduce", *epoch[3:]]
     for seen in (r["collectives"] for r in results):
         assert seen[2] == seen[10], seen
-        assert seen[2] == ["all_gather", *epoch, *epoch], seen[2]
+        assert seen[2] == ["all_gather", *first, *epoch], seen[2]
 
 
 def _extras_on_two_ranks(rank: int, world_size: int) -> dict[str, float]:

@@ -175,6 +175,38 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
         assert facts["unit"] in {"x", "ms"}
 
 
+def test_realistic_measures_every_workload_with_page_faults(quick_run: Path) -> None:
+    results = run_quick("realistic.py", quick_run)
+    workloads = [(r["workload"], r["world_size"]) for r in results["results"]]
+    assert workloads == [
+        ("resnet8", 1),
+        ("end of epoch, tiny_mlp", 1),
+        ("resnet8", 2),
+        ("resnet8, accumulation x4", 2),
+        ("transformer", 2),
+        ("evaluate tiny_mlp", 2),
+        ("evaluate resnet8", 2),
+        ("end of epoch, tiny_mlp", 2),
+        ("startup and memory, resnet8", 2),
+    ]
+    for row in results["results"]:
+        for variant in row.get("variants", {}).values():
+            assert variant["ms_per_step"] > 0 and variant["faults_per_step"] >= 0
+            assert {"vs_raw", "vs_fabric"} <= set(variant)
+        if "variants" in row:
+            assert set(row["variants"]) == {"raw", "nn_handler", "fabric"}
+            assert row["variants"]["raw"]["vs_raw"]["ratio_median"] == 1.0
+    startup = results["results"][-1]
+    assert (
+        set(startup["startup_ms"]) == set(startup["peak_rss_mb"]) == {"raw", "nn_handler", "fabric"}
+    )
+    assert all(mb > 50 for mb in startup["peak_rss_mb"].values())
+    evidence = results["target_evidence"]
+    assert len(results["targets_met"]) == 12 and set(evidence) <= set(results["targets_met"])
+    for target, facts in evidence.items():
+        assert results["targets_met"][target] == (facts["median"] <= facts["bound"]), target
+
+
 def test_the_report_has_a_section_per_benchmark_and_lists_every_target(quick_run: Path) -> None:
     page = (quick_run / "RESULTS.md").read_text()
     assert page.startswith("# Benchmark results")
