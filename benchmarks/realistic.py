@@ -490,14 +490,14 @@ def main() -> None:
     args = common.parse_args(__doc__ or "")
     quick = args.quick
     reps, eval_reps = (1, 1) if quick else (21, 11)
-    steps = 2 if quick else 6
+    steps = 2 if quick else 12
     one: list[tuple[str, Any]] = [
         ("train", ("resnet8", 1, steps, reps)),
         ("end", (1, 20, 3 if quick else 31)),
     ]
     two: list[tuple[str, Any]] = [
         ("train", ("resnet8", 2, steps, reps)),
-        ("train", ("resnet8", 2, 4 if quick else 8, reps, 4)),
+        ("train", ("resnet8", 2, 4 if quick else steps, reps, 4)),
         ("train", ("transformer", 2, steps, reps)),
         ("evaluate", ("tiny_mlp", 2, 640 if quick else 10_000, 2 if quick else 31)),
         ("evaluate", ("resnet8", 2, 640 if quick else 10_000, 1 if quick else eval_reps)),

@@ -33,6 +33,7 @@ class EpochMixin(TrainerParts):
     _window_losses: list[torch.Tensor]
     _window_open: bool
     _train_keys: MetricKeys
+    _agreed_lengths: tuple[int, list[int]] | None
 
     if TYPE_CHECKING:  # provided by the Trainer's other parts
 
@@ -64,7 +65,7 @@ class EpochMixin(TrainerParts):
                 "an epoch on every rank alike); set accumulate_grad_batches=1 or pass a sized "
                 "loader."
             )
-        self._check_equal_lengths(total)
+        self._check_equal_lengths(total, loader)
         every = self._val_check_every(total, val_loader)
         running = RunningLoss(self.config.log_every_n_steps)
         self.position.running = running
@@ -171,16 +172,20 @@ class EpochMixin(TrainerParts):
             summary({f"val_{k}": v for k, v in metrics.items()}),
         )
 
-    def _check_equal_lengths(self, total: int | None) -> None:
+    def _check_equal_lengths(self, total: int | None, loader: Iterable[Any]) -> None:
         """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
-        ranks' steps): one tiny fixed-size all_gather per epoch compares the loaders'
-        lengths."""
+        ranks' steps): the loaders' lengths, exchanged by ``fit`` with the before_epoch
+        agreement, or here in one tiny all_gather when ``train_epoch`` is called alone."""
+        agreed, self._agreed_lengths = self._agreed_lengths, None
         if self.comm.world_size == 1:
             return
-        shared = self.comm.raise_if_any_failed(
-            None, "comparing the loaders' lengths", [-1 if total is None else total]
-        )
-        lengths = [row[0] for row in shared]
+        mine = -1 if total is None else total
+        # The same loader fit passed (the same decision on every rank): already exchanged.
+        if agreed is not None and agreed[0] == id(loader):
+            lengths = agreed[1]
+        else:
+            shared = self.comm.raise_if_any_failed(None, "comparing the loaders' lengths", [mine])
+            lengths = [row[0] for row in shared]
         if len(set(lengths)) == 1:
             return
         described = ", ".join(

@@ -39,7 +39,7 @@ from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
-from nn_handler.training.batch import set_epoch
+from nn_handler.training.batch import loader_length, set_epoch
 from nn_handler.training.checkpoint_api import CheckpointMixin
 from nn_handler.training.checkpointing import plain_config
 from nn_handler.training.early_stopping import EarlyStopping
@@ -49,6 +49,7 @@ from nn_handler.training.evaluation import EvaluationMixin, Metric
 from nn_handler.training.fault_tolerance import failing_together
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
+from nn_handler.training.limits import limited
 from nn_handler.training.metrics import StatefulMetric
 from nn_handler.training.monitors import RECORD_METHODS, check_monitors, expected_keys, monitored
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
@@ -140,6 +141,8 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         # The key sets of the last reductions, the same on every rank (one all_reduce each).
         self._eval_keys = MetricKeys()
         self._train_keys = MetricKeys()
+        # (the loader, every rank's number of batches) as fit agreed them for this epoch.
+        self._agreed_lengths: tuple[int, list[int]] | None = None
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
         self._metric_updates = 0
@@ -272,23 +275,42 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
     ) -> None:
         self.position.start_epoch(train_loader)
         set_epoch(train_loader, self.state.epoch)
-        self._together("before_epoch hooks", lambda: self.hooks.call("before_epoch"))
+        # The loaders' lengths travel with the hooks' agreement (train_epoch checks them).
+        length = limited(loader_length(train_loader), self._train_limit())
+        shared = self._together(
+            "before_epoch hooks",
+            lambda: self.hooks.call("before_epoch"),
+            share=lambda: [-1 if length is None else length],
+        )
+        self._agreed_lengths = (id(train_loader), [row[0] for row in shared])
         record: Record = {"epoch": float(self.state.epoch + 1)}
         if self.config.val_check_interval is not None and val_loader is not None:
             record.update(self.train_epoch(train_loader, epochs, val_loader=val_loader))
         else:  # a subclass's train_epoch(loader, epochs) keeps working
             record.update(self.train_epoch(train_loader, epochs))
         record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
+        validation_error: Exception | None = None
         if val_loader is not None:
-            record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+            if type(self).evaluate is Trainer.evaluate:  # its hooks agree with after_epoch's
+                metrics, validation_error = self._evaluate(val_loader, None)
+            else:  # an overridden evaluate runs as it is, with its own agreement
+                metrics = self.evaluate(val_loader)
+            record.update({f"val_{k}": v for k, v in metrics.items()})
         self._step_scheduler_per_epoch(record)
         self.history.append(record)
         self.state.epoch += 1
         self.position.end_epoch()
-        # Rank 0's stop decision travels with the agreement on the hooks (no extra collective).
+
+        def end_epoch() -> None:
+            if validation_error is not None:  # this rank's after_validation hooks raised
+                raise validation_error
+            self._end_epoch()
+
+        # One agreement for the after_validation and after_epoch hooks and early stopping,
+        # carrying rank 0's stop decision (no collective of their own).
         shared = self._together(
-            "early stopping and after_epoch hooks",
-            self._end_epoch,
+            "after_validation hooks, early stopping and after_epoch hooks",
+            end_epoch,
             share=lambda: [int(self.state.should_stop)],
         )
         self.state.should_stop = bool(shared[0][0])

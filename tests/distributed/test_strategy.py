@@ -122,14 +122,14 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group(
 ) -> None:
     """With DDP and no preemption check, what the library reduces per epoch does not grow
     with the steps (a per-micro-batch agreement would): only DDP's own reducer runs per step."""
-    # Per epoch: the before_epoch hooks' agreement and the loaders' lengths (tiny
-    # all_gathers), one all_reduce for the train loss and one for validation (its metrics
-    # with the validation loop's failure flag), the after_validation hooks' agreement and the
-    # after_epoch one, which carries rank 0's stop decision. The first validation agrees on
+    # Per epoch: the before_epoch hooks' agreement carrying the loaders' lengths (a tiny
+    # all_gather), one all_reduce for the train loss and one for validation (its metrics
+    # with the validation loop's failure flag), and one agreement for the after_validation
+    # and after_epoch hooks carrying rank 0's stop decision. The first validation agrees on
     # its metric names by a hash, in one more small all_reduce before its values. Plus one
     # agreement per fit (before_train).
-    epoch = ["all_gather", "all_gather", "all_reduce", "all_reduce", "all_gather", "all_gather"]
-    first = [*epoch[:3], "all_reduce", *epoch[3:]]
+    epoch = ["all_gather", "all_reduce", "all_reduce", "all_gather"]
+    first = [*epoch[:2], "all_reduce", *epoch[2:]]
     for seen in (r["collectives"] for r in results):
         assert seen[2] == seen[10], seen
         assert seen[2] == ["all_gather", *first, *epoch], seen[2]

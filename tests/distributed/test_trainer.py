@@ -237,9 +237,22 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
                 raise ValueError("bad validation batch")
             return super().validation_step(batch)
 
+    class AfterValidationFailsOnRankOne(Hook):
+        def __init__(self) -> None:
+            self.after_epoch_calls = 0
+
+        def after_validation(self, metrics: dict[str, float]) -> None:
+            if self.trainer.comm.rank == 1:
+                raise KeyError("no such tracker run")
+
+        def after_epoch(self) -> None:
+            self.after_epoch_calls += 1
+
+    after_validation = AfterValidationFailsOnRankOne()
     failures = {
         "hook": dict(hooks=[FailsOnRankZero()]),
         "validation": dict(trainer_class=ValidationFailsOnRankOne),
+        "after_validation": dict(hooks=[after_validation]),
     }
     for name, extra in failures.items():
         handler = NNHandler(
@@ -255,6 +268,7 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
             out[f"fail_{name}"] = "no error"
         except RankFailedError as error:
             out[f"fail_{name}"] = (error.failed_ranks, str(error))
+    out["after_epoch_calls"] = after_validation.after_epoch_calls
     context.teardown()
     return out
 
@@ -434,6 +448,12 @@ def test_a_hook_or_validation_failing_on_one_rank_fails_every_rank(
         assert failed == [0] and "after_epoch hooks" in text and "disk full" in text
         failed, text = results[rank]["fail_validation"]
         assert failed == [1] and "validation loop" in text and "bad validation batch" in text
+        # An after_validation hook inside fit agrees with the after_epoch hooks, in one
+        # exchange: rank 1's failure stops both ranks after the first epoch; rank 1 skips its
+        # after_epoch hooks, rank 0 ran its own before learning of it.
+        failed, text = results[rank]["fail_after_validation"]
+        assert failed == [1] and "after_validation hooks" in text and "no such tracker" in text
+        assert results[rank]["after_epoch_calls"] == (1 if rank == 0 else 0)
 
 
 def test_predict_with_several_ranks_asks_for_an_evaluation_loader(
@@ -453,10 +473,10 @@ def test_validation_and_an_epoch_take_a_fixed_number_of_collectives(
         # after_validation hooks' agreement is one tiny all_gather.
         assert checks["evaluate_cold_collectives"] == {"all_reduce": 2, "all_gather": 1}
         assert checks["evaluate_warm_collectives"] == {"all_reduce": 1, "all_gather": 1}
-        # An epoch: the before_epoch hooks' agreement and the loaders' lengths (one tiny
-        # all_gather each), the train loss (one all_reduce), the after_epoch hooks' agreement
+        # An epoch: the before_epoch hooks' agreement carrying the loaders' lengths (one tiny
+        # all_gather), the train loss (one all_reduce), the after_epoch hooks' agreement
         # carrying rank 0's stop decision (one all_gather).
-        assert checks["epoch_collectives"] == {"all_gather": 3, "all_reduce": 1}
+        assert checks["epoch_collectives"] == {"all_gather": 2, "all_reduce": 1}
         assert checks["evaluate_cold"] == checks["evaluate_warm"]
 
 
