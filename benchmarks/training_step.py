@@ -269,8 +269,8 @@ def main() -> None:
         }
     else:
         plans = {
-            1: {"tiny_mlp": (400, 31), "small_cnn": (40, 31)},
-            2: {"tiny_mlp": (200, 31), "small_cnn": (40, 31)},
+            1: {"tiny_mlp": (400, 25), "small_cnn": (40, 25)},
+            2: {"tiny_mlp": (200, 25), "small_cnn": (40, 25)},
         }
     results = []
     for world, plan in plans.items():
