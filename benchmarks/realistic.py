@@ -489,7 +489,7 @@ def _judge(results: list[dict[str, Any]]) -> tuple[dict[str, bool], dict[str, An
 def main() -> None:
     args = common.parse_args(__doc__ or "")
     quick = args.quick
-    reps, eval_reps = (1, 1) if quick else (21, 11)
+    reps, eval_reps = (1, 1) if quick else (21, 7)
     steps = 2 if quick else 12
     one: list[tuple[str, Any]] = [
         ("train", ("resnet8", 1, steps, reps)),
@@ -505,7 +505,7 @@ def main() -> None:
     ]
     results = common.run_ranks(1, _worker, 1, one, timeout=1200)
     results += common.run_ranks(2, _worker, 2, two, timeout=1200)
-    results.append(_startup_and_memory(2 if quick else 6, 1 if quick else 5))
+    results.append(_startup_and_memory(2 if quick else 6, 1 if quick else 3))
     met, evidence = _judge(results)
     common.report(
         {

@@ -22,8 +22,9 @@ from typing import Any
 import common
 import torch
 import torch.distributed as dist
+from models import dataset as _dataset
+from models import small_cnn
 from torch import nn
-from training_step import _dataset, small_cnn
 
 from nn_handler import DistributedContext, NNHandler
 

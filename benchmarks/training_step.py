@@ -269,8 +269,8 @@ def main() -> None:
         }
     else:
         plans = {
-            1: {"tiny_mlp": (400, 25), "small_cnn": (40, 25)},
-            2: {"tiny_mlp": (200, 25), "small_cnn": (40, 25)},
+            1: {"tiny_mlp": (400, 15), "small_cnn": (40, 15)},
+            2: {"tiny_mlp": (200, 15), "small_cnn": (40, 15)},
         }
     results = []
     for world, plan in plans.items():
