@@ -105,7 +105,7 @@ def _worker(
 ) -> None:
     common.join_gloo_group(rank, port, timeout_s=600)
     baseline = _rss_mb()
-    width, blocks, batches, repeats = (256, 4, 4, 1) if quick else (2048, 12, 6, 3 if full else 1)
+    width, blocks, batches, repeats = (256, 4, 4, 1) if quick else (2048, 12, 6, 2 if full else 1)
     generator = torch.Generator().manual_seed(0)
     samples = 2 * 8 * batches  # 2 ranks x batch 8 x batches per epoch
     data = TensorDataset(

@@ -111,7 +111,7 @@ def peak_added_bytes(fn: Callable[[], object]) -> int:
 def _worker(rank: int, port: int, quick: bool, out: Any) -> None:
     common.join_gloo_group(rank, port, timeout_s=300)
     comm = TorchCommunicator()
-    repeats = 3 if quick else 15
+    repeats = 3 if quick else 9
     objects: dict[str, Any] = {}
     for name, (obj, size) in payloads(rank, quick).items():
         # Latency-bound payloads (two gloo round trips, about a millisecond, swinging by 50%):

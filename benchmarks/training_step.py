@@ -269,8 +269,8 @@ def main() -> None:
         }
     else:
         plans = {
-            1: {"tiny_mlp": (400, 15), "small_cnn": (40, 15)},
-            2: {"tiny_mlp": (200, 15), "small_cnn": (40, 15)},
+            1: {"tiny_mlp": (400, 11), "small_cnn": (40, 11)},
+            2: {"tiny_mlp": (200, 11), "small_cnn": (40, 11)},
         }
     results = []
     for world, plan in plans.items():
