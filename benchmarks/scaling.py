@@ -92,7 +92,7 @@ def gpu_precision(samples: int, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     args = common.parse_args(__doc__ or "")
-    samples, repeats = (512, 1) if args.quick else (8192, 5)
+    samples, repeats = (512, 1) if args.quick else (4096, 5)
     per_world = {
         world: common.run_ranks(world, _worker, world, samples, repeats, timeout=900)
         for world in (1, 2)
