@@ -23,7 +23,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PIP_INSTALL) -e ".[dev,bench]"
 	touch $(BENCH_STAMP)
 
-# Every benchmark in full mode (about 10 minutes on 2 cores): benchmarks/results/*.json and
+# Every benchmark in full mode (10-15 minutes on 2 cores): benchmarks/results/*.json and
 # benchmarks/RESULTS.md. bench-quick is the smoke run (about a minute), into .bench-quick/.
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -76,6 +76,21 @@ def join_gloo_group(rank: int, port: int, timeout_s: float, world_size: int = 2)
     )
 
 
+def join_as_launcher(rank: int, port: int, world_size: int, timeout_s: float) -> None:
+    """:func:`join_gloo_group`, with the launcher's variables set first: Fabric and Accelerate
+    read them, and in a benchmark worker this process is the launcher."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    join_gloo_group(rank, port, timeout_s, world_size)
+
+
 def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300) -> Any:
     """Spawn ``worker(rank, port, *args, queue)`` on ranks 0 and 1 (a free port on 127.0.0.1
     for their gloo rendezvous); return the first result rank 0 puts on the queue."""

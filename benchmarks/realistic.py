@@ -68,7 +68,11 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 # ----------------------------------------------------------------- the three training loops
-def _raw(case: str, data: TensorDataset, world: int, accumulate: int) -> Epoch:
+def _raw_parts(
+    case: str, data: TensorDataset, world: int
+) -> tuple[nn.Module, Any, torch.optim.Optimizer, DataLoader[Any]]:
+    """What the hand-written loop builds: the model (in DDP with two ranks), its
+    DistributedSampler (or None), SGD and the DataLoader."""
     build, _, batch = CASES[case]
     torch.manual_seed(0)
     model: nn.Module = build()
@@ -78,6 +82,11 @@ def _raw(case: str, data: TensorDataset, world: int, accumulate: int) -> Epoch:
         sampler = DistributedSampler(data, world, dist.get_rank(), seed=0)
     optimizer = _sgd(model.parameters())
     loader = DataLoader(data, batch_size=batch, sampler=sampler, shuffle=sampler is None)
+    return model, sampler, optimizer, loader
+
+
+def _raw(case: str, data: TensorDataset, world: int, accumulate: int) -> Epoch:
+    model, sampler, optimizer, loader = _raw_parts(case, data, world)
 
     def epoch(index: int) -> None:
         if sampler is not None:
@@ -283,14 +292,7 @@ def _epoch_end(world: int, steps: int, repeats: int) -> dict[str, Any]:
     data = make(steps * batch * world)
     last = _LastStep()
     handler = _handler("tiny_mlp", world, hooks=[last])
-    torch.manual_seed(0)
-    model: nn.Module = models.tiny_mlp()
-    sampler: Any = None
-    if world > 1:
-        model = DistributedDataParallel(model)
-        sampler = DistributedSampler(data, world, dist.get_rank(), seed=0)
-    optimizer = _sgd(model.parameters())
-    loader = DataLoader(data, batch_size=batch, sampler=sampler, shuffle=sampler is None)
+    model, sampler, optimizer, loader = _raw_parts("tiny_mlp", data, world)
     after: dict[str, list[float]] = {"raw": [], "nn_handler": []}
     with contextlib.redirect_stderr(io.StringIO()):
         for repeat in range(repeats + 1):
@@ -323,16 +325,7 @@ def _epoch_end(world: int, steps: int, repeats: int) -> dict[str, Any]:
 # ----------------------------------------------------------------- startup and memory
 def _fresh_start(rank: int, port: int, variant: str, steps: int, out: Any) -> None:
     """In fresh processes: startup to the first optimizer step, then peak RSS after one epoch."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    common.join_gloo_group(rank, port, timeout_s=300)
+    common.join_as_launcher(rank, port, 2, timeout_s=300)
     _, make, batch = CASES["resnet8"]
     data = make(steps * batch * 2)
     first: list[float] = []
@@ -394,17 +387,7 @@ def _startup_and_memory(steps: int, repeats: int) -> dict[str, Any]:
 def _worker(rank: int, port: int, world: int, plan: list[tuple[str, Any]], out: Any) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        # Fabric reads the launcher's variables; this process is the launcher.
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        common.join_gloo_group(rank, port, timeout_s=600, world_size=world)
+        common.join_as_launcher(rank, port, world, timeout_s=600)
     results = []
     for kind, args in plan:
         if kind == "train":

@@ -5,7 +5,7 @@
 Each benchmark runs as its own process (one thread per process: OMP_NUM_THREADS=1) and writes
 DIR/<name>.json; report.py then renders them into PATH. ``--quick`` is the smoke mode the
 tests use (about a minute in all, 40 s with ``--jobs 2``, which runs two scripts at once: only
-for smoke runs, whose numbers mean nothing); the full mode takes about 10 minutes on 2 cores.
+for smoke runs, whose numbers mean nothing); the full mode takes 10-15 minutes on 2 cores.
 """
 
 from __future__ import annotations

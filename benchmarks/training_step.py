@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import os
 import shutil
 import statistics
 import tempfile
@@ -206,17 +205,7 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
 def _worker(rank: int, port: int, world: int, plan: dict[str, Any], out: Any) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        # Fabric and Accelerate read the launcher's variables; this process is the launcher.
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        common.join_gloo_group(rank, port, timeout_s=300, world_size=world)
+        common.join_as_launcher(rank, port, world, timeout_s=300)
     results = [_measure(world, case, steps, repeats) for case, (steps, repeats) in plan.items()]
     if rank == 0:
         out.put(results)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,14 +41,6 @@ class EvaluationMixin(TrainerParts):
         raise NotImplementedError
 
     def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _together(
-        self,
-        what: str,
-        action: Callable[[], None],
-        share: Callable[[], Sequence[int]] | None = None,
-    ) -> list[list[int]]:
         raise NotImplementedError
 
     def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
