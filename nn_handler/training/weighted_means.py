@@ -116,13 +116,24 @@ class WeightedMeans:
                 groups.setdefault(tuple(self._weights[key]), []).append(key)
         for weights, keys in groups.items():
             values = [v for key in keys for v in self._pending[key]]
-            stacked = torch.stack(values).to(torch.float64)
-            if stacked.numel() != len(values):
+            wrong = [key for key in keys if self._pending[key][0].numel() != 1]
+            if wrong:
                 raise ConfigError(
-                    f"the values {keys} must be scalars (per-batch means), got a tensor of "
-                    f"{stacked.numel() // len(values)} elements; return 0-dim tensors or floats."
+                    f"the values {wrong} must be scalars (per-batch means), got a tensor of "
+                    f"shape {tuple(self._pending[wrong[0]][0].shape)}; return 0-dim tensors or "
+                    f"floats (average per-sample values in validation_step)."
                 )
-            stacked = stacked.view(len(keys), len(weights))
+            try:
+                stacked = torch.stack(values)
+            except RuntimeError:  # shapes differ: 0-dim and (1,) side by side, or worse
+                scalar = all(v.numel() == 1 for v in values)
+                stacked = torch.stack([v.reshape(()) for v in values]) if scalar else values[0]
+            if stacked.numel() != len(values):  # a later value that is not a scalar
+                raise ConfigError(
+                    f"the values {keys} must all be scalars (per-batch means); one batch gave "
+                    f"a tensor of more than one element."
+                )
+            stacked = stacked.to(torch.float64).reshape(len(keys), len(weights))
             w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
             sums = (stacked * w).nansum(1).unbind()  # a NaN value leaves its sum and count
             counts = (~torch.isnan(stacked) * w).sum(1).unbind()

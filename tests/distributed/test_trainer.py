@@ -26,6 +26,7 @@ from nn_handler import (
     NonFiniteError,
     RankFailedError,
     Trainer,
+    UnevenDataError,
     accuracy,
 )
 from nn_handler.distributed.communicator import torch_backend
@@ -223,7 +224,7 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     except ConfigError as error:
         out["predict_plain_loader"] = str(error)
 
-    out["reductions"] = _reduction_checks(context, val)
+    out["reductions"] = _reduction_checks(context, val, rank)
 
     # Failures on one rank outside the step reach every rank instead of hanging the others.
     class FailsOnRankZero(Hook):
@@ -317,7 +318,7 @@ class ExtraKeyOnRankOne(Trainer):
         return values
 
 
-def _reduction_checks(context: Any, val: Any) -> dict[str, Any]:
+def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
     """How many collectives evaluation and an epoch's end take in a real group, and the
     metrics when the ranks' key sets differ."""
     out: dict[str, Any] = {}
@@ -348,7 +349,28 @@ def _reduction_checks(context: Any, val: Any) -> dict[str, Any]:
     # One sample on two ranks: rank 1 has no validation batch at all, twice.
     one = torch.utils.data.TensorDataset(val.tensors[0][:1], val.tensors[1][:1])
     out["evaluate_one_sample"] = [handler.evaluate(one) for _ in range(2)]
+    # train_epoch called alone (not through fit) exchanges the loaders' lengths itself.
+    uneven = torch.utils.data.DataLoader(regression_data(n=8 + 4 * rank), batch_size=4)
+    try:
+        handler.trainer.train_epoch(uneven, 1)
+        out["uneven_alone"] = "no error"
+    except UnevenDataError as error:
+        out["uneven_alone"] = str(error)
     handler.close()
+    # A fresh trainer's first validation, rank 1 without a batch: the key hashes differ, so
+    # the names are gathered (the one object gather).
+    fresh = NNHandler(
+        mlp(seed=5),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
+        metrics={"accuracy": accuracy},
+        context=context,
+    )
+    with _counting_collectives() as counts:
+        out["evaluate_one_sample_first"] = fresh.evaluate(one)
+    out["evaluate_one_sample_first_collectives"] = dict(counts)
+    fresh.close()
     return out
 
 
@@ -493,3 +515,17 @@ def test_metrics_are_exact_when_the_ranks_report_different_keys(
         trained = checks["evaluate_one_sample"]
         assert trained[0] == trained[1] and sorted(trained[0]) == ["accuracy", "loss"]
         assert trained[0] == results[0]["reductions"]["evaluate_one_sample"][0]
+        # A fresh trainer, whose first validation had to gather the names: exact all the same.
+        model = mlp(seed=5)
+        x, y = regression_data(n=23, seed=1).tensors
+        with torch.no_grad():
+            logits = model(x[:1])
+        first_metrics = checks["evaluate_one_sample_first"]
+        assert sorted(first_metrics) == ["accuracy", "loss"]
+        assert first_metrics["loss"] == pytest.approx(
+            float(nn.functional.cross_entropy(logits, y[:1])), abs=1e-6
+        )
+        assert first_metrics["accuracy"] == float(accuracy(logits, y[:1]))
+        first = checks["evaluate_one_sample_first_collectives"]
+        assert first["all_reduce"] == 2 and first["all_gather"] > 1  # hash, names, values
+        assert "rank 0: 2, rank 1: 3" in checks["uneven_alone"]
