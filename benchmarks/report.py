@@ -57,7 +57,8 @@ def training_step(data: dict[str, Any]) -> Table:
         "Median ms per training step and, per variant, the median, spread (min-max) and 95% "
         "interval of the median of the ratio to the raw loop over the interleaved repetitions, "
         "and the median overhead in ms per step. Below each table, NNHandler's time over each "
-        "peer's in the same repetition.",
+        "peer's in the same repetition, and (two processes) over itself with the stall "
+        "watchdog off.",
         "",
     ]
     for result in data["results"]:
@@ -81,6 +82,16 @@ def training_step(data: dict[str, Any]) -> Table:
             )
             for peer, row in result["nn_handler_vs_peers"].items()
         ]
+        if "watchdog_on_vs_off" in result:
+            row = result["watchdog_on_vs_off"]
+            versus.append(
+                (
+                    "watchdog on / off",
+                    _x(row["ratio_median"]),
+                    _spread(row["ratio_spread"]),
+                    _spread(row["ratio_ci95"]),
+                )
+            )
         lines += [
             f"**world size {result['world_size']}, {result['case']}** "
             f"({result['steps_per_epoch']} steps x batch {result['batch_per_rank']} per rank, "

@@ -15,6 +15,9 @@ Python cost per step is not hidden by communication) and 2 (gloo on 127.0.0.1, D
   Accelerate do not make);
 - nn_handler + preemption check: the defaults with a checkpoint folder and SIGTERM handling on
   (nothing is saved; the cost measured is the agreed preemption check);
+- nn_handler, stall watchdog off: ``stall_timeout=None`` (the defaults record every collective
+  for the stall watchdog; with two processes its thread runs for the whole run, so this
+  variant measures what recording costs the training thread);
 - fabric: ``lightning_fabric.Fabric`` (``setup``, ``setup_dataloaders``, ``backward``);
 - accelerate: ``accelerate.Accelerator`` (``prepare``, ``backward``).
 
@@ -47,6 +50,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from nn_handler import DistributedContext, NNHandler
 
 PEERS = ("fabric", "accelerate")
+WATCHDOG_OFF = "nn_handler, stall watchdog off"
+UNWATCHED = {"stall_timeout": None}
 CASES = {
     "tiny_mlp": (models.tiny_mlp, (32,), 64),
     "small_cnn": (models.small_cnn, (1, 28, 28), 32),
@@ -91,14 +96,16 @@ def _nn_handler(
     batch: int,
     folder: str | None,
     trainer: dict[str, Any] | None = None,
+    distributed: dict[str, Any] | None = None,
 ) -> tuple[Epoch, NNHandler]:
     torch.manual_seed(0)
     config: dict[str, Any] = {"loader": {"batch_size": batch}, "trainer": trainer or {}}
+    if distributed is not None:
+        config["distributed"] = distributed
     if folder is not None:  # SIGTERM handling on: the preemption check runs (nothing is saved)
         config["checkpoint"] = {"dir": folder, "save_last": False, "every_n_epochs": None}
-    handler = NNHandler(
-        build(), _sgd, nn.functional.cross_entropy, config=config, context=DistributedContext()
-    )
+    context = DistributedContext(config.get("distributed"))
+    handler = NNHandler(build(), _sgd, nn.functional.cross_entropy, config=config, context=context)
 
     def epoch(index: int) -> None:
         handler.train(data, epochs=index + 1)
@@ -154,11 +161,13 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     ours, handler = _nn_handler(build, data, batch, None)
     guarded, guarded_handler = _nn_handler(build, data, batch, folder)
     unguarded, unguarded_handler = _nn_handler(build, data, batch, None, {"nonfinite": "off"})
+    unwatched, unwatched_handler = _nn_handler(build, data, batch, None, None, UNWATCHED)
     variants: dict[str, Epoch] = {
         "raw": _raw(build, data, batch, world),
         "nn_handler": ours,
         "nn_handler, nonfinite='off'": unguarded,
         "nn_handler + preemption check": guarded,
+        WATCHDOG_OFF: unwatched,
         "fabric": _fabric(build, data, batch, world),
         "accelerate": _accelerate(build, data, batch, world),
     }
@@ -175,7 +184,7 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
                 epoch(repeat)
                 if repeat:
                     times[name].append((time.perf_counter() - start) / steps)
-    for each in (handler, guarded_handler, unguarded_handler):
+    for each in (handler, guarded_handler, unguarded_handler, unwatched_handler):
         each.close()
     shutil.rmtree(folder, ignore_errors=True)
     raw = times["raw"]
@@ -191,6 +200,8 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     # The direct question "is NNHandler slower than this peer?": its time over the peer's in
     # the same repetition (the two ran back to back), not two ratios to raw compared.
     peers = {peer: common.ratio_summary(times["nn_handler"], times[peer]) for peer in PEERS}
+    # The stall watchdog's cost: the defaults (watchdog on) over the same handler without it.
+    watchdog = common.ratio_summary(times["nn_handler"], times[WATCHDOG_OFF])
     return {
         "world_size": world,
         "case": case,
@@ -199,6 +210,7 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
         "repetitions": repeats,
         "variants": rows,
         "nn_handler_vs_peers": peers,
+        "watchdog_on_vs_off": watchdog,
     }
 
 
@@ -238,6 +250,14 @@ def _targets(results: list[dict[str, Any]]) -> tuple[dict[str, bool], dict[str, 
         if result["world_size"] == 2:
             bound = 1.10 if result["case"] == "tiny_mlp" else 1.03
             judge(f"{label}: <= {bound}x raw", ours["ratio_median"], ours["ratio_ci95"], bound)
+        if result["world_size"] == 2:
+            watchdog = result["watchdog_on_vs_off"]
+            judge(
+                f"{label}: the stall watchdog costs <= 1% (defaults over watchdog off)",
+                watchdog["ratio_median"],
+                watchdog["ratio_ci95"],
+                1.01,
+            )
         faster = min(PEERS, key=lambda peer: rows[peer]["ratio_median"])
         versus = result["nn_handler_vs_peers"][faster]
         judge(

@@ -131,6 +131,25 @@ class CollectiveMismatchError(DistributedError):
         return (type(self), (self.what, self.signatures, self.hint))
 
 
+class CollectiveStallError(DistributedError):
+    """A rank waited in a collective longer than the stall timeout: raised on every rank by
+    the stall watchdog with one report (which ranks have not arrived, each rank's last
+    collective and line, the stacks of the ranks still running).
+
+    Attributes:
+        report: the whole report.
+        ranks: the ranks that had not arrived (or did not answer).
+    """
+
+    def __init__(self, report: str, ranks: Sequence[int] = ()) -> None:
+        self.report = report
+        self.ranks: list[int] = list(ranks)
+        super().__init__(report)
+
+    def __reduce__(self) -> tuple[type[CollectiveStallError], tuple[str, list[int]]]:
+        return (type(self), (self.report, self.ranks))
+
+
 class LocalGroupSizeError(ConfigError, AssertionError):
     """``create_local_process_group``: the world size is not a multiple of
     num_workers_per_machine. Also an AssertionError, which detectron2's ``comm`` (seed 000)
@@ -203,6 +222,7 @@ class TrainingInterrupted(TrainingPreempted):
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
+    "CollectiveStallError",
     "ConfigError",
     "DistributedError",
     "INTERRUPTED_EXIT_CODE",

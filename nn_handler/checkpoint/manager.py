@@ -81,7 +81,8 @@ def write_together(
     returns once the file is complete, or raises the same CheckpointError."""
     target = Path(path)
     error = _write_on_main(checkpoint, target, budget_s) if comm.rank == 0 else None
-    agree_on(comm, error, f"writing checkpoint {target}")
+    with comm.patient():  # the others wait while rank 0 writes (minutes for a large model)
+        agree_on(comm, error, f"writing checkpoint {target}")
     return target
 
 

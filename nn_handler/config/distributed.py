@@ -6,7 +6,7 @@ import re
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -29,7 +29,13 @@ class DistributedConfig(ConfigModel):
             name (case-insensitive) or torch's per-device form 'cpu:gloo,cuda:nccl' (entries
             whose backend this torch build lacks are left out, with a warning).
         device: 'auto', 'cpu', 'cuda', 'gpu', 'cuda:N' or 'mps'.
-        timeout: process group timeout for collectives (seed 002's default: 60 minutes).
+        timeout: the process group's timeout for a collective (30 minutes): the last resort
+            when the stall watchdog cannot act (collectives it does not see, waits marked
+            patient); ``initialize_ddp`` keeps seed 002's 60 minutes.
+        stall_timeout: how long a rank may wait in one collective before the stall watchdog
+            makes every rank raise CollectiveStallError with one report (5 minutes, or half
+            of a shorter ``timeout``); None turns the watchdog off. Must be shorter than
+            ``timeout``.
         init_method: a torch init_method URL ('tcp://host:port', 'file:///path'); by default
             tcp://MASTER_ADDR:MASTER_PORT from the launcher.
         debug_collectives: check that every rank calls the same collective with compatible
@@ -39,7 +45,8 @@ class DistributedConfig(ConfigModel):
     enabled: bool | None = None
     backend: Backend = "auto"
     device: str = "auto"
-    timeout: timedelta = timedelta(minutes=60)
+    timeout: timedelta = timedelta(minutes=30)
+    stall_timeout: timedelta | None = timedelta(minutes=5)
     init_method: str | None = None
     debug_collectives: bool = False
 
@@ -70,12 +77,28 @@ class DistributedConfig(ConfigModel):
             )
         return normalized
 
-    @field_validator("timeout")
+    @field_validator("timeout", "stall_timeout")
     @classmethod
-    def _check_timeout(cls, value: timedelta) -> timedelta:
-        if value.total_seconds() <= 0:
-            raise ValueError(f"timeout must be positive, got {value}")
+    def _check_timeout(cls, value: timedelta | None, info: ValidationInfo) -> timedelta | None:
+        if value is not None and value.total_seconds() <= 0:
+            raise ValueError(f"{info.field_name} must be positive, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _stall_before_timeout(self) -> DistributedConfig:
+        if self.stall_timeout is None or self.stall_timeout < self.timeout:
+            return self
+        if "stall_timeout" not in self.model_fields_set:  # a short timeout, the default stall
+            self.__dict__["stall_timeout"] = self.timeout / 2
+            return self
+        if self.stall_timeout >= self.timeout:
+            raise ValueError(
+                f"stall_timeout ({self.stall_timeout}) must be shorter than timeout "
+                f"({self.timeout}): the watchdog reports a stall before the process group "
+                f"gives up without a report; lower stall_timeout, raise timeout, or pass "
+                f"stall_timeout=None to turn the watchdog off"
+            )
+        return self
 
 
 LoaderMode = Literal["distributed", "rank_cached"]

@@ -23,6 +23,7 @@ from nn_handler.distributed.local_groups import (
     create_local_process_group,
     destroy_local_process_group,
 )
+from nn_handler.distributed.watchdog import WATCHDOGS
 from nn_handler.errors import ConfigError, DistributedError
 
 
@@ -103,6 +104,7 @@ class DistributedContext:
         self.backend = resolve_backend(self.config.backend, self.device)
         self._owns_group = False
         self._owns_local_group = False
+        self._owns_watchdog = False
         self._communicator: Communicator | None = None
 
     # ----------------------------------------------------------------- identity
@@ -176,12 +178,22 @@ class DistributedContext:
         elif self.should_initialize:
             self._init_process_group()
         if dist.is_available() and dist.is_initialized():
+            self._start_watchdog()
             comm_device = self.device if self.device.type == "cuda" else None
-            self._communicator = TorchCommunicator(device=comm_device, debug=debug)
+            self._communicator = TorchCommunicator(
+                device=comm_device, debug=debug, watch=self.config.stall_timeout is not None
+            )
         else:
             self._communicator = NullCommunicator(debug=debug)
         logger.debug("rank {} joined: {} on {}", self.rank, self._info, self.device)
         return self
+
+    def _start_watchdog(self) -> None:
+        stall = self.config.stall_timeout
+        if stall is None or self._info.world_size < 2:
+            return
+        if WATCHDOGS.watchdog() is None:
+            self._owns_watchdog = WATCHDOGS.start(self._info.rank, self._info.world_size, stall)
 
     def _init_process_group(self) -> None:
         if not dist.is_available():
@@ -247,6 +259,9 @@ class DistributedContext:
 
     def teardown(self) -> None:
         """Destroy the groups this context created. Idempotent; every rank must call it."""
+        if self._owns_watchdog:
+            WATCHDOGS.stop()
+            self._owns_watchdog = False
         if self._owns_local_group:
             destroy_local_process_group()
             self._owns_local_group = False

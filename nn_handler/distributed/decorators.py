@@ -69,7 +69,8 @@ def on_rank(
                     result = fn(*args, **kwargs)
                 except BaseException as caught:  # every kind must reach the other ranks
                     error = caught
-            comm.raise_if_any_failed(error, label)
+            with comm.patient():  # the other ranks wait while these run ``fn``
+                comm.raise_if_any_failed(error, label)
             if broadcast:
                 result = comm.broadcast_object(result, src=ranks[0])
             if barrier:
@@ -98,22 +99,29 @@ def main_process_first(local: bool = False) -> Iterator[None]:
     is_main = (get_local_rank() if local else comm.rank) == 0
     first = "main_process_first: the body on the main process"
     then = "main_process_first: the body on the other processes"
+    # Each side waits while the other runs the body (a download, a preprocessing pass): the
+    # waits are longer than any collective's, so the stall watchdog lets them be.
     if is_main:
         try:
             yield
         except BaseException as error:
-            comm.raise_if_any_failed(error, first)
+            with comm.patient():
+                comm.raise_if_any_failed(error, first)
             raise  # pragma: no cover - raise_if_any_failed always raises here
-        comm.raise_if_any_failed(None, first)
-        comm.raise_if_any_failed(None, then)
+        with comm.patient():
+            comm.raise_if_any_failed(None, first)
+            comm.raise_if_any_failed(None, then)
     else:
-        comm.raise_if_any_failed(None, first)
+        with comm.patient():
+            comm.raise_if_any_failed(None, first)
         try:
             yield
         except BaseException as error:
-            comm.raise_if_any_failed(error, then)
+            with comm.patient():
+                comm.raise_if_any_failed(error, then)
             raise  # pragma: no cover
-        comm.raise_if_any_failed(None, then)
+        with comm.patient():
+            comm.raise_if_any_failed(None, then)
 
 
 __all__ = ["main_process_first", "on_rank"]

@@ -22,7 +22,13 @@ from loguru import logger
 
 from nn_handler.distributed.communicator._common import format_error
 from nn_handler.distributed.context import collect_before_destroy
-from nn_handler.distributed.liveness import default_store, departed, describe_exit, note_departure
+from nn_handler.distributed.liveness import (
+    default_store,
+    departures_after,
+    describe_exit,
+    note_departure,
+)
+from nn_handler.distributed.watchdog import WATCHDOGS
 from nn_handler.errors import RankFailedError
 
 _PREFIX = "nn_handler/failure"
@@ -56,7 +62,9 @@ def fail_together(
 
     Returns ``error`` itself on a rank that failed first, and a RankFailedError carrying the
     first failures' tracebacks on ranks whose collectives broke because a peer failed, or
-    naming the peers that left the group (see liveness.py). ``error`` may be a SystemExit or
+    naming the peers that left the group (see liveness.py); the stall watchdog's report once
+    it has made one (CollectiveStallError, CollectiveMismatchError). ``error`` may be a
+    SystemExit or
     KeyboardInterrupt: this rank is then leaving, and says how.
     """
     if world_size == 1:
@@ -74,9 +82,15 @@ def fail_together(
         )
         _abort(release)
         return error
+    incident = WATCHDOGS.incident()
+    if incident is not None and incident is not error:
+        # The stall watchdog reported; this rank's collective broke because a peer raised it.
+        _try(lambda: store.set(f"{_PREFIX}/ack/{rank}", "1"))
+        _abort(release)
+        return incident
     earlier = _published(store, world_size, "error", skip=rank)
     if not earlier and isinstance(error, Exception):
-        gone = _departed_peers(world_size, rank, error)
+        gone = departures_after(error, world_size, rank)
         if gone:  # a peer left without publishing an error (killed, or store host gone)
             _abort(release)
             return RankFailedError(what, gone, note=f"rank {rank} stopped because of it.")
@@ -107,23 +121,6 @@ def fail_together(
     return error
 
 
-#: Seconds a rank whose connection to a peer broke watches for that peer's departure (a
-#: killed process closes its sockets a moment before it is gone from the process table).
-LEAVE_WAIT_S = 3.0
-_PEER_LOSS = ("closed by peer", "reset by peer", "broken pipe", "read error", "socket closed")
-
-
-def _departed_peers(world_size: int, rank: int, error: BaseException) -> dict[int, str]:
-    """The peers known to have left; after a lost connection, watched for a short while."""
-    lost = any(phrase in str(error).lower() for phrase in _PEER_LOSS)
-    deadline = time.monotonic() + (LEAVE_WAIT_S if lost else 0.0)
-    while True:
-        gone = departed(world_size, rank)
-        if gone or time.monotonic() >= deadline:
-            return gone
-        time.sleep(0.05)
-
-
 def _try(action: Callable[[], None]) -> None:
     try:
         action()
@@ -138,4 +135,4 @@ def _abort(release: Callable[[], None]) -> None:
         _try(dist.destroy_process_group)
 
 
-__all__ = ["ACK_WAIT_S", "LEAVE_WAIT_S", "fail_together"]
+__all__ = ["ACK_WAIT_S", "fail_together"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,24 @@ def departed(world_size: int, rank: int) -> dict[int, str]:
     return found
 
 
+#: Seconds a rank whose connection to a peer broke watches for that peer's departure (a
+#: killed process closes its sockets a moment before it is gone from the process table).
+LEAVE_WAIT_S = 3.0
+_PEER_LOSS = ("closed by peer", "reset by peer", "broken pipe", "read error", "socket closed")
+
+
+def departures_after(error: BaseException, world_size: int, rank: int) -> dict[int, str]:
+    """The peers known to have left, as ``departed``; after an error that says a connection
+    to a peer was lost, watched for up to LEAVE_WAIT_S seconds."""
+    lost = any(phrase in str(error).lower() for phrase in _PEER_LOSS)
+    deadline = time.monotonic() + (LEAVE_WAIT_S if lost else 0.0)
+    while True:
+        gone = departed(world_size, rank)
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -113,4 +132,12 @@ def _running(pid: int) -> bool:
         return True
 
 
-__all__ = ["default_store", "departed", "describe_exit", "note_departure", "register"]
+__all__ = [
+    "LEAVE_WAIT_S",
+    "default_store",
+    "departed",
+    "departures_after",
+    "describe_exit",
+    "note_departure",
+    "register",
+]

@@ -99,6 +99,9 @@ class EpochMixin(TrainerParts):
                 checkpoint_hook is not None and checkpoint_hook.wants_step_calls()
             )
             max_steps = self.config.max_steps
+            watched = self.strategy.reduces_gradients and self.comm.watching
+            region = self.comm.watched if watched else None
+            region_name = f"training step ({type(self.strategy).__name__}: forward, backward)"
             if total is not None and self._train_limit() is not None:  # a limited epoch
                 batches = itertools.islice(batches, max(total - first, 0))
             for index, batch in enumerate(batches, start=first):
@@ -107,7 +110,11 @@ class EpochMixin(TrainerParts):
                 synced = state.step_synced = index + 1 == end
                 if before:
                     hooks.call("before_step")
-                loss = run_step(batch, synced, end - start)
+                if region is None:
+                    loss = run_step(batch, synced, end - start)
+                else:  # the stall watchdog counts the step's DDP/FSDP collectives as one
+                    with region(region_name):
+                        loss = run_step(batch, synced, end - start)
                 state.last_loss = loss
                 add(loss, batch_size_of(batch))
                 if synced:

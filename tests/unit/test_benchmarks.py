@@ -156,18 +156,23 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
             "nn_handler",
             "nn_handler, nonfinite='off'",
             "nn_handler + preemption check",
+            "nn_handler, stall watchdog off",
             "fabric",
             "accelerate",
         }
         assert row["variants"]["raw"]["ratio_median"] == 1.0
-        summaries = [*row["variants"].values(), *row["nn_handler_vs_peers"].values()]
+        summaries = [
+            *row["variants"].values(),
+            *row["nn_handler_vs_peers"].values(),
+            row["watchdog_on_vs_off"],
+        ]
         assert set(row["nn_handler_vs_peers"]) == {"fabric", "accelerate"}
         for summary in summaries:
             low, high = summary["ratio_ci95"]
             spread_low, spread_high = summary["ratio_spread"]
             assert spread_low <= low <= summary["ratio_median"] <= high <= spread_high
     evidence = results["target_evidence"]
-    assert set(evidence) == set(results["targets_met"]) and len(evidence) == 7
+    assert set(evidence) == set(results["targets_met"]) and len(evidence) == 9
     for target, ok in results["targets_met"].items():
         facts = evidence[target]
         assert ok == (facts["median"] <= facts["bound"]), target

@@ -14,10 +14,40 @@ from nn_handler import ConfigError, HandlerConfig
 from nn_handler.config import DistributedConfig
 
 
-def test_defaults_follow_the_seeds() -> None:
+def test_defaults() -> None:
     config = DistributedConfig()
-    assert config.timeout == timedelta(minutes=60) and config.backend == "auto"
+    # The watchdog reports a stall well before the process group gives up without a report.
+    assert config.timeout == timedelta(minutes=30)
+    assert config.stall_timeout == timedelta(minutes=5)
+    assert config.backend == "auto"
     assert config.enabled is None and not config.debug_collectives
+
+
+def test_stall_timeout_is_shorter_than_the_timeout() -> None:
+    # Only a short timeout given: the default stall timeout becomes half of it.
+    assert DistributedConfig(timeout=60).stall_timeout == timedelta(seconds=30)
+    assert DistributedConfig(timeout=3600).stall_timeout == timedelta(minutes=5)
+    assert DistributedConfig(stall_timeout=None).stall_timeout is None
+    assert DistributedConfig(stall_timeout=2.5).stall_timeout == timedelta(seconds=2.5)
+    with pytest.raises(ConfigError, match=r"stall_timeout .* must be shorter than timeout"):
+        DistributedConfig(timeout=60, stall_timeout=60)
+    with pytest.raises(ConfigError, match="stall_timeout must be positive"):
+        DistributedConfig(stall_timeout=0)
+
+
+@given(st.integers(1, 10**6), st.one_of(st.none(), st.integers(1, 10**6)))
+def test_a_valid_config_always_has_its_stall_before_its_timeout(
+    timeout: int, stall: int | None
+) -> None:
+    fields: dict[str, Any] = {"timeout": timeout}
+    if stall is not None:
+        fields["stall_timeout"] = stall
+    try:
+        config = DistributedConfig(**fields)
+    except ConfigError:
+        assert stall is not None and stall >= timeout
+        return
+    assert config.stall_timeout is not None and config.stall_timeout < config.timeout
 
 
 def test_config_is_frozen_and_rejects_unknown_fields() -> None:

@@ -13,8 +13,9 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
@@ -27,7 +28,9 @@ from nn_handler.distributed.communicator._common import (
     format_error,
     to_timedelta,
 )
+from nn_handler.distributed.communicator._watched import collective
 from nn_handler.distributed.communicator.object_collectives import ObjectCollectives
+from nn_handler.distributed.watchdog import CollectiveTracker
 from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
 
 ReduceOp = Literal["sum", "mean", "min", "max", "product"]
@@ -47,6 +50,8 @@ class Communicator(ObjectCollectives, ABC):
 
     def __init__(self, *, debug: bool | None = None) -> None:
         self._debug = debug_from_env() if debug is None else bool(debug)
+        #: The stall watchdog's record of this group's collectives (None: not watched).
+        self._watch: CollectiveTracker | None = None
 
     # ----------------------------------------------------------------- identity of this rank
     @property
@@ -68,6 +73,34 @@ class Communicator(ObjectCollectives, ABC):
     def debug(self) -> bool:
         """Whether every collective is checked for matching calls across ranks first."""
         return self._debug
+
+    @property
+    def watching(self) -> bool:
+        """Whether the stall watchdog records this communicator's collectives."""
+        return self._watch is not None
+
+    @contextlib.contextmanager
+    def watched(self, what: str) -> Iterator[None]:
+        """Count code that issues collectives this communicator does not see (DDP's gradient
+        reduction in backward, FSDP's gathers) as one collective named ``what``, so the stall
+        watchdog can report a rank waiting there. Every rank must enter it, in the same order
+        as its other collectives."""
+        if self._watch is None:
+            yield
+            return
+        with self._watch.region(what):
+            yield
+
+    @contextlib.contextmanager
+    def patient(self) -> Iterator[None]:
+        """Collectives inside may legitimately wait longer than the stall timeout (rank 0
+        prepares data or writes a checkpoint while the others wait); the process-group timeout
+        still bounds them. Enter it on every rank."""
+        if self._watch is None:
+            yield
+            return
+        with self._watch.patient():
+            yield
 
     @property
     def is_distributed(self) -> bool:
@@ -100,6 +133,7 @@ class Communicator(ObjectCollectives, ABC):
     def _do_gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None: ...
 
     # ----------------------------------------------------------------- tensor collectives
+    @collective
     def barrier(self, timeout: float | timedelta | None = None) -> None:
         """Wait until every rank arrives. Every rank must call this.
 
@@ -111,6 +145,7 @@ class Communicator(ObjectCollectives, ABC):
         self._check_signature("barrier()")
         self._do_barrier(delta)
 
+    @collective
     def all_reduce(self, data: T, op: ReduceOp = "sum") -> T:
         """Reduce ``data`` across ranks; every rank gets the result. Every rank must call this.
 
@@ -128,6 +163,7 @@ class Communicator(ObjectCollectives, ABC):
         result: T = _tree.unflatten(spec, iter(values))
         return result
 
+    @collective
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Reduce ``tensor`` across ranks in place and return it. Every rank must call this.
 
@@ -164,6 +200,7 @@ class Communicator(ObjectCollectives, ABC):
             target.copy_(buffer)
         return tensor
 
+    @collective
     def all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp = "sum") -> Waiter:
         """Start reducing one tensor across ranks; returns a function that waits for and returns
         the result. Every rank must call this (and later the waiter) in the same order as its
@@ -181,6 +218,7 @@ class Communicator(ObjectCollectives, ABC):
         result = self._do_all_reduce(tensor, op)
         return lambda: result
 
+    @collective
     def broadcast(self, data: T, src: int = 0) -> T:
         """Every rank gets rank ``src``'s ``data``. Every rank must call this.
 
@@ -196,6 +234,7 @@ class Communicator(ObjectCollectives, ABC):
         result: T = _tree.unflatten(spec, iter(values))
         return result
 
+    @collective
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank gets the list of all ranks' tensors, by rank. Every rank must call this.
 
@@ -207,6 +246,7 @@ class Communicator(ObjectCollectives, ABC):
         self._check_signature("all_gather(tensor)")
         return self._gather_variable(tensor.detach(), None, "all_gather") or []
 
+    @collective
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor]:
         """Rank ``dst`` gets the list of all ranks' tensors; other ranks get ``[]``.
 
@@ -225,6 +265,7 @@ class Communicator(ObjectCollectives, ABC):
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     # ----------------------------------------------------------------- agreement and helpers
+    @collective
     def raise_if_any_failed(
         self, error: BaseException | None, what: str, share: Sequence[int] = ()
     ) -> list[list[int]]:
@@ -252,6 +293,7 @@ class Communicator(ObjectCollectives, ABC):
         failed = {r: t.decode(errors="replace") for r, t in enumerate(texts) if flags[r]}
         raise RankFailedError(what, failed) from error
 
+    @collective
     def reduce_dict(
         self, input_dict: Mapping[str, Any], average: bool = True, *, ignore_nan: bool = False
     ) -> dict[str, Any]:
@@ -304,6 +346,7 @@ class Communicator(ObjectCollectives, ABC):
         reduced: dict[str, Any] = _tree.unflatten(spec, iter(results))
         return reduced
 
+    @collective
     def shared_random_seed(self) -> int:
         """A random int in [0, 2**31) that is the same on every rank (rank 0's draw from
         numpy's global generator, so seeded runs repeat). Every rank must call this."""
@@ -345,7 +388,10 @@ class Communicator(ObjectCollectives, ABC):
         return leaves, spec
 
     def _check_signature(self, signature: str) -> None:
-        """Debug mode: raise CollectiveMismatchError on every rank unless all signatures match."""
+        """Record the collective for the stall watchdog; in debug mode also raise
+        CollectiveMismatchError on every rank unless all signatures match."""
+        if self._watch is not None:
+            self._watch.enter(signature)
         if not self._debug:
             return
         digest = torch.tensor([_wire.signature_hash(signature)], dtype=torch.int64)

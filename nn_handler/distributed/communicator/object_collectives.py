@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from nn_handler.distributed.communicator import _objects
+from nn_handler.distributed.communicator._watched import collective
+from nn_handler.distributed.watchdog import CollectiveTracker
 from nn_handler.errors import RankFailedError
 
 #: Object payloads above this size move one rank at a time (bounded memory).
@@ -29,6 +31,8 @@ _EAGER_HEADER = 64
 
 class ObjectCollectives:
     """Collectives on picklable objects; every rank of the group must call each, in order."""
+
+    _watch: CollectiveTracker | None
 
     if TYPE_CHECKING:  # the Communicator's (communicator/base.py)
 
@@ -54,6 +58,7 @@ class ObjectCollectives:
             self, error: BaseException | None, what: str, share: Sequence[int] = ()
         ) -> list[list[int]]: ...
 
+    @collective
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank gets the list of all ranks' picklable objects. Every rank must call this.
 
@@ -88,6 +93,7 @@ class ObjectCollectives:
         del send
         return self._unpickle_together(frames, "all_gather_object")
 
+    @collective
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
         """Rank ``dst`` gets the list of all ranks' objects; other ranks get ``[]``.
 
@@ -106,6 +112,7 @@ class ObjectCollectives:
         parts = [] if gathered is None else [part.cpu().numpy() for part in gathered]
         return self._unpickle_together(parts, "gather_object")
 
+    @collective
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Every rank gets rank ``src``'s picklable object (``obj`` is ignored elsewhere).
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator, Waiter
+from nn_handler.distributed.watchdog import WATCHDOGS
 from nn_handler.errors import DistributedError
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
@@ -27,8 +28,9 @@ class TorchCommunicator(Communicator):
 
     Ranks (``rank``, ``src``, ``dst``) are ranks within ``group``. Tensors travel on CUDA for
     nccl (the current CUDA device unless ``device`` is given) and on CPU otherwise.
-    Raises ``DistributedError`` when torch.distributed is not
-    initialised or this process is not in ``group``.
+    On the default group, while a stall watchdog runs (DistributedContext starts one), every
+    collective is recorded for it unless ``watch=False``. Raises ``DistributedError`` when
+    torch.distributed is not initialised or this process is not in ``group``.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class TorchCommunicator(Communicator):
         *,
         device: torch.device | None = None,
         debug: bool | None = None,
+        watch: bool = True,
     ) -> None:
         super().__init__(debug=debug)
         if not (dist.is_available() and dist.is_initialized()):
@@ -59,6 +62,8 @@ class TorchCommunicator(Communicator):
             uses_cuda = "nccl" in self._backend
             device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda else None
         self._device = device or torch.device("cpu")
+        if group is None and watch:  # the default group's collectives, for the watchdog
+            self._watch = WATCHDOGS.tracker()
 
     @property
     @override

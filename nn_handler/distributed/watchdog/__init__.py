@@ -1,0 +1,148 @@
+"""The stall watchdog: every collective of the default group is numbered and recorded; a rank
+that waits too long, or ranks that issue different collectives under one number, make every
+rank raise one report (CollectiveStallError / CollectiveMismatchError) instead of hanging.
+
+The watchdog of this process's default group is the one other piece of per-process state
+nn_handler keeps, in the explicit registry ``WATCHDOGS`` that DistributedContext sets on setup
+and clears on teardown (tests reset it the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from loguru import logger
+
+from nn_handler.distributed.liveness import default_store, departures_after
+from nn_handler.distributed.watchdog.monitor import (
+    BLOCKED_EXIT_CODE,
+    MISMATCH_HINT,
+    PREFIX,
+    StallWatchdog,
+    WatchdogTiming,
+)
+from nn_handler.distributed.watchdog.records import describe
+from nn_handler.distributed.watchdog.tracker import CollectiveTracker
+from nn_handler.errors import CollectiveMismatchError, CollectiveStallError, RankFailedError
+
+
+class WatchdogRegistry:
+    """The running watchdog of the default process group, if any."""
+
+    def __init__(self) -> None:
+        self._watchdog: StallWatchdog | None = None
+        # A weak reference: holding the group itself would keep its connections open after
+        # destroy_process_group, so peers blocked on this rank would never see it leave.
+        self._group: weakref.ref[Any] | None = None
+
+    def tracker(self) -> CollectiveTracker | None:
+        watchdog = self.watchdog()
+        return None if watchdog is None else watchdog.tracker
+
+    def watchdog(self) -> StallWatchdog | None:
+        """The running watchdog; None (and the stale one stopped) once the group it watched
+        was destroyed, even by ``torch.distributed.destroy_process_group`` directly."""
+        group = None if self._group is None else self._group()
+        if self._watchdog is not None and (group is None or _default_group() is not group):
+            self.stop()
+        return self._watchdog
+
+    def start(self, rank: int, world_size: int, stall_timeout: timedelta) -> bool:
+        """Start watching the default group (idempotent); False when it has no store."""
+        if self.watchdog() is not None or world_size < 2:
+            return self._watchdog is not None
+        store = default_store()
+        if store is None:
+            logger.debug("the default group has no store: no stall watchdog")
+            return False
+        timing = WatchdogTiming.for_timeout(stall_timeout.total_seconds())
+        generation = store.add(f"{PREFIX}/started/{rank}", 1)
+        prefix = f"{PREFIX}/{generation}"
+        self._watchdog = StallWatchdog(CollectiveTracker(rank), store, world_size, timing, prefix)
+        group = _default_group()
+        self._group = None if group is None else weakref.ref(group)
+        self._watchdog.start()
+        return True
+
+    def stop(self) -> None:
+        watchdog, self._watchdog, self._group = self._watchdog, None, None
+        if watchdog is not None:
+            watchdog.stop()
+
+    def incident(self) -> BaseException | None:
+        """The stall or mismatch reported in this group, if any: this rank's copy, or the
+        store's report when this rank's watchdog has not read it yet. Marks it raised."""
+        watchdog = self._watchdog  # kept after the group is destroyed: the report outlives it
+        if watchdog is None:
+            return None
+        tracker = watchdog.tracker
+        if tracker.incident is None:
+            tracker.incident = _read_report(watchdog.prefix)
+        if tracker.incident is not None:
+            tracker.incident_raised = True
+        return tracker.incident
+
+    def vanished(self, error: BaseException) -> RankFailedError | None:
+        """When ``error`` (a backend error in a collective) came from peers that left the
+        group, a RankFailedError naming them, how they left and their last published
+        collective; None otherwise."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            return None
+        rank, world_size = watchdog.tracker.rank, watchdog.world_size
+        gone = departures_after(error, world_size, rank)
+        if not gone:
+            return None
+        texts = {peer: f"{how}; {watchdog.last_published(peer)}" for peer, how in gone.items()}
+        mine, _ = watchdog.tracker.snapshot()
+        return RankFailedError(
+            describe(mine.latest),
+            texts,
+            note=f"rank {rank} stopped because of it. {VANISHED_HINT}",
+        )
+
+
+#: What a rank that vanished inside a collective most often means.
+VANISHED_HINT = (
+    "A process that dies inside a collective was often aborted by it: gloo aborts a rank "
+    "whose collective receives more bytes than it expects (different shapes or dtypes on "
+    "different ranks; its output says 'Received data size doesn't match'), nccl on an "
+    "illegal memory access; or it was killed (the out-of-memory killer, a scheduler)."
+)
+
+
+def _default_group() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _read_report(prefix: str) -> BaseException | None:
+    store = default_store()
+    try:
+        if store is None or not store.check([f"{prefix}/report"]):
+            return None
+        payload = json.loads(store.get(f"{prefix}/report"))
+    except Exception:  # the store went away with its host
+        return None
+    if payload["kind"] == "stall":
+        return CollectiveStallError(payload["text"], payload["ranks"])
+    return CollectiveMismatchError(
+        f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
+    )
+
+
+#: The process-wide registry of the default group's watchdog.
+WATCHDOGS = WatchdogRegistry()
+
+__all__ = [
+    "BLOCKED_EXIT_CODE",
+    "VANISHED_HINT",
+    "WATCHDOGS",
+    "CollectiveTracker",
+    "StallWatchdog",
+    "WatchdogRegistry",
+    "WatchdogTiming",
+]

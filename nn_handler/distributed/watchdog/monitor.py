@@ -1,0 +1,257 @@
+"""The stall watchdog: a daemon thread per rank that publishes this rank's latest collectives
+in the process group's key-value store (never a collective on the training group), compares
+them with its neighbour's, and, when this rank has waited in one collective longer than the
+stall timeout or two ranks issued different collectives under the same number, gathers every
+rank's state and stack through the store and makes every rank raise one report.
+
+Store keys (under ``nn_handler/watch/G/``, G counting the watchdogs each rank started in this
+group, so a group reused by several runs never reads an earlier run's report): ``state/R``
+(rank R's latest records, refreshed each interval), ``open`` (a counter: the rank that raises
+it to 1 writes the report), ``answer/R`` (rank R's state and main-thread stack once an
+incident is open), ``report`` (the outcome).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+from nn_handler.distributed.liveness import departed
+from nn_handler.distributed.watchdog import report as reports
+from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt
+from nn_handler.distributed.watchdog.records import (
+    RankState,
+    describe,
+    find_mismatch,
+    neighbour,
+    user_location,
+)
+from nn_handler.distributed.watchdog.tracker import CollectiveTracker
+from nn_handler.errors import CollectiveMismatchError, CollectiveStallError
+
+PREFIX = "nn_handler/watch"
+#: Exit status of a rank that is still blocked inside a collective after the report (no
+#: Python exception can be raised inside a blocked gloo or nccl call).
+BLOCKED_EXIT_CODE = 1
+_STACK_FRAMES = 12
+MISMATCH_HINT = (
+    "Every rank must issue the same collectives, in the same order, with the same structure, "
+    "dtypes and shapes. Found by the stall watchdog (gloo mixes such data silently)."
+)
+
+
+@dataclass(frozen=True)
+class WatchdogTiming:
+    """How often the watchdog looks (``interval``), how long the reporting rank waits for the
+    others' answers, and how long a rank may stay blocked after the report before it exits."""
+
+    stall_timeout: float
+    interval: float
+    answer_wait: float
+    grace: float
+
+    @classmethod
+    def for_timeout(cls, stall_timeout: float) -> WatchdogTiming:
+        interval = min(2.0, max(0.05, stall_timeout / 20))
+        return cls(stall_timeout, interval, min(10.0, max(1.0, 10 * interval)), 5.0)
+
+
+class StallWatchdog:
+    """Watches one rank's ``tracker``; every rank of the group runs one (``start`` after the
+    group is up, ``stop`` before it is destroyed). ``store``: the group's key-value store (any
+    torch Store); ``interrupt``: how the main thread is made to raise (tests pass their own)."""
+
+    def __init__(
+        self,
+        tracker: CollectiveTracker,
+        store: Any,
+        world_size: int,
+        timing: WatchdogTiming,
+        prefix: str = PREFIX,
+        interrupt: MainThreadInterrupt | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.timing = timing
+        self._store = store
+        self.prefix = self._prefix = prefix
+        self._rank = tracker.rank
+        self.world_size = self._world_size = world_size
+        self._interrupt = interrupt or MainThreadInterrupt(tracker)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nn_handler-watchdog", daemon=True)
+        self._answered = False
+        self._acted_at: float | None = None
+        self._reporter = False
+        self._delivered = False
+        self._text = ""
+
+    def start(self) -> None:
+        self._interrupt.install()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.timing.interval + 1.0)
+        self._interrupt.uninstall()
+
+    def last_published(self, rank: int) -> str:
+        """Rank ``rank``'s last collective as it published it (best effort)."""
+        try:
+            key = f"{self._prefix}/state/{rank}"
+            if not self._store.check([key]):
+                return "none of its collectives was published yet"
+            latest = RankState.from_bytes(self._store.get(key)).latest
+        except Exception:  # its store went away with it
+            return "its records could not be read"
+        return f"its last published collective: {describe(latest)}"
+
+    # ----------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.timing.interval):
+            try:
+                if self._acted_at is not None:
+                    if self._after_report():
+                        return
+                    continue
+                self._tick()
+                failures = 0
+            except Exception as error:  # the store went away (rank 0 gone, group destroyed)
+                failures += 1
+                logger.debug("stall watchdog on rank {}: {}", self._rank, error)
+                if failures >= 5:
+                    return
+
+    def _tick(self) -> None:
+        state, patient = self.tracker.snapshot()
+        store = self._store
+        store.set(f"{self._prefix}/state/{self._rank}", state.to_bytes())
+        if store.check([f"{self._prefix}/open"]):
+            self._answer()
+            if store.check([f"{self._prefix}/report"]):
+                self._act(json.loads(store.get(f"{self._prefix}/report")))
+            return
+        other = self._neighbour_state()
+        if other is not None:
+            found = find_mismatch(state, other)
+            if found is not None:
+                self._open("mismatch", found[0].seq)
+                return
+        if state.inside and not patient and state.seconds > self.timing.stall_timeout:
+            self._open("stall", state.seq)
+
+    def _neighbour_state(self) -> RankState | None:
+        key = f"{self._prefix}/state/{neighbour(self._rank, self._world_size)}"
+        if not self._store.check([key]):
+            return None
+        return RankState.from_bytes(self._store.get(key))
+
+    # ----------------------------------------------------------------- an incident
+    def _answer(self) -> RankState:
+        state, _ = self.tracker.snapshot()
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        if frame is not None:
+            state.stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:])
+            state.where_now = user_location(frame)
+        if not self._answered:
+            self._store.set(f"{self._prefix}/answer/{self._rank}", state.to_bytes())
+            self._answered = True
+        return state
+
+    def _open(self, kind: str, seq: int) -> None:
+        if self._store.add(f"{self._prefix}/open", 1) != 1:
+            return  # another rank reports; this one answers at its next look
+        self._reporter = True
+        mine = self._answer()
+        states = {self._rank: mine, **self._collect_answers()}
+        silent = self._silent(states)
+        if kind == "stall":
+            text, ranks = reports.stall_report(
+                states, self._rank, self.timing.stall_timeout, silent
+            )
+            payload: dict[str, Any] = {"kind": kind, "text": text, "ranks": ranks}
+        else:
+            signatures = reports.mismatch_signatures(states, seq, self._world_size)
+            error = CollectiveMismatchError(f"collective #{seq}", signatures, MISMATCH_HINT)
+            payload = {"kind": kind, "text": str(error), "seq": seq, "signatures": signatures}
+        self._store.set(f"{self._prefix}/report", json.dumps(payload))
+        self._act(payload)
+
+    def _collect_answers(self) -> dict[int, RankState]:
+        states: dict[int, RankState] = {}
+        deadline = time.monotonic() + self.timing.answer_wait
+        while True:
+            for rank in range(self._world_size):
+                key = f"{self._prefix}/answer/{rank}"
+                if rank != self._rank and rank not in states and self._store.check([key]):
+                    states[rank] = RankState.from_bytes(self._store.get(key))
+            if len(states) == self._world_size - 1 or time.monotonic() > deadline:
+                return states
+            time.sleep(min(0.05, self.timing.interval))
+
+    def _silent(self, states: dict[int, RankState]) -> dict[int, str]:
+        missing = [r for r in range(self._world_size) if r not in states]
+        if not missing:
+            return {}
+        gone = departed(self._world_size, self._rank)
+        return {
+            rank: gone.get(
+                rank,
+                f"no answer in {self.timing.answer_wait:g} s (blocked outside Python, or its "
+                f"machine stopped answering)",
+            )
+            for rank in missing
+        }
+
+    def _act(self, payload: dict[str, Any]) -> None:
+        if payload["kind"] == "stall":
+            incident: BaseException = CollectiveStallError(payload["text"], payload["ranks"])
+        else:
+            incident = CollectiveMismatchError(
+                f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
+            )
+        self._text = str(payload["text"])
+        self.tracker.incident = incident
+        self._acted_at = time.monotonic()
+        if self._reporter:
+            logger.bind(rank=self._rank).error("{}", self._text)
+        self._deliver_if_running()
+
+    def _deliver_if_running(self) -> None:
+        state, _ = self.tracker.snapshot()
+        if not state.inside and not self._delivered and not self.tracker.incident_raised:
+            self._delivered = True
+            self._interrupt.deliver()
+
+    def _after_report(self) -> bool:
+        """After the report: make sure this rank raises; True once it has."""
+        if self.tracker.incident_raised:
+            return True
+        self._deliver_if_running()
+        assert self._acted_at is not None
+        limit = self.timing.grace * (1 if self._reporter else 2)
+        if time.monotonic() - self._acted_at < limit:
+            return False
+        state, _ = self.tracker.snapshot()
+        where = describe(state.latest) if state.inside else "code that ignores the interrupt"
+        # Printed, not logged: the library's log may be off, and this process ends here.
+        print(
+            f"[nn_handler rank {self._rank}] still blocked in {where} {limit:.0f} s after the "
+            f"stall watchdog's report, where no exception can be raised: exiting with status "
+            f"{BLOCKED_EXIT_CODE} so the other ranks can raise.\n{self._text}",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        os._exit(BLOCKED_EXIT_CODE)
+
+
+__all__ = ["BLOCKED_EXIT_CODE", "MISMATCH_HINT", "PREFIX", "StallWatchdog", "WatchdogTiming"]

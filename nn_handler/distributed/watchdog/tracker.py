@@ -1,0 +1,103 @@
+"""The training thread's side of the watchdog: a per-group count and short history of the
+collectives this rank issued, and whether it is inside one now. A few attribute writes per
+collective; the watchdog thread reads it through ``snapshot``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from nn_handler.distributed.watchdog.records import RankState, Record, make_record, user_location
+
+#: Records kept (and published) per rank: enough to line up ranks a few collectives apart.
+HISTORY = 32
+
+
+class CollectiveTracker:
+    """Counts the collectives of one process group on this rank. Every collective the library
+    issues calls ``enter`` before it and ``leave`` after it (the Communicator does; the
+    Trainer marks a training step that DDP or FSDP synchronises with ``region``).
+
+    ``incident`` is set by the watchdog once a stall or mismatch is reported: the next
+    ``enter`` raises it instead of issuing a collective that would hang or mix up data.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.seq = 0
+        self.incident: BaseException | None = None
+        self.incident_raised = False
+        self._records: deque[Record] = deque(maxlen=HISTORY)
+        self._lock = threading.Lock()
+        self._inside = False
+        self._patient = 0
+        self._entered_patient = False
+        self._since = time.monotonic()
+
+    def enter(self, what: str) -> None:
+        """Record the next collective; raises the reported incident if there is one."""
+        if self.incident is not None:
+            self.raise_incident()
+        record = make_record(self.seq + 1, what, user_location())
+        with self._lock:
+            self._records.append(record)
+            self.seq = record.seq
+            self._inside = True
+            self._entered_patient = self._patient > 0
+            self._since = time.monotonic()
+
+    def leave(self) -> None:
+        """The collective ``enter`` recorded has returned (or raised)."""
+        self._inside = False
+        self._since = time.monotonic()
+
+    @contextlib.contextmanager
+    def region(self, what: str) -> Iterator[None]:
+        """Code that issues collectives the Communicator does not see (DDP's gradient
+        reduction, FSDP's gathers), counted as one collective."""
+        self.enter(what)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @contextlib.contextmanager
+    def patient(self) -> Iterator[None]:
+        """Collectives entered inside may wait longer than the stall timeout (rank 0 preparing
+        data or writing a checkpoint while the others wait); the process-group timeout still
+        bounds them."""
+        self._patient += 1
+        try:
+            yield
+        finally:
+            self._patient -= 1
+
+    def raise_incident(self) -> None:
+        """Raise the reported incident on the training thread (once; later calls re-raise it
+        too, so no collective is issued after it)."""
+        incident = self.incident
+        if incident is None:
+            return
+        self.incident_raised = True
+        raise incident
+
+    def snapshot(self) -> tuple[RankState, bool]:
+        """This rank's state as the watchdog publishes it, and whether the collective it is
+        inside (if any) was entered as patient. Safe from any thread."""
+        with self._lock:
+            records = list(self._records)
+            inside, since, patient = self._inside, self._since, self._entered_patient
+        state = RankState(
+            rank=self.rank,
+            seq=records[-1].seq if records else 0,
+            inside=inside,
+            seconds=round(time.monotonic() - since, 3),
+            records=records,
+        )
+        return state, inside and patient
+
+
+__all__ = ["HISTORY", "CollectiveTracker"]

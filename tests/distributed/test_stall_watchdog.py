@@ -1,0 +1,196 @@
+"""The stall watchdog on real 2-rank gloo groups, started by hand and by the real torchrun:
+a rank asleep in a hook, a skipped collective, mismatched dtypes, shapes and operations, a
+rank killed inside a collective, a rank that failed its own validation and went on. Never a
+hang, never silent garbage: every rank raises one report naming the ranks and the lines.
+
+All scenarios run at once (each its own group); tests/scripts/stall_scenarios.py is the job."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import free_port, run_commands, torchrun_command
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_scenarios.py"
+ROOT = SCRIPT.parents[2]
+STALL_TIMEOUT = 2.0
+BY_HAND = ["hook", "skip", "dtype", "shape", "op", "kill", "validate"]
+UNDER_TORCHRUN = ["hook", "dtype"]
+
+
+def _line(marker: str) -> str:
+    """``stall_scenarios.py:N``, N the line of the script that carries ``# marker``."""
+    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if (
+            text.rstrip().endswith(f"# {marker}")
+            or f"# {marker}:" in text
+            or f"# {marker} " in text
+        ):
+            return f"stall_scenarios.py:{number}"
+    raise AssertionError(f"no line marked {marker!r} in {SCRIPT}")
+
+
+class Outcome:
+    def __init__(self, folder: Path, results: list[tuple[int, str]]) -> None:
+        self.folder = folder
+        self.codes = [code for code, _ in results]
+        self.output = "\n".join(f"--- exit {code} ---\n{text}" for code, text in results)
+
+    def raised(self, rank: int) -> dict[str, Any] | None:
+        path = self.folder / f"rank{rank}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def time_of(self, name: str) -> float:
+        return float(json.loads((self.folder / f"{name}.json").read_text())["time"])
+
+
+def _command(out: Path, scenario: str, rank: int, port: int) -> list[str]:
+    env = [f"RANK={rank}", "WORLD_SIZE=2", f"LOCAL_RANK={rank}", "LOCAL_WORLD_SIZE=2"]
+    env += ["MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}"]
+    return ["env", *env, sys.executable, str(SCRIPT), str(out), scenario]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    base = tmp_path_factory.mktemp("stalls")
+    commands, folders = [], {}
+    for scenario in BY_HAND:
+        folders[scenario] = base / scenario
+        folders[scenario].mkdir()
+        port = free_port()
+        commands += [_command(folders[scenario], scenario, rank, port) for rank in (0, 1)]
+    env = {"PYTHONPATH": str(ROOT)}
+    results = run_commands(commands, timeout=120, env=env)
+    found = {
+        scenario: Outcome(folders[scenario], results[2 * i : 2 * i + 2])
+        for i, scenario in enumerate(BY_HAND)
+    }
+    launches = []
+    for scenario in UNDER_TORCHRUN:
+        folders[f"torchrun-{scenario}"] = base / f"torchrun-{scenario}"
+        folders[f"torchrun-{scenario}"].mkdir()
+        launches.append(torchrun_command(SCRIPT, str(folders[f"torchrun-{scenario}"]), scenario))
+    for scenario, result in zip(
+        UNDER_TORCHRUN, run_commands(launches, timeout=120, env=env), strict=True
+    ):
+        found[f"torchrun-{scenario}"] = Outcome(folders[f"torchrun-{scenario}"], [result])
+    return found
+
+
+def _both_raise(outcome: Outcome, error: str) -> list[str]:
+    messages = []
+    for rank in (0, 1):
+        raised = outcome.raised(rank)
+        assert raised is not None and raised["type"] == error, (rank, raised, outcome.output)
+        messages.append(raised["message"])
+    assert messages[0] == messages[1], "both ranks raise the same report"
+    return messages
+
+
+def test_a_rank_asleep_in_a_hook_is_named_with_its_line(outcomes: dict[str, Outcome]) -> None:
+    outcome = outcomes["hook"]
+    report = _both_raise(outcome, "CollectiveStallError")[0]
+    first = report.splitlines()[0]
+    assert "rank 1 has not arrived" in first and "training step (DDPStrategy" in first
+    assert f"now at tests/scripts/{_line('hook-rank1')} in after_step" in report
+    assert "time.sleep(SLEEP)" in report  # rank 1's stack
+    began = outcome.time_of("stall")
+    for rank in (0, 1):
+        raised = outcome.raised(rank)
+        assert raised is not None and raised["time"] - began < STALL_TIMEOUT + 5, raised
+    assert outcome.codes == [1, 1]
+
+
+def test_a_skipped_collective_shows_both_lines(outcomes: dict[str, Outcome]) -> None:
+    report = _both_raise(outcomes["skip"], "CollectiveStallError")[0]
+    assert "rank 1 has not arrived" in report
+    assert "rank 0: waiting" in report and _line("skip-second") in report
+    assert re.search(
+        rf"different lines: \S*{_line('skip-first')} in user_code and "
+        rf"\S*{_line('skip-second')} in user_code",
+        report,
+    ), report
+
+
+@pytest.mark.parametrize(
+    ("scenario", "first", "second"),
+    [
+        ("dtype", "all_reduce(op=sum) float32[4]", "all_reduce(op=sum) int32[4]"),
+        ("op", "broadcast(src=0) float32[4]", "all_reduce(op=sum) float32[4]"),
+    ],
+)
+def test_mismatched_calls_name_both_ranks_and_lines(
+    outcomes: dict[str, Outcome], scenario: str, first: str, second: str
+) -> None:
+    outcome = outcomes[scenario]
+    expected = [
+        f"rank 0: {first} at tests/scripts/{_line(f'{scenario}-rank0')} in user_code",
+        f"rank 1: {second} at tests/scripts/{_line(f'{scenario}-rank1')} in user_code",
+    ]
+    raised = [outcome.raised(rank) for rank in (0, 1)]
+    for rank, result in enumerate(raised):
+        if result is None:
+            # Blocked inside a gloo call that never returns (broadcast against all_reduce):
+            # this rank printed the report and exited with status 1 so its peer could raise.
+            assert outcome.codes[rank] == 1, outcome.output
+            assert "exiting with status 1" in outcome.output
+            continue
+        assert result["type"] == "CollectiveMismatchError", (rank, result, outcome.output)
+        assert "collective #2" in result["message"]
+        for line in expected:
+            assert line in result["message"], result["message"]
+    assert any(result is not None for result in raised), outcome.output
+    if scenario == "dtype":  # nobody is blocked: both raise
+        assert all(result is not None for result in raised)
+
+
+def test_different_shapes_abort_in_gloo_and_the_survivor_names_the_rank(
+    outcomes: dict[str, Outcome],
+) -> None:
+    outcome = outcomes["shape"]
+    assert "Received data size doesn't match" in outcome.output
+    aborted = [rank for rank in (0, 1) if outcome.codes[rank] < 0]
+    assert len(aborted) == 1, outcome.output
+    survivor = outcome.raised(1 - aborted[0])
+    assert survivor is not None and survivor["type"] == "RankFailedError", outcome.output
+    assert f"failed on rank(s) [{aborted[0]}]" in survivor["message"]
+    assert "gloo aborts a rank whose collective receives more bytes" in survivor["message"]
+
+
+def test_a_rank_killed_inside_a_collective_is_named_at_once(
+    outcomes: dict[str, Outcome],
+) -> None:
+    outcome = outcomes["kill"]
+    survivor = outcome.raised(0)
+    assert survivor is not None and survivor["type"] == "RankFailedError", outcome.output
+    assert "failed on rank(s) [1]" in survivor["message"]
+    assert "gone without a word" in survivor["message"]
+    assert survivor["time"] - outcome.time_of("left") < 5  # not the stall timeout, not 60 s
+    assert outcome.codes == [1, -9]
+
+
+def test_a_rank_that_failed_its_own_validation_and_went_on(
+    outcomes: dict[str, Outcome],
+) -> None:
+    report = _both_raise(outcomes["validate"], "CollectiveStallError")[0]
+    assert "rank 0: waiting" in report and _line("validate-both") in report
+    assert _line("validate-rank1") in report  # where rank 1 is now, and its stack
+
+
+@pytest.mark.parametrize("scenario", UNDER_TORCHRUN)
+def test_under_torchrun_the_job_fails_with_the_report(
+    outcomes: dict[str, Outcome], scenario: str
+) -> None:
+    outcome = outcomes[f"torchrun-{scenario}"]
+    assert outcome.codes == [1], outcome.output  # torchrun's own exit status
+    assert "ChildFailedError" in outcome.output and "exitcode  : 1" in outcome.output
+    error = "CollectiveStallError" if scenario == "hook" else "CollectiveMismatchError"
+    _both_raise(outcome, error)

@@ -1,0 +1,125 @@
+"""Run by tests/distributed/test_stall_watchdog.py on 2 ranks (by hand or under torchrun), not
+by pytest: one desync or stall SCENARIO with a short stall timeout; each rank writes
+OUT/rank{R}.json with what it raised, its message and when, then re-raises (exit status 1).
+
+Usage: python stall_scenarios.py OUT SCENARIO
+SCENARIO: 'hook' (rank 1 sleeps in an after_step hook inside fit), 'skip' (rank 1 skips one
+all_reduce, then works on), 'dtype' (float32 on rank 0, int32 on rank 1), 'shape' ([4] and
+[6]), 'op' (broadcast on rank 0, all_reduce on rank 1), 'kill' (rank 1 is killed by SIGKILL
+while rank 0 is in an all_reduce), 'validate' (rank 1's own validation fails before a
+collective and it carries on with other work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from nn_handler import Hook, NNHandler
+from nn_handler.config import DistributedConfig
+from nn_handler.distributed import DistributedContext
+
+STALL_TIMEOUT = 2.0
+SLEEP = 60.0
+
+
+class SleepInHook(Hook):
+    def after_step(self) -> None:
+        trainer = self.trainer
+        if trainer.comm.rank == 1 and trainer.state.global_step == 3:
+            _stall_begins()
+            time.sleep(SLEEP)  # hook-rank1: the line the report must name
+
+
+def _stall_begins() -> None:
+    (Path(sys.argv[1]) / "stall.json").write_text(json.dumps({"time": time.time()}))
+
+
+def hook() -> None:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(400, 6, generator=generator), torch.randint(0, 3, (400,), generator=generator)
+    )
+    config = {
+        "loader": {"batch_size": 4},
+        "trainer": {"progress_bar": False},
+        "distributed": {"timeout": 60, "stall_timeout": STALL_TIMEOUT},
+    }
+    model, loss = nn.Linear(6, 3), nn.CrossEntropyLoss()
+    with NNHandler(model, lambda p: torch.optim.SGD(p, lr=0.1), loss, config=config,
+                   hooks=[SleepInHook()]) as handler:  # fmt: skip
+        handler.train(data, epochs=1)
+
+
+def user_code(scenario: str) -> None:
+    config = DistributedConfig.model_validate({"timeout": 60, "stall_timeout": STALL_TIMEOUT})
+    with DistributedContext(config) as context:
+        comm, rank = context.communicator, context.rank
+        comm.all_reduce(torch.ones(4))
+        if scenario == "skip":
+            if rank == 0:
+                comm.all_reduce(torch.ones(4))  # skip-first (rank 0 only)
+            comm.all_reduce(torch.ones(4))  # skip-second (both ranks)
+            _stall_begins()
+            time.sleep(SLEEP)  # rank 1 works on; rank 0 waits in skip-second
+        elif scenario == "dtype":
+            if rank == 0:
+                comm.all_reduce(torch.ones(4, dtype=torch.float32))  # dtype-rank0
+            else:
+                comm.all_reduce(torch.ones(4, dtype=torch.int32))  # dtype-rank1
+            time.sleep(SLEEP)  # both work on with what gloo returned
+        elif scenario == "shape":
+            if rank == 0:
+                comm.all_reduce(torch.ones(4))  # shape-rank0
+            else:
+                comm.all_reduce(torch.ones(6))  # shape-rank1
+            time.sleep(SLEEP)
+        elif scenario == "op":
+            if rank == 0:
+                comm.broadcast(torch.ones(4), src=0)  # op-rank0
+            else:
+                comm.all_reduce(torch.ones(4))  # op-rank1
+            time.sleep(SLEEP)
+        elif scenario == "kill":
+            if rank == 1:
+                (Path(sys.argv[1]) / "left.json").write_text(json.dumps({"time": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.all_reduce(torch.ones(4))  # kill-rank0
+        elif scenario == "validate":
+            if rank == 1:
+                try:
+                    raise ValueError("rank 1's own validation failed")
+                except ValueError:
+                    _stall_begins()
+                    time.sleep(SLEEP)  # validate-rank1: handles it locally, goes on
+            comm.all_reduce(torch.ones(4))  # validate-both
+
+
+def main() -> None:
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    started = time.time()
+    try:
+        hook() if scenario == "hook" else user_code(scenario)
+    except Exception as error:
+        report = {
+            "type": type(error).__name__,
+            "message": str(error),
+            "seconds": time.time() - started,
+            "time": time.time(),
+        }
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        raise
+    (out / f"rank{rank}.json").write_text(json.dumps({"type": None, "message": ""}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The stall watchdog's parts in one process: records and their comparison (property tests),
+the tracker, the report, raising on the main thread, and the store protocol between two
+watchdogs sharing one in-memory store (the real-process scenarios are in
+tests/distributed/test_stall_watchdog.py)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._C._distributed_c10d import HashStore
+
+from nn_handler import CollectiveMismatchError, CollectiveStallError
+from nn_handler.distributed.communicator import Communicator, run_in_threads
+from nn_handler.distributed.watchdog import CollectiveTracker, StallWatchdog, WatchdogTiming
+from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt, _class_raising
+from nn_handler.distributed.watchdog.records import (
+    SIGNATURE_CHARS,
+    RankState,
+    find_mismatch,
+    make_record,
+    neighbour,
+    user_location,
+)
+from nn_handler.distributed.watchdog.report import (
+    diverging_lines,
+    mismatch_signatures,
+    stall_report,
+    stalled_ranks,
+)
+from nn_handler.distributed.watchdog.tracker import HISTORY
+
+signatures = st.sampled_from(
+    ["all_reduce(op=sum) float32[4]", "all_reduce(op=sum) int32[4]", "broadcast(src=0) int64[1]"]
+)
+
+
+def _state(rank: int, whats: list[str], *, start: int = 1, **fields: Any) -> RankState:
+    records = [make_record(start + i, what, f"train.py:{10 + i}") for i, what in enumerate(whats)]
+    return RankState(rank=rank, seq=records[-1].seq if records else 0, records=records,
+                     **{"inside": False, "seconds": 1.0, **fields})  # fmt: skip
+
+
+# ----------------------------------------------------------------- records
+@given(st.lists(signatures, max_size=8), st.lists(signatures, max_size=8), st.integers(0, 3))
+def test_a_mismatch_is_found_exactly_where_two_ranks_issued_different_calls(
+    mine: list[str], theirs: list[str], shift: int
+) -> None:
+    first, second = _state(0, mine), _state(1, theirs, start=1 + shift)
+    differing = [
+        seq
+        for seq, what in enumerate(mine, start=1)
+        if 0 <= seq - 1 - shift < len(theirs) and theirs[seq - 1 - shift] != what
+    ]
+    found = find_mismatch(first, second)
+    if not differing:
+        assert found is None
+    else:
+        assert found is not None and found[0].seq == found[1].seq == differing[0]
+        assert found[0].what != found[1].what
+
+
+@given(st.lists(signatures, max_size=5), st.booleans(), st.text(max_size=50))
+def test_a_state_survives_its_wire_form(whats: list[str], inside: bool, stack: str) -> None:
+    state = _state(3, whats, inside=inside, stack=stack, where_now="x.py:1 in f")
+    assert RankState.from_bytes(state.to_bytes()) == state
+
+
+def test_a_record_keeps_a_short_text_and_the_digest_of_the_whole() -> None:
+    long = "all_reduce(op=sum) {" + ", ".join(f"'k{i}': float32[4]" for i in range(60)) + "}"
+    other = long.replace("k59", "k60")
+    assert len(make_record(1, long, "").what) == SIGNATURE_CHARS
+    assert make_record(1, long, "").digest != make_record(1, other, "").digest
+
+
+def test_neighbours_form_one_ring() -> None:
+    assert [neighbour(r, 4) for r in range(4)] == [1, 2, 3, 0]
+    assert neighbour(0, 2) == 1 and neighbour(1, 2) == 0
+
+
+def test_the_location_is_the_callers_line_outside_the_library() -> None:
+    tracker = CollectiveTracker(0)
+    tracker.enter("barrier()")
+    line = test_the_location_is_the_callers_line_outside_the_library.__code__.co_firstlineno + 2
+    assert (
+        tracker.snapshot()[0]
+        .records[-1]
+        .where.endswith(
+            f"test_watchdog.py:{line} in test_the_location_is_the_callers_line_outside_the_library"
+        )
+    )
+    assert user_location().startswith("tests/unit/test_watchdog.py:")
+
+
+# ----------------------------------------------------------------- tracker
+def test_the_tracker_counts_collectives_and_knows_when_it_is_inside_one() -> None:
+    tracker = CollectiveTracker(1)
+    assert tracker.snapshot()[0].seq == 0
+    for _ in range(HISTORY + 5):
+        tracker.enter("all_reduce(op=sum) float32[4]")
+        tracker.leave()
+    with tracker.region("training step (DDPStrategy: forward, backward)"):
+        state, patient = tracker.snapshot()
+        assert state.inside and not patient and state.seq == HISTORY + 6
+    state, _ = tracker.snapshot()
+    assert not state.inside and len(state.records) == HISTORY
+    assert state.records[0].seq == 7  # the oldest ones are dropped
+    with tracker.patient():
+        tracker.enter("barrier()")
+        assert tracker.snapshot()[1]  # inside a patient collective
+        tracker.leave()
+    tracker.enter("barrier()")
+    assert not tracker.snapshot()[1]
+
+
+def test_after_an_incident_no_collective_is_issued() -> None:
+    tracker = CollectiveTracker(0)
+    tracker.incident = CollectiveStallError("the report", [1])
+    with pytest.raises(CollectiveStallError, match="the report"):
+        tracker.enter("barrier()")
+    assert tracker.incident_raised and tracker.seq == 0
+
+
+def test_each_public_collective_is_recorded_once() -> None:
+    def calls(comm: Communicator) -> list[str]:
+        tracker = CollectiveTracker(comm.rank)
+        comm._watch = tracker
+        comm.barrier()
+        comm.all_reduce({"a": torch.ones(2)}, op="mean")
+        comm.all_reduce_(torch.ones(3))
+        comm.all_reduce_async(torch.ones(1))()
+        comm.broadcast(torch.ones(2), src=1)
+        comm.all_gather(torch.ones(comm.rank + 1))
+        comm.gather(torch.ones(1), dst=0)
+        comm.gather_into_tensor(torch.ones(1))  # through all_gather: one collective
+        comm.raise_if_any_failed(None, "check")
+        comm.reduce_dict({"loss": 1.0})
+        comm.shared_random_seed()
+        comm.all_gather_object({"rank": comm.rank})
+        comm.gather_object(comm.rank)
+        comm.broadcast_object("x")
+        state, _ = tracker.snapshot()
+        assert state.seq == len(state.records) and not state.inside
+        return [record.what.split("(")[0] for record in state.records]
+
+    names = run_in_threads(calls, 2)
+    assert names[0] == names[1]
+    # One record per call; an object collective's receivers then agree on unpickling (their
+    # own collective, numbered like the others on every rank).
+    agree = "raise_if_any_failed"
+    assert names[0] == [
+        *("barrier", "all_reduce", "all_reduce_", "all_reduce_async", "broadcast"),
+        *("all_gather", "gather", "all_gather", agree, "reduce_dict", "shared_random_seed"),
+        *("all_gather_object", agree, "gather_object", agree, "broadcast_object", agree),
+    ]
+
+
+# ----------------------------------------------------------------- report
+def test_the_stall_report_blames_the_rank_that_has_not_arrived() -> None:
+    waiting = _state(0, ["step", "step"], inside=True, seconds=7.5)
+    running = _state(
+        1,
+        ["step"],
+        seconds=8.0,
+        stack='  File "train.py", line 88, in after_step\n    time.sleep(60)\n',
+        where_now="train.py:88 in after_step",
+    )
+    assert stalled_ranks({0: waiting, 1: running}) == (2, [1])
+    text, blamed = stall_report({0: waiting, 1: running}, 0, 5.0, {2: "its process is gone"})
+    assert blamed == [1, 2]
+    first = text.splitlines()[0]
+    assert "rank 0 waited 7.5 s (stall_timeout 5 s)" in first and "ranks 1,2 have not" in first
+    assert "now at train.py:88 in after_step" in text and "time.sleep(60)" in text
+    assert "rank 2: did not answer: its process is gone" in text
+
+
+def test_the_report_points_at_a_collective_issued_from_different_lines() -> None:
+    first = _state(0, ["a", "a"])
+    second = RankState(
+        1, 2, False, 1.0, [make_record(1, "a", "x.py:1"), make_record(2, "a", "x.py:7")]
+    )
+    first.records = [make_record(1, "a", "x.py:1"), make_record(2, "a", "x.py:5")]
+    found = diverging_lines({0: first, 1: second})
+    assert found is not None and found[0] == 2
+    assert {found[1].where, found[2].where} == {"x.py:5", "x.py:7"}
+
+
+def test_mismatch_signatures_list_every_rank() -> None:
+    states = {0: _state(0, ["all_reduce f32"]), 1: _state(1, ["all_reduce i32"])}
+    texts = mismatch_signatures(states, 1, 3)
+    assert texts[0] == "all_reduce f32 at train.py:10"
+    assert texts[1] == "all_reduce i32 at train.py:10" and texts[2] == "(did not answer)"
+
+
+# ----------------------------------------------------------------- raising on the main thread
+def _raise_soon(tracker: CollectiveTracker, interrupt: MainThreadInterrupt) -> None:
+    def later() -> None:
+        time.sleep(0.2)
+        tracker.incident = CollectiveStallError("stalled", [1])
+        interrupt.deliver()
+
+    threading.Thread(target=later, daemon=True).start()
+
+
+def test_the_main_thread_raises_even_inside_a_long_sleep() -> None:
+    tracker = CollectiveTracker(0)
+    interrupt = MainThreadInterrupt(tracker)
+    interrupt.install()
+    try:
+        started = time.monotonic()
+        _raise_soon(tracker, interrupt)
+        with pytest.raises(CollectiveStallError, match="stalled"):
+            time.sleep(30)
+        assert time.monotonic() - started < 5 and tracker.incident_raised
+    finally:
+        interrupt.uninstall()
+    import signal
+
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_without_the_handler_the_error_arrives_as_an_async_exception() -> None:
+    tracker = CollectiveTracker(0)
+    interrupt = MainThreadInterrupt(tracker)  # not installed: the fallback
+    _raise_soon(tracker, interrupt)
+    deadline = time.monotonic() + 10
+    with pytest.raises(CollectiveStallError, match="stalled") as info:
+        while time.monotonic() < deadline:  # Python code: interrupted at a bytecode
+            sum(range(100))
+    assert info.value.ranks == [1]
+    # It pickles as the library's own class (ranks send errors to each other).
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is CollectiveStallError and copy.report == "stalled"
+    assert issubclass(_class_raising(CollectiveMismatchError("x", ["a"])), CollectiveMismatchError)
+
+
+# ----------------------------------------------------------------- two watchdogs, one store
+class RecordingInterrupt(MainThreadInterrupt):
+    def __init__(self) -> None:
+        self.delivered = 0
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+    def deliver(self) -> None:
+        self.delivered += 1
+
+
+def _pair(stall_timeout: float) -> tuple[list[CollectiveTracker], list[StallWatchdog]]:
+    store = HashStore()
+    timing = WatchdogTiming(stall_timeout, interval=0.05, answer_wait=2.0, grace=600.0)
+    trackers = [CollectiveTracker(rank) for rank in range(2)]
+    watchdogs = [
+        StallWatchdog(t, store, 2, timing, interrupt=RecordingInterrupt()) for t in trackers
+    ]
+    return trackers, watchdogs
+
+
+def _wait_for_incidents(trackers: list[CollectiveTracker], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(t.incident is None for t in trackers):
+        time.sleep(0.02)
+
+
+def test_two_watchdogs_report_a_stall_to_both_ranks() -> None:
+    trackers, watchdogs = _pair(stall_timeout=0.3)
+    for tracker in trackers:
+        tracker.enter("all_reduce(op=sum) float32[4]")
+        tracker.leave()
+    trackers[0].enter("all_reduce(op=sum) float32[4]")  # rank 0 waits; rank 1 never comes
+    for watchdog in watchdogs:
+        watchdog.start()
+    try:
+        _wait_for_incidents(trackers, 10)
+    finally:
+        for watchdog in watchdogs:
+            watchdog.stop()
+    errors = [t.incident for t in trackers]
+    assert all(isinstance(e, CollectiveStallError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1]) and errors[0].ranks == [1]  # type: ignore[union-attr]
+    assert "rank 0 waited" in str(errors[0]) and "rank 1 has not arrived" in str(errors[0])
+    # Rank 1 runs Python code: it is interrupted; rank 0 waits in a collective: it is not.
+    assert watchdogs[1]._interrupt.delivered == 1  # type: ignore[attr-defined]
+    assert watchdogs[0]._interrupt.delivered == 0  # type: ignore[attr-defined]
+
+
+def test_two_watchdogs_find_a_mismatch_without_any_collective() -> None:
+    trackers, watchdogs = _pair(stall_timeout=60.0)
+    trackers[0].enter("all_reduce(op=sum) float32[4]")
+    trackers[1].enter("all_reduce(op=sum) int32[4]")
+    for tracker in trackers:
+        tracker.leave()
+    for watchdog in watchdogs:
+        watchdog.start()
+    try:
+        _wait_for_incidents(trackers, 10)
+    finally:
+        for watchdog in watchdogs:
+            watchdog.stop()
+    for tracker in trackers:
+        assert isinstance(tracker.incident, CollectiveMismatchError), tracker.incident
+        text = str(tracker.incident)
+        assert "collective #1" in text and "float32[4]" in text and "int32[4]" in text
+
+
+def test_patient_collectives_and_agreeing_ranks_raise_nothing() -> None:
+    trackers, watchdogs = _pair(stall_timeout=0.2)
+    for tracker in trackers:
+        tracker.enter("barrier()")
+        tracker.leave()
+    with trackers[0].patient():
+        trackers[0].enter("barrier()")  # rank 0 waits for rank 1's long preparation
+    for watchdog in watchdogs:
+        watchdog.start()
+    time.sleep(1.0)
+    for watchdog in watchdogs:
+        watchdog.stop()
+    assert trackers[0].incident is None and trackers[1].incident is None
