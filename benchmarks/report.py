@@ -92,6 +92,17 @@ def training_step(data: dict[str, Any]) -> Table:
                     _spread(row["ratio_ci95"]),
                 )
             )
+        costs = result.get("watchdog_costs")
+        notes = []
+        if costs is not None:
+            notes = [
+                f"Stall watchdog timed alone: {costs['region_us_per_step']:.1f} µs of "
+                f"bookkeeping per step ({100 * costs['region_share_of_raw_step']:.2f}% of a raw "
+                f"step); its thread looks every {costs['interval_s']:g} s and a look takes "
+                f"{costs['look_ms']:.2f} ms ({100 * costs['thread_share_of_one_core']:.3f}% of "
+                f"a core).",
+                "",
+            ]
         lines += [
             f"**world size {result['world_size']}, {result['case']}** "
             f"({result['steps_per_epoch']} steps x batch {result['batch_per_rank']} per rank, "
@@ -101,6 +112,7 @@ def training_step(data: dict[str, Any]) -> Table:
             "",
             *_table(["paired", "ratio", "spread", "95% interval"], versus),
             "",
+            *notes,
         ]
     return lines
 

@@ -15,9 +15,9 @@ Python cost per step is not hidden by communication) and 2 (gloo on 127.0.0.1, D
   Accelerate do not make);
 - nn_handler + preemption check: the defaults with a checkpoint folder and SIGTERM handling on
   (nothing is saved; the cost measured is the agreed preemption check);
-- nn_handler, stall watchdog off: ``stall_timeout=None`` (the defaults record every collective
-  for the stall watchdog; with two processes its thread runs for the whole run, so this
-  variant measures what recording costs the training thread);
+- nn_handler, stall watchdog off (two processes): ``stall_timeout=None`` (the defaults record
+  every collective for the stall watchdog; its thread runs for the whole run, so this variant
+  measures what recording costs the training thread; the costs are also timed alone);
 - fabric: ``lightning_fabric.Fabric`` (``setup``, ``setup_dataloaders``, ``backward``);
 - accelerate: ``accelerate.Accelerator`` (``prepare``, ``backward``).
 
@@ -161,16 +161,19 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     ours, handler = _nn_handler(build, data, batch, None)
     guarded, guarded_handler = _nn_handler(build, data, batch, folder)
     unguarded, unguarded_handler = _nn_handler(build, data, batch, None, {"nonfinite": "off"})
-    unwatched, unwatched_handler = _nn_handler(build, data, batch, None, None, UNWATCHED)
     variants: dict[str, Epoch] = {
         "raw": _raw(build, data, batch, world),
         "nn_handler": ours,
         "nn_handler, nonfinite='off'": unguarded,
         "nn_handler + preemption check": guarded,
-        WATCHDOG_OFF: unwatched,
         "fabric": _fabric(build, data, batch, world),
         "accelerate": _accelerate(build, data, batch, world),
     }
+    handlers = [handler, guarded_handler, unguarded_handler]
+    if world > 1:  # only a group is watched: the same handler with the watchdog off
+        unwatched, unwatched_handler = _nn_handler(build, data, batch, None, None, UNWATCHED)
+        variants = {**variants, WATCHDOG_OFF: unwatched}
+        handlers.append(unwatched_handler)
     times: dict[str, list[float]] = {name: [] for name in variants}
     sink = io.StringIO()  # the rank-0 progress bar draws here, not on the terminal
     with contextlib.redirect_stderr(sink):
@@ -184,7 +187,8 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
                 epoch(repeat)
                 if repeat:
                     times[name].append((time.perf_counter() - start) / steps)
-    for each in (handler, guarded_handler, unguarded_handler, unwatched_handler):
+    costs = _watchdog_costs(handler, statistics.median(times["raw"])) if world > 1 else None
+    for each in handlers:
         each.close()
     shutil.rmtree(folder, ignore_errors=True)
     raw = times["raw"]
@@ -200,8 +204,12 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     # The direct question "is NNHandler slower than this peer?": its time over the peer's in
     # the same repetition (the two ran back to back), not two ratios to raw compared.
     peers = {peer: common.ratio_summary(times["nn_handler"], times[peer]) for peer in PEERS}
-    # The stall watchdog's cost: the defaults (watchdog on) over the same handler without it.
-    watchdog = common.ratio_summary(times["nn_handler"], times[WATCHDOG_OFF])
+    watched: dict[str, Any] = {}
+    if costs is not None:  # the defaults (watchdog on) over the same handler without it
+        watched["watchdog_on_vs_off"] = common.ratio_summary(
+            times["nn_handler"], times[WATCHDOG_OFF]
+        )
+        watched["watchdog_costs"] = costs
     return {
         "world_size": world,
         "case": case,
@@ -210,7 +218,36 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
         "repetitions": repeats,
         "variants": rows,
         "nn_handler_vs_peers": peers,
-        "watchdog_on_vs_off": watchdog,
+        **watched,
+    }
+
+
+def _watchdog_costs(handler: NNHandler, raw_step_s: float) -> dict[str, float]:
+    """The stall watchdog's cost timed alone, where the end-to-end comparison drowns in noise:
+    the bookkeeping of one training step's region on the training thread, and one look of the
+    watchdog's thread (its store round trips) against its interval."""
+    from nn_handler.distributed.watchdog import WATCHDOGS
+
+    watchdog = WATCHDOGS.watchdog()
+    assert watchdog is not None and handler.communicator.watching
+    region = "training step (DDPStrategy: forward, backward)"
+    count = 20_000
+    start = time.perf_counter()
+    for _ in range(count):
+        with handler.communicator.watched(region):
+            pass
+    per_step = (time.perf_counter() - start) / count
+    looks = 200
+    start = time.perf_counter()
+    for _ in range(looks):
+        watchdog._tick()
+    per_look = (time.perf_counter() - start) / looks
+    return {
+        "region_us_per_step": per_step * 1e6,
+        "region_share_of_raw_step": per_step / raw_step_s,
+        "look_ms": per_look * 1e3,
+        "interval_s": watchdog.timing.interval,
+        "thread_share_of_one_core": per_look / watchdog.timing.interval,
     }
 
 
@@ -251,11 +288,14 @@ def _targets(results: list[dict[str, Any]]) -> tuple[dict[str, bool], dict[str, 
             bound = 1.10 if result["case"] == "tiny_mlp" else 1.03
             judge(f"{label}: <= {bound}x raw", ours["ratio_median"], ours["ratio_ci95"], bound)
         if result["world_size"] == 2:
-            watchdog = result["watchdog_on_vs_off"]
+            # Judged on the costs timed alone (the region's bookkeeping per step over the raw
+            # step, plus the thread's share of a core); the paired end-to-end ratio is shown.
+            costs = result["watchdog_costs"]
+            share = costs["region_share_of_raw_step"] + costs["thread_share_of_one_core"]
             judge(
-                f"{label}: the stall watchdog costs <= 1% (defaults over watchdog off)",
-                watchdog["ratio_median"],
-                watchdog["ratio_ci95"],
+                f"{label}: the stall watchdog costs <= 1% of a step",
+                1.0 + share,
+                [1.0 + share, 1.0 + share],
                 1.01,
             )
         faster = min(PEERS, key=lambda peer: rows[peer]["ratio_median"])

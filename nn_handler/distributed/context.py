@@ -7,6 +7,7 @@ import gc
 import os
 from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from loguru import logger
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from nn_handler.config import DistributedConfig
+from nn_handler.config.base import validate_config
 from nn_handler.distributed import liveness
 from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
 from nn_handler.distributed.device import resolve_device
@@ -78,7 +80,8 @@ def _info_from_group(info: DistributedInfo) -> DistributedInfo:
 class DistributedContext:
     """Where this process stands in the run and the lifecycle of its process group.
 
-    Build it from the environment (the default) or explicit ``rank``/``world_size``, then call
+    ``config``: a DistributedConfig or a dict of its fields. Build it from the environment (the
+    default) or explicit ``rank``/``world_size``, then call
     ``setup`` on every rank (or use it as a context manager). With more than one process
     setup initialises the default process group, or adopts one that is already initialised.
     ``teardown`` destroys only the groups this context created and is idempotent.
@@ -88,14 +91,18 @@ class DistributedContext:
 
     def __init__(
         self,
-        config: DistributedConfig | None = None,
+        config: DistributedConfig | Mapping[str, Any] | None = None,
         *,
         info: DistributedInfo | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.config = config or DistributedConfig()
+        self.config = (
+            config
+            if isinstance(config, DistributedConfig)
+            else validate_config(DistributedConfig, config or {}, "DistributedContext(config)")
+        )
         source = os.environ if env is None else env
         self._info = info or parse_distributed_env(source, rank=rank, world_size=world_size)
         self._agent_store = source.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_scenarios.py"
 ROOT = SCRIPT.parents[2]
 STALL_TIMEOUT = 2.0
 BY_HAND = ["hook", "skip", "dtype", "shape", "op", "kill", "validate"]
-UNDER_TORCHRUN = ["hook", "dtype"]
+UNDER_TORCHRUN = ["hook", "skip", "dtype", "kill"]
 
 
 def _line(marker: str) -> str:
@@ -191,6 +191,10 @@ def test_under_torchrun_the_job_fails_with_the_report(
 ) -> None:
     outcome = outcomes[f"torchrun-{scenario}"]
     assert outcome.codes == [1], outcome.output  # torchrun's own exit status
-    assert "ChildFailedError" in outcome.output and "exitcode  : 1" in outcome.output
-    error = "CollectiveStallError" if scenario == "hook" else "CollectiveMismatchError"
+    assert "ChildFailedError" in outcome.output
+    if scenario == "kill":  # the agent names the killed rank and stops the other
+        assert "Signal 9 (SIGKILL) received by PID" in outcome.output, outcome.output
+        return
+    assert "exitcode  : 1" in outcome.output
+    error = "CollectiveMismatchError" if scenario == "dtype" else "CollectiveStallError"
     _both_raise(outcome, error)

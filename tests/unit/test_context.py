@@ -24,6 +24,13 @@ def test_single_process_needs_no_process_group() -> None:
     ctx.teardown()  # idempotent
 
 
+def test_a_config_dict_is_validated_like_the_config() -> None:
+    context = DistributedContext({"stall_timeout": None, "timeout": 90})
+    assert context.config.stall_timeout is None and context.config.timeout.total_seconds() == 90
+    with pytest.raises(ConfigError, match=r"stall_timout.*did you mean 'stall_timeout'"):
+        DistributedContext({"stall_timout": 3})
+
+
 def test_communicator_before_setup_is_a_clear_error() -> None:
     with pytest.raises(DistributedError, match="call setup"):
         _ = DistributedContext().communicator

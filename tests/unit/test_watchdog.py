@@ -323,3 +323,12 @@ def test_patient_collectives_and_agreeing_ranks_raise_nothing() -> None:
     for watchdog in watchdogs:
         watchdog.stop()
     assert trackers[0].incident is None and trackers[1].incident is None
+
+
+def test_an_unwatched_communicator_marks_nothing() -> None:
+    from nn_handler import NullCommunicator
+
+    comm = NullCommunicator()
+    assert not comm.watching
+    with comm.watched("training step"), comm.patient():
+        assert comm.all_reduce(2.0) == 2.0

@@ -79,17 +79,14 @@ class Communicator(ObjectCollectives, ABC):
         """Whether the stall watchdog records this communicator's collectives."""
         return self._watch is not None
 
-    @contextlib.contextmanager
-    def watched(self, what: str) -> Iterator[None]:
+    def watched(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Count code that issues collectives this communicator does not see (DDP's gradient
         reduction in backward, FSDP's gathers) as one collective named ``what``, so the stall
         watchdog can report a rank waiting there. Every rank must enter it, in the same order
         as its other collectives."""
         if self._watch is None:
-            yield
-            return
-        with self._watch.region(what):
-            yield
+            return contextlib.nullcontext()
+        return self._watch.region(what)
 
     @contextlib.contextmanager
     def patient(self) -> Iterator[None]:

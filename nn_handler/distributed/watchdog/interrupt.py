@@ -24,8 +24,9 @@ SIGNAL = getattr(signal, "SIGUSR2", None)
 
 
 class MainThreadInterrupt:
-    """Delivers ``tracker.incident`` to the main thread; ``install`` and ``uninstall`` on the
-    main thread (elsewhere they do nothing and delivery falls back to an async exception)."""
+    """Delivers ``tracker.incident`` to the training thread; ``install`` and ``uninstall`` on
+    the main thread (elsewhere they do nothing and delivery falls back to an async exception,
+    as it does when training runs on another thread)."""
 
     def __init__(self, tracker: CollectiveTracker) -> None:
         self._tracker = tracker
@@ -53,17 +54,19 @@ class MainThreadInterrupt:
             self._tracker.raise_incident()
 
     def deliver(self) -> None:
-        """Make the main thread raise the incident (once) wherever it is in Python code."""
-        main = threading.main_thread()
-        if self._installed and SIGNAL is not None and main.ident is not None:
-            signal.pthread_kill(main.ident, SIGNAL)
+        """Make the training thread (the one that issued the latest collective; the main
+        thread by default) raise the incident, once, wherever it is in Python code."""
+        main = threading.main_thread().ident
+        target = self._tracker.thread_ident or main
+        if self._installed and SIGNAL is not None and target == main and main is not None:
+            signal.pthread_kill(main, SIGNAL)
             return
         incident = self._tracker.incident
-        if incident is None or main.ident is None:
+        if incident is None or target is None:
             return
         self._tracker.incident_raised = True
         ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(main.ident), ctypes.py_object(_class_raising(incident))
+            ctypes.c_ulong(target), ctypes.py_object(_class_raising(incident))
         )
 
 

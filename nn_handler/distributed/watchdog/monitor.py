@@ -158,9 +158,10 @@ class StallWatchdog:
     # ----------------------------------------------------------------- an incident
     def _answer(self) -> RankState:
         state, _ = self.tracker.snapshot()
-        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        thread = self.tracker.thread_ident or threading.main_thread().ident or -1
+        frame = sys._current_frames().get(thread)
         if frame is not None:
-            state.stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:])
+            state.stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:])  # training
             state.where_now = user_location(frame)
         if not self._answered:
             self._store.set(f"{self._prefix}/answer/{self._rank}", state.to_bytes())

@@ -34,21 +34,45 @@ def make_record(seq: int, what: str, where: str) -> Record:
     return Record(seq, what[:SIGNATURE_CHARS], zlib.crc32(what.encode()), where)
 
 
+#: Whether a file is the library's (nn_handler, torch, contextlib, threading), by file name.
+_LIBRARY: dict[str, bool] = {}
+
+#: Where a collective came from, as recorded on the training thread (formatted later).
+Site = tuple[str, int, str]
+
+
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_PACKAGE) or any(part in filename for part in _TORCH_PARTS)
+    known = _LIBRARY.get(filename)
+    if known is None:
+        known = _LIBRARY[filename] = filename.startswith(_PACKAGE) or any(
+            part in filename for part in _TORCH_PARTS
+        )
+    return known
 
 
-def user_location(frame: FrameType | None = None) -> str:
-    """``file:line in function`` of the innermost frame outside nn_handler and torch (the
-    caller's own code); the innermost frame when every frame is the library's."""
+def user_site(frame: FrameType | None = None) -> Site:
+    """(file, line, function) of the innermost frame outside nn_handler and torch (the
+    caller's own code); the innermost frame when every frame is the library's. Cheap: a few
+    dictionary lookups per frame, for every collective."""
     current: FrameType | None = frame if frame is not None else sys._getframe(1)
     first = current
     while current is not None and _is_library(current.f_code.co_filename):
         current = current.f_back
     chosen = current or first
     if chosen is None:
-        return "?"
-    return f"{_short(chosen.f_code.co_filename)}:{chosen.f_lineno} in {chosen.f_code.co_name}"
+        return ("?", 0, "?")
+    return (chosen.f_code.co_filename, chosen.f_lineno, chosen.f_code.co_name)
+
+
+def format_site(site: Site) -> str:
+    """``file:line in function``, the file relative to the working directory when inside."""
+    filename, line, name = site
+    return f"{_short(filename)}:{line} in {name}"
+
+
+def user_location(frame: FrameType | None = None) -> str:
+    """``file:line in function`` of ``user_site`` (the caller's own code)."""
+    return format_site(user_site(frame if frame is not None else sys._getframe(1)))
 
 
 def _short(filename: str) -> str:
@@ -131,5 +155,7 @@ __all__ = [
     "make_record",
     "neighbour",
     "ranks_text",
+    "format_site",
     "user_location",
+    "user_site",
 ]

@@ -80,7 +80,7 @@ def stall_report(
     for rank in blamed:
         state = states.get(rank)
         if state is not None and state.stack:
-            lines.append(f"Stack of rank {rank} (main thread, innermost last):")
+            lines.append(f"Stack of rank {rank} (its training thread, innermost last):")
             lines += [f"    {line}" for line in state.stack.rstrip().splitlines()]
     lines.append(HOW_TO_READ)
     return "\n".join(lines), blamed

@@ -5,12 +5,20 @@ collective; the watchdog thread reads it through ``snapshot``."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 
-from nn_handler.distributed.watchdog.records import RankState, Record, make_record, user_location
+from nn_handler.distributed.watchdog.records import (
+    RankState,
+    Record,
+    Site,
+    format_site,
+    make_record,
+    user_site,
+)
 
 #: Records kept (and published) per rank: enough to line up ranks a few collectives apart.
 HISTORY = 32
@@ -30,7 +38,12 @@ class CollectiveTracker:
         self.seq = 0
         self.incident: BaseException | None = None
         self.incident_raised = False
-        self._records: deque[Record] = deque(maxlen=HISTORY)
+        #: The thread that issued the latest collective (the training thread).
+        self.thread_ident: int | None = None
+        # (seq, what, site): made into Records (digest, formatted line) by ``snapshot``, off
+        # the training thread.
+        self._records: deque[tuple[int, str, Site]] = deque(maxlen=HISTORY)
+        self._made: dict[tuple[int, str, Site], Record] = {}
         self._lock = threading.Lock()
         self._inside = False
         self._patient = 0
@@ -41,10 +54,11 @@ class CollectiveTracker:
         """Record the next collective; raises the reported incident if there is one."""
         if self.incident is not None:
             self.raise_incident()
-        record = make_record(self.seq + 1, what, user_location())
+        site = user_site(sys._getframe(1))
+        self.thread_ident = threading.get_ident()
         with self._lock:
-            self._records.append(record)
-            self.seq = record.seq
+            self.seq += 1
+            self._records.append((self.seq, what, site))
             self._inside = True
             self._entered_patient = self._patient > 0
             self._since = time.monotonic()
@@ -54,15 +68,10 @@ class CollectiveTracker:
         self._inside = False
         self._since = time.monotonic()
 
-    @contextlib.contextmanager
-    def region(self, what: str) -> Iterator[None]:
+    def region(self, what: str) -> Region:
         """Code that issues collectives the Communicator does not see (DDP's gradient
-        reduction, FSDP's gathers), counted as one collective."""
-        self.enter(what)
-        try:
-            yield
-        finally:
-            self.leave()
+        reduction, FSDP's gathers), counted as one collective: ``with tracker.region(...)``."""
+        return Region(self, what)
 
     @contextlib.contextmanager
     def patient(self) -> Iterator[None]:
@@ -88,8 +97,11 @@ class CollectiveTracker:
         """This rank's state as the watchdog publishes it, and whether the collective it is
         inside (if any) was entered as patient. Safe from any thread."""
         with self._lock:
-            records = list(self._records)
+            raw = list(self._records)
             inside, since, patient = self._inside, self._since, self._entered_patient
+        made = {key: self._made.get(key) or _record(key) for key in raw}
+        self._made = made
+        records = list(made.values())
         state = RankState(
             rank=self.rank,
             seq=records[-1].seq if records else 0,
@@ -100,4 +112,25 @@ class CollectiveTracker:
         return state, inside and patient
 
 
-__all__ = ["HISTORY", "CollectiveTracker"]
+def _record(key: tuple[int, str, Site]) -> Record:
+    seq, what, site = key
+    return make_record(seq, what, format_site(site))
+
+
+class Region:
+    """``with tracker.region(what)``: one collective around the block (no generator: this runs
+    every training step)."""
+
+    __slots__ = ("_tracker", "_what")
+
+    def __init__(self, tracker: CollectiveTracker, what: str) -> None:
+        self._tracker, self._what = tracker, what
+
+    def __enter__(self) -> None:
+        self._tracker.enter(self._what)
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.leave()
+
+
+__all__ = ["HISTORY", "CollectiveTracker", "Region"]
