@@ -44,8 +44,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# In-process tests on both cores (a file's tests stay together: their module fixtures run
+# once); the multi-process tests one at a time, their timing bounds assume the cores are theirs.
 test: lint typecheck
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/distributed
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site .bench-quick

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +20,7 @@ from nn_handler.distributed import (
     get_local_rank,
     get_local_size,
 )
+from nn_handler.distributed.watchdog import WATCHDOGS
 from nn_handler.errors import ConfigError, DistributedError, RankFailedError
 from tests.harness import free_port, run_group, slurm_env
 
@@ -36,11 +39,22 @@ def _context_from_launcher_env(rank: int, world_size: int) -> dict[str, Any]:
         with pytest.raises(RankFailedError, match="disagrees with LOCAL_WORLD_SIZE=2") as info:
             create_local_process_group(1)
         assert info.value.failed_ranks == [0, 1]
+        seen["watchdog"] = (
+            WATCHDOGS.watchdog() is not None,
+            ctx.config.stall_timeout,  # half of the 30 s timeout given alone
+            signal.getsignal(signal.SIGUSR2) != signal.SIG_DFL,  # raises on the main thread
+        )
         adopted = DistributedContext(config).setup()  # a second context adopts the group
-        adopted.teardown()
+        adopted.teardown()  # ... and leaves the group and the watchdog to the first
         seen["alive_after_adopter_teardown"] = dist.is_initialized()
+        seen["watched_after_adopter_teardown"] = WATCHDOGS.watchdog() is not None
         seen["sum"] = ctx.communicator.all_reduce(rank + 1)
     seen["alive_after_exit"] = dist.is_initialized()
+    seen["watchdog_after_exit"] = (
+        WATCHDOGS.watchdog() is not None,
+        signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
+        any(t.name == "nn_handler-watchdog" for t in threading.enumerate()),
+    )
     ctx.teardown()
     return seen
 
@@ -60,6 +74,10 @@ def test_context_from_launcher_variables_sets_up_uses_and_tears_down() -> None:
         assert seen["local"] == (rank, 2, True)
         assert seen["alive_after_adopter_teardown"] and seen["sum"] == 3
         assert not seen["alive_after_exit"]
+        assert seen["watchdog"] == (True, timedelta(seconds=15), True)
+        assert seen["watched_after_adopter_teardown"]
+        # Teardown stops the thread and gives SIGUSR2 back.
+        assert seen["watchdog_after_exit"] == (False, True, False)
 
 
 def _local_groups_of_four(rank: int, world_size: int) -> dict[str, Any]:

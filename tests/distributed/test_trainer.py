@@ -30,6 +30,7 @@ from nn_handler import (
     accuracy,
 )
 from nn_handler.distributed.communicator import torch_backend
+from nn_handler.distributed.watchdog import WATCHDOGS
 from tests.harness import run_group
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
@@ -337,13 +338,19 @@ def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
         out[f"evaluate_{call}_collectives"] = dict(counts)
     train = regression_data()
     per_epochs = {}
+    tracker = WATCHDOGS.tracker()  # the stall watchdog is on: the counts hold with it
+    out["watched"] = tracker is not None and handler.communicator.watching
+    numbered = {}
     # train() continues a run: the first call trains epoch 1, the second epochs 2 and 3, so
     # their difference is what one epoch costs.
     for epochs in (1, 3):
+        before = tracker.seq if tracker is not None else 0
         with _counting_collectives() as counts:
             handler.train(train, epochs=epochs)
         per_epochs[epochs] = counts
+        numbered[epochs] = (tracker.seq if tracker is not None else 0) - before
     out["epoch_collectives"] = dict(per_epochs[3] - per_epochs[1])
+    out["epoch_records"] = numbered[3] - numbered[1]
     handler.trainer.state.epoch = 1  # rank 1 now reports a key rank 0 never saw
     out["evaluate_new_key"] = handler.evaluate(val)
     # One sample on two ranks: rank 1 has no validation batch at all, twice.
@@ -500,6 +507,11 @@ def test_validation_and_an_epoch_take_a_fixed_number_of_collectives(
         # carrying rank 0's stop decision (one all_gather).
         assert checks["epoch_collectives"] == {"all_gather": 2, "all_reduce": 1}
         assert checks["evaluate_cold"] == checks["evaluate_warm"]
+        # ... with the stall watchdog on, which adds none (it talks through the store). It
+        # numbers them all: per epoch the three above and the 4 training steps (DDP's
+        # reductions, one record per step).
+        assert checks["watched"]
+        assert checks["epoch_records"] == 3 + 4, checks["epoch_records"]
 
 
 def test_metrics_are_exact_when_the_ranks_report_different_keys(
