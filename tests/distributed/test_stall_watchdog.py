@@ -198,3 +198,30 @@ def test_under_torchrun_the_job_fails_with_the_report(
     assert "exitcode  : 1" in outcome.output
     error = "CollectiveMismatchError" if scenario == "dtype" else "CollectiveStallError"
     _both_raise(outcome, error)
+
+
+DOCS = ROOT / "docs" / "troubleshooting.md"
+
+
+def _comparable(text: str) -> list[str]:
+    """A report's lines without what changes between runs: seconds, pids and host names,
+    absolute paths, and the stack's frames (their library line numbers move with the code)."""
+    text = text.replace(f"{ROOT}/", "")
+    text = re.sub(r"\d+\.\d s", "N s", text)
+    text = re.sub(r"pid \d+ on \S+\)", "pid N on HOST)", text)
+    return [line for line in text.splitlines() if not line.startswith("      ")]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "rank"), [("hook", 1), ("skip", 0), ("dtype", 0), ("kill", 0)]
+)
+def test_the_troubleshooting_page_shows_the_reports_these_scenarios_give(
+    outcomes: dict[str, Outcome], scenario: str, rank: int
+) -> None:
+    raised = outcomes[scenario].raised(rank)
+    assert raised is not None, outcomes[scenario].output
+    page = "\n".join(_comparable(DOCS.read_text()))
+    for line in _comparable(raised["message"]):
+        assert line in page, (
+            f"docs/troubleshooting.md does not show this line of the {scenario} report:\n{line}"
+        )

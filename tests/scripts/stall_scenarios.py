@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from nn_handler import Hook, NNHandler
 from nn_handler.config import DistributedConfig
 from nn_handler.distributed import DistributedContext
+from tests.training_helpers import regression_data
 
 STALL_TIMEOUT = 2.0
 SLEEP = 60.0
@@ -44,10 +44,7 @@ def _stall_begins() -> None:
 
 
 def hook() -> None:
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(
-        torch.randn(400, 6, generator=generator), torch.randint(0, 3, (400,), generator=generator)
-    )
+    data = regression_data(n=400)
     config = {
         "loader": {"batch_size": 4},
         "trainer": {"progress_bar": False},

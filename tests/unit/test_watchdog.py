@@ -263,10 +263,19 @@ def _pair(stall_timeout: float) -> tuple[list[CollectiveTracker], list[StallWatc
     return trackers, watchdogs
 
 
-def _wait_for_incidents(trackers: list[CollectiveTracker], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(t.incident is None for t in trackers):
-        time.sleep(0.02)
+def _watch(
+    trackers: list[CollectiveTracker], watchdogs: list[StallWatchdog], seconds: float
+) -> None:
+    """Run the watchdogs until every tracker has an incident, or for ``seconds``."""
+    for watchdog in watchdogs:
+        watchdog.start()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(t.incident is None for t in trackers):
+            time.sleep(0.02)
+    finally:
+        for watchdog in watchdogs:
+            watchdog.stop()
 
 
 def test_two_watchdogs_report_a_stall_to_both_ranks() -> None:
@@ -275,13 +284,7 @@ def test_two_watchdogs_report_a_stall_to_both_ranks() -> None:
         tracker.enter("all_reduce(op=sum) float32[4]")
         tracker.leave()
     trackers[0].enter("all_reduce(op=sum) float32[4]")  # rank 0 waits; rank 1 never comes
-    for watchdog in watchdogs:
-        watchdog.start()
-    try:
-        _wait_for_incidents(trackers, 10)
-    finally:
-        for watchdog in watchdogs:
-            watchdog.stop()
+    _watch(trackers, watchdogs, 10)
     errors = [t.incident for t in trackers]
     assert all(isinstance(e, CollectiveStallError) for e in errors), errors
     assert str(errors[0]) == str(errors[1]) and errors[0].ranks == [1]  # type: ignore[union-attr]
@@ -297,13 +300,7 @@ def test_two_watchdogs_find_a_mismatch_without_any_collective() -> None:
     trackers[1].enter("all_reduce(op=sum) int32[4]")
     for tracker in trackers:
         tracker.leave()
-    for watchdog in watchdogs:
-        watchdog.start()
-    try:
-        _wait_for_incidents(trackers, 10)
-    finally:
-        for watchdog in watchdogs:
-            watchdog.stop()
+    _watch(trackers, watchdogs, 10)
     for tracker in trackers:
         assert isinstance(tracker.incident, CollectiveMismatchError), tracker.incident
         text = str(tracker.incident)
@@ -317,11 +314,7 @@ def test_patient_collectives_and_agreeing_ranks_raise_nothing() -> None:
         tracker.leave()
     with trackers[0].patient():
         trackers[0].enter("barrier()")  # rank 0 waits for rank 1's long preparation
-    for watchdog in watchdogs:
-        watchdog.start()
-    time.sleep(1.0)
-    for watchdog in watchdogs:
-        watchdog.stop()
+    _watch(trackers, watchdogs, 1.0)
     assert trackers[0].incident is None and trackers[1].incident is None
 
 
