@@ -325,3 +325,24 @@ def test_an_unwatched_communicator_marks_nothing() -> None:
     assert not comm.watching
     with comm.watched("training step"), comm.patient():
         assert comm.all_reduce(2.0) == 2.0
+
+
+def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> None:
+    store = HashStore()
+    timing = WatchdogTiming(60.0, interval=0.05, answer_wait=0.3, grace=600.0)
+    tracker = CollectiveTracker(1)
+    watchdog = StallWatchdog(tracker, store, 2, timing, interrupt=RecordingInterrupt())
+    tracker.enter("all_reduce(op=sum) float32[4]")  # waiting for rank 0, which opened and died
+    store.add("nn_handler/watch/open", 1)
+    store.set("nn_handler/watch/opened", '{"kind": "stall", "seq": 1, "rank": 0}')
+    started = time.monotonic()
+    _watch([tracker], [watchdog], 10)
+    assert isinstance(tracker.incident, CollectiveStallError), tracker.incident
+    assert time.monotonic() - started > timing.answer_wait  # it waited for the reporter first
+    text = str(tracker.incident)
+    assert text.startswith("Collective stall: rank 1 waited") and "rank 0: did not answer" in text
+    assert tracker.incident.ranks == [0]
+    # The report was written once, and a later writer would get the same one back.
+    assert store.compare_set("nn_handler/watch/report", "", "{}") == store.get(
+        "nn_handler/watch/report"
+    )

@@ -7,8 +7,9 @@ rank's state and stack through the store and makes every rank raise one report.
 Store keys (under ``nn_handler/watch/G/``, G counting the watchdogs each rank started in this
 group, so a group reused by several runs never reads an earlier run's report): ``state/R``
 (rank R's latest records, refreshed each interval), ``open`` (a counter: the rank that raises
-it to 1 writes the report), ``answer/R`` (rank R's state and main-thread stack once an
-incident is open), ``report`` (the outcome).
+it to 1 writes the report), ``opened`` (what it reports, so another rank can take over if it
+dies first), ``answer/R`` (rank R's state and stack once an incident is open), ``report``
+(the outcome, written once: compare-and-set).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nn_handler-watchdog", daemon=True)
         self._answered = False
+        self._open_seen: float | None = None
         self._acted_at: float | None = None
         self._reporter = False
         self._delivered = False
@@ -139,6 +141,9 @@ class StallWatchdog:
             self._answer()
             if store.check([f"{self._prefix}/report"]):
                 self._act(json.loads(store.get(f"{self._prefix}/report")))
+            elif self._report_overdue():  # the reporting rank died before it reported
+                opened = json.loads(store.get(f"{self._prefix}/opened"))
+                self._report(opened["kind"], opened["seq"], opened["rank"])
             return
         other = self._neighbour_state()
         if other is not None:
@@ -171,21 +176,36 @@ class StallWatchdog:
     def _open(self, kind: str, seq: int) -> None:
         if self._store.add(f"{self._prefix}/open", 1) != 1:
             return  # another rank reports; this one answers at its next look
+        opened = {"kind": kind, "seq": seq, "rank": self._rank}
+        self._store.set(f"{self._prefix}/opened", json.dumps(opened))
+        self._report(kind, seq, self._rank)
+
+    def _report_overdue(self) -> bool:
+        """Whether the incident was opened long enough ago that its reporter should have
+        reported (it gathers answers for ``answer_wait`` seconds at most)."""
+        now = time.monotonic()
+        if self._open_seen is None:
+            self._open_seen = now
+        limit = self.timing.answer_wait + 5 * self.timing.interval + 2.0
+        return now - self._open_seen > limit and self._store.check([f"{self._prefix}/opened"])
+
+    def _report(self, kind: str, seq: int, opener: int) -> None:
+        """Gather every rank's answer, write the report (the first one written wins: a rank
+        taking over from a dead reporter never makes a second) and act on it."""
         self._reporter = True
         mine = self._answer()
         states = {self._rank: mine, **self._collect_answers()}
         silent = self._silent(states)
         if kind == "stall":
-            text, ranks = reports.stall_report(
-                states, self._rank, self.timing.stall_timeout, silent
-            )
+            subject = opener if opener in states else self._rank
+            text, ranks = reports.stall_report(states, subject, self.timing.stall_timeout, silent)
             payload: dict[str, Any] = {"kind": kind, "text": text, "ranks": ranks}
         else:
             signatures = reports.mismatch_signatures(states, seq, self._world_size)
             error = CollectiveMismatchError(f"collective #{seq}", signatures, MISMATCH_HINT)
             payload = {"kind": kind, "text": str(error), "seq": seq, "signatures": signatures}
-        self._store.set(f"{self._prefix}/report", json.dumps(payload))
-        self._act(payload)
+        written = self._store.compare_set(f"{self._prefix}/report", "", json.dumps(payload))
+        self._act(json.loads(written))
 
     def _collect_answers(self) -> dict[int, RankState]:
         states: dict[int, RankState] = {}
