@@ -4,7 +4,7 @@ rank raise one report (CollectiveStallError / CollectiveMismatchError) instead o
 
 The watchdog of this process's default group is the one other piece of per-process state
 nn_handler keeps, in the explicit registry ``WATCHDOGS`` that DistributedContext sets on setup
-and clears on teardown (tests reset it the same way).
+and clears on teardown.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class WatchdogRegistry:
             return None
         tracker = watchdog.tracker
         if tracker.incident is None:
-            tracker.incident = _read_report(watchdog.prefix)
+            tracker.incident = _read_report(watchdog.store, watchdog.prefix)
         if tracker.incident is not None:
             tracker.incident_raised = True
         return tracker.incident
@@ -119,10 +119,9 @@ def _default_group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _read_report(prefix: str) -> BaseException | None:
-    store = default_store()
+def _read_report(store: Any, prefix: str) -> BaseException | None:
     try:
-        if store is None or not store.check([f"{prefix}/report"]):
+        if not store.check([f"{prefix}/report"]):
             return None
         payload = json.loads(store.get(f"{prefix}/report"))
     except Exception:  # the store went away with its host

@@ -81,7 +81,7 @@ class StallWatchdog:
     ) -> None:
         self.tracker = tracker
         self.timing = timing
-        self._store = store
+        self.store = self._store = store
         self.prefix = self._prefix = prefix
         self._rank = tracker.rank
         self.world_size = self._world_size = world_size
