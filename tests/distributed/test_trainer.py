@@ -323,15 +323,19 @@ def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
     """How many collectives evaluation and an epoch's end take in a real group, and the
     metrics when the ranks' key sets differ."""
     out: dict[str, Any] = {}
-    handler = NNHandler(
-        mlp(seed=5),
-        sgd,
-        nn.CrossEntropyLoss(),
-        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
-        metrics={"accuracy": accuracy},
-        context=context,
-        trainer_class=ExtraKeyOnRankOne,
-    )
+
+    def classifier(**extra: Any) -> NNHandler:
+        return NNHandler(
+            mlp(seed=5),
+            sgd,
+            nn.CrossEntropyLoss(),
+            config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
+            metrics={"accuracy": accuracy},
+            context=context,
+            **extra,
+        )
+
+    handler = classifier(trainer_class=ExtraKeyOnRankOne)
     for call in ("cold", "warm"):
         with _counting_collectives() as counts:
             out[f"evaluate_{call}"] = handler.evaluate(val)
@@ -366,14 +370,7 @@ def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
     handler.close()
     # A fresh trainer's first validation, rank 1 without a batch: the key hashes differ, so
     # the names are gathered (the one object gather).
-    fresh = NNHandler(
-        mlp(seed=5),
-        sgd,
-        nn.CrossEntropyLoss(),
-        config={"loader": {"batch_size": 5}, "trainer": {"progress_bar": False}},
-        metrics={"accuracy": accuracy},
-        context=context,
-    )
+    fresh = classifier()
     with _counting_collectives() as counts:
         out["evaluate_one_sample_first"] = fresh.evaluate(one)
     out["evaluate_one_sample_first_collectives"] = dict(counts)

@@ -346,3 +346,35 @@ def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> N
     assert store.compare_set("nn_handler/watch/report", "", "{}") == store.get(
         "nn_handler/watch/report"
     )
+
+
+def test_the_applications_own_sigusr2_handler_is_left_alone() -> None:
+    import signal
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        tracker = CollectiveTracker(0)
+        interrupt = MainThreadInterrupt(tracker)
+        interrupt.install()  # the application's handler stays; delivery is asynchronous
+        assert signal.getsignal(signal.SIGUSR2) is not interrupt._on_signal
+        _raise_soon(tracker, interrupt)
+        deadline = time.monotonic() + 10
+        with pytest.raises(CollectiveStallError):
+            while time.monotonic() < deadline:
+                sum(range(100))
+        assert seen == []  # never signalled
+        interrupt.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_off_the_main_thread_nothing_is_installed() -> None:
+    import signal
+
+    interrupt = MainThreadInterrupt(CollectiveTracker(0))
+    worker = threading.Thread(target=interrupt.install)
+    worker.start()
+    worker.join()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL

@@ -1,9 +1,11 @@
-"""The ``collective`` decorator: the stall watchdog's view of a Communicator's public calls."""
+"""The stall watchdog's view of a Communicator: the ``collective`` decorator on its public calls,
+and the ``watched`` / ``patient`` sections every Communicator offers."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from nn_handler.distributed.watchdog import WATCHDOGS, CollectiveTracker
@@ -53,4 +55,36 @@ def collective(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C
     return watched
 
 
-__all__ = ["collective"]
+class WatchedCollectives:
+    """The stall watchdog's sections, mixed into Communicator (``_watch`` is set by the
+    Communicator: the default group's tracker, or None when nothing watches)."""
+
+    _watch: CollectiveTracker | None
+
+    @property
+    def watching(self) -> bool:
+        """Whether the stall watchdog records this communicator's collectives."""
+        return self._watch is not None
+
+    def watched(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Count code that issues collectives this communicator does not see (DDP's gradient
+        reduction in backward, FSDP's gathers) as one collective named ``what``, so the stall
+        watchdog can report a rank waiting there. Every rank must enter it, in the same order
+        as its other collectives."""
+        if self._watch is None:
+            return contextlib.nullcontext()
+        return self._watch.region(what)
+
+    @contextlib.contextmanager
+    def patient(self) -> Iterator[None]:
+        """Collectives inside may legitimately wait longer than the stall timeout (rank 0
+        prepares data or writes a checkpoint while the others wait); the process-group timeout
+        still bounds them. Enter it on every rank."""
+        if self._watch is None:
+            yield
+            return
+        with self._watch.patient():
+            yield
+
+
+__all__ = ["WatchedCollectives", "collective"]

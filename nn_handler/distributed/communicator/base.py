@@ -13,9 +13,8 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, get_args
 
@@ -28,7 +27,7 @@ from nn_handler.distributed.communicator._common import (
     format_error,
     to_timedelta,
 )
-from nn_handler.distributed.communicator._watched import collective
+from nn_handler.distributed.communicator._watched import WatchedCollectives, collective
 from nn_handler.distributed.communicator.object_collectives import ObjectCollectives
 from nn_handler.distributed.watchdog import CollectiveTracker
 from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
@@ -41,7 +40,7 @@ T = TypeVar("T")
 Waiter = Callable[[], torch.Tensor]
 
 
-class Communicator(ObjectCollectives, ABC):
+class Communicator(ObjectCollectives, WatchedCollectives, ABC):
     """Collectives on tensors, numbers, nested containers of them, and picklable objects.
 
     Every public method must be called by every rank of the group, in the same order.
@@ -73,31 +72,6 @@ class Communicator(ObjectCollectives, ABC):
     def debug(self) -> bool:
         """Whether every collective is checked for matching calls across ranks first."""
         return self._debug
-
-    @property
-    def watching(self) -> bool:
-        """Whether the stall watchdog records this communicator's collectives."""
-        return self._watch is not None
-
-    def watched(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Count code that issues collectives this communicator does not see (DDP's gradient
-        reduction in backward, FSDP's gathers) as one collective named ``what``, so the stall
-        watchdog can report a rank waiting there. Every rank must enter it, in the same order
-        as its other collectives."""
-        if self._watch is None:
-            return contextlib.nullcontext()
-        return self._watch.region(what)
-
-    @contextlib.contextmanager
-    def patient(self) -> Iterator[None]:
-        """Collectives inside may legitimately wait longer than the stall timeout (rank 0
-        prepares data or writes a checkpoint while the others wait); the process-group timeout
-        still bounds them. Enter it on every rank."""
-        if self._watch is None:
-            yield
-            return
-        with self._watch.patient():
-            yield
 
     @property
     def is_distributed(self) -> bool:

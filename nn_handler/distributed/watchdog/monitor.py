@@ -243,8 +243,12 @@ class StallWatchdog:
         self._text = str(payload["text"])
         self.tracker.incident = incident
         self._acted_at = time.monotonic()
-        if self._reporter:
-            logger.bind(rank=self._rank).error("{}", self._text)
+        if self._reporter:  # one line in the log; the whole report is in the error raised
+            logger.bind(rank=self._rank).error(
+                "{} (every rank raises {} with the whole report)",
+                self._text.splitlines()[0],
+                type(incident).__name__,
+            )
         self._deliver_if_running()
 
     def _deliver_if_running(self) -> None:
@@ -258,9 +262,9 @@ class StallWatchdog:
         if self.tracker.incident_raised:
             return True
         self._deliver_if_running()
-        assert self._acted_at is not None
+        acted_at = self._acted_at if self._acted_at is not None else time.monotonic()
         limit = self.timing.grace * (1 if self._reporter else 2)
-        if time.monotonic() - self._acted_at < limit:
+        if time.monotonic() - acted_at < limit:
             return False
         state, _ = self.tracker.snapshot()
         where = describe(state.latest) if state.inside else "code that ignores the interrupt"
