@@ -49,11 +49,19 @@ from nn_handler.errors import (
 )
 from nn_handler.handler import NNHandler
 from nn_handler.log import disable_logging, enable_logging
+from nn_handler.monitoring import ThroughputMonitor
+from nn_handler.tracking import (
+    CSVLogger,
+    ExperimentLogger,
+    MLflowLogger,
+    TensorBoardLogger,
+    TrackioLogger,
+    WandbLogger,
+)
 from nn_handler.training import (
     History,
     Hook,
     ModelEma,
-    TensorBoardLogger,
     Trainer,
     accuracy,
 )
@@ -63,6 +71,7 @@ logger.disable("nn_handler")
 __version__ = "0.1.0"
 
 __all__ = [
+    "CSVLogger",
     "CheckpointConfig",
     "CheckpointError",
     "CollectiveMismatchError",
@@ -75,12 +84,14 @@ __all__ = [
     "DistributedInfo",
     "EarlyStoppingConfig",
     "EmaConfig",
+    "ExperimentLogger",
     "HandlerConfig",
     "History",
     "Hook",
     "LoaderConfig",
     "LoaderFactory",
     "LoggingConfig",
+    "MLflowLogger",
     "ModelEma",
     "NNHandler",
     "NNHandlerError",
@@ -91,12 +102,15 @@ __all__ = [
     "NullCommunicator",
     "RankFailedError",
     "TensorBoardLogger",
+    "ThroughputMonitor",
+    "TrackioLogger",
     "TrainingInterrupted",
     "TrainingPreempted",
     "UnevenDataError",
     "TorchCommunicator",
     "Trainer",
     "TrainerConfig",
+    "WandbLogger",
     "WorkerFailedError",
     "WorkerTimeoutError",
     "__version__",

@@ -30,6 +30,8 @@ from nn_handler.distributed.context import DistributedContext
 from nn_handler.distributed.env import DistributedInfo
 from nn_handler.errors import ConfigError
 from nn_handler.log import disable_logging, enable_logging
+from nn_handler.monitoring import ThroughputMonitor
+from nn_handler.tracking import build_trackers
 from nn_handler.training.checkpointing import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
@@ -106,6 +108,20 @@ def _remove_log_sinks(sinks: list[int]) -> None:
         disable_logging(sinks[0])
 
 
+def observers(config: LoggingConfig, given: Iterable[Hook]) -> list[Hook]:
+    """The hooks ``logging`` asks for: a ThroughputMonitor (unless ``monitor`` is off or
+    ``given`` has one) and the trackers of ``trackers``."""
+    added: list[Hook] = []
+    if config.monitor and not any(isinstance(hook, ThroughputMonitor) for hook in given):
+        added.append(
+            ThroughputMonitor(
+                flops_per_sample=config.flops_per_sample, peak_tflops=config.peak_tflops
+            )
+        )
+    added.extend(build_trackers(config.trackers, config.dir))
+    return added
+
+
 class NNHandler:
     """One model's training run: a DistributedContext, a Communicator, a LoaderFactory and a
     Trainer, built from one config.
@@ -162,6 +178,8 @@ class NNHandler:
         info = world_view(self.context, self.communicator)
         self._sinks = _add_log_sinks(self.config.logging, info.rank)
         self.loaders = LoaderFactory(self.config.loader, info, self.context.device)
+        given = list(hooks)
+        hooks = [*given, *observers(self.config.logging, given)]
         self.trainer = trainer_class(
             model,
             optimizer,

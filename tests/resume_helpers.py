@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 from nn_handler import HandlerConfig, Hook, NNHandler, TrainingPreempted
+from nn_handler.monitoring import RECORD_KEYS
 from tests.training_helpers import regression_data
 
-TIMING_KEYS = ("samples_per_sec", "epoch_time")
+#: The measured (not reproducible) keys of an epoch record: the loop's timing and the
+#: ThroughputMonitor's.
+TIMING_KEYS = ("samples_per_sec", "epoch_time", *RECORD_KEYS)
 EPOCHS = 3
 
 

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from nn_handler.config.base import ConfigModel, validate_config
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.distributed import DistributedConfig, LoaderConfig
+from nn_handler.config.observability import TrackerConfig, tracker_shorthand
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.errors import ConfigError
 
@@ -29,12 +30,30 @@ class LoggingConfig(ConfigModel):
         all_ranks: every rank prints (default: rank 0 only); records carry the rank either way.
         file: also write to this file; '{rank}' in the name gives one file per rank
             (e.g. 'logs/rank{rank}.log'), otherwise rank 0 writes it.
+        dir: the run folder the trackers write into by default.
+        trackers: experiment trackers, by name with their defaults (``[csv, mlflow]``) or
+            with options (``{type: wandb, mode: offline}``): csv, tensorboard, mlflow, wandb,
+            trackio (see nn_handler/config/tracking.py). Rank 0 logs to them.
+        monitor: add a ThroughputMonitor: throughput, TFLOP/s and MFU, the step anatomy
+            (data wait, compute, exposed communication, checkpoints) and peak memory in
+            each epoch's record, and a verdict when a part other than compute dominates.
+            Pass your own ``ThroughputMonitor`` in ``hooks`` to count tokens.
+        flops_per_sample: the monitor's training FLOPs per sample (None: measured once).
+        peak_tflops: the monitor's peak TFLOP/s per device for the MFU (None: looked up for
+            known GPUs).
     """
 
     enabled: bool = True
     level: str = "INFO"
     all_ranks: bool = False
     file: str | None = None
+    dir: str = "runs"
+    trackers: list[TrackerConfig] = Field(default_factory=list)
+    monitor: bool = True
+    flops_per_sample: float | None = Field(default=None, gt=0)
+    peak_tflops: float | None = Field(default=None, gt=0)
+
+    _trackers = field_validator("trackers", mode="before")(tracker_shorthand)
 
 
 class HandlerConfig(ConfigModel):

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
+from nn_handler.config.observability import ProfileConfig
 
 PrecisionName = Literal["32", "bf16", "fp16", "amp"]
 Interval = Literal["epoch", "step"]
@@ -153,6 +154,8 @@ class TrainerConfig(ConfigModel):
             host synchronisation the loop adds for display).
         progress_bar: a tqdm bar on rank 0.
         non_blocking: copy batches to the device asynchronously (with pinned memory).
+        profile: profile a few training steps with torch.profiler (ProfileConfig: Chrome
+            traces per rank, a table of the top operators); None: off.
     """
 
     epochs: int = Field(default=1, ge=1, strict=True)
@@ -193,6 +196,7 @@ class TrainerConfig(ConfigModel):
     log_every_n_steps: int = Field(default=50, ge=1, strict=True)
     progress_bar: bool = True
     non_blocking: bool = True
+    profile: ProfileConfig | None = None
 
     @model_validator(mode="after")
     def _check_val_interval(self) -> TrainerConfig:

@@ -24,6 +24,7 @@ from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.strategies.reduction_timer import ReductionTimer
 
 
 class Strategy(ABC):
@@ -94,6 +95,13 @@ class Strategy(ABC):
         """Whether each rank holds only its shard of the gradients (then a check of them is
         local, and ranks agree through ``agree``)."""
         return False
+
+    def timed_reductions(self) -> ReductionTimer | None:
+        """A timer of the gradient reductions' exposed part (see ``ReductionTimer``), from
+        the first call on; None when this strategy has no gradient reduction to time (one
+        device) or cannot time it (FSDP2 reduces inside its own hooks). Call before the
+        first backward."""
+        return None
 
     def agree(self, flag: bool) -> bool:
         """``flag`` and-ed over the ranks where each rank sees only its shard (one tiny

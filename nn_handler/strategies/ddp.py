@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy
+from nn_handler.strategies.reduction_timer import ReductionTimer
 from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -25,6 +26,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     _ddp: DistributedDataParallel | None = None
+    _timer: ReductionTimer | None = None
 
     def prepare(self, module: nn.Module) -> nn.Module:
         if not (dist.is_available() and dist.is_initialized()):
@@ -55,6 +57,18 @@ class DDPStrategy(Strategy):
     def reduces_gradients(self) -> bool:
         return self._ddp is not None
 
+    def timed_reductions(self) -> ReductionTimer | None:
+        """DDP's all-reduce through a timing communication hook (registered once: DDP takes
+        one hook per model)."""
+        if self._ddp is None:
+            return None
+        if self._timer is None:
+            self._timer = ReductionTimer(cuda=self.device.type == "cuda")
+            timer = self._timer
+            # A lambda: DDP checks the hook's annotations, which postponed ones would fail.
+            self._ddp.register_comm_hook(None, lambda state, bucket: timer.hook(state, bucket))
+        return self._timer
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self._ddp is None:
             return contextlib.nullcontext()
@@ -62,6 +76,7 @@ class DDPStrategy(Strategy):
 
     def release(self) -> None:
         self._ddp = None
+        self._timer = None
         super().release()
 
 

@@ -1,25 +1,24 @@
-"""The training layer: Trainer, precision, EMA, metrics, History, hooks and loggers."""
+"""The training layer: Trainer, precision, EMA, metrics, History, hooks and the profiler
+(experiment trackers are in nn_handler.tracking, the throughput monitor in
+nn_handler.monitoring)."""
 
 from nn_handler.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from nn_handler.training.early_stopping import EarlyStopping
 from nn_handler.training.ema import ModelEma, unwrap_model
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
-from nn_handler.training.loggers import ExperimentLogger, TensorBoardLogger
 from nn_handler.training.metrics import StatefulMetric, WeightedMeans, accuracy
 from nn_handler.training.precision import Precision, resolve_precision
 from nn_handler.training.trainer import Trainer, TrainerState
 
 __all__ = [
     "EarlyStopping",
-    "ExperimentLogger",
     "History",
     "Hook",
     "ModelEma",
     "Precision",
     "StatefulMetric",
     "SyncBatchNorm",
-    "TensorBoardLogger",
     "Trainer",
     "TrainerState",
     "WeightedMeans",

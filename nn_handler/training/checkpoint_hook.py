@@ -10,6 +10,7 @@ does is collective, and its errors are agreed on every rank.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class CheckpointHook(Hook):
         self.history = history
         self.device = device
         self.watch: PreemptionWatch | None = None
+        #: Seconds the training thread spent in step checkpoints and preemption checks so far
+        #: (the throughput monitor's "checkpoint" part of a step).
+        self.step_seconds = 0.0
 
     def part(self) -> Part:
         """The ``best`` value save_best compares with, kept in checkpoints."""
@@ -75,11 +79,15 @@ class CheckpointHook(Hook):
     # ----------------------------------------------------------------- hook points
     def after_optimizer_step(self) -> None:
         """Step checkpoints and the preemption check (the same steps on every rank)."""
+        started = time.perf_counter()
         every, step = self.config.every_n_steps, self.state.global_step
-        if self.config.save_last and every and step % every == 0:
-            self.checkpoints.save_periodic()
-        if self.watch is not None and self.watch.agreed(step):
-            self.preempt()
+        try:
+            if self.config.save_last and every and step % every == 0:
+                self.checkpoints.save_periodic()
+            if self.watch is not None and self.watch.agreed(step):
+                self.preempt()
+        finally:
+            self.step_seconds += time.perf_counter() - started
 
     def after_epoch(self) -> None:
         """Epoch checkpoints, best.pt, and a forced preemption check."""

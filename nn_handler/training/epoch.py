@@ -107,6 +107,7 @@ class EpochMixin(TrainerParts):
             for index, batch in enumerate(batches, start=first):
                 start, end = window(index, accumulate, total)
                 state.batch_index = index
+                state.batch = batch
                 synced = state.step_synced = index + 1 == end
                 if before:
                     hooks.call("before_step")
@@ -141,6 +142,7 @@ class EpochMixin(TrainerParts):
         finally:
             bar.close()
             self.position.running = None
+            self.state.batch = None
         loss_value, samples, extras = running.compute(self.comm, self.device, self._train_keys)
         elapsed = time.perf_counter() - started
         record = {
@@ -169,7 +171,9 @@ class EpochMixin(TrainerParts):
     def _validate_mid_epoch(self, val_loader: Any, batches: int, total: int | None) -> None:
         """Validation inside the epoch (val_check_interval), before this step's checkpoint
         (whose RNG state then includes it, so a resume continues exactly)."""
+        started = time.perf_counter()
         metrics = self.evaluate(val_loader)
+        self.state.validation_seconds += time.perf_counter() - started
         self.log.info(
             "validation at step {} (epoch {}, batch {}/{}): {}",
             self.state.global_step,
@@ -259,8 +263,11 @@ class EpochMixin(TrainerParts):
 
 
 def summary(record: Record) -> str:
+    """An epoch record as ``key=value`` pairs (``*_pct`` keys as percentages)."""
     shown = {k: v for k, v in record.items() if k != "epoch" and (k != "skipped_steps" or v)}
-    return ", ".join(f"{k}={v:.4g}" for k, v in shown.items())
+    return ", ".join(
+        f"{k[:-4]}={v:.0f}%" if k.endswith("_pct") else f"{k}={v:.4g}" for k, v in shown.items()
+    )
 
 
 __all__ = ["EpochMixin", "summary"]

@@ -82,8 +82,9 @@ class History:
             writer.writerows(self.records)
         return target
 
-    def plot(self, path: str | Path) -> Path:
-        """Write a PNG of the loss curves and of every other validation metric."""
+    def figure(self) -> Any:
+        """A matplotlib Figure of the loss curves and of every other validation metric (the
+        caller closes it: ``matplotlib.pyplot.close(figure)``)."""
         try:
             import matplotlib
 
@@ -107,6 +108,13 @@ class History:
             axis.legend()
             axis.grid(alpha=0.3)
         figure.tight_layout()
+        return figure
+
+    def plot(self, path: str | Path) -> Path:
+        """Write a PNG of the loss curves and of every other validation metric."""
+        figure = self.figure()
+        import matplotlib.pyplot as plt
+
         target = Path(path)
         figure.savefig(target, dpi=100)
         plt.close(figure)

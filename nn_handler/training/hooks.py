@@ -35,12 +35,16 @@ class Hook:
     - ``after_optimizer_step``: after each optimizer step (the last batch of an accumulation
       window), once ``trainer.state.global_step`` counts it.
     - ``after_validation(metrics)``: with the reduced validation metrics (same on every rank).
-    Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only.
+    Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only. They run
+    in ascending ``order`` (default 0), then in the order given: monitors that complete the
+    epoch record have a negative order, experiment loggers that log it a positive one.
     ``self.trainer`` is the Trainer the hook is attached to (typed ``Any`` so that this module
     does not import the Trainer; annotate ``trainer: MyTrainer = self.trainer`` for checks).
     """
 
     _trainer_ref: weakref.ReferenceType[Any] | None = None
+    #: Where the hook runs among the others at each point (ascending; ties keep their order).
+    order: int = 0
 
     @property
     def trainer(self) -> Any:
@@ -81,14 +85,15 @@ class HookList:
     """The hooks of one trainer, indexed by the points each one overrides."""
 
     def __init__(self, hooks: Iterable[Hook], trainer: Any) -> None:
-        self.hooks = list(hooks)
-        for hook in self.hooks:
+        given = list(hooks)
+        for hook in given:
             if not isinstance(hook, Hook):
                 raise ConfigError(
                     f"hooks must be nn_handler Hook instances, got {type(hook).__name__}; "
                     f"subclass nn_handler.training.Hook."
                 )
             hook.attach(trainer)
+        self.hooks = sorted(given, key=lambda hook: hook.order)
         self._by_point: dict[str, list[Hook]] = {
             point: [h for h in self.hooks if _overrides(h, point)] for point in HOOK_POINTS
         }

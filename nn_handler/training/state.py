@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,10 @@ class TrainerState:
         step_synced: whether the last batch ended an accumulation window (an optimizer step).
         last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
         should_stop: set when early stopping (or a hook) ends training after this epoch.
+        batch: the batch being trained, from ``before_step`` to ``after_step`` (None
+            outside a step).
+        validation_seconds: time spent in mid-epoch validation (``val_check_interval``) so
+            far, for monitors that time the steps around it.
     """
 
     epoch: int = 0
@@ -33,6 +38,8 @@ class TrainerState:
     step_synced: bool = False
     last_loss: torch.Tensor | None = None
     should_stop: bool = False
+    batch: Any = None
+    validation_seconds: float = 0.0
 
 
 __all__ = ["Stateful", "TrainerState"]

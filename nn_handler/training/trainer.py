@@ -56,6 +56,7 @@ from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 from nn_handler.training.optimization import OptimizationMixin, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
+from nn_handler.training.profiling import ProfilerHook
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import Stateful, TrainerState
 from nn_handler.training.step import StepMixin
@@ -116,6 +117,8 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self.early_stopping = (
             EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
         )
+        if self.config.profile is not None:
+            hooks = [*hooks, ProfilerHook(self.config.profile)]
         self.hooks = HookList(hooks, self)
         self._scheduler_factory: Callable[[Any, int], Any] | None = None
         self._pending_scheduler_state: Any = None
@@ -146,6 +149,10 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
         self._active: nn.Module = self.model
         self._metric_updates = 0
+        #: Whether the last ``fit`` raised (read by after_train hooks: trackers mark the run).
+        self.training_failed = False
+        #: Lines hooks add to this epoch's log line (a monitor's verdict), cleared per epoch.
+        self.epoch_notes: list[str] = []
         #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
         #: whole HandlerConfig here).
         run_config: dict[str, Any] = {
@@ -172,10 +179,14 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self._active = self.module
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The run's settings, flat (for experiment loggers)."""
-        params: dict[str, Any] = {f"trainer.{k}": v for k, v in self.config.model_dump().items()}
+        """The run's settings as flat ``section.field`` keys with plain values (what the
+        experiment trackers log once): the run configuration (NNHandler's whole config), the
+        resolved precision, the world size, the optimizer's class and first learning rate."""
+        config = self.run_config
+        params = flatten(config["handler"] if set(config) == {"handler"} else config)
         params["precision"] = self.precision.name
         params["world_size"] = self.comm.world_size
+        params["strategy"] = self.strategy.name
         params["ema"] = self.ema is not None
         if self.optimizer is not None:
             params["optimizer"] = type(self.optimizer).__name__
@@ -263,6 +274,7 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         )
 
     def _after_train(self, failed: bool) -> None:
+        self.training_failed = failed
         try:
             self.hooks.call("after_train")
         except Exception:
@@ -274,6 +286,7 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
         self.position.start_epoch(train_loader)
+        self.epoch_notes.clear()
         set_epoch(train_loader, self.state.epoch)
         # The loaders' lengths travel with the hooks' agreement (train_epoch checks them).
         length = limited(loader_length(train_loader), self._train_limit())
@@ -316,7 +329,10 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         self.state.should_stop = bool(shared[0][0])
         if self.checkpoint_hook is not None:
             self.checkpoint_hook.after_epoch()
-        self.log.info("epoch {}/{}: {}", self.state.epoch, epochs, summary(record))
+        notes = "".join(f"; {note}" for note in self.epoch_notes)
+        self.log.info(
+            "epoch {}/{}: {}{}", self.state.epoch, epochs, summary(self.history.last), notes
+        )
         if self.state.should_stop and self.early_stopping is not None:
             self.log.info(
                 "early stopping: {} has not improved for {} epochs (best {:.6g} at epoch {})",
@@ -350,6 +366,18 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         except Exception as caught:
             error = caught
         return self.comm.raise_if_any_failed(error, what, share() if share else ())
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``a.b.c`` keys; lists and other values as they are."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

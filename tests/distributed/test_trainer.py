@@ -32,6 +32,7 @@ from nn_handler import (
 from nn_handler.distributed.communicator import torch_backend
 from nn_handler.distributed.watchdog import WATCHDOGS
 from tests.harness import run_group
+from tests.resume_helpers import TIMING_KEYS
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
 pytestmark = pytest.mark.distributed
@@ -379,8 +380,7 @@ def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
 
 
 def _without_timing(records: list[dict[str, float]]) -> list[dict[str, float]]:
-    timing = ("epoch_time", "samples_per_sec")
-    return [{k: v for k, v in record.items() if k not in timing} for record in records]
+    return [{k: v for k, v in record.items() if k not in TIMING_KEYS} for record in records]
 
 
 @pytest.fixture(scope="module")

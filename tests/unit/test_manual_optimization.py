@@ -13,7 +13,7 @@ from torch import nn
 
 from nn_handler import ConfigError, HandlerConfig, NNHandler, Trainer, TrainingPreempted
 from tests.gan_helpers import GANTrainer, TinyGAN, ring_data
-from tests.resume_helpers import SigtermAt, same
+from tests.resume_helpers import TIMING_KEYS, SigtermAt, same
 from tests.training_helpers import mlp, sgd
 
 DATA = ring_data()  # 64 points: 8 batches of 8
@@ -55,8 +55,7 @@ def _outcome(handler: NNHandler) -> dict[str, Any]:
         "g": g.state_dict(),
         "lr": [s.get_last_lr() for s in handler.trainer.lr_schedulers()],
         "history": [
-            {k: v for k, v in r.items() if k not in ("epoch_time", "samples_per_sec")}
-            for r in handler.history.records
+            {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in handler.history.records
         ],
     }
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from nn_handler import ConfigError, Hook, NNHandler
 from nn_handler.errors import CollectiveMismatchError
-from nn_handler.training.loggers import ExperimentLogger
+from nn_handler.tracking import ExperimentLogger
 from tests.training_helpers import mlp, regression_data, sgd
 
 

@@ -85,7 +85,7 @@ def test_configure_optimizers_runs_once_the_trainer_parts_exist() -> None:
 
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), trainer_class=Reads) as handler:
         assert handler.trainer.optimizer is not None
-    assert seen == {"parts": (0, 0, 0), "strategy": "single"}
+    assert seen == {"parts": (0, 0, 1), "strategy": "single"}  # the ThroughputMonitor
 
 
 def test_importing_nn_handler_leaves_fsdp_and_dcp_unimported() -> None:

@@ -553,9 +553,11 @@ def test_tensorboard_logger_writes_event_files(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = events.Tags()["scalars"]
-    assert {"train/loss_step", "epoch/train_loss", "epoch/val_loss"} <= set(tags)
-    assert len(events.Scalars("train/loss_step")) == 10  # 5 steps x 2 epochs
-    assert len(events.Scalars("epoch/val_loss")) == 2
+    assert {"train_loss_step", "train_loss", "val_loss", "epoch"} <= set(tags)
+    assert len(events.Scalars("train_loss_step")) == 10  # 5 steps x 2 epochs
+    # Epoch records at the optimizer steps done (one axis with the step losses).
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(5, 1.0), (10, 2.0)]
+    assert events.Tags()["images"] == ["curves"]
 
 
 def test_compiled_models_train_and_unwrap(tmp_path: Path) -> None:

@@ -1,0 +1,23 @@
+"""Seeing a run: throughput, FLOPs and MFU, the anatomy of a step, peak memory.
+
+``ThroughputMonitor`` is a Trainer hook (NNHandler adds one unless ``logging.monitor`` is
+off); ``anatomy``, ``flops`` and ``memory`` are its pure and device-facing parts.
+"""
+
+from nn_handler.monitoring.anatomy import DOMINANT, StepTimes, verdict
+from nn_handler.monitoring.flops import PEAK_TFLOPS, FlopCount, peak_tflops
+from nn_handler.monitoring.memory import peak_memory_bytes, reset_peak_memory
+from nn_handler.monitoring.throughput import RECORD_KEYS, ThroughputMonitor
+
+__all__ = [
+    "DOMINANT",
+    "PEAK_TFLOPS",
+    "RECORD_KEYS",
+    "FlopCount",
+    "StepTimes",
+    "ThroughputMonitor",
+    "peak_memory_bytes",
+    "peak_tflops",
+    "reset_peak_memory",
+    "verdict",
+]

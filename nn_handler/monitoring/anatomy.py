@@ -1,0 +1,79 @@
+"""Where a step's time goes: the parts, their shares, and a verdict when one dominates.
+
+Pure arithmetic on seconds (the ThroughputMonitor measures them): ``data`` waiting for the
+next batch, ``compute`` (forward, backward, optimizer), ``comm`` the gradient reduction left
+after backward ended (exposed), ``checkpoint`` step checkpoints and preemption checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+#: A part dominates at this share of the step time or more.
+DOMINANT = 0.5
+
+PARTS = ("data", "compute", "comm", "checkpoint")
+
+ADVICE = {
+    "data": (
+        "waiting for batches",
+        "raise num_workers, pin_memory, or use rank-cached loading (loader mode rank_cached)",
+    ),
+    "comm": (
+        "in gradient reduction not overlapped with backward",
+        "larger batches per rank, gradient accumulation, or a faster interconnect",
+    ),
+    "checkpoint": (
+        "writing checkpoints",
+        "save less often (every_n_steps) or use sharded checkpoints with async_save",
+    ),
+}
+
+
+@dataclass
+class StepTimes:
+    """Seconds summed over an epoch's steps on one rank; ``wall`` is the whole loop's."""
+
+    steps: float = 0.0
+    wall: float = 0.0
+    data: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0
+    checkpoint: float = 0.0
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> StepTimes:
+        return cls(*(float(v) for v in values))
+
+    def shares(self) -> dict[str, float]:
+        """Each part's share of the wall time (0 to 1; they need not sum to 1: the rest is
+        the loop's own bookkeeping and hooks)."""
+        if self.wall <= 0:
+            return dict.fromkeys(PARTS, 0.0)
+        return {part: min(max(getattr(self, part) / self.wall, 0.0), 1.0) for part in PARTS}
+
+
+def verdict(shares_by_rank: Sequence[Mapping[str, float]]) -> str | None:
+    """One line when a part other than compute takes at least ``DOMINANT`` of the step on
+    some rank (the largest such share, naming the rank when there are several); None when
+    compute dominates or nothing does."""
+    worst: tuple[float, str, int] | None = None
+    for rank, shares in enumerate(shares_by_rank):
+        for part in ADVICE:
+            share = shares.get(part, 0.0)
+            if share >= DOMINANT and (worst is None or share > worst[0]):
+                worst = (share, part, rank)
+    if worst is None:
+        return None
+    share, part, rank = worst
+    what, fix = ADVICE[part]
+    where = f" on rank {rank}" if len(shares_by_rank) > 1 else ""
+    bound = "communication" if part == "comm" else part
+    return f"{bound}-bound: {share:.0%} of the step {what}{where}; {fix}"
+
+
+__all__ = ["ADVICE", "DOMINANT", "PARTS", "StepTimes", "verdict"]

@@ -1,0 +1,78 @@
+"""CSVLogger: metrics.csv and hparams.json in a folder, no dependency."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from nn_handler.tracking.base import ExperimentLogger, plain_params
+
+
+class CSVLogger(ExperimentLogger):
+    """``dir/metrics.csv`` (one row per ``log_metrics`` call: ``step`` then every key seen,
+    empty where a row has none), ``dir/hparams.json`` and ``dir/curves.png``; rank 0 only.
+
+    The file is rewritten whole (atomically) at each call. A resumed run keeps the rows up to
+    the step it resumed from (the rows logged after its checkpoint are dropped, since the run
+    does them again); a new run (step 0) starts the file anew.
+    """
+
+    def __init__(self, dir: str | Path, every_n_steps: int = 50, log_curves: bool = True) -> None:
+        super().__init__(every_n_steps, log_curves)
+        self.dir = Path(dir)
+        self.rows: list[dict[str, float]] = []
+        self._keys: list[str] = ["step"]
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.dir / "metrics.csv"
+
+    def before_train(self) -> None:
+        if self.trainer.is_main_process:
+            self._keep_rows_until(self.trainer.state.global_step)
+        super().before_train()
+
+    def _keep_rows_until(self, step: int) -> None:
+        self.rows, self._keys = [], ["step"]
+        if step == 0 or not self.metrics_file.exists():
+            return
+        with self.metrics_file.open(newline="") as handle:
+            for row in csv.DictReader(handle):
+                if float(row["step"]) <= step:
+                    self._add({k: float(v) for k, v in row.items() if v != ""})
+
+    def _add(self, row: dict[str, float]) -> None:
+        self.rows.append(row)
+        self._keys.extend(key for key in row if key not in self._keys)
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(plain_params(params), indent=2, sort_keys=True)
+        _write_atomically(self.dir / "hparams.json", text + "\n")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._add({"step": float(step), **metrics})
+        self.dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.metrics_file.with_suffix(".csv.tmp")
+        with temporary.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self._keys, restval="")
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({k: (int(v) if k == "step" else v) for k, v in row.items()})
+        os.replace(temporary, self.metrics_file)
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        figure.savefig(self.dir / f"{name}.png", dpi=100)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+__all__ = ["CSVLogger"]

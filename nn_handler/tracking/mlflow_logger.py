@@ -1,0 +1,116 @@
+"""MLflowLogger: the protocol on MLflow's tracking client (no global state of mlflow's)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from nn_handler.tracking.base import ExperimentLogger, plain_params, require
+
+#: MLflow's longest parameter value.
+MAX_PARAM_LENGTH = 6000
+
+
+class MLflowLogger(ExperimentLogger):
+    """One MLflow run: parameters, metrics by step, the curves as an artifact; rank 0 only.
+
+    Args:
+        tracking_uri: where MLflow stores runs (``sqlite:///runs/mlflow.db``, a server's
+            ``http://...``); None: MLflow's own default (``MLFLOW_TRACKING_URI``).
+        experiment: the experiment's name (created when missing).
+        run_name: the run's name (MLflow picks one when None).
+        tags: tags of the run.
+
+    The run's id is kept in checkpoints: a resumed training continues the same MLflow run.
+    Needs ``pip install 'nn_handler[mlflow]'`` (mlflow-skinny with SQLite support).
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str | Path | None = None,
+        experiment: str = "nn_handler",
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+        every_n_steps: int = 50,
+        log_curves: bool = True,
+    ) -> None:
+        super().__init__(every_n_steps, log_curves)
+        require("mlflow", "mlflow", "mlflow")
+        self.tracking_uri = str(tracking_uri) if tracking_uri is not None else None
+        self.experiment = experiment
+        self.run_name = run_name
+        self.tags = dict(tags or {})
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._resumed = False
+
+    # ----------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run_id = state.get("run_id")
+
+    # ----------------------------------------------------------------- the run
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _start(self) -> str:
+        if self.run_id is not None and self._client is None:
+            self._resumed = True
+            self.client.update_run(self.run_id, status="RUNNING")
+            return self.run_id
+        if self.run_id is None:
+            found = self.client.get_experiment_by_name(self.experiment)
+            experiment = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(self.experiment)
+            )
+            run = self.client.create_run(experiment, tags=self.tags, run_name=self.run_name)
+            self.run_id = str(run.info.run_id)
+        return self.run_id
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        run_id = self._start()
+        values = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in plain_params(params).items()}
+        if self._resumed:  # MLflow refuses to change a logged parameter
+            logged = self.client.get_run(run_id).data.params
+            changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+            if changed:
+                logger.warning(
+                    "MLflow run {} continues with changed parameters {} (kept as first logged)",
+                    run_id,
+                    changed,
+                )
+            values = {k: v for k, v in values.items() if k not in logged}
+        items = [Param(k, v) for k, v in values.items()]
+        for start in range(0, len(items), 100):  # MLflow's batch limit
+            self.client.log_batch(run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        items = [Metric(k, float(v), stamp, step) for k, v in metrics.items()]
+        self.client.log_batch(self._start(), metrics=items)
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self.client.log_figure(self._start(), figure, f"{name}.png")
+
+    def finish(self, status: str) -> None:
+        if self.run_id is not None and self._client is not None:
+            self.client.set_terminated(self.run_id, "FINISHED" if status == "success" else "FAILED")
+
+
+__all__ = ["MLflowLogger"]
