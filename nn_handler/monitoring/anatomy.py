@@ -15,18 +15,21 @@ DOMINANT = 0.5
 
 PARTS = ("data", "compute", "comm", "checkpoint")
 
+#: What each part means and what to do, in the order the verdict considers them: waiting
+#: for data or checkpoints is a cause; a rank's exposed communication may be it waiting for
+#: a slower rank, so it is named only when no rank waits on data or checkpoints.
 ADVICE = {
     "data": (
         "waiting for batches",
         "raise num_workers, pin_memory, or use rank-cached loading (loader mode rank_cached)",
     ),
-    "comm": (
-        "in gradient reduction not overlapped with backward",
-        "larger batches per rank, gradient accumulation, or a faster interconnect",
-    ),
     "checkpoint": (
         "writing checkpoints",
         "save less often (every_n_steps) or use sharded checkpoints with async_save",
+    ),
+    "comm": (
+        "in gradient reduction not overlapped with backward",
+        "larger batches per rank, gradient accumulation, or a faster interconnect",
     ),
 }
 
@@ -59,21 +62,19 @@ class StepTimes:
 
 def verdict(shares_by_rank: Sequence[Mapping[str, float]]) -> str | None:
     """One line when a part other than compute takes at least ``DOMINANT`` of the step on
-    some rank (the largest such share, naming the rank when there are several); None when
-    compute dominates or nothing does."""
-    worst: tuple[float, str, int] | None = None
-    for rank, shares in enumerate(shares_by_rank):
-        for part in ADVICE:
-            share = shares.get(part, 0.0)
-            if share >= DOMINANT and (worst is None or share > worst[0]):
-                worst = (share, part, rank)
-    if worst is None:
-        return None
-    share, part, rank = worst
-    what, fix = ADVICE[part]
-    where = f" on rank {rank}" if len(shares_by_rank) > 1 else ""
-    bound = "communication" if part == "comm" else part
-    return f"{bound}-bound: {share:.0%} of the step {what}{where}; {fix}"
+    some rank: the first such part in ``ADVICE``'s order, on the rank where its share is
+    largest (named when there are several ranks); None when compute dominates or nothing
+    does."""
+    for part, (what, fix) in ADVICE.items():
+        share, rank = max(
+            ((shares.get(part, 0.0), -rank) for rank, shares in enumerate(shares_by_rank)),
+            default=(0.0, 0),
+        )
+        if share >= DOMINANT:
+            where = f" on rank {-rank}" if len(shares_by_rank) > 1 else ""
+            bound = "communication" if part == "comm" else part
+            return f"{bound}-bound: {share:.0%} of the step {what}{where}; {fix}"
+    return None
 
 
 __all__ = ["ADVICE", "DOMINANT", "PARTS", "StepTimes", "verdict"]

@@ -33,7 +33,18 @@ def precision_kind(precision: str) -> str:
     """The ``PEAK_TFLOPS`` column of a Trainer precision ('32', 'bf16', 'fp16')."""
     if precision in ("bf16", "fp16"):
         return "bf16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return "tf32" if tf32_matmuls() else "fp32"
+
+
+def tf32_matmuls() -> bool:
+    """Whether fp32 CUDA matmuls may use TF32, by the new API (which reflects the legacy
+    ``allow_tf32`` and ``set_float32_matmul_precision`` too; reading the legacy flag after
+    the new API was used raises)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)  # torch >= 2.9
+    if precision is None:  # pragma: no cover - older torch
+        return bool(matmul.allow_tf32)
+    return bool(precision == "tf32")
 
 
 def peak_tflops(device: torch.device, precision: str) -> float | None:

@@ -3,7 +3,7 @@ peak memory, written into each epoch's History record.
 
 A hook (it runs before the experiment loggers, which then log its numbers). Per step it takes
 two clock readings and, under DDP, the gradient reduction's exposed time from a timing
-communication hook (``Strategy.timed_reductions``); per epoch one small all_gather of every
+communication hook (``Strategy.timed_reductions``); per epoch one small all_reduce of every
 rank's counts, so that the global numbers and the verdict are the same on every rank.
 """
 
@@ -84,6 +84,7 @@ class ThroughputMonitor(Hook):
         self._timer: ReductionTimer | None = None
         self._counting: FlopCount | None = None
         self._cuda = False
+        self._pending: dict[str, float] = {}
         self._reset(0.0)
 
     def _reset(self, now: float) -> None:
@@ -140,7 +141,9 @@ class ThroughputMonitor(Hook):
             self.tokens += int(self.count_tokens(batch))
         self._last = time.perf_counter()
 
-    def after_epoch(self) -> None:
+    def after_train_epoch(self) -> None:
+        """The epoch's numbers: every rank is here (its one all_reduce is safe), and the
+        validation that follows is not part of the training loop's time."""
         trainer = self.trainer
         times = self.times
         times.wall = self._last - self._started
@@ -152,17 +155,21 @@ class ThroughputMonitor(Hook):
             self._events[-1][1].synchronize()
             gpu = sum(s.elapsed_time(e) for s, e in self._events if e is not None) / 1000.0
             times.compute = max(gpu - times.comm, 0.0)
-        record = trainer.history.last
-        record.update(self._record(trainer))
+        record = self._record(trainer)
         ranks = self._gather(trainer)
-        line = verdict([rank.shares() for rank, _samples, _tokens in ranks])
-        self.last_verdict = line
-        if line is not None:
-            trainer.epoch_notes.append(line)
+        self.last_verdict = verdict([rank.shares() for rank, _samples, _tokens in ranks])
         if self.count_tokens is not None:
             wall = max(rank.wall for rank, _samples, _tokens in ranks)
             tokens = sum(tokens for _rank, _samples, tokens in ranks)
             record["tokens_per_sec"] = tokens / wall if wall > 0 else 0.0
+        self._pending = record
+
+    def after_epoch(self) -> None:
+        """Completes the epoch's record (before the loggers log it) and the log line."""
+        self.trainer.history.last.update(self._pending)
+        self._pending = {}
+        if self.last_verdict is not None:
+            self.trainer.epoch_notes.append(self.last_verdict)
 
     def after_train(self) -> None:
         if self._counting is not None and self.flops_per_sample is None:
@@ -194,14 +201,16 @@ class ThroughputMonitor(Hook):
         return record
 
     def _gather(self, trainer: Any) -> list[tuple[StepTimes, float, float]]:
-        """Every rank's (times, samples, tokens): one all_gather (none in one process)."""
+        """Every rank's (times, samples, tokens): one all_reduce of a table with a row per
+        rank, each rank filling its own (none in one process)."""
         mine = [*self.times.as_list(), float(self.samples), float(self.tokens)]
         comm = trainer.comm
         if comm.world_size == 1:
             rows = [mine]
         else:
-            local = torch.tensor(mine, dtype=torch.float64, device=trainer.device)
-            rows = [row.tolist() for row in comm.all_gather(local)]
+            table = torch.zeros(comm.world_size, len(mine), dtype=torch.float64)
+            table[comm.rank] = torch.tensor(mine, dtype=torch.float64)
+            rows = comm.all_reduce_(table.to(trainer.device), op="sum").tolist()
         width = len(self.times.as_list())
         return [(StepTimes.from_list(row[:width]), row[width], row[width + 1]) for row in rows]
 

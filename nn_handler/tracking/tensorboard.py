@@ -18,6 +18,7 @@ class TensorBoardLogger(ExperimentLogger):
         self, log_dir: str | Path, every_n_steps: int = 50, log_curves: bool = True
     ) -> None:
         super().__init__(every_n_steps, log_curves)
+        require("tensorboard", "tensorboard", "tensorboard")
         self.log_dir = Path(log_dir)
         self._writer: Any = None
 

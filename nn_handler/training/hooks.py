@@ -17,6 +17,7 @@ HOOK_POINTS = (
     "before_train",
     "after_train",
     "before_epoch",
+    "after_train_epoch",
     "after_epoch",
     "before_step",
     "after_step",
@@ -31,6 +32,9 @@ class Hook:
     - ``before_train`` / ``after_train``: once per ``fit`` (after_train also on error).
     - ``before_epoch`` / ``after_epoch``: around each epoch; ``trainer.history.last`` holds
       the finished epoch's record in after_epoch.
+    - ``after_train_epoch``: after the epoch's training batches, before its validation;
+      every rank reaches it together, so a hook may run a collective of its own there
+      (every rank must); an error there stops every rank, like one in a training step.
     - ``before_step`` / ``after_step``: around each batch (``trainer.state`` tells which).
     - ``after_optimizer_step``: after each optimizer step (the last batch of an accumulation
       window), once ``trainer.state.global_step`` counts it.
@@ -64,6 +68,9 @@ class Hook:
 
     def before_epoch(self) -> None:
         """Before each epoch."""
+
+    def after_train_epoch(self) -> None:
+        """After the epoch's training batches, before its validation (collectives allowed)."""
 
     def after_epoch(self) -> None:
         """After each epoch, with its record in ``trainer.history``."""

@@ -12,6 +12,7 @@ The loop, in pseudocode (every rank runs it on its own shard), with the file of 
             after_optimizer_step hooks           # hooks.py; checkpoint_hook.py: step
                                                  # checkpoints and the preemption check
         train_loss <- one all_reduce             # no host sync inside the epoch
+        after_train_epoch hooks                  # e.g. the throughput monitor's all_gather
         metrics <- evaluate(val_loader)          # evaluation.py: exact, every sample once
         scheduler.step()                         # optimization.py
         history.append(record); early stopping; after_epoch hooks; CheckpointHook.after_epoch
@@ -301,6 +302,7 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
             record.update(self.train_epoch(train_loader, epochs, val_loader=val_loader))
         else:  # a subclass's train_epoch(loader, epochs) keeps working
             record.update(self.train_epoch(train_loader, epochs))
+        self.hooks.call("after_train_epoch")  # every rank is here: collectives allowed
         record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
         validation_error: Exception | None = None
         if val_loader is not None:

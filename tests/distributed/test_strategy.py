@@ -1,8 +1,9 @@
 """The Strategy seam and the Trainer's parts in a real 2-rank gloo group: 'auto' is DDP,
 'single' is refused, a communicator double that disagrees with the group is a ConfigError
 naming both views; the collectives per step, extra logged values, per-rank tracked state, the
-after_optimizer_step point and a GAN. One spawned group runs every check (the suite stays
-fast); each test reads its part of the results."""
+after_optimizer_step point, a GAN, and the throughput monitor's verdict on a straggler. One
+spawned group runs every check (the suite stays fast); each test reads its part of the
+results."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _every_check(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "optimizer_steps": _optimizer_step_hooks(rank, world_size),
         "validations": _mid_epoch_validations(rank, world_size),
         "gan": _gan_on_two_ranks(rank, world_size),
+        "monitor": _monitor_on_two_ranks(rank, world_size),
     }
 
 
@@ -101,19 +103,24 @@ def _collectives_per_epoch(rank: int, world_size: int) -> dict[int, list[str]]:
             self.calls.append("barrier")
             super()._do_barrier(timeout)
 
-    seen: dict[int, list[str]] = {}
-    for batch_size in (10, 2):  # 2 and 10 optimizer steps per epoch on each rank
+    seen: dict[Any, list[str]] = {}
+    # 2 and 10 optimizer steps per epoch on each rank; then 2 without the throughput monitor.
+    for batch_size, monitor in ((10, True), (2, True), (10, False)):
         comm = Recording()
         with NNHandler(
             mlp(),
             sgd,
             nn.CrossEntropyLoss(),
             communicator=comm,
-            config={"loader": {"batch_size": batch_size}, "trainer": {"progress_bar": False}},
+            config={
+                "loader": {"batch_size": batch_size},
+                "trainer": {"progress_bar": False},
+                "logging": {"monitor": monitor},
+            },
         ) as handler:
             comm.calls.clear()  # construction (DDP's broadcast is not ours)
             handler.train(regression_data(n=40), regression_data(n=9), epochs=2)
-        seen[40 // 2 // batch_size] = comm.calls
+        seen[40 // 2 // batch_size if monitor else "no monitor"] = comm.calls
     return seen
 
 
@@ -122,17 +129,55 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group(
 ) -> None:
     """With DDP and no preemption check, what the library reduces per epoch does not grow
     with the steps (a per-micro-batch agreement would): only DDP's own reducer runs per step."""
+
     # Per epoch: the before_epoch hooks' agreement carrying the loaders' lengths (a tiny
-    # all_gather), one all_reduce for the train loss and one for validation (its metrics
-    # with the validation loop's failure flag), and one agreement for the after_validation
-    # and after_epoch hooks carrying rank 0's stop decision. The first validation agrees on
-    # its metric names by a hash, in one more small all_reduce before its values. Plus one
+    # all_gather), one all_reduce for the train loss, the throughput monitor's all_reduce
+    # (after_train_epoch: a row per rank), one all_reduce for validation (its metrics with
+    # the validation loop's failure flag), and one agreement for the after_validation and
+    # after_epoch hooks carrying rank 0's stop decision. The first validation agrees on its
+    # metric names by a hash, in one more small all_reduce before its values. Plus one
     # agreement per fit (before_train).
-    epoch = ["all_gather", "all_reduce", "all_reduce", "all_gather"]
-    first = [*epoch[:2], "all_reduce", *epoch[2:]]
+    def expected(monitor: bool) -> list[str]:
+        epoch = ["all_gather", "all_reduce", *(["all_reduce"] if monitor else []), "all_reduce"]
+        first = [*epoch[:-1], "all_reduce", epoch[-1], "all_gather"]
+        return ["all_gather", *first, *epoch, "all_gather"]
+
     for seen in (r["collectives"] for r in results):
         assert seen[2] == seen[10], seen
-        assert seen[2] == ["all_gather", *first, *epoch], seen[2]
+        assert seen[2] == expected(monitor=True), seen[2]
+        assert seen["no monitor"] == expected(monitor=False), seen["no monitor"]
+
+
+def _monitor_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's samples take 3 ms each to load; rank 0 waits for it in the reduction."""
+    import time
+
+    from torch.utils.data import Dataset
+
+    from nn_handler import ThroughputMonitor
+    from tests.training_helpers import regression_data
+
+    class SlowOnRankOne(Dataset[Any]):
+        data = regression_data(n=40)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, index: int) -> Any:
+            if rank == 1:
+                time.sleep(0.003)
+            return self.data[index]
+
+    monitor = ThroughputMonitor(count_tokens=lambda batch: 10 * len(batch[0]))
+    with NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 4}, "trainer": {"progress_bar": False}},
+        hooks=[monitor],
+    ) as handler:
+        handler.train(SlowOnRankOne(), epochs=1)
+        return {"record": dict(handler.history.last), "verdict": monitor.last_verdict}
 
 
 def _extras_on_two_ranks(rank: int, world_size: int) -> dict[str, float]:
@@ -155,6 +200,25 @@ def _extras_on_two_ranks(rank: int, world_size: int) -> dict[str, float]:
     ) as handler:
         handler.train(regression_data(n=40), epochs=1)
         return {k: v for k, v in handler.history.last.items() if k in ("train_rank", "train_first")}
+
+
+def test_the_monitor_finds_the_straggler_and_the_exposed_reduction(
+    results: list[dict[str, Any]],
+) -> None:
+    (fast, slow) = (r["monitor"]["record"] for r in results)
+    verdicts = {r["monitor"]["verdict"] for r in results}
+    (line,) = verdicts  # the same on every rank
+    assert line.startswith("data-bound: ") and " waiting for batches on rank 1; " in line
+    assert slow["data_wait_pct"] > 50.0 > fast["data_wait_pct"]
+    # Rank 0 waits for rank 1 in DDP's gradient reduction, after its own backward ended.
+    assert fast["exposed_comm_pct"] > 50.0 > slow["exposed_comm_pct"]
+    assert fast["tokens_per_sec"] == slow["tokens_per_sec"]  # every rank's tokens, one rate
+    for record in (fast, slow):
+        assert {"samples_per_sec_rank", "tokens_per_sec_rank", "step_ms"} <= set(record)
+        # 20 samples per rank, 10 tokens each: the global rate is twice a rank's (same wall).
+        assert record["tokens_per_sec"] >= 1.9 * min(
+            fast["tokens_per_sec_rank"], slow["tokens_per_sec_rank"]
+        )
 
 
 def test_extra_training_values_are_reduced_exactly_over_ranks(

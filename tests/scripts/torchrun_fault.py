@@ -28,6 +28,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from nn_handler import HandlerConfig, Hook, NNHandler, TrainingPreempted
+from nn_handler.monitoring import RECORD_KEYS
+
+#: Measured, not reproducible: the loop's clocks and the ThroughputMonitor's keys.
+TIMING_KEYS = ("epoch_time", "samples_per_sec", *RECORD_KEYS)
 
 KILL_AFTER_STEP = 7
 
@@ -125,7 +129,7 @@ def main() -> None:
                 report["best"] = hooks[1].best.hex()  # type: ignore[attr-defined]
             if val is not None:  # every logged value, exactly (the clocks' aside)
                 report["history"] = [
-                    {k: v.hex() for k, v in r.items() if k not in ("epoch_time", "samples_per_sec")}
+                    {k: v.hex() for k, v in r.items() if k not in TIMING_KEYS}
                     for r in history.records
                 ]
             torch.save(handler.model.state_dict(), out / f"rank{handler.rank}.pt")
