@@ -57,8 +57,8 @@ def training_step(data: dict[str, Any]) -> Table:
         "Median ms per training step and, per variant, the median, spread (min-max) and 95% "
         "interval of the median of the ratio to the raw loop over the interleaved repetitions, "
         "and the median overhead in ms per step. Below each table, NNHandler's time over each "
-        "peer's in the same repetition, and (two processes) over itself with the stall "
-        "watchdog off.",
+        "peer's in the same repetition, over itself with the throughput monitor off, and (two "
+        "processes) over itself with the stall watchdog off.",
         "",
     ]
     for result in data["results"]:
@@ -82,6 +82,16 @@ def training_step(data: dict[str, Any]) -> Table:
             )
             for peer, row in result["nn_handler_vs_peers"].items()
         ]
+        if "monitor_on_vs_off" in result:
+            row = result["monitor_on_vs_off"]
+            versus.append(
+                (
+                    "monitor on / off",
+                    _x(row["ratio_median"]),
+                    _spread(row["ratio_spread"]),
+                    _spread(row["ratio_ci95"]),
+                )
+            )
         if "watchdog_on_vs_off" in result:
             row = result["watchdog_on_vs_off"]
             versus.append(
@@ -94,8 +104,16 @@ def training_step(data: dict[str, Any]) -> Table:
             )
         costs = result.get("watchdog_costs")
         notes = []
+        monitor = result.get("monitor_costs")
+        if monitor is not None:
+            notes += [
+                f"Throughput monitor timed alone: {monitor['hooks_us_per_step']:.1f} µs per "
+                f"step and {monitor['epoch_start_us']:.0f} µs per epoch "
+                f"({100 * monitor['share_of_raw_step']:.2f}% of a raw step).",
+                "",
+            ]
         if costs is not None:
-            notes = [
+            notes += [
                 f"Stall watchdog timed alone: {costs['region_us_per_step']:.1f} µs of "
                 f"bookkeeping per step ({100 * costs['region_share_of_raw_step']:.2f}% of a raw "
                 f"step); its thread looks every {costs['interval_s']:g} s and a look takes "

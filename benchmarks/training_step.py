@@ -18,6 +18,10 @@ Python cost per step is not hidden by communication) and 2 (gloo on 127.0.0.1, D
 - nn_handler, stall watchdog off (two processes): ``stall_timeout=None`` (the defaults record
   every collective for the stall watchdog; its thread runs for the whole run, so this variant
   measures what recording costs the training thread; the costs are also timed alone);
+- nn_handler, monitor off: ``logging.monitor=False`` (the defaults run the ThroughputMonitor:
+  two clock readings per step, the gradient reduction timed through a DDP communication hook
+  with two processes, one small all_reduce and a peak-memory reading per epoch); its per-step
+  and per-epoch work is also timed alone;
 - fabric: ``lightning_fabric.Fabric`` (``setup``, ``setup_dataloaders``, ``backward``);
 - accelerate: ``accelerate.Accelerator`` (``prepare``, ``backward``).
 
@@ -52,6 +56,7 @@ from nn_handler import DistributedContext, NNHandler
 PEERS = ("fabric", "accelerate")
 WATCHDOG_OFF = "nn_handler, stall watchdog off"
 UNWATCHED = {"stall_timeout": None}
+MONITOR_OFF = "nn_handler, monitor off"
 CASES = {
     "tiny_mlp": (models.tiny_mlp, (32,), 64),
     "small_cnn": (models.small_cnn, (1, 28, 28), 32),
@@ -97,9 +102,12 @@ def _nn_handler(
     folder: str | None,
     trainer: dict[str, Any] | None = None,
     distributed: dict[str, Any] | None = None,
+    logging: dict[str, Any] | None = None,
 ) -> tuple[Epoch, NNHandler]:
     torch.manual_seed(0)
     config: dict[str, Any] = {"loader": {"batch_size": batch}, "trainer": trainer or {}}
+    if logging is not None:
+        config["logging"] = logging
     if distributed is not None:
         config["distributed"] = distributed
     if folder is not None:  # SIGTERM handling on: the preemption check runs (nothing is saved)
@@ -161,15 +169,19 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     ours, handler = _nn_handler(build, data, batch, None)
     guarded, guarded_handler = _nn_handler(build, data, batch, folder)
     unguarded, unguarded_handler = _nn_handler(build, data, batch, None, {"nonfinite": "off"})
+    unmonitored, unmonitored_handler = _nn_handler(
+        build, data, batch, None, logging={"monitor": False}
+    )
     variants: dict[str, Epoch] = {
         "raw": _raw(build, data, batch, world),
         "nn_handler": ours,
+        MONITOR_OFF: unmonitored,
         "nn_handler, nonfinite='off'": unguarded,
         "nn_handler + preemption check": guarded,
         "fabric": _fabric(build, data, batch, world),
         "accelerate": _accelerate(build, data, batch, world),
     }
-    handlers = [handler, guarded_handler, unguarded_handler]
+    handlers = [handler, guarded_handler, unguarded_handler, unmonitored_handler]
     if world > 1:  # only a group is watched: the same handler with the watchdog off
         unwatched, unwatched_handler = _nn_handler(build, data, batch, None, None, UNWATCHED)
         variants = {**variants, WATCHDOG_OFF: unwatched}
@@ -187,7 +199,9 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
                 epoch(repeat)
                 if repeat:
                     times[name].append((time.perf_counter() - start) / steps)
-    costs = _watchdog_costs(handler, statistics.median(times["raw"])) if world > 1 else None
+    raw_step = statistics.median(times["raw"])
+    costs = _watchdog_costs(handler, raw_step) if world > 1 else None
+    monitor_costs = _monitor_costs(handler, data, batch, steps, raw_step)
     for each in handlers:
         each.close()
     shutil.rmtree(folder, ignore_errors=True)
@@ -204,7 +218,10 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     # The direct question "is NNHandler slower than this peer?": its time over the peer's in
     # the same repetition (the two ran back to back), not two ratios to raw compared.
     peers = {peer: common.ratio_summary(times["nn_handler"], times[peer]) for peer in PEERS}
-    watched: dict[str, Any] = {}
+    watched: dict[str, Any] = {
+        "monitor_on_vs_off": common.ratio_summary(times["nn_handler"], times[MONITOR_OFF]),
+        "monitor_costs": monitor_costs,
+    }
     if costs is not None:  # the defaults (watchdog on) over the same handler without it
         watched["watchdog_on_vs_off"] = common.ratio_summary(
             times["nn_handler"], times[WATCHDOG_OFF]
@@ -219,6 +236,38 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
         "variants": rows,
         "nn_handler_vs_peers": peers,
         **watched,
+    }
+
+
+def _monitor_costs(
+    handler: NNHandler, data: TensorDataset, batch: int, steps: int, raw_step_s: float
+) -> dict[str, float]:
+    """The ThroughputMonitor's work timed alone on the handler that ran it: its two per-step
+    points, and its per-epoch start (the peak-memory reset) spread over the epoch's steps.
+    Not included: the per-epoch all_reduce (two processes) and, with DDP, the communication
+    hook's Python call per gradient bucket; the paired on/off ratio holds those."""
+    from nn_handler import ThroughputMonitor
+
+    trainer = handler.trainer
+    (monitor,) = [hook for hook in trainer.hooks.hooks if isinstance(hook, ThroughputMonitor)]
+    trainer.state.batch = (data.tensors[0][:batch], data.tensors[1][:batch])
+    count = 20_000
+    start = time.perf_counter()
+    for _ in range(count):
+        monitor.before_step()
+        monitor.after_step()
+    per_step = (time.perf_counter() - start) / count
+    epochs = 200
+    start = time.perf_counter()
+    for _ in range(epochs):
+        monitor.before_epoch()
+    per_epoch = (time.perf_counter() - start) / epochs
+    trainer.state.batch = None
+    share = (per_step + per_epoch / steps) / raw_step_s
+    return {
+        "hooks_us_per_step": per_step * 1e6,
+        "epoch_start_us": per_epoch * 1e6,
+        "share_of_raw_step": share,
     }
 
 
@@ -298,6 +347,15 @@ def _targets(results: list[dict[str, Any]]) -> tuple[dict[str, bool], dict[str, 
                 [1.0 + share, 1.0 + share],
                 1.01,
             )
+        # The monitor (on by default): in one process its whole cost is the work timed alone;
+        # with two, the paired on/off ratio also holds the DDP communication hook it adds.
+        monitor_target = f"{label}: the throughput monitor costs <= 1% of a step"
+        if result["world_size"] == 1:
+            share = 1.0 + result["monitor_costs"]["share_of_raw_step"]
+            judge(monitor_target, share, [share, share], 1.01)
+        else:
+            paired = result["monitor_on_vs_off"]
+            judge(monitor_target, paired["ratio_median"], paired["ratio_ci95"], 1.01)
         faster = min(PEERS, key=lambda peer: rows[peer]["ratio_median"])
         versus = result["nn_handler_vs_peers"][faster]
         judge(

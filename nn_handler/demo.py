@@ -2,7 +2,8 @@
 
 Run by torchrun (``nn-handler demo`` starts it). Rank 0 shows a progress bar and one summary
 line per epoch; checkpoints go to OUT/checkpoints after every epoch; at the end rank 0 prints
-the final validation accuracy and writes OUT/curves.png, OUT/history.json and OUT/history.csv.
+the final validation accuracy, the throughput and where the step's time went (the step
+anatomy and its verdict), and writes OUT/curves.png, OUT/history.json and OUT/history.csv.
 ``--resume`` continues from the latest checkpoint in OUT.
 """
 
@@ -20,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from nn_handler.config import HandlerConfig
 from nn_handler.digits import DigitsCNN, digits_datasets
 from nn_handler.handler import NNHandler
+from nn_handler.monitoring import ThroughputMonitor
 from nn_handler.training.metrics import accuracy
 
 
@@ -36,6 +38,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @record  # torchrun's report then names the real exception of a failing rank
+def anatomy(record: dict[str, float], monitor: ThroughputMonitor | None) -> str:
+    """The last epoch's throughput and where rank 0's step time went, for the summary."""
+    rate = record["samples_per_sec"]
+    lines = [f"  throughput: {rate:.0f} samples/s"]
+    if "samples_per_sec_rank" in record:
+        lines[0] += f" ({record['samples_per_sec_rank']:.0f} on rank 0)"
+    if "tflops" in record:
+        lines[0] += f", {1000 * record['tflops']:.3g} GFLOP/s on rank 0"
+    if "step_ms" in record:
+        parts = [
+            f"{label} {record[key]:.0f}%"
+            for key, label in (
+                ("data_wait_pct", "waiting for data"),
+                ("compute_pct", "compute"),
+                ("exposed_comm_pct", "exposed gradient reduction"),
+                ("checkpoint_pct", "checkpoints"),
+            )
+            if key in record
+        ]
+        lines.append(
+            f"  step anatomy (last epoch, rank 0): {record['step_ms']:.1f} ms per step: "
+            f"{', '.join(parts)}; peak memory {record['peak_mem_mb']:.0f} MB"
+        )
+    if monitor is not None:
+        lines.append(f"  verdict: {monitor.last_verdict or 'no part dominates the step'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
@@ -83,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{len(history)} epochs, final validation accuracy "
                 f"{history['val_accuracy'][-1]:.2%} ({seconds:.1f} s)"
             )
+            print(anatomy(history.last, handler.monitor))
             print(f"  run folder: {out.resolve()}")
             print(f"  curves: {plot}; history: history.json, history.csv")
             print(f"  checkpoints: {out / 'checkpoints'} (continue with --resume --out {out})")

@@ -180,6 +180,10 @@ class NNHandler:
         self.loaders = LoaderFactory(self.config.loader, info, self.context.device)
         given = list(hooks)
         hooks = [*given, *observers(self.config.logging, given)]
+        #: The run's ThroughputMonitor (yours or the default one); None with monitor off.
+        self.monitor: ThroughputMonitor | None = next(
+            (hook for hook in hooks if isinstance(hook, ThroughputMonitor)), None
+        )
         self.trainer = trainer_class(
             model,
             optimizer,

@@ -33,7 +33,7 @@ class LoggingConfig(ConfigModel):
         dir: the run folder the trackers write into by default.
         trackers: experiment trackers, by name with their defaults (``[csv, mlflow]``) or
             with options (``{type: wandb, mode: offline}``): csv, tensorboard, mlflow, wandb,
-            trackio (see nn_handler/config/tracking.py). Rank 0 logs to them.
+            trackio (see nn_handler/config/observability.py). Rank 0 logs to them.
         monitor: add a ThroughputMonitor: throughput, TFLOP/s and MFU, the step anatomy
             (data wait, compute, exposed communication, checkpoints) and peak memory in
             each epoch's record, and a verdict when a part other than compute dominates.

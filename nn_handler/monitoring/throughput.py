@@ -158,10 +158,10 @@ class ThroughputMonitor(Hook):
         record = self._record(trainer)
         ranks = self._gather(trainer)
         self.last_verdict = verdict([rank.shares() for rank, _samples, _tokens in ranks])
-        if self.count_tokens is not None:
+        if self.count_tokens is not None:  # every rank's tokens over the slowest rank's time
             wall = max(rank.wall for rank, _samples, _tokens in ranks)
             tokens = sum(tokens for _rank, _samples, tokens in ranks)
-            record["tokens_per_sec"] = tokens / wall if wall > 0 else 0.0
+            record = {"tokens_per_sec": tokens / wall if wall > 0 else 0.0, **record}
         self._pending = record
 
     def after_epoch(self) -> None:

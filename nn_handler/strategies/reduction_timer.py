@@ -58,7 +58,8 @@ class ReductionTimer:
         if not launched or not finished:
             return 0.0, 0
         if self.cuda:
-            finished[-1].synchronize()
+            for event in finished:  # each on the stream its reduction ran on
+                event.synchronize()
             last_launch = launched[-1]
             exposed = max(last_launch.elapsed_time(done) for done in finished) / 1000.0
         else:

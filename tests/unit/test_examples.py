@@ -200,6 +200,36 @@ def test_slurm_script_starts_an_existing_example_with_its_options() -> None:
     assert "--signal=TERM@" in sbatch and '"$status" -eq 75' in sbatch
 
 
+def test_observability_example_reports_a_slow_loader_and_writes_its_files(
+    tmp_path: Path,
+) -> None:
+    script = EXAMPLES / "observability.py"
+    command = [sys.executable, str(script), "--dir", str(tmp_path), "--epochs", "1"]
+    code, output = run_command([*command, "--slow-data", "0.002"], timeout=180)
+    assert code == 0, output
+    assert "verdict: data-bound: " in output and "waiting for batches" in output, output
+    assert re.search(r"epoch 1/1: .*data_wait=\d+%.*; data-bound: ", output), output
+    assert "top operators:" in output and "aten::" in output
+    rows = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and "step_ms" in rows[0] and len(rows) == 2
+    assert (tmp_path / "mlflow.db").is_file()
+    assert list((tmp_path / "profile").glob("rank0.step*.trace.json"))
+
+
+@pytest.mark.distributed
+def test_observability_example_under_torchrun_times_the_exposed_reduction(
+    tmp_path: Path,
+) -> None:
+    command = torchrun_command(EXAMPLES / "observability.py", "--dir", str(tmp_path))
+    code, output = run_command(command, timeout=180)
+    assert code == 0, output
+    assert re.search(r"epoch 2/2: .*samples_per_sec_rank=.*exposed_comm=\d+%", output), output
+    accuracy = float(output.split("val_accuracy=")[-1].split()[0])
+    assert accuracy > 0.85, output
+    traces = sorted(p.name for p in (tmp_path / "profile").glob("*.trace.json"))
+    assert [name.split(".")[0] for name in traces] == ["rank0", "rank1"]
+
+
 def test_every_example_has_a_smoke_test() -> None:
     tests = Path(__file__).read_text()
     tests += (Path(__file__).parents[1] / "distributed" / "test_torchrun_multinode.py").read_text()

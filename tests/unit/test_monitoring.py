@@ -256,3 +256,20 @@ def test_tensor_dataset_batches_count_their_samples() -> None:
     record = handler.history.last
     wall = record["step_ms"] * 4 / 1000.0
     assert record["tokens_per_sec"] == pytest.approx(40 / wall, rel=1e-9)
+
+
+def test_the_reduction_timer_reports_what_ran_past_the_last_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nn_handler.strategies.reduction_timer import ReductionTimer
+
+    timer = ReductionTimer()
+    clock = iter([1.0, 1.5, 1.7, 2.0])  # launch, launch, finish, finish
+    monkeypatch.setattr(timer, "_now", lambda: next(clock))
+    timer.launched()
+    timer.launched()
+    timer.finished()
+    timer.finished()
+    exposed, buckets = timer.take()
+    assert exposed == pytest.approx(0.5) and buckets == 2  # 2.0 - 1.5
+    assert timer.take() == (0.0, 0)  # nothing since: a micro-batch inside a window
