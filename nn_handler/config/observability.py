@@ -38,7 +38,8 @@ class TensorBoardTracker(TrackerOptions):
 
 class MlflowTracker(TrackerOptions):
     """``mlflow``: a run of ``experiment`` at ``tracking_uri`` (default:
-    ``sqlite:///<logging.dir>/mlflow.db``; a server's ``http://host:5000`` works too)."""
+    ``sqlite:///<logging.dir>/mlflow.db`` with the artifacts in ``<logging.dir>/mlruns``; a
+    server's ``http://host:5000`` works too)."""
 
     type: Literal["mlflow"] = "mlflow"
     tracking_uri: str | None = None

@@ -31,10 +31,15 @@ def build_tracker(config: TrackerConfig, run_dir: str | Path) -> ExperimentLogge
     if isinstance(config, TensorBoardTracker):
         return TensorBoardLogger(config.dir or root / "tensorboard", every, curves)
     if isinstance(config, MlflowTracker):
-        uri = config.tracking_uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
-        if config.tracking_uri is None:
+        artifacts = None
+        uri = config.tracking_uri
+        if uri is None:  # a SQLite store in the run folder, its artifacts beside it
             root.mkdir(parents=True, exist_ok=True)
-        return MLflowLogger(uri, config.experiment, config.run_name, config.tags, every, curves)
+            uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
+            artifacts = root / "mlruns"
+        return MLflowLogger(
+            uri, config.experiment, config.run_name, config.tags, every, curves, artifacts
+        )
     if isinstance(config, WandbTracker):
         return WandbLogger(
             config.project,

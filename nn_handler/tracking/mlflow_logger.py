@@ -23,6 +23,9 @@ class MLflowLogger(ExperimentLogger):
         experiment: the experiment's name (created when missing).
         run_name: the run's name (MLflow picks one when None).
         tags: tags of the run.
+        artifact_location: where a new experiment keeps its artifacts (the curves); None:
+            MLflow's default, which for a SQLite store is ``./mlruns`` under the current
+            directory (``logging.trackers`` puts it beside its database instead).
 
     The run's id is kept in checkpoints: a resumed training continues the same MLflow run.
     Needs ``pip install 'nn_handler[mlflow]'`` (mlflow-skinny with SQLite support).
@@ -36,9 +39,11 @@ class MLflowLogger(ExperimentLogger):
         tags: dict[str, str] | None = None,
         every_n_steps: int = 50,
         log_curves: bool = True,
+        artifact_location: str | Path | None = None,
     ) -> None:
         super().__init__(every_n_steps, log_curves)
         require("mlflow", "mlflow", "mlflow")
+        self.artifact_location = artifact_location
         self.tracking_uri = str(tracking_uri) if tracking_uri is not None else None
         self.experiment = experiment
         self.run_name = run_name
@@ -73,11 +78,19 @@ class MLflowLogger(ExperimentLogger):
             experiment = (
                 found.experiment_id
                 if found is not None
-                else self.client.create_experiment(self.experiment)
+                else self.client.create_experiment(
+                    self.experiment, artifact_location=self._artifact_uri()
+                )
             )
             run = self.client.create_run(experiment, tags=self.tags, run_name=self.run_name)
             self.run_id = str(run.info.run_id)
         return self.run_id
+
+    def _artifact_uri(self) -> str | None:
+        location = self.artifact_location
+        if location is None or "://" in str(location):
+            return None if location is None else str(location)
+        return Path(location).resolve().as_uri()
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -195,6 +195,10 @@ def test_mlflow_round_trip_through_mlflow_client(tmp_path: Path) -> None:
         assert [s for s, _ in logged] == [s for s, _ in expected], key
         assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-12), key
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png"]
+    # The artifacts live beside the database, not in ./mlruns of whatever the cwd is.
+    (curves,) = (tmp_path / "runs" / "mlruns").rglob("curves.png")
+    assert run.info.artifact_uri.startswith((tmp_path / "runs" / "mlruns").as_uri())
+    assert curves.stat().st_size > 0
 
 
 def test_a_resumed_training_continues_its_mlflow_run(tmp_path: Path) -> None:
