@@ -243,9 +243,10 @@ def _monitor_costs(
     handler: NNHandler, data: TensorDataset, batch: int, steps: int, raw_step_s: float
 ) -> dict[str, float]:
     """The ThroughputMonitor's work timed alone on the handler that ran it: its two per-step
-    points, and its per-epoch start (the peak-memory reset) spread over the epoch's steps.
-    Not included: the per-epoch all_reduce (two processes) and, with DDP, the communication
-    hook's Python call per gradient bucket; the paired on/off ratio holds those."""
+    points as the loop calls them, and its per-epoch start (the peak-memory reset) spread
+    over the epoch's steps. Not included: the per-epoch all_reduce (two processes) and, with
+    DDP, the communication hook's Python call per gradient bucket; the paired on/off ratio
+    holds those."""
     from nn_handler import ThroughputMonitor
 
     trainer = handler.trainer
@@ -253,9 +254,11 @@ def _monitor_costs(
     trainer.state.batch = (data.tensors[0][:batch], data.tensors[1][:batch])
     count = 20_000
     start = time.perf_counter()
+    hooks = trainer.hooks  # as the loop calls them (the monitor is the only step hook here)
+    assert [type(hook) for hook in hooks.hooks] == [ThroughputMonitor]
     for _ in range(count):
-        monitor.before_step()
-        monitor.after_step()
+        hooks.call("before_step")
+        hooks.call("after_step")
     per_step = (time.perf_counter() - start) / count
     epochs = 200
     start = time.perf_counter()
@@ -347,15 +350,16 @@ def _targets(results: list[dict[str, Any]]) -> tuple[dict[str, bool], dict[str, 
                 [1.0 + share, 1.0 + share],
                 1.01,
             )
-        # The monitor (on by default): in one process its whole cost is the work timed alone;
-        # with two, the paired on/off ratio also holds the DDP communication hook it adds.
-        monitor_target = f"{label}: the throughput monitor costs <= 1% of a step"
-        if result["world_size"] == 1:
-            share = 1.0 + result["monitor_costs"]["share_of_raw_step"]
-            judge(monitor_target, share, [share, share], 1.01)
-        else:
-            paired = result["monitor_on_vs_off"]
-            judge(monitor_target, paired["ratio_median"], paired["ratio_ci95"], 1.01)
+        # The monitor (on by default), judged as the issue states it: the defaults over the
+        # same handler with the monitor off, in the same repetitions. Its work timed alone
+        # (monitor_costs) is reported beside it.
+        paired = result["monitor_on_vs_off"]
+        judge(
+            f"{label}: the throughput monitor costs <= 1% of a step",
+            paired["ratio_median"],
+            paired["ratio_ci95"],
+            1.01,
+        )
         faster = min(PEERS, key=lambda peer: rows[peer]["ratio_median"])
         versus = result["nn_handler_vs_peers"][faster]
         judge(

@@ -84,13 +84,17 @@ class ThroughputMonitor(Hook):
         self._timer: ReductionTimer | None = None
         self._counting: FlopCount | None = None
         self._cuda = False
+        self._count_flops = False
+        self._more = False
+        self._state: Any = None
         self._pending: dict[str, float] = {}
         self._reset(0.0)
 
     def _reset(self, now: float) -> None:
         self.times = StepTimes()
-        self.samples = 0
-        self.tokens = 0
+        # The per-step sums, plain attributes (the hot path; StepTimes is built per epoch).
+        self._data = self._busy = self._comm = 0.0
+        self._steps = self.samples = self.tokens = 0
         self._started = now
         self._last = now  # the end of the last step (or the start of the epoch)
         self._step_start = now
@@ -99,11 +103,13 @@ class ThroughputMonitor(Hook):
     # ----------------------------------------------------------------- hook points
     def before_train(self) -> None:
         trainer = self.trainer
+        self._state = trainer.state  # read per step: one lookup, not the trainer's weakref
         self._cuda = trainer.device.type == "cuda"
         if self.time_reductions and self._timer is None:
             self._timer = trainer.strategy.timed_reductions()
         if self.peak_tflops is None:
             self.peak_tflops = peak_tflops(trainer.device, trainer.precision.name)
+        self._count_flops = self.flops_per_sample is None and self._can_count()
 
     def before_epoch(self) -> None:
         trainer = self.trainer
@@ -112,40 +118,52 @@ class ThroughputMonitor(Hook):
         self._validation_start = trainer.state.validation_seconds
         if self._timer is not None:
             self._timer.take()  # nothing left from a step outside the loop
+        # Whether a step needs more than its two clock readings and its sample count.
+        self._more = bool(
+            self._count_flops or self._cuda or self._timer or self.count_tokens is not None
+        )
         self._reset(time.perf_counter())
 
     def before_step(self) -> None:
         now = time.perf_counter()
-        self.times.data += now - self._last
+        self._data += now - self._last
         self._step_start = now
-        if self.flops_per_sample is None and self._counting is None and self._can_count():
-            self._counting = FlopCount().__enter__()
-        if self._cuda:
-            self._events.append((timing_event(), None))
+        if self._more:
+            if self._count_flops and self._counting is None:
+                self._counting = FlopCount().__enter__()
+            if self._cuda:
+                self._events.append((timing_event(), None))
 
     def after_step(self) -> None:
         now = time.perf_counter()
-        counting, batch = self._counting, self.trainer.state.batch
-        samples = batch_size_of(batch)
-        if counting is not None and self.flops_per_sample is None:
+        self._busy += now - self._step_start
+        self._steps += 1
+        batch = self._state.batch
+        self.samples += batch_size_of(batch)
+        if self._more:
+            self._after_step_more(batch)
+        self._last = time.perf_counter() if self._more else now
+
+    def _after_step_more(self, batch: Any) -> None:
+        counting = self._counting
+        if counting is not None and self._count_flops:
             counting.__exit__(None, None, None)
-            self.flops_per_sample = counting.total / max(samples, 1) or None
+            self._count_flops = False
+            self.flops_per_sample = counting.total / max(batch_size_of(batch), 1) or None
         if self._cuda:
             self._events[-1] = (self._events[-1][0], timing_event())
-        exposed = self._timer.take()[0] if self._timer is not None else 0.0
-        self.times.comm += exposed
-        self.times.compute += now - self._step_start - exposed
-        self.times.steps += 1
-        self.samples += samples
+        if self._timer is not None:
+            self._comm += self._timer.take()[0]
         if self.count_tokens is not None:
             self.tokens += int(self.count_tokens(batch))
-        self._last = time.perf_counter()
 
     def after_train_epoch(self) -> None:
         """The epoch's numbers: every rank is here (its one all_reduce is safe), and the
         validation that follows is not part of the training loop's time."""
         trainer = self.trainer
         times = self.times
+        times.steps, times.data, times.comm = float(self._steps), self._data, self._comm
+        times.compute = max(self._busy - self._comm, 0.0)
         times.wall = self._last - self._started
         times.checkpoint = self._checkpoint_seconds() - self._checkpoint_start
         validation = trainer.state.validation_seconds - self._validation_start

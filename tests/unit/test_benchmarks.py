@@ -154,6 +154,7 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
         assert set(row["variants"]) == {
             "raw",
             "nn_handler",
+            "nn_handler, monitor off",
             "nn_handler, nonfinite='off'",
             "nn_handler + preemption check",
             "fabric",
@@ -164,6 +165,7 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
             *row["variants"].values(),
             *row["nn_handler_vs_peers"].values(),
             *([row["watchdog_on_vs_off"]] if row["world_size"] == 2 else []),
+            row["monitor_on_vs_off"],
         ]
         assert set(row["nn_handler_vs_peers"]) == {"fabric", "accelerate"}
         for summary in summaries:
@@ -175,8 +177,12 @@ def test_training_step_measures_every_variant_in_one_and_two_processes(quick_run
             assert 0 < costs["region_us_per_step"] < 1000 and costs["look_ms"] > 0
             assert 0 < costs["region_share_of_raw_step"] < 1
             assert costs["interval_s"] == 2.0  # stall_timeout 5 min / 20, at most 2 s
+        monitor = row["monitor_costs"]  # the throughput monitor's work timed alone
+        assert 0 < monitor["hooks_us_per_step"] < 1000 and monitor["epoch_start_us"] > 0
+        assert 0 < monitor["share_of_raw_step"] < 1
     evidence = results["target_evidence"]
-    assert set(evidence) == set(results["targets_met"]) and len(evidence) == 9
+    assert set(evidence) == set(results["targets_met"]) and len(evidence) == 13
+    assert sum("throughput monitor" in target for target in evidence) == 4
     for target, ok in results["targets_met"].items():
         facts = evidence[target]
         assert ok == (facts["median"] <= facts["bound"]), target
