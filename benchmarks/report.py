@@ -82,26 +82,20 @@ def training_step(data: dict[str, Any]) -> Table:
             )
             for peer, row in result["nn_handler_vs_peers"].items()
         ]
-        if "monitor_on_vs_off" in result:
-            row = result["monitor_on_vs_off"]
-            versus.append(
-                (
-                    "monitor on / off",
-                    _x(row["ratio_median"]),
-                    _spread(row["ratio_spread"]),
-                    _spread(row["ratio_ci95"]),
+        for key, label in (
+            ("monitor_on_vs_off", "monitor on / off"),
+            ("watchdog_on_vs_off", "watchdog on / off"),
+        ):
+            if key in result:
+                row = result[key]
+                versus.append(
+                    (
+                        label,
+                        _x(row["ratio_median"]),
+                        _spread(row["ratio_spread"]),
+                        _spread(row["ratio_ci95"]),
+                    )
                 )
-            )
-        if "watchdog_on_vs_off" in result:
-            row = result["watchdog_on_vs_off"]
-            versus.append(
-                (
-                    "watchdog on / off",
-                    _x(row["ratio_median"]),
-                    _spread(row["ratio_spread"]),
-                    _spread(row["ratio_ci95"]),
-                )
-            )
         costs = result.get("watchdog_costs")
         notes = []
         monitor = result.get("monitor_costs")

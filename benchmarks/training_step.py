@@ -239,6 +239,14 @@ def _measure(world: int, case: str, steps: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _seconds_per_call(call: Callable[[], Any], count: int) -> float:
+    """The mean seconds of ``call()`` over ``count`` calls in a row."""
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    return (time.perf_counter() - start) / count
+
+
 def _monitor_costs(
     handler: NNHandler, data: TensorDataset, batch: int, steps: int, raw_step_s: float
 ) -> dict[str, float]:
@@ -252,19 +260,15 @@ def _monitor_costs(
     trainer = handler.trainer
     (monitor,) = [hook for hook in trainer.hooks.hooks if isinstance(hook, ThroughputMonitor)]
     trainer.state.batch = (data.tensors[0][:batch], data.tensors[1][:batch])
-    count = 20_000
-    start = time.perf_counter()
     hooks = trainer.hooks  # as the loop calls them (the monitor is the only step hook here)
     assert [type(hook) for hook in hooks.hooks] == [ThroughputMonitor]
-    for _ in range(count):
+
+    def step() -> None:
         hooks.call("before_step")
         hooks.call("after_step")
-    per_step = (time.perf_counter() - start) / count
-    epochs = 200
-    start = time.perf_counter()
-    for _ in range(epochs):
-        monitor.before_epoch()
-    per_epoch = (time.perf_counter() - start) / epochs
+
+    per_step = _seconds_per_call(step, 20_000)
+    per_epoch = _seconds_per_call(monitor.before_epoch, 200)
     trainer.state.batch = None
     share = (per_step + per_epoch / steps) / raw_step_s
     return {
@@ -283,17 +287,13 @@ def _watchdog_costs(handler: NNHandler, raw_step_s: float) -> dict[str, float]:
     watchdog = WATCHDOGS.watchdog()
     assert watchdog is not None and handler.communicator.watching
     region = "training step (DDPStrategy: forward, backward)"
-    count = 20_000
-    start = time.perf_counter()
-    for _ in range(count):
+
+    def step() -> None:
         with handler.communicator.watched(region):
             pass
-    per_step = (time.perf_counter() - start) / count
-    looks = 200
-    start = time.perf_counter()
-    for _ in range(looks):
-        watchdog._tick()
-    per_look = (time.perf_counter() - start) / looks
+
+    per_step = _seconds_per_call(step, 20_000)
+    per_look = _seconds_per_call(watchdog._tick, 200)
     return {
         "region_us_per_step": per_step * 1e6,
         "region_share_of_raw_step": per_step / raw_step_s,

@@ -56,6 +56,21 @@ def _train(
     return handler
 
 
+def _resumable(tmp_path: Path, trackers: list[Any], keep_last: int = 1) -> NNHandler:
+    """A handler with a checkpoint folder (one checkpoint per epoch) and ``trackers``."""
+    return NNHandler(
+        mlp(),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={
+            "loader": {"batch_size": 8, "shuffle": False},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), "keep_last": keep_last},
+            "logging": {"dir": str(tmp_path / "runs"), "trackers": trackers},
+        },
+    )
+
+
 def _epoch_rows(history: History) -> list[tuple[int, dict[str, float]]]:
     """(optimizer steps done, record) of each epoch: where the trackers log it."""
     return [(STEPS_PER_EPOCH * (i + 1), record) for i, record in enumerate(history.records)]
@@ -154,21 +169,12 @@ def test_csv_round_trip_matches_the_history(tmp_path: Path) -> None:
 
 
 def test_a_resumed_csv_log_keeps_the_rows_up_to_its_checkpoint(tmp_path: Path) -> None:
-    checkpoint = {"dir": str(tmp_path / "ckpt")}
     trackers: list[Any] = [{"type": "csv", "every_n_steps": 1}]
-    _train(tmp_path, trackers, epochs=1, checkpoint=checkpoint)
-    with NNHandler(
-        mlp(),
-        sgd,
-        nn.CrossEntropyLoss(),
-        config={
-            "loader": {"batch_size": 8, "shuffle": False},
-            "trainer": {"progress_bar": False},
-            "checkpoint": checkpoint,
-            "logging": {"dir": str(tmp_path / "runs"), "trackers": trackers},
-        },
-    ) as handler:
-        handler.resume("latest")
+    with _resumable(tmp_path, trackers, keep_last=2) as handler:
+        handler.train(regression_data(), regression_data(n=16, seed=1), epochs=2)
+    # Back to the end of epoch 1 (step 5): the rows of steps 6-10 are logged again, not twice.
+    with _resumable(tmp_path, trackers, keep_last=2) as handler:
+        handler.resume(tmp_path / "ckpt" / "ckpt-e0001-s00000005.pt")
         handler.train(regression_data(), regression_data(n=16, seed=1), epochs=2)
     with (tmp_path / "runs" / "csv" / "metrics.csv").open(newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -205,17 +211,7 @@ def test_a_resumed_training_continues_its_mlflow_run(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     def run_once(epochs: int, resume: bool) -> None:
-        with NNHandler(
-            mlp(),
-            sgd,
-            nn.CrossEntropyLoss(),
-            config={
-                "loader": {"batch_size": 8, "shuffle": False},
-                "trainer": {"progress_bar": False},
-                "checkpoint": {"dir": str(tmp_path / "ckpt")},
-                "logging": {"dir": str(tmp_path / "runs"), "trackers": ["mlflow"]},
-            },
-        ) as handler:
+        with _resumable(tmp_path, ["mlflow"]) as handler:
             if resume:
                 handler.resume("latest")
             handler.train(regression_data(), epochs=epochs)
