@@ -88,11 +88,11 @@ def tracker_shorthand(value: Any) -> Any:
 class ProfileConfig(ConfigModel):
     """torch.profiler over a few training steps (``trainer.profile``).
 
-    Steps are counted from the start of ``fit``: ``skip_first`` steps are not profiled, then
-    per cycle ``wait`` steps idle, ``warmup`` steps traced and dropped, ``active`` steps
-    recorded; ``repeat`` cycles. Each rank writes one Chrome trace per cycle,
-    ``dir/rank{rank}.step{step}.trace.json`` (open in chrome://tracing or Perfetto); rank 0
-    logs a table of the top ``row_limit`` operators sorted by ``sort_by``.
+    Steps are training batches (micro-batches under accumulation), counted from the start of
+    ``fit``: ``skip_first`` are not profiled, then per cycle ``wait`` idle, ``warmup`` traced
+    and dropped, ``active`` recorded; ``repeat`` cycles. Each rank writes one Chrome trace
+    per cycle, ``dir/rank{rank}.step{step}.trace.json`` (open in chrome://tracing or
+    Perfetto); rank 0 logs a table of the top ``row_limit`` operators sorted by ``sort_by``.
 
     Attributes:
         dir: the traces' folder.
