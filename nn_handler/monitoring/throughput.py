@@ -105,8 +105,8 @@ class ThroughputMonitor(Hook):
         trainer = self.trainer
         self._state = trainer.state  # read per step: one lookup, not the trainer's weakref
         self._cuda = trainer.device.type == "cuda"
-        if self.time_reductions and self._timer is None:
-            self._timer = trainer.strategy.timed_reductions()
+        # Asked each fit: the strategy registers its hook once per model wrapper it builds.
+        self._timer = trainer.strategy.timed_reductions() if self.time_reductions else None
         if self.peak_tflops is None:
             self.peak_tflops = peak_tflops(trainer.device, trainer.precision.name)
         self._count_flops = self.flops_per_sample is None and self._can_count()

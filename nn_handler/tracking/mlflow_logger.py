@@ -50,7 +50,6 @@ class MLflowLogger(ExperimentLogger):
         self.tags = dict(tags or {})
         self.run_id: str | None = None
         self._client: Any = None
-        self._resumed = False
 
     # ----------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -69,10 +68,7 @@ class MLflowLogger(ExperimentLogger):
         return self._client
 
     def _start(self) -> str:
-        if self.run_id is not None and self._client is None:
-            self._resumed = True
-            self.client.update_run(self.run_id, status="RUNNING")
-            return self.run_id
+        """The run's id, creating the run on first use."""
         if self.run_id is None:
             found = self.client.get_experiment_by_name(self.experiment)
             experiment = (
@@ -95,9 +91,14 @@ class MLflowLogger(ExperimentLogger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
+        # A run that exists already (resumed from a checkpoint, or an earlier train() of this
+        # handler) continues: running again, its parameters kept as first logged (MLflow
+        # refuses to change one; a learning rate a scheduler moved would be one).
+        continuing = self.run_id is not None
         run_id = self._start()
         values = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in plain_params(params).items()}
-        if self._resumed:  # MLflow refuses to change a logged parameter
+        if continuing:
+            self.client.update_run(run_id, status="RUNNING")
             logged = self.client.get_run(run_id).data.params
             changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
             if changed:
@@ -122,7 +123,7 @@ class MLflowLogger(ExperimentLogger):
         self.client.log_figure(self._start(), figure, f"{name}.png")
 
     def finish(self, status: str) -> None:
-        if self.run_id is not None and self._client is not None:
+        if self.run_id is not None:
             self.client.set_terminated(self.run_id, "FINISHED" if status == "success" else "FAILED")
 
 

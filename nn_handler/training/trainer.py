@@ -12,7 +12,7 @@ The loop, in pseudocode (every rank runs it on its own shard), with the file of 
             after_optimizer_step hooks           # hooks.py; checkpoint_hook.py: step
                                                  # checkpoints and the preemption check
         train_loss <- one all_reduce             # no host sync inside the epoch
-        after_train_epoch hooks                  # e.g. the throughput monitor's all_gather
+        after_train_epoch hooks                  # e.g. the throughput monitor's all_reduce
         metrics <- evaluate(val_loader)          # evaluation.py: exact, every sample once
         scheduler.step()                         # optimization.py
         history.append(record); early stopping; after_epoch hooks; CheckpointHook.after_epoch

@@ -126,3 +126,18 @@ def test_every_config_field_named_in_the_docs_exists() -> None:
         problems += [f"checkpoints.md table: {n}" for n in _unknown(CheckpointConfig, names)]
     assert checked > 40, checked  # the patterns still find the docs' fields
     assert not problems, problems
+
+
+def test_the_observability_guides_python_runs_as_written(tmp_path: Path) -> None:
+    text = (ROOT / "docs" / "observability.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2  # the monitor, then a tracker of your own (it reuses the first)
+    script = tmp_path / "guide.py"
+    script.write_text("\n".join(blocks))
+    code, output = run_command([sys.executable, str(script)], timeout=180, cwd=tmp_path)
+    assert code == 0, output
+    found = re.search(
+        r"([\d.e+]+) FLOPs per sample, ([\d.e+-]+) TFLOP/s, ([\d.e+]+) pixels/s", output
+    )
+    assert found is not None and float(found.group(1)) > 1e6, output  # the CNN: ~2 MFLOPs
+    assert "step 20 ['train_loss_step']" in output and "'step_ms'" in output, output

@@ -227,14 +227,59 @@ def test_a_resumed_training_continues_its_mlflow_run(tmp_path: Path) -> None:
     assert run.info.status == "FINISHED"
 
 
+def test_a_second_train_call_continues_the_same_runs(tmp_path: Path, monkeypatch: Any) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = ["csv", "mlflow", {"type": "wandb", "mode": "offline"}]
+    config = {
+        "loader": {"batch_size": 8, "shuffle": False},
+        "trainer": {"progress_bar": False},
+        "logging": {"dir": str(tmp_path / "runs"), "trackers": trackers},
+    }
+
+    def halve(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), halve, config=config) as handler:
+        handler.train(regression_data(), epochs=1)
+        # The learning rate moved: MLflow refuses to change a logged parameter, so the
+        # continuing run keeps the first value (and warns) instead of failing the call.
+        handler.train(regression_data(), epochs=2)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("nn_handler")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["lr"] == "0.1"
+    epochs = client.get_metric_history(run.info.run_id, "epoch")
+    assert [(m.step, m.value) for m in epochs] == [(5, 1.0), (10, 2.0)]
+    # W&B writes one offline folder per init; both belong to one run (`wandb sync` joins them).
+    files = _wandb_files(tmp_path / "runs")
+    assert len(files) == 2 and files[0].name == files[1].name  # run-<id>.wandb, the same id
+    rows = [row for path in files for row in _wandb_rows(path) if "epoch" in row]
+    assert [(row["_step"], row["epoch"]) for row in rows] == [(5, 1), (10, 2)]
+    with (tmp_path / "runs" / "csv" / "metrics.csv").open(newline="") as handle:
+        assert [row["epoch"] for row in csv.DictReader(handle)] == ["1.0", "2.0"]
+
+
 # --------------------------------------------------------------------------- W&B
+def _wandb_files(folder: Path) -> list[Path]:
+    """The offline run files under ``folder``, oldest first (one per ``wandb.init``)."""
+    return sorted(Path(p) for p in glob.glob(str(folder / "wandb" / "offline-run-*" / "*.wandb")))
+
+
 def _wandb_history(folder: Path) -> list[dict[str, Any]]:
-    """The history rows of the one offline run under ``folder``: W&B's run file is a
-    LevelDB-style log (7-byte header, 32 KiB blocks of records) of protobuf Records."""
+    """The history rows of the one offline run under ``folder``."""
+    (path,) = _wandb_files(folder)
+    return _wandb_rows(path)
+
+
+def _wandb_rows(path: Path) -> list[dict[str, Any]]:
+    """History rows of a W&B run file: a LevelDB-style log (7-byte header, 32 KiB blocks of
+    records) of protobuf Records."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
-    raw = Path(path).read_bytes()
+    raw = path.read_bytes()
     block, position, pending, payloads = 32768, 7, b"", []
     while position + 7 <= len(raw):
         if block - position % block < 7:  # a block's tail too short for a header: padding
