@@ -411,3 +411,10 @@ def test_a_tracker_whose_package_is_missing_names_the_extra(
             config={"logging": {"dir": str(tmp_path), "trackers": [tracker]}},
         )
     assert f"pip install 'nn_handler[{tracker}]'" in str(error.value)
+
+
+def test_a_tracker_logging_every_zero_steps_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="every_n_steps must be at least 1, got 0"):
+        CSVLogger(tmp_path, every_n_steps=0)
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        HandlerConfig.from_dict({"logging": {"trackers": [{"type": "csv", "every_n_steps": 0}]}})
