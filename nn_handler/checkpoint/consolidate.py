@@ -10,7 +10,6 @@ it is made loadable in one process: a sharded strategy becomes 'auto', checkpoin
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,15 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import atomic_save
-from nn_handler.checkpoint.sharded import SHARDED, is_sharded, read_rest
+from nn_handler.checkpoint.safe_dcp import INDEX, read_index
+from nn_handler.checkpoint.sharded import (
+    CHECKSUMS,
+    SHARDED,
+    is_sharded,
+    load_shards,
+    read_rest,
+    verify_sharded,
+)
 from nn_handler.errors import CheckpointError
 
 #: The sharded parts a consolidated file holds whole.
@@ -27,12 +34,11 @@ WEIGHTS = ("model", "ema")
 
 def read_whole(folder: str | Path, parts: tuple[str, ...] = WEIGHTS) -> dict[str, Any]:
     """The named parts of a sharded checkpoint, each whole (plain tensors on the CPU), read
-    in this process alone. Parts the folder does not hold are left out."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    in this process alone without running code from it (verify it first:
+    ``verify_sharded``). Parts the folder does not hold are left out."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata = read_index(Path(folder) / INDEX)
     paths = metadata.planner_data or {}
     template: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
@@ -48,22 +54,30 @@ def read_whole(folder: str | Path, parts: tuple[str, ...] = WEIGHTS) -> dict[str
             else None  # a plain value (a count): DCP puts the saved one in its place
         )
     if template:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load(template, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+        load_shards(folder, template, None)
     return template
 
 
 def consolidate(folder: str | Path, out: str | Path) -> Path:
     """Write the sharded checkpoint ``folder`` as the single file ``out`` (weights only; see
-    the module docstring) and return its path."""
+    the module docstring) and return its path. The folder's files are checked against their
+    checksums first; ``out`` may not lie inside the folder (it would replace or add to the
+    checkpoint's own files)."""
     source = Path(folder)
     if not is_sharded(source):
         raise CheckpointError(
             f"{source} is not a sharded checkpoint folder (it has no trainer.pt); "
             f"consolidate takes a folder such as ckpt-e0003-s00000120/."
         )
+    target = Path(out)
+    if target.resolve().parent == source.resolve() or source.resolve() in target.resolve().parents:
+        raise CheckpointError(
+            f"consolidate would write {target} inside the checkpoint {source} it reads (and "
+            f"replace or add to its files); write it elsewhere, e.g. {source.parent / 'model.pt'}."
+        )
     rest = dict(read_rest(source, "cpu"))
+    verify_sharded(source, None, rest)
+    rest.pop(CHECKSUMS, None)
     sharded = [str(name) for name in rest.pop(SHARDED, None) or []]
     whole = read_whole(source, tuple(name for name in sharded if name in WEIGHTS))
     rest.update(whole)
@@ -71,7 +85,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     left_out = sorted(set(sharded) - set(whole))
     if left_out:
         rest["consolidated_without"] = left_out
-    return atomic_save(rest, Path(out))
+    return atomic_save(rest, target)
 
 
 def _loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.sharded import REST, SHARDED, is_sharded
-
-#: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
-_META = ("format", "version", "world_size", "config", "ranks", SHARDED, "consolidated_without")
+from nn_handler.checkpoint.manifest import MANIFEST, read_manifest, verify_files_named
+from nn_handler.checkpoint.safe_dcp import INDEX, read_index
+from nn_handler.checkpoint.sharded import META, REST, is_sharded
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -73,9 +72,10 @@ def describe_checkpoint(path: str | Path) -> str:
     )
     lines.append("shared parts:")
     for name, value in checkpoint.items():
-        if name not in _META and value is not None:
+        if name not in META and value is not None:
             lines.append(f"  {name}: {_size(value)}")
     if sharded:
+        lines.append(_checksums(path))
         lines.append("sharded parts (whole sizes):")
         lines.extend(f"  {name}: {size}" for name, size in _shard_sizes(path).items())
     ranks = checkpoint.get("ranks") or []
@@ -96,12 +96,24 @@ def _heading(path: Path, sharded: bool) -> str:
     return f"{path} (sharded: {len(shards)} shard file(s), {_bytes(total)} in all)"
 
 
+def _checksums(folder: Path) -> str:
+    """What the folder's manifest covers; its index is checked against it here (the shards
+    are not read: ``nn-handler checkpoint verify`` reads them)."""
+    files = read_manifest(folder)
+    if files is None:
+        return "checksums: none (written before nn_handler stored them)"
+    if INDEX in files:
+        verify_files_named(folder, files, [INDEX])
+    segments = sum(len(entry["segments"]) for entry in files.values())
+    return f"checksums: {MANIFEST} covers {len(files)} file(s) in {segments} segment(s)"
+
+
 def _shard_sizes(folder: Path) -> dict[str, str]:
-    """Every sharded part's number of tensors and bytes, from DCP's index."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    """Every sharded part's number of tensors and bytes, from DCP's index (read without
+    running code)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata = read_index(folder / INDEX)
     counts: dict[str, list[int]] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):

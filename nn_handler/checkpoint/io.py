@@ -124,12 +124,12 @@ def atomic_save(obj: Any, path: str | Path, cancel: threading.Event | None = Non
         if cancelled is not None:  # torch's writer wraps the exception raised in write()
             raise SaveCancelled(f"the save to {target} was cancelled") from error
         if isinstance(error, OSError) or "unexpected pos" in str(error):
-            raise CheckpointError(_write_failure(target, error, obj)) from error
+            raise CheckpointError(write_failure(target, error, obj)) from error
         raise
     return target
 
 
-def _write_failure(target: Path, error: BaseException, obj: Any) -> str:
+def write_failure(target: Path, error: BaseException, obj: Any) -> str:
     """What went wrong writing ``target``: a full disk is named as such (torch reports it as
     'unexpected pos N vs M'), with the space needed and left where they can be known."""
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
@@ -353,4 +353,5 @@ __all__ = [
     "load_file",
     "remove_orphans",
     "unsafe_entries",
+    "write_failure",
 ]

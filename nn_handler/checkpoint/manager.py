@@ -22,7 +22,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -267,12 +267,15 @@ class CheckpointManager:
         return target if is_checkpoint(target) else None
 
     def load_latest(
-        self, map_location: torch.device | str | None = None
+        self, map_location: torch.device | str | None = None, skip: Iterable[Path] = ()
     ) -> tuple[Path, dict[str, Any]] | None:
-        """The newest readable checkpoint and its contents (a sharded one's unsharded parts),
-        or None when there is none; an unreadable newest one is reported and the previous
-        complete one is used."""
+        """The newest readable checkpoint not in ``skip`` and its contents (a sharded one's
+        unsharded parts), or None when there is none; an unreadable newest one is reported
+        and the previous complete one is used."""
+        skipped = set(skip)
         for candidate in self.candidates():
+            if candidate in skipped:
+                continue
             try:
                 return candidate, read_checkpoint(candidate, map_location)
             except CheckpointError as error:

@@ -8,18 +8,23 @@ Layout::
                         every rank's RNG, ...): the single-file format without the sharded
                         parts, which its "sharded" entry names; rank 0 writes it
         __0_0.distcp    each rank's shards of the sharded parts (model, optimizers, EMA)
-        .metadata       DCP's index of the shards, written last, once every rank has written
+        .metadata       DCP's index of the shards, once every rank has written
+        manifest.json   the size and CRC-32 checksums of every file and every item in the
+                        shards (checkpoint/manifest.py), written last
 
 The folder is written as ``.ckpt-e0003-s00000120.tmp-sharded`` and committed by one rename on
 rank 0 after every rank has finished, so a kill at any moment leaves the previous checkpoint
 the newest complete one (the CheckpointManager removes the staging folder at the next start).
 DCP reshards on load: a folder written by W ranks loads on W' ranks, under FSDP2, DDP or in
-one process.
+one process. Loading reads the index and the shards' values without running code
+(checkpoint/safe_dcp.py) and only after every file was checked against the manifest
+(``verify_sharded``: each rank a share of the files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import warnings
@@ -33,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
+from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file, write_failure
+from nn_handler.checkpoint.manifest import MANIFEST, ChecksummingWriter, verify_files
+from nn_handler.checkpoint.safe_dcp import SafeLoadPlanner, SafeReader
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -41,6 +48,11 @@ from nn_handler.errors import CheckpointError
 REST = "trainer.pt"
 #: The entry of REST naming the parts that are in the shards.
 SHARDED = "sharded"
+#: The entry of REST naming the folder's checksum file (absent: written before checksums).
+CHECKSUMS = "checksums"
+#: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
+META = ("format", "version", "world_size", "config", "ranks", SHARDED, CHECKSUMS,
+        "consolidated_without")  # fmt: skip
 _STAGING = f"{TMP_MARKER}sharded"
 
 
@@ -161,14 +173,14 @@ class ShardedWriter:
             try:
                 future = dcp_async_save(shards, writer, {**options, "async_stager": self._stager})
             except _dcp_errors() as caught:
-                error = failure_text(caught)
+                error = save_failure(caught, target, shards)
             agree_on(self.comm, error, f"staging checkpoint {target}")
             self._pending = _Pending(future, staging, target, then)
             return target
         try:
             dcp_save(shards, writer, options)
         except _dcp_errors() as caught:
-            error = failure_text(caught)
+            error = save_failure(caught, target, shards)
         if error is None and self.comm.rank == 0:
             error = _commit(staging, target, then)
         agree_on(self.comm, error, f"writing checkpoint {target}")
@@ -184,7 +196,7 @@ class ShardedWriter:
         try:
             pending.future.result()
         except _dcp_errors() as caught:
-            error = failure_text(caught)
+            error = save_failure(caught, pending.target, None)
         if error is None and self.comm.rank == 0:
             error = _commit(pending.staging, pending.target, pending.then)
         agree_on(self.comm, error, f"writing checkpoint {pending.target} (in the background)")
@@ -211,24 +223,88 @@ def failure_text(error: BaseException) -> str:
     return "; ".join(lines)
 
 
+def save_failure(error: BaseException, target: Path, shards: Any) -> str:
+    """What went wrong in DCP's save of ``target``: a full disk (torch reports it as
+    'unexpected pos N vs M') is named as such with the space needed and free."""
+    text = failure_text(error)
+    causes = [error, *_causes(error)]
+    full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
+    if full or "unexpected pos" in text or "No space left" in text:
+        local = _local_tensors(shards)
+        described = write_failure(target, OSError(errno.ENOSPC, "no space"), local)
+        if "no space left" in described:
+            return described.replace("the checkpoint needs", "this rank's shards need")
+    return text
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, Mapping):
+        return []
+    found = []
+    for wrapped in failures.values():
+        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(cause, BaseException):
+            found.append(cause)
+    return found
+
+
+def _local_tensors(value: Any) -> Any:
+    """``value`` with every DTensor replaced by its local shard (what this rank writes)."""
+    if isinstance(value, Mapping):
+        return {k: _local_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_local_tensors(v) for v in value]
+    if isinstance(value, torch.Tensor) and hasattr(value, "to_local"):
+        return value.to_local()
+    return value
+
+
+def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> None:
+    """Check the folder's files against its manifest, each rank a share of them (``comm``
+    None: every file, in this process); ``rest`` is its REST contents (a folder written with
+    checksums must still have them). Every rank must call this; all raise the same
+    CheckpointError naming the file, the bytes and the tensor when any rank found one bad."""
+    path = Path(folder)
+    required = isinstance(rest, Mapping) and rest.get(CHECKSUMS) == MANIFEST
+    rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    error: CheckpointError | None = None
+    try:
+        verify_files(path, rank, world, required)
+    except CheckpointError as caught:
+        error = caught
+    if comm is None:
+        if error is not None:
+            raise error
+        return
+    with comm.patient():  # a rank with a large share reads for a while
+        agree_on(comm, error, f"verifying checkpoint {path}")
+
+
 def load_shards(
     path: str | Path, template: dict[str, Any], group: dist.ProcessGroup | None
 ) -> None:
     """Fill ``template`` (the parts' ``shards()``, on every rank) in place from the folder at
-    ``path``, resharded to this run's ranks. Every rank must call this; a failure on any rank
-    is a CheckpointError on every rank."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    ``path``, resharded to this run's ranks, reading nothing that can run code (verify the
+    folder first: ``verify_sharded``). Every rank must call this; a failure on any rank is a
+    CheckpointError on every rank."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
     try:
         with _one_process(group is None):
             load(
                 template,
-                storage_reader=FileSystemReader(str(path)),
+                storage_reader=SafeReader(str(path)),
+                planner=SafeLoadPlanner(path),
                 process_group=group,
                 no_dist=group is None,
             )
+    except CheckpointError:
+        raise
     except _dcp_errors() as error:  # DCP raised the same error on every rank
+        ours = [c for c in _causes(error) if isinstance(c, CheckpointError)]
+        if ours:  # a refused index or value: the file is at fault, not the model
+            raise CheckpointError(f"cannot load the shards of {path}: {ours[0]}") from error
         raise CheckpointError(
             f"cannot load the shards of {path}: {failure_text(error)}. Build the model, "
             f"optimizers and EMA the same way as the run that wrote it."
@@ -259,9 +335,7 @@ def dcp_async_save(shards: dict[str, Any], writer: Any, options: dict[str, Any])
 
 
 def _writer(staging: Path) -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    return FileSystemWriter(str(staging), sync_files=True)
+    return ChecksummingWriter(str(staging), sync_files=True)
 
 
 def _prepare(staging: Path, rest: Mapping[str, Any] | None) -> str | None:
@@ -272,7 +346,7 @@ def _prepare(staging: Path, rest: Mapping[str, Any] | None) -> str | None:
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        atomic_save(dict(rest), staging / REST)
+        atomic_save({**rest, CHECKSUMS: MANIFEST}, staging / REST)
     except Exception as caught:
         return f"{type(caught).__name__}: {caught}"
     return None
@@ -326,6 +400,8 @@ def link_tree(source: Path, target: Path) -> Path:
 
 
 __all__ = [
+    "CHECKSUMS",
+    "META",
     "REST",
     "SHARDED",
     "ShardedWriter",
@@ -335,5 +411,7 @@ __all__ = [
     "load_shards",
     "read_rest",
     "remove_tree",
+    "save_failure",
     "staging_path",
+    "verify_sharded",
 ]

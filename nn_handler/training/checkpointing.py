@@ -37,7 +37,14 @@ from nn_handler.checkpoint.manager import (
     write_together,
 )
 from nn_handler.checkpoint.registry import StateRegistry, restore_shards
-from nn_handler.checkpoint.sharded import SHARDED, ShardedWriter, is_sharded, load_shards
+from nn_handler.checkpoint.sharded import (
+    META,
+    SHARDED,
+    ShardedWriter,
+    is_sharded,
+    load_shards,
+    verify_sharded,
+)
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -45,8 +52,6 @@ from nn_handler.training.position import LoopPosition, check_data
 
 FORMAT = "nn_handler.checkpoint"
 VERSION = 1
-#: Top-level keys of the format that are not parts.
-META = ("format", "version", "world_size", "config", "ranks", SHARDED, "consolidated_without")
 
 
 def plain_config(config: BaseModel) -> dict[str, Any]:
@@ -157,10 +162,13 @@ class TrainerCheckpoints:
         source: str,
         allow_world_size_change: bool | None,
         folder: Path | None = None,
+        *,
+        verified: bool = False,
     ) -> None:
         """Give every part its state from ``checkpoint`` (a sharded checkpoint's unsharded
-        parts, with its ``folder``); the next fit continues where it was written. Every rank
-        must call this with the same checkpoint."""
+        parts, with its ``folder``, whose files are checked against their checksums first
+        unless ``verified``); the next fit continues where it was written. Every rank must
+        call this with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
@@ -186,6 +194,8 @@ class TrainerCheckpoints:
                 f"{source} holds the unsharded parts of a sharded checkpoint only; resume "
                 f"from its folder (trainer.resume(folder)) to load the shards too."
             )
+        if folder is not None and sharded and not verified:  # before any part changes
+            verify_sharded(folder, self.comm, ckpt)
         self.registry.restore(
             shared, ranks, self.comm.rank, source, same_world=saved_world == world, skip=sharded
         )
@@ -273,10 +283,12 @@ class TrainerCheckpoints:
         self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool
     ) -> Path | None:
         self.finish()
+        verified = False
         if str(path) == "latest" or (Path(path).is_dir() and not is_sharded(path)):
             target, checkpoint = self._load_latest(path, missing_ok)
             if target is None:
                 return None
+            verified = True
         else:
             target, problem, checkpoint = Path(path), None, None
             try:
@@ -285,23 +297,50 @@ class TrainerCheckpoints:
                 problem = error
             agree_on(self.comm, problem, f"loading checkpoint {target}")
         folder = target if is_sharded(target) else None
-        self.load(checkpoint, str(target), allow_world_size_change, folder)
+        self.load(checkpoint, str(target), allow_world_size_change, folder, verified=verified)
         return target
 
     def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
-        """Rank 0 picks the newest readable checkpoint; every rank loads that one."""
-        comm, device = self.comm, self.device
+        """The newest complete, verified checkpoint and its contents (a sharded one's
+        unsharded parts, its files checked by every rank): rank 0 picks the newest readable
+        one, every rank reads it and checks its share; a damaged one is skipped with a
+        warning saying why, and the previous one is tried."""
         if str(path) == "latest":
             manager = self.require_manager("resume('latest')")
         else:
             folder = CheckpointConfig(dir=str(path))
-            manager = CheckpointManager(folder, comm, clean=False, sharded=self.writer is not None)
+            manager = CheckpointManager(
+                folder, self.comm, clean=False, sharded=self.writer is not None
+            )
+        skipped: list[Path] = []
+        while True:
+            name, checkpoint = self._pick(manager, skipped)
+            if name is None:
+                if missing_ok:
+                    return None, None
+                raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
+            target = Path(name)
+            if not is_sharded(target):
+                return target, checkpoint
+            try:
+                verify_sharded(target, self.comm, checkpoint)
+            except CheckpointError as error:
+                if self.comm.rank == 0:
+                    self.log.warning("{}; trying the previous checkpoint", error)
+                skipped.append(target)
+                continue
+            return target, checkpoint
+
+    def _pick(self, manager: CheckpointManager, skipped: list[Path]) -> tuple[str | None, Any]:
+        """Rank 0 picks the newest readable checkpoint not in ``skipped``; every rank reads
+        that one (the same CheckpointError on every rank if one cannot)."""
+        comm, device = self.comm, self.device
         name: str | None = None
         checkpoint: Any = None
         problem: BaseException | None = None
         if comm.rank == 0:
             try:
-                found = manager.load_latest(device)
+                found = manager.load_latest(device, skip=skipped)
                 if found is not None:
                     name, checkpoint = str(found[0]), found[1]
             except Exception as error:
@@ -314,11 +353,7 @@ class TrainerCheckpoints:
                 except Exception as error:
                     problem = error
         agree_on(comm, problem, f"loading the latest checkpoint in {manager.dir}")
-        if name is None:
-            if missing_ok:
-                return None, None
-            raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
-        return Path(name), checkpoint
+        return name, checkpoint
 
     def _auto_resume(self) -> None:
         first, self._first_fit = self._first_fit, False

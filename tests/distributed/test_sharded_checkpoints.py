@@ -217,7 +217,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_rank_writes_its_shards_into_one_committed_folder(runs: dict[str, Any]) -> None:
     for seen in runs["ranks"]:
-        assert seen["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
+        assert seen["files"] == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "manifest.json",
+            "trainer.pt",
+        ]
     rest = read_rest(runs["base"] / "sync" / "ckpt-e0003-s00000009")
     assert rest["world_size"] == 2 and len(rest["ranks"]) == 2
     assert rest["sharded"] == ["model", "optimizer", "ema"]

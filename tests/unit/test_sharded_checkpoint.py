@@ -83,7 +83,12 @@ def test_a_sharded_checkpoint_is_a_committed_folder(straight: dict[str, Any]) ->
     ]
     newest = folder / "ckpt-e0003-s00000015"
     assert is_sharded(newest)
-    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", REST]
+    assert sorted(p.name for p in newest.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.json",
+        REST,
+    ]
     assert json.loads((folder / LATEST).read_text())["checkpoint"] == newest.name
     rest = read_rest(newest)
     assert rest["sharded"] == ["model", "optimizer", "ema"]
