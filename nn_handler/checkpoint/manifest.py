@@ -171,7 +171,8 @@ def share(names: Iterable[str], rank: int, world: int) -> list[str]:
 
 def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = False) -> None:
     """Check this rank's share of ``folder``'s files against its manifest (every file with
-    ``world == 1``); raises CheckpointError naming the file, the bytes and what they hold.
+    ``world == 1``; the index, also read without running code, on rank 0); raises
+    CheckpointError naming the file, the bytes and what they hold.
     A folder without a manifest is an error when ``required`` (it was written with one), and
     gets structural checks otherwise (see the module docstring)."""
     files = read_manifest(folder)
@@ -185,7 +186,10 @@ def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = F
         return
     if INDEX not in files:
         raise CheckpointError(f"checkpoint {folder}: its {MANIFEST} does not list {INDEX}.")
-    verify_files_named(folder, files, share(files, rank, world))
+    mine = share(files, rank, world)
+    verify_files_named(folder, files, mine)
+    if INDEX in mine:  # a forged index with a forged manifest still never loads
+        read_index(folder / INDEX)
 
 
 def verify_files_named(folder: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
