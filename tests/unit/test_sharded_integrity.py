@@ -113,7 +113,7 @@ def test_a_crafted_index_runs_nothing_on_any_path(run: Path, tmp_path: Path) -> 
     assert consolidated.returncode == 1 and ".metadata" in consolidated.stderr
     with pytest.raises(CheckpointError, match=r"\.metadata.*posix\.system"):
         NNHandler.load(newest, mlp(seed=5))
-    with _handler(None, seed=5) as h, pytest.raises(CheckpointError, match="posix.system"):
+    with _handler(None, seed=5) as h, pytest.raises(CheckpointError, match=r"posix\.system"):
         h.trainer.resume(newest)
     with _handler(run, seed=5) as h:  # the latest falls back to the intact first folder
         assert h.trainer.resume("latest") == run / FIRST
@@ -275,7 +275,7 @@ def test_a_full_disk_during_a_sharded_save_is_named(
         from torch.distributed.checkpoint import filesystem
 
         def no_space(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
 
         monkeypatch.setattr(filesystem, "_write_item", no_space)
         monkeypatch.setattr("shutil.disk_usage", lambda _: type("U", (), {"free": 100})())
