@@ -18,7 +18,10 @@ strategy runs in fresh processes (peak RSS never goes down within one).
   workers (see ``MALLOC``): freed blocks go back to the system, at the price of page faults.
 - Step time: the median epoch time over the epochs after a warm-up, per optimizer step.
 - Checkpoints (FSDP2 run): a sharded folder written by both ranks (DCP) against one file
-  gathered to rank 0 (``checkpoint.format: file``), and loading each back; an asynchronous
+  gathered to rank 0 (``checkpoint.format: file``), and loading each back; the checksums'
+  cost: a sharded save through DCP's plain writer (no manifest) and a load that skips the
+  verification, paired with the defaults in the same repetitions, and the verification
+  timed alone (each rank reads its share of the folder and checks it); an asynchronous
   sharded save's stall, as a fraction of a synchronous sharded save (target <= 10%): the time
   until ``save_periodic`` returns to training (the state copied), and (save + one epoch)
   minus one epoch alone (which also counts the background writer competing for the cores).
@@ -46,6 +49,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from nn_handler import DistributedContext, NNHandler
+from nn_handler.checkpoint import sharded as sharded_io
 from nn_handler.checkpoint.manager import write_together
 
 #: glibc's threshold above which an allocation is its own mmap (returned to the system when
@@ -153,15 +157,36 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
             "file",
             "load_sharded",
             "load_file",
+            "sharded_unchecked",
+            "load_sharded_unverified",
+            "verify",
             "epoch",
             "async_epoch",
             "async_return",
         )
     }
     sharded, single = folder / "sharded", folder / "single.pt"
+    unchecked = folder / "unchecked"
 
     def save_file() -> None:
         write_together(trainer.comm, trainer.state_dict(), single)
+
+    def save_unchecked() -> None:  # DCP's own writer: no checksums, no manifest
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        plain = sharded_io._writer
+        sharded_io._writer = lambda staging: FileSystemWriter(str(staging), sync_files=True)
+        try:
+            trainer.save_checkpoint(unchecked)
+        finally:
+            sharded_io._writer = plain
+
+    def load_unverified() -> None:
+        rest = sharded_io.read_rest(sharded)
+        trainer.checkpointing.load(rest, str(sharded), None, sharded, verified=True)
+
+    def verify() -> None:
+        sharded_io.verify_sharded(sharded, trainer.comm, sharded_io.read_rest(sharded))
 
     def train_one_more() -> None:
         handler.train(data, epochs=trainer.state.epoch + 1)
@@ -177,9 +202,13 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
         rows["file"].append(_timed(save_file))
         rows["load_sharded"].append(_timed(lambda: trainer.resume(sharded)))
         rows["load_file"].append(_timed(lambda: trainer.resume(single)))
+        rows["sharded_unchecked"].append(_timed(save_unchecked))
+        rows["load_sharded_unverified"].append(_timed(load_unverified))
+        rows["verify"].append(_timed(verify))
         rows["epoch"].append(_timed(train_one_more))
         rows["async_epoch"].append(_timed(async_save_then_train))
         shutil.rmtree(sharded, ignore_errors=True)
+        shutil.rmtree(unchecked, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in rows.items()}
     size = sum(f.stat().st_size for f in (folder / "single.pt",)) / 2**20
     stall = median["async_epoch"] - median["epoch"]
@@ -190,6 +219,11 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
         "load_mb_per_s": {
             "sharded": size / median["load_sharded"],
             "file": size / median["load_file"],
+        },
+        "checksums": {
+            "save_with_over_without": median["sharded"] / median["sharded_unchecked"],
+            "load_with_over_without": median["load_sharded"] / median["load_sharded_unverified"],
+            "verify_s": median["verify"],
         },
         "async_stall_s": stall,
         "async_stall_fraction_of_sync_save": stall / median["sharded"],

@@ -356,6 +356,19 @@ def fsdp_sharding(data: dict[str, Any]) -> Table:
         ("save", f"{seconds['sharded']:.2f}", f"{seconds['file']:.2f}"),
         ("load", f"{seconds['load_sharded']:.2f}", f"{seconds['load_file']:.2f}"),
     ]
+    checksums = ckpt.get("checksums")
+    checksum_lines = []
+    if checksums is not None:
+        checksum_lines = [
+            "",
+            "Checksums of the sharded folder (manifest.json): save "
+            f"{seconds['sharded']:.2f} s with them, {seconds['sharded_unchecked']:.2f} s "
+            f"through DCP's plain writer ({_x(checksums['save_with_over_without'])}); load "
+            f"{seconds['load_sharded']:.2f} s verified, "
+            f"{seconds['load_sharded_unverified']:.2f} s without the verification "
+            f"({_x(checksums['load_with_over_without'])}); the verification alone "
+            f"{checksums['verify_s']:.2f} s (each rank checks its share).",
+        ]
     return [
         f"A model of {fsdp['parameters'] / 1e6:.1f}M parameters with Adam, 2 CPU ranks (gloo), "
         "per rank (MB unless stated):",
@@ -368,6 +381,7 @@ def fsdp_sharding(data: dict[str, Any]) -> Table:
         "seconds:",
         "",
         *_table(["", "sharded folder (every rank)", "one file (gathered to rank 0)"], io_rows),
+        *checksum_lines,
         "",
         "Asynchronous sharded save, as a fraction of a synchronous sharded save: back to "
         f"training after {ckpt['async_return_fraction_of_sync_save']:.0%} of it; the next "

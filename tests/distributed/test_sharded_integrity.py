@@ -114,9 +114,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     mount = ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(disk)]
     mounted = subprocess.run(mount, capture_output=True, check=False).returncode == 0
     try:
-        return run_group(
-            _ranks, 2, args=(str(base), str(disk) if mounted else ""), timeout=240
-        )
+        return run_group(_ranks, 2, args=(str(base), str(disk) if mounted else ""), timeout=240)
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=False)

@@ -137,7 +137,11 @@ def test_fsdp_sharding_quick_mode_writes_its_fields(quick_run: Path) -> None:
         "epoch",
         "async_epoch",
         "async_return",
+        "sharded_unchecked",
+        "load_sharded_unverified",
+        "verify",
     }
+    assert checkpoints["checksums"]["save_with_over_without"] > 0
     assert checkpoints["single_file_mb"] > 0
     assert len(results["targets_met"]) == 2
 

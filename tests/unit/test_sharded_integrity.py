@@ -275,7 +275,7 @@ def test_a_full_disk_during_a_sharded_save_is_named(
         from torch.distributed.checkpoint import filesystem
 
         def no_space(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 70 vs 59")
 
         monkeypatch.setattr(filesystem, "_write_item", no_space)
         monkeypatch.setattr("shutil.disk_usage", lambda _: type("U", (), {"free": 100})())

@@ -94,6 +94,8 @@ class StallWatchdog:
         self._reporter = False
         self._delivered = False
         self._text = ""
+        self._cleared: tuple[int, float] | None = None  # (collective, seconds) seen fine
+        self._said_slow = False
 
     def start(self) -> None:
         self._interrupt.install()
@@ -152,7 +154,40 @@ class StallWatchdog:
                 self._open("mismatch", found[0].seq)
                 return
         if state.inside and not patient and state.seconds > self.timing.stall_timeout:
+            if self._waiting_is_fine(state):
+                return
             self._open("stall", state.seq)
+
+    def _waiting_is_fine(self, state: RankState) -> bool:
+        """Whether every rank's published state says this wait is no stall (see
+        ``reports.no_stall``); looked at again once per stall timeout while it lasts, and
+        said once in the log, by the lowest rank waiting."""
+        cleared = self._cleared
+        recent = cleared is not None and state.seconds - cleared[1] < self.timing.stall_timeout
+        if recent and cleared is not None and cleared[0] == state.seq:
+            return True
+        states = {self._rank: state}
+        for rank in range(self._world_size):
+            key = f"{self._prefix}/state/{rank}"
+            if rank != self._rank and self._store.check([key]):
+                states[rank] = RankState.from_bytes(self._store.get(key))
+        why = reports.no_stall(states, state.seq, self._world_size)
+        if why is None:
+            return False
+        self._cleared = (state.seq, state.seconds)
+        waiting = min(r for r, s in states.items() if s.inside and s.seq == state.seq)
+        if not self._said_slow and waiting == self._rank:
+            self._said_slow = True
+            logger.bind(rank=self._rank).warning(
+                "{} has lasted {:.1f} s, longer than stall_timeout ({:g} s), but {}; waiting "
+                "on (the process-group timeout still applies). Raise "
+                "distributed.stall_timeout if waits this long are expected (said once).",
+                describe(state.latest),
+                state.seconds,
+                self.timing.stall_timeout,
+                why,
+            )
+        return True
 
     def _neighbour_state(self) -> RankState | None:
         key = f"{self._prefix}/state/{neighbour(self._rank, self._world_size)}"

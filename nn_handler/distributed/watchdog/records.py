@@ -86,7 +86,9 @@ def _short(filename: str) -> str:
 @dataclass
 class RankState:
     """What one rank publishes: its latest collectives, whether it is inside the newest one,
-    since when (seconds ago, at publication), and on request its main thread's stack."""
+    since when (seconds ago, at publication), whether it is working on purpose outside a
+    collective (``busy``: inside ``Communicator.patient()``), and on request its main
+    thread's stack."""
 
     rank: int
     seq: int
@@ -95,6 +97,7 @@ class RankState:
     records: list[Record] = field(default_factory=list)
     stack: str = ""
     where_now: str = ""
+    busy: bool = False
 
     @property
     def latest(self) -> Record | None:

@@ -62,10 +62,14 @@ def stall_report(
     waited = states[reporter].seconds
     blamed = sorted(set(behind) | set(silent))
     where = describe(states[reporter].latest)
+    if blamed:
+        verb = "has" if len(blamed) == 1 else "have"
+        arrival = f"{ranks_text(blamed)} {verb} not arrived."
+    else:
+        arrival = "every rank is in it."
     lines = [
         f"Collective stall: rank {reporter} waited {waited:.1f} s (stall_timeout "
-        f"{stall_timeout:g} s) in {where}; {ranks_text(blamed) if blamed else 'no rank'} "
-        f"{'has' if len(blamed) == 1 else 'have'} not arrived.",
+        f"{stall_timeout:g} s) in {where}; {arrival}",
     ]
     lines += [f"  {_rank_line(states[r], newest)}" for r in sorted(states)]
     lines += [f"  rank {r}: did not answer: {why}" for r, why in sorted(silent.items())]
@@ -84,6 +88,22 @@ def stall_report(
             lines += [f"    {line}" for line in state.stack.rstrip().splitlines()]
     lines.append(HOW_TO_READ)
     return "\n".join(lines), blamed
+
+
+def no_stall(states: Mapping[int, RankState], seq: int, world_size: int) -> str | None:
+    """Why waiting past the stall timeout in collective ``seq`` is no stall, or None when it
+    is one: every rank is in that collective (a slow step: nobody is missing), or the ranks
+    not in it are working on purpose (inside ``Communicator.patient()``). Needs every rank's
+    state; with one missing it is a stall."""
+    if len(states) < world_size:
+        return None
+    missing = sorted(r for r, s in states.items() if not (s.inside and s.seq == seq))
+    if not missing:
+        return "every rank is in it: a slow step, not a stall"
+    if all(states[r].busy for r in missing):
+        verb = "is" if len(missing) == 1 else "are"
+        return f"{ranks_text(missing)} {verb} working inside Communicator.patient()"
+    return None
 
 
 def mismatch_signatures(states: Mapping[int, RankState], seq: int, world_size: int) -> list[str]:
@@ -105,6 +125,7 @@ __all__ = [
     "HOW_TO_READ",
     "diverging_lines",
     "mismatch_signatures",
+    "no_stall",
     "stall_report",
     "stalled_ranks",
 ]

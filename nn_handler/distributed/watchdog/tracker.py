@@ -75,9 +75,9 @@ class CollectiveTracker:
 
     @contextlib.contextmanager
     def patient(self) -> Iterator[None]:
-        """Collectives entered inside may wait longer than the stall timeout (rank 0 preparing
-        data or writing a checkpoint while the others wait); the process-group timeout still
-        bounds them."""
+        """Collectives entered inside may wait longer than the stall timeout, and the ranks
+        waiting for this one while it works inside (rank 0 preparing data or writing a file in
+        a hook) keep waiting; the process-group timeout still bounds them."""
         self._patient += 1
         try:
             yield
@@ -99,6 +99,7 @@ class CollectiveTracker:
         with self._lock:
             raw = list(self._records)
             inside, since, patient = self._inside, self._since, self._entered_patient
+            busy = not inside and self._patient > 0
         made = {key: self._made.get(key) or _record(key) for key in raw}
         self._made = made
         records = list(made.values())
@@ -108,6 +109,7 @@ class CollectiveTracker:
             inside=inside,
             seconds=round(time.monotonic() - since, 3),
             records=records,
+            busy=busy,
         )
         return state, inside and patient
 
