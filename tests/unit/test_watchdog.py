@@ -31,6 +31,7 @@ from nn_handler.distributed.watchdog.records import (
 from nn_handler.distributed.watchdog.report import (
     diverging_lines,
     mismatch_signatures,
+    no_stall,
     stall_report,
     stalled_ranks,
 )
@@ -378,3 +379,53 @@ def test_off_the_main_thread_nothing_is_installed() -> None:
     worker.start()
     worker.join()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+# ----------------------------------------------------------------- slow is not stalled
+def _waiting(rank: int, seq: int, inside: bool, busy: bool = False) -> RankState:
+    return RankState(rank=rank, seq=seq, inside=inside, seconds=9.0, busy=busy)
+
+
+def test_a_wait_is_no_stall_when_every_rank_is_in_it_or_working_patiently() -> None:
+    everyone = {r: _waiting(r, 7, True) for r in range(3)}
+    assert no_stall(everyone, 7, 3) == "every rank is in it: a slow step, not a stall"
+    patient = {**everyone, 2: _waiting(2, 6, False, busy=True)}
+    assert no_stall(patient, 7, 3) == "rank 2 is working inside Communicator.patient()"
+    both = {**patient, 1: _waiting(1, 6, False, busy=True)}
+    assert no_stall(both, 7, 3) == "ranks 1,2 are working inside Communicator.patient()"
+
+
+def test_a_missing_rank_without_patience_is_a_stall() -> None:
+    everyone = {r: _waiting(r, 7, True) for r in range(3)}
+    assert no_stall({**everyone, 2: _waiting(2, 6, False)}, 7, 3) is None  # running, not patient
+    assert no_stall({**everyone, 2: _waiting(2, 6, True)}, 7, 3) is None  # an earlier collective
+    del everyone[2]
+    assert no_stall(everyone, 7, 3) is None  # a rank that published nothing
+
+
+@given(
+    st.lists(st.tuples(st.integers(5, 8), st.booleans(), st.booleans()), min_size=2, max_size=6),
+    st.booleans(),
+)
+def test_no_stall_holds_exactly_when_nobody_unexplained_is_missing(
+    rows: list[tuple[int, bool, bool]], drop_one: bool
+) -> None:
+    world = len(rows)
+    states = {r: _waiting(r, seq, inside, busy) for r, (seq, inside, busy) in enumerate(rows)}
+    if drop_one:
+        del states[world - 1]
+    seq = 7
+    explained = (
+        all((s.inside and s.seq == seq) or s.busy for s in states.values()) and len(states) == world
+    )
+    assert (no_stall(states, seq, world) is not None) == explained
+
+
+def test_a_stall_report_blaming_no_rank_says_every_rank_is_in_it() -> None:
+    record = make_record(3, "all_reduce(op=sum) float32[4]", "train.py:9 in step")
+    states = {
+        r: RankState(rank=r, seq=3, inside=True, seconds=2.0, records=[record]) for r in (0, 1)
+    }
+    text, blamed = stall_report(states, 0, 1.0, {})
+    assert blamed == [] and "every rank is in it." in text.splitlines()[0]
+    assert "have not" not in text and "no rank" not in text
