@@ -265,9 +265,15 @@ class DistributedContext:
         self._owns_local_group = self._owns_local_group or not existed
 
     def teardown(self) -> None:
-        """Destroy the groups this context created. Idempotent; every rank must call it."""
+        """Destroy the groups this context created. Idempotent; every rank must call it.
+
+        With the stall watchdog, the ranks compare their collectives one last time first (a
+        bounded wait for the others): a mismatch in the last collectives, or a rank still
+        waiting in one this rank never issued, is raised here, after the groups are gone,
+        as the same CollectiveMismatchError on every rank."""
+        incident: BaseException | None = None
         if self._owns_watchdog:
-            WATCHDOGS.stop()
+            incident = WATCHDOGS.finish()
             self._owns_watchdog = False
         if self._owns_local_group:
             destroy_local_process_group()
@@ -277,6 +283,8 @@ class DistributedContext:
             dist.destroy_process_group()
         self._owns_group = False
         self._communicator = None
+        if incident is not None:
+            raise incident
 
     def __enter__(self) -> DistributedContext:
         return self.setup()

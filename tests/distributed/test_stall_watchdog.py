@@ -22,7 +22,18 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_scenarios.py"
 ROOT = SCRIPT.parents[2]
 STALL_TIMEOUT = 2.0
-BY_HAND = ["hook", "skip", "dtype", "shape", "op", "kill", "validate"]
+BY_HAND = [
+    "hook",
+    "skip",
+    "dtype",
+    "shape",
+    "op",
+    "kill",
+    "validate",
+    "last-dtype",
+    "last-op",
+    "save-rank0",
+]
 UNDER_TORCHRUN = ["hook", "skip", "dtype", "kill"]
 
 
@@ -198,6 +209,47 @@ def test_under_torchrun_the_job_fails_with_the_report(
     assert "exitcode  : 1" in outcome.output
     error = "CollectiveMismatchError" if scenario == "dtype" else "CollectiveStallError"
     _both_raise(outcome, error)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "first", "second"),
+    [
+        ("last-dtype", "all_reduce(op=sum) float32[4]", "all_reduce(op=sum) int32[4]"),
+        ("last-op", "all_reduce(op=sum) float32[4]", "all_reduce(op=max) float32[4]"),
+    ],
+)
+def test_a_mismatch_in_the_last_collective_is_raised_at_teardown(
+    outcomes: dict[str, Outcome], scenario: str, first: str, second: str
+) -> None:
+    """The ranks leave right after the mismatched collective (no time for the watchdog's
+    thread to look): the context's teardown compares once more, and both ranks raise the
+    same report (none exits 0 with garbage)."""
+    outcome = outcomes[scenario]
+    assert outcome.codes == [1, 1], outcome.output
+    assert not (outcome.folder / "stall.json").exists()  # no rank went on past the teardown
+    messages = _both_raise(outcome, "CollectiveMismatchError")
+    assert f"rank 0: {first} at tests/scripts/{_line(f'{scenario}-rank0')}" in messages[0]
+    assert f"rank 1: {second} at tests/scripts/{_line(f'{scenario}-rank1')}" in messages[0]
+    for rank in (0, 1):
+        raised = outcome.raised(rank)
+        assert raised is not None and raised["seconds"] < 30, raised  # within seconds
+
+
+def test_save_on_rank_zero_only_is_a_clear_error_on_every_rank(
+    outcomes: dict[str, Outcome],
+) -> None:
+    """rank 0 waits in handler.save()'s first collective while rank 1 closes its handler:
+    rank 1's teardown sees a collective it never issued, and both ranks raise one report
+    naming rank 0's line, within seconds (the stall timeout here is 30 s)."""
+    outcome = outcomes["save-rank0"]
+    messages = _both_raise(outcome, "CollectiveMismatchError")
+    assert f"at tests/scripts/{_line('save-rank0')} in save_on_rank_zero" in messages[0]
+    assert "rank 1: (no record of #" in messages[0]
+    began = outcome.time_of("stall")
+    for rank in (0, 1):
+        raised = outcome.raised(rank)
+        assert raised is not None and raised["time"] - began < 20, raised
+    assert outcome.codes == [1, 1], outcome.output
 
 
 DOCS = ROOT / "docs" / "troubleshooting.md"

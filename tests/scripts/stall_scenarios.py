@@ -100,12 +100,56 @@ def user_code(scenario: str) -> None:
             comm.all_reduce(torch.ones(4))  # validate-both
 
 
+def last_moment(scenario: str) -> None:
+    """'last-dtype' and 'last-op': a mismatch in the process's last collective (gloo passes
+    both silently) and the group torn down at once; the context's teardown compares once
+    more, so both ranks raise instead of leaving with garbage and status 0."""
+    config = DistributedConfig.model_validate({"timeout": 60, "stall_timeout": STALL_TIMEOUT})
+    with DistributedContext(config) as context:
+        comm, rank = context.communicator, context.rank
+        comm.all_reduce(torch.ones(4))
+        if scenario == "last-dtype":
+            if rank == 0:
+                comm.all_reduce(torch.ones(4, dtype=torch.float32))  # last-dtype-rank0
+            else:
+                comm.all_reduce(torch.ones(4, dtype=torch.int32))  # last-dtype-rank1
+        elif rank == 0:
+            comm.all_reduce(torch.ones(4), op="sum")  # last-op-rank0
+        else:
+            comm.all_reduce(torch.ones(4), op="max")  # last-op-rank1
+    _stall_begins()  # not reached when the teardown raises
+
+
+def save_on_rank_zero() -> None:
+    """'save-rank0': handler.save() under ``if rank == 0`` (every rank must call it), then
+    both ranks close their handlers."""
+    config = {
+        "loader": {"batch_size": 4},
+        "trainer": {"progress_bar": False},
+        "distributed": {"timeout": 60, "stall_timeout": 30},
+    }
+    model, loss = nn.Linear(6, 3), nn.CrossEntropyLoss()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    with NNHandler(model, sgd, loss, config=config) as handler:
+        handler.train(regression_data(n=16), epochs=1)
+        if handler.rank == 0:
+            _stall_begins()
+            handler.save(Path(sys.argv[1]) / "model.pt")  # save-rank0
+
+
 def main() -> None:
     out, scenario = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
     started = time.time()
     try:
-        hook() if scenario == "hook" else user_code(scenario)
+        if scenario == "hook":
+            hook()
+        elif scenario.startswith("last-"):
+            last_moment(scenario)
+        elif scenario == "save-rank0":
+            save_on_rank_zero()
+        else:
+            user_code(scenario)
     except Exception as error:
         report = {
             "type": type(error).__name__,

@@ -73,6 +73,14 @@ class WatchdogRegistry:
         if watchdog is not None:
             watchdog.stop()
 
+    def finish(self) -> BaseException | None:
+        """Stop watching the group with one last comparison of every rank's collectives
+        (``StallWatchdog.finish``); the incident this rank must raise, or None. Every rank
+        must call it before the group is destroyed."""
+        watchdog = self.watchdog()
+        self._watchdog, self._group = None, None
+        return None if watchdog is None else watchdog.finish()
+
     def incident(self) -> BaseException | None:
         """The stall or mismatch reported in this group, if any: this rank's copy, or the
         store's report when this rank's watchdog has not read it yet. Marks it raised."""

@@ -27,6 +27,7 @@ from loguru import logger
 
 from nn_handler.distributed.liveness import departed
 from nn_handler.distributed.watchdog import report as reports
+from nn_handler.distributed.watchdog.farewell import last_look
 from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt
 from nn_handler.distributed.watchdog.records import (
     RankState,
@@ -107,6 +108,22 @@ class StallWatchdog:
             self._thread.join(timeout=2 * self.timing.interval + 1.0)
         self._interrupt.uninstall()
 
+    def finish(self) -> BaseException | None:
+        """Stop watching with one last comparison of every rank's collectives (see
+        watchdog/farewell.py); the incident this rank must still raise, or None. Every rank
+        calls it at teardown, on the thread that issued the collectives."""
+        self.stop()
+        self._delivered = True  # raised by the caller, never as an interrupt in teardown
+        try:
+            last_look(self)
+        except Exception as error:  # the store went away: nothing more can be compared
+            logger.debug("stall watchdog on rank {} at teardown: {}", self._rank, error)
+        tracker = self.tracker
+        if tracker.incident is None or tracker.incident_raised:
+            return None
+        tracker.incident_raised = True
+        return tracker.incident
+
     def last_published(self, rank: int) -> str:
         """Rank ``rank``'s last collective as it published it (best effort)."""
         try:
@@ -140,9 +157,9 @@ class StallWatchdog:
         store = self._store
         store.set(f"{self._prefix}/state/{self._rank}", state.to_bytes())
         if store.check([f"{self._prefix}/open"]):
-            self._answer()
+            self.answer()
             if store.check([f"{self._prefix}/report"]):
-                self._act(json.loads(store.get(f"{self._prefix}/report")))
+                self.act(json.loads(store.get(f"{self._prefix}/report")))
             elif self._report_overdue():  # the reporting rank died before it reported
                 opened = json.loads(store.get(f"{self._prefix}/opened"))
                 self._report(opened["kind"], opened["seq"], opened["rank"])
@@ -151,12 +168,12 @@ class StallWatchdog:
         if other is not None:
             found = find_mismatch(state, other)
             if found is not None:
-                self._open("mismatch", found[0].seq)
+                self.open_incident("mismatch", found[0].seq)
                 return
         if state.inside and not patient and state.seconds > self.timing.stall_timeout:
             if self._waiting_is_fine(state):
                 return
-            self._open("stall", state.seq)
+            self.open_incident("stall", state.seq)
 
     def _waiting_is_fine(self, state: RankState) -> bool:
         """Whether every rank's published state says this wait is no stall (see
@@ -196,7 +213,7 @@ class StallWatchdog:
         return RankState.from_bytes(self._store.get(key))
 
     # ----------------------------------------------------------------- an incident
-    def _answer(self) -> RankState:
+    def answer(self) -> RankState:
         state, _ = self.tracker.snapshot()
         thread = self.tracker.thread_ident or threading.main_thread().ident or -1
         frame = sys._current_frames().get(thread)
@@ -208,7 +225,7 @@ class StallWatchdog:
             self._answered = True
         return state
 
-    def _open(self, kind: str, seq: int) -> None:
+    def open_incident(self, kind: str, seq: int) -> None:
         if self._store.add(f"{self._prefix}/open", 1) != 1:
             return  # another rank reports; this one answers at its next look
         opened = {"kind": kind, "seq": seq, "rank": self._rank}
@@ -228,7 +245,7 @@ class StallWatchdog:
         """Gather every rank's answer, write the report (the first one written wins: a rank
         taking over from a dead reporter never makes a second) and act on it."""
         self._reporter = True
-        mine = self._answer()
+        mine = self.answer()
         states = {self._rank: mine, **self._collect_answers()}
         silent = self._silent(states)
         if kind == "stall":
@@ -240,7 +257,7 @@ class StallWatchdog:
             error = CollectiveMismatchError(f"collective #{seq}", signatures, MISMATCH_HINT)
             payload = {"kind": kind, "text": str(error), "seq": seq, "signatures": signatures}
         written = self._store.compare_set(f"{self._prefix}/report", "", json.dumps(payload))
-        self._act(json.loads(written))
+        self.act(json.loads(written))
 
     def _collect_answers(self) -> dict[int, RankState]:
         states: dict[int, RankState] = {}
@@ -268,7 +285,7 @@ class StallWatchdog:
             for rank in missing
         }
 
-    def _act(self, payload: dict[str, Any]) -> None:
+    def act(self, payload: dict[str, Any]) -> None:
         if payload["kind"] == "stall":
             incident: BaseException = CollectiveStallError(payload["text"], payload["ranks"])
         else:
@@ -278,6 +295,7 @@ class StallWatchdog:
         self._text = str(payload["text"])
         self.tracker.incident = incident
         self._acted_at = time.monotonic()
+        self._store.set(f"{self._prefix}/read/{self._rank}", "1")  # see farewell.py
         if self._reporter:  # one line in the log; the whole report is in the error raised
             logger.bind(rank=self._rank).error(
                 "{} (every rank raises {} with the whole report)",
