@@ -170,6 +170,11 @@ class CheckpointError(NNHandlerError, RuntimeError):
     """A checkpoint could not be written or read (the message names the path and the cause)."""
 
 
+class HandlerClosedError(NNHandlerError, RuntimeError):
+    """An NNHandler was used after ``close()`` (or the end of its ``with`` block), which left
+    its process group."""
+
+
 PREEMPTED_EXIT_CODE = 75
 #: The exit status of a run stopped by Ctrl-C (128 + SIGINT, what a shell reports for it).
 INTERRUPTED_EXIT_CODE = 130
@@ -221,6 +226,7 @@ class TrainingInterrupted(TrainingPreempted):
 
 __all__ = [
     "CheckpointError",
+    "HandlerClosedError",
     "CollectiveMismatchError",
     "CollectiveStallError",
     "ConfigError",

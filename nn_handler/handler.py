@@ -11,6 +11,7 @@ SLURM: the DistributedContext reads where this process stands from the environme
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -21,14 +22,15 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from nn_handler.checkpoint.consolidate import loadable_in_one_process
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
 from nn_handler.config import HandlerConfig, LoggingConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
-from nn_handler.distributed.env import DistributedInfo
-from nn_handler.errors import ConfigError
+from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
+from nn_handler.errors import ConfigError, HandlerClosedError
 from nn_handler.log import disable_logging, enable_logging
 from nn_handler.monitoring import ThroughputMonitor
 from nn_handler.tracking import build_trackers
@@ -148,6 +150,7 @@ class NNHandler:
         context: DistributedContext | None = None,
     ) -> None:
         self.config = as_handler_config(config)
+        self._closed = False
         self._owns_context = context is None
         self.context = context or DistributedContext(self.config.distributed)
         self.context.setup()
@@ -237,6 +240,7 @@ class NNHandler:
         """Train on a dataset (loaders built by the LoaderFactory) or a ready DataLoader, until
         ``epochs`` epochs are complete in total (default: config.trainer.epochs); validate on
         ``val_data`` after each epoch. Every rank must call this. Returns the History."""
+        self._check_open("train")
         train_loader = self._train_loader(train_data)
         val_loader = self._eval_loader(val_data) if val_data is not None else None
         return self.trainer.fit(train_loader, val_loader, epochs)
@@ -251,10 +255,12 @@ class NNHandler:
     def evaluate(self, data: Any, use_ema: bool | None = None) -> dict[str, float]:
         """Exact loss and metrics over ``data`` (every sample once); the same on every rank.
         Every rank must call this."""
+        self._check_open("evaluate")
         return self.trainer.evaluate(self._eval_loader(data), use_ema)
 
     def predict(self, data: Any, use_ema: bool | None = None) -> torch.Tensor:
         """Every sample's output in dataset order, on every rank. Every rank must call this."""
+        self._check_open("predict")
         return self.trainer.predict(self._eval_loader(data), use_ema)
 
     # ----------------------------------------------------------------- checkpoints
@@ -263,6 +269,7 @@ class NNHandler:
         data position, every rank's RNG) to ``path`` atomically; rank 0 writes (with sharded
         checkpoints ``path`` is a folder every rank writes its shards into). Every rank must
         call this."""
+        self._check_open("save")
         return self.trainer.save_checkpoint(path)
 
     def resume(
@@ -271,6 +278,7 @@ class NNHandler:
         """Load a checkpoint (a file, a folder or "latest" in config.checkpoint.dir) so that
         the next ``train`` continues the run exactly. ``allow_world_size_change`` defaults to
         config.checkpoint.allow_world_size_change. Every rank must call this."""
+        self._check_open("resume")
         return self.trainer.resume(path, allow_world_size_change=allow_world_size_change)
 
     @classmethod
@@ -300,6 +308,8 @@ class NNHandler:
         checkpoint = read_rest(path) if folder is not None else load_file(path)
         if config is None:
             saved = check_checkpoint(checkpoint, str(path)).get("config") or {}
+            if _alone(communicator) and isinstance(saved, Mapping):
+                saved = loadable_in_one_process(saved)  # an FSDP run's: the model as it is
             config = _without_checkpoint_dir(
                 saved.get("handler") if isinstance(saved, Mapping) else None, path
             )
@@ -312,9 +322,20 @@ class NNHandler:
         return handler
 
     # ----------------------------------------------------------------- lifecycle
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise HandlerClosedError(
+                f"handler.{what}() was called on a closed NNHandler (closed by "
+                f"handler.close() or at the end of its `with` block, which left the process "
+                f"group and removed its log sinks). Call it inside the `with` block, or build "
+                f"a new NNHandler."
+            )
+
     def close(self) -> None:
         """Leave the process group this handler joined (not one of a context passed in) and
-        remove its log sinks. Idempotent; every rank must call it."""
+        remove its log sinks; the handler cannot train, evaluate or save after it. Idempotent;
+        every rank must call it."""
+        self._closed = True
         self.trainer.release_wrappers()
         if self._owns_context:
             self.context.teardown()
@@ -337,6 +358,13 @@ class NNHandler:
             f"NNHandler({type(self.model).__name__}, rank={self.rank}/{self.world_size}, "
             f"device={self.device}, precision={self.trainer.precision.name!r})"
         )
+
+
+def _alone(communicator: Communicator | None) -> bool:
+    """Whether the handler about to be built runs in one process."""
+    if communicator is not None:
+        return communicator.world_size == 1
+    return parse_distributed_env(os.environ).world_size == 1
 
 
 def _without_checkpoint_dir(saved: Any, source: str | Path) -> ConfigLike:

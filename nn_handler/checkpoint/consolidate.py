@@ -81,14 +81,16 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     sharded = [str(name) for name in rest.pop(SHARDED, None) or []]
     whole = read_whole(source, tuple(name for name in sharded if name in WEIGHTS))
     rest.update(whole)
-    rest["config"] = _loadable_in_one_process(rest.get("config") or {})
+    rest["config"] = loadable_in_one_process(rest.get("config") or {})
     left_out = sorted(set(sharded) - set(whole))
     if left_out:
         rest["consolidated_without"] = left_out
     return atomic_save(rest, target)
 
 
-def _loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:
+def loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored run configuration (``{"handler": ...}``) made loadable in one process: a
+    sharded strategy becomes 'auto', checkpoints 'auto' and synchronous."""
     plain = copy.deepcopy(dict(config))
     handler = plain.get("handler")
     if isinstance(handler, dict):
@@ -101,4 +103,4 @@ def _loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:
     return plain
 
 
-__all__ = ["WEIGHTS", "consolidate", "read_whole"]
+__all__ = ["WEIGHTS", "consolidate", "loadable_in_one_process", "read_whole"]

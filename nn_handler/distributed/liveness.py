@@ -92,7 +92,7 @@ def departed(world_size: int, rank: int) -> dict[int, str]:
             return {0: "the process group's store no longer answers: the process that hosted it "
                     "(rank 0, when ranks are started by hand or by srun) is gone"}  # fmt: skip
         peer_host, _, pid = where.rpartition(" ")
-        if peer_host == host and pid.isdigit() and not _running(int(pid)):
+        if peer_host == host and pid.isdigit() and not process_running(int(pid)):
             found[peer] = (
                 f"its process (pid {pid} on {host}) is gone without a word: killed by a "
                 f"signal (SIGKILL, the out-of-memory killer) or ended by os._exit"
@@ -118,7 +118,8 @@ def departures_after(error: BaseException, world_size: int, rank: int) -> dict[i
         time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -133,6 +134,7 @@ def _running(pid: int) -> bool:
 
 
 __all__ = [
+    "process_running",
     "LEAVE_WAIT_S",
     "default_store",
     "departed",

@@ -16,8 +16,9 @@ class CSVLogger(ExperimentLogger):
     empty where a row has none), ``dir/hparams.json`` and ``dir/curves.png``; rank 0 only.
 
     The file is rewritten whole (atomically) at each call. A resumed run keeps the rows up to
-    the step it resumed from (the rows logged after its checkpoint are dropped, since the run
-    does them again); a new run (step 0) starts the file anew.
+    the position it resumed from (the rows logged after its checkpoint are dropped, since the
+    run does them again: a later step, or an epoch's record the checkpoint had not closed);
+    a new run (step 0) starts the file anew.
     """
 
     def __init__(self, dir: str | Path, every_n_steps: int = 50, log_curves: bool = True) -> None:
@@ -32,17 +33,21 @@ class CSVLogger(ExperimentLogger):
 
     def before_train(self) -> None:
         if self.trainer.is_main_process:
-            self._keep_rows_until(self.trainer.state.global_step)
+            state = self.trainer.state
+            self._keep_rows_until(state.global_step, state.epoch)
         super().before_train()
 
-    def _keep_rows_until(self, step: int) -> None:
+    def _keep_rows_until(self, step: int, epochs: int) -> None:
+        """Keep the rows of steps up to ``step`` and of epochs up to ``epochs`` (the epoch's
+        record shares its last step with a step checkpoint taken before the epoch closed)."""
         self.rows, self._keys = [], ["step"]
         if step == 0 or not self.metrics_file.exists():
             return
         with self.metrics_file.open(newline="") as handle:
             for row in csv.DictReader(handle):
-                if float(row["step"]) <= step:
-                    self._add({k: float(v) for k, v in row.items() if v != ""})
+                values = {k: float(v) for k, v in row.items() if v != ""}
+                if values["step"] <= step and values.get("epoch", 0.0) <= epochs:
+                    self._add(values)
 
     def _add(self, row: dict[str, float]) -> None:
         self.rows.append(row)

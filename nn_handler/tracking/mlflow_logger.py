@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
+from nn_handler.distributed.liveness import process_running
 from nn_handler.tracking.base import ExperimentLogger, plain_params, require
 
 #: MLflow's longest parameter value.
 MAX_PARAM_LENGTH = 6000
+_HOST, _PID = "nn_handler.host", "nn_handler.pid"
+
+
+def _process_tags() -> dict[str, str]:
+    return {_HOST: socket.gethostname(), _PID: str(os.getpid())}
 
 
 class MLflowLogger(ExperimentLogger):
@@ -27,7 +35,11 @@ class MLflowLogger(ExperimentLogger):
             MLflow's default, which for a SQLite store is ``./mlruns`` under the current
             directory (``logging.trackers`` puts it beside its database instead).
 
-    The run's id is kept in checkpoints: a resumed training continues the same MLflow run.
+    The run's id is kept in checkpoints: a resumed training continues the same MLflow run and
+    skips the (metric, step) points the run already holds (a killed run logged them before its
+    last checkpoint's successor; the resumed run does those steps again, bit-identical). Each
+    run is tagged with its host and process id: a new run marks the RUNNING runs of this
+    experiment whose process on this host is gone (killed before its first checkpoint) KILLED.
     Needs ``pip install 'nn_handler[mlflow]'`` (mlflow-skinny with SQLite support).
     """
 
@@ -50,6 +62,8 @@ class MLflowLogger(ExperimentLogger):
         self.tags = dict(tags or {})
         self.run_id: str | None = None
         self._client: Any = None
+        #: When continuing a run: the steps it holds per metric (read once per metric).
+        self._held: dict[str, set[int]] | None = None
 
     # ----------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -78,9 +92,29 @@ class MLflowLogger(ExperimentLogger):
                     self.experiment, artifact_location=self._artifact_uri()
                 )
             )
-            run = self.client.create_run(experiment, tags=self.tags, run_name=self.run_name)
+            self._end_orphans(experiment)
+            tags = {**self.tags, **_process_tags()}
+            run = self.client.create_run(experiment, tags=tags, run_name=self.run_name)
             self.run_id = str(run.info.run_id)
         return self.run_id
+
+    def _end_orphans(self, experiment: str) -> None:
+        """Mark KILLED the RUNNING runs of ``experiment`` started by a process of this host
+        that no longer exists (a run killed before its first checkpoint is never resumed,
+        so nothing else would end it)."""
+        host = socket.gethostname()
+        query = f"attributes.status = 'RUNNING' and tags.`{_HOST}` = '{host}'"
+        for run in self.client.search_runs([experiment], filter_string=query, max_results=200):
+            pid = run.data.tags.get(_PID, "")
+            if pid.isdigit() and not process_running(int(pid)):
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                logger.warning(
+                    "MLflow run {} was still RUNNING, but its process (pid {} on {}) is gone: "
+                    "marked KILLED",
+                    run.info.run_id,
+                    pid,
+                    host,
+                )
 
     def _artifact_uri(self) -> str | None:
         location = self.artifact_location
@@ -99,6 +133,9 @@ class MLflowLogger(ExperimentLogger):
         values = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in plain_params(params).items()}
         if continuing:
             self.client.update_run(run_id, status="RUNNING")
+            for key, value in _process_tags().items():
+                self.client.set_tag(run_id, key, value)
+            self._held = {}
             logged = self.client.get_run(run_id).data.params
             changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
             if changed:
@@ -115,9 +152,24 @@ class MLflowLogger(ExperimentLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        run_id = self._start()
         stamp = int(time.time() * 1000)
-        items = [Metric(k, float(v), stamp, step) for k, v in metrics.items()]
-        self.client.log_batch(self._start(), metrics=items)
+        items = [
+            Metric(k, float(v), stamp, step)
+            for k, v in metrics.items()
+            if not self._holds(run_id, k, step)
+        ]
+        if items:
+            self.client.log_batch(run_id, metrics=items)
+
+    def _holds(self, run_id: str, key: str, step: int) -> bool:
+        """Whether the continued run already has ``key`` at ``step``."""
+        if self._held is None:
+            return False
+        if key not in self._held:
+            history = self.client.get_metric_history(run_id, key)
+            self._held[key] = {int(m.step) for m in history}
+        return step in self._held[key]
 
     def log_figure(self, name: str, figure: Any, step: int) -> None:
         self.client.log_figure(self._start(), figure, f"{name}.png")

@@ -21,11 +21,26 @@ class TensorBoardLogger(ExperimentLogger):
         require("tensorboard", "tensorboard", "tensorboard")
         self.log_dir = Path(log_dir)
         self._writer: Any = None
+        self._purge_step: int | None = None
+        self._held: set[tuple[str, int]] = set()
+
+    def before_train(self) -> None:
+        # A resumed run redoes the steps after its checkpoint: SummaryWriter's purge_step
+        # drops the events a killed run wrote past it, and the points already held at the
+        # checkpoint's own step (an epoch's record logged just before the kill) are skipped,
+        # so no step is shown twice.
+        step = self.trainer.state.global_step
+        resumed = step > 0 and self._writer is None
+        self._purge_step = step + 1 if resumed else None
+        self._held = _scalars_at(self.log_dir, step) if resumed else set()
+        super().before_train()
 
     def _get_writer(self) -> Any:
         if self._writer is None:
             board = require("torch.utils.tensorboard", "tensorboard", "tensorboard", "tensorboard")
-            self._writer = board.SummaryWriter(log_dir=str(self.log_dir))
+            self._writer = board.SummaryWriter(
+                log_dir=str(self.log_dir), purge_step=self._purge_step
+            )
         return self._writer
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -35,7 +50,8 @@ class TensorBoardLogger(ExperimentLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         writer = self._get_writer()
         for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
+            if (key, step) not in self._held:
+                writer.add_scalar(key, value, step)
 
     def log_figure(self, name: str, figure: Any, step: int) -> None:
         self._get_writer().add_figure(name, figure, step, close=False)
@@ -45,6 +61,21 @@ class TensorBoardLogger(ExperimentLogger):
             self._writer.flush()
             self._writer.close()
             self._writer = None
+
+
+def _scalars_at(log_dir: Path, step: int) -> set[tuple[str, int]]:
+    """The (tag, step) scalar points at ``step`` in the event files of ``log_dir``."""
+    if not log_dir.is_dir():
+        return set()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    held: set[tuple[str, int]] = set()
+    for folder in {path.parent for path in log_dir.rglob("events.out.tfevents.*")}:
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags().get("scalars", []):
+            held.update((tag, step) for e in events.Scalars(tag) if e.step == step)
+    return held
 
 
 __all__ = ["TensorBoardLogger"]

@@ -67,3 +67,29 @@ def test_exact_evaluation_helpers_reject_outputs_that_do_not_match() -> None:
     ordered = gather_in_dataset_order(torch.tensor([10, 20]), [1, 0], comm, total=2)
     assert ordered.tolist() == [20, 10]
     assert math.isnan(weighted_mean({"acc": 1.0}, 0, comm)["acc"]), "no samples anywhere: NaN"
+
+
+def test_a_closed_handler_refuses_work_with_a_clear_error() -> None:
+    """train() after close() gave torch's 'Default process group has not been initialized'
+    in a group; in every world it is now one error naming the call and the fix."""
+    import torch
+    from torch import nn
+
+    from nn_handler import HandlerClosedError, NNHandler
+    from tests.training_helpers import mlp, regression_data
+
+    config = {"trainer": {"progress_bar": False}}
+    handler = NNHandler(mlp(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                        config=config)  # fmt: skip
+    handler.close()
+    handler.close()  # idempotent
+    data = regression_data()
+    for call in (
+        lambda: handler.train(data, epochs=1),
+        lambda: handler.evaluate(data),
+        lambda: handler.predict(data),
+        lambda: handler.save("unused.pt"),
+        lambda: handler.resume("unused.pt"),
+    ):
+        with pytest.raises(HandlerClosedError, match=r"handler\.\w+\(\) was called on a closed"):
+            call()

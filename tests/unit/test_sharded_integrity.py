@@ -306,3 +306,22 @@ def test_consolidate_never_writes_into_its_source(run: Path) -> None:
     assert (folder / REST).read_bytes() == before
     with pytest.raises(CheckpointError, match="write it elsewhere"):
         consolidate(folder, folder / "sub" / "model.pt")
+
+
+# ----------------------------------------------------------------- 8. loading an FSDP run's
+def test_an_fsdp_runs_folder_loads_in_one_process_with_the_model_as_it_is(run: Path) -> None:
+    """Its stored config says strategy fsdp, which needs a process group: NNHandler.load in
+    one process takes 'auto' instead (as consolidate does)."""
+    folder = run / SECOND
+    rest = torch.load(folder / REST, weights_only=True)
+    rest["config"]["handler"]["trainer"]["strategy"] = "fsdp"
+    rest["world_size"] = 2
+    torch.save(rest, folder / REST)
+    from nn_handler.checkpoint.manifest import read_manifest, write_manifest
+
+    files = read_manifest(folder)
+    assert files is not None
+    write_manifest(folder, {k: v for k, v in files.items() if k.endswith(".distcp")})
+    with NNHandler.load(folder, mlp(seed=5)) as h:
+        assert h.trainer.state.epoch == 2
+        assert type(h.trainer.strategy).__name__ != "FSDPStrategy"

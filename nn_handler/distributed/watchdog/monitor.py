@@ -29,6 +29,7 @@ from nn_handler.distributed.liveness import departed
 from nn_handler.distributed.watchdog import report as reports
 from nn_handler.distributed.watchdog.farewell import last_look
 from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt
+from nn_handler.distributed.watchdog.loader_wait import late_batch
 from nn_handler.distributed.watchdog.records import (
     RankState,
     describe,
@@ -220,6 +221,9 @@ class StallWatchdog:
         if frame is not None:
             state.stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:])  # training
             state.where_now = user_location(frame)
+            late = late_batch(frame)
+            if late is not None:
+                state.where_now = f"{state.where_now}, {late}"
         if not self._answered:
             self._store.set(f"{self._prefix}/answer/{self._rank}", state.to_bytes())
             self._answered = True

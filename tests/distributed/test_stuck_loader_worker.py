@@ -1,0 +1,67 @@
+"""A DataLoader worker stuck in the dataset's ``__getitem__`` (the fault campaign's item 8): the
+stall report names the worker that owes the late batch, with its pid, on 2 real gloo ranks
+(ranks started by the harness, a 2 s stall timeout, one loader worker per rank)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from nn_handler import CollectiveStallError, NNHandler
+from tests.harness import run_group
+from tests.training_helpers import regression_data
+
+pytestmark = pytest.mark.distributed
+STUCK_INDEX = 5  # rank 1's third sample (the DistributedSampler way, no shuffle)
+
+
+class StuckAt(Dataset[Any]):
+    """The tests' data; reading ``STUCK_INDEX`` takes a minute (a hung network read, say)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = regression_data(n=16).tensors
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> Any:
+        if index == STUCK_INDEX:
+            time.sleep(60)  # stuck-read: what the report must point at
+        return self.x[index], self.y[index]
+
+
+def _ranks(rank: int, world: int) -> dict[str, Any]:
+    config = {
+        "loader": {"batch_size": 1, "shuffle": False, "num_workers": 1},
+        "trainer": {"progress_bar": False},
+        "distributed": {"stall_timeout": 2.0, "timeout": 60.0},
+    }
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    started = time.monotonic()
+    try:
+        with NNHandler(nn.Linear(6, 3), sgd, nn.CrossEntropyLoss(), config=config) as h:
+            h.train(StuckAt(), epochs=1)
+    except CollectiveStallError as error:
+        return {"report": str(error), "seconds": time.monotonic() - started}
+    return {"report": None}
+
+
+def test_the_stall_report_names_the_worker_that_owes_the_batch() -> None:
+    ranks = run_group(_ranks, 2, timeout=120, daemon=False)
+    for seen in ranks:
+        assert seen["report"] is not None, seen
+        assert seen["seconds"] < 40  # the report, not the worker's minute or the 60 s timeout
+    report = ranks[0]["report"]
+    assert report == ranks[1]["report"]
+    assert "rank 1 has not arrived" in report
+    assert re.search(
+        r"rank 1: not in a collective .* waiting for batch \d+ of its DataLoader from worker 0 "
+        r"\(pid \d+\): that worker is stuck or slow in the dataset's __getitem__",
+        report,
+    ), report
