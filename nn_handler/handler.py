@@ -336,6 +336,7 @@ class NNHandler:
         remove its log sinks; the handler cannot train, evaluate or save after it. Idempotent;
         every rank must call it."""
         self._closed = True
+        self.trainer.checkpointing.close()
         self.trainer.release_wrappers()
         if self._owns_context:
             self.context.teardown()

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import atomic_save
-from nn_handler.checkpoint.safe_dcp import INDEX, read_index
 from nn_handler.checkpoint.sharded import (
     CHECKSUMS,
     SHARDED,
@@ -37,6 +36,8 @@ def read_whole(folder: str | Path, parts: tuple[str, ...] = WEIGHTS) -> dict[str
     in this process alone without running code from it (verify it first:
     ``verify_sharded``). Parts the folder does not hold are left out."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from nn_handler.checkpoint.safe_dcp import INDEX, read_index
 
     metadata = read_index(Path(folder) / INDEX)
     paths = metadata.planner_data or {}

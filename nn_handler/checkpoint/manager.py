@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from loguru import logger
 
+from nn_handler.checkpoint import folder_lock
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import (
     atomic_link,
@@ -38,7 +40,8 @@ from nn_handler.checkpoint.io import (
     remove_orphans,
     unsafe_entries,
 )
-from nn_handler.checkpoint.sharded import is_sharded, link_tree, read_rest, remove_tree
+from nn_handler.checkpoint.run_identity import run_of
+from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, read_rest, remove_tree
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
@@ -46,7 +49,7 @@ from nn_handler.errors import CheckpointError
 LATEST = "latest.json"
 BEST = "best.pt"
 BEST_SHARDED = "best"
-_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)(\.pt)?$")
+_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)(?:-r[0-9a-f]+)?(\.pt)?$")
 _COUNT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() accepts '¹', int() does not
 
 
@@ -110,10 +113,33 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None
         self.last_saved_epoch: int | None = None
-        if self.comm.rank == 0 and clean:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for orphan in remove_orphans(self.dir):
-                logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
+        #: The run whose checkpoints rotation may delete (None: every periodic checkpoint).
+        self.run_id: str | None = None
+        self._owners: dict[Path, str | None] = {}
+        self._locked = False
+        if not clean:
+            return
+        error: CheckpointError | None = None
+        if self.comm.rank == 0:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                folder_lock.acquire(self.dir, os.environ)
+                self._locked = True
+            except CheckpointError as caught:
+                error = caught
+            else:  # only once the folder is ours: another job's save may be in flight
+                for orphan in remove_orphans(self.dir):
+                    logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
+        if self.comm.world_size > 1:
+            agree_on(self.comm, error, f"starting checkpoints in {self.dir}")
+        elif error is not None:
+            raise error
+
+    def release(self) -> None:
+        """Give up the folder's lock (rank 0; the handler's close does). Idempotent."""
+        if self._locked:
+            folder_lock.release(self.dir)
+            self._locked = False
 
     # ----------------------------------------------------------------- writing
     def write(
@@ -134,7 +160,7 @@ class CheckpointManager:
         """Write the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
         latest.json at it and delete periodic ones beyond ``keep_last``. Every rank must call
         this."""
-        path = self.write(checkpoint, self.dir / periodic_name(epoch, step), budget_s)
+        path = self.write(checkpoint, self.periodic_path(epoch, step), budget_s)
         error: str | None = None
         if self.comm.rank == 0:
             try:
@@ -144,6 +170,17 @@ class CheckpointManager:
         self._agree(error, self.dir / LATEST)
         self.saved(path, epoch, step)
         return path
+
+    def periodic_path(self, epoch: int, step: int) -> Path:
+        """Where the periodic checkpoint after ``epoch`` epochs and ``step`` steps goes: its
+        plain name, or, when another run's checkpoint has that name (two runs in one folder),
+        the name with this run's id (``ckpt-e0002-s00000010-r<id>.pt``), so it is never
+        replaced."""
+        plain = self.dir / periodic_name(epoch, step, self.sharded)
+        owner = self._owner(plain) if is_checkpoint(plain) else None
+        if owner is None or self.run_id is None or owner == self.run_id:
+            return plain
+        return plain.with_name(plain.name.replace(f"-s{step:08d}", f"-s{step:08d}-r{self.run_id}"))
 
     def committed(self, path: Path, epoch: int, step: int) -> None:
         """Rank 0, once the periodic checkpoint ``path`` is complete: point latest.json at it
@@ -155,6 +192,7 @@ class CheckpointManager:
         """Remember the periodic checkpoint every rank has just written (or started to)."""
         self.last_saved_step, self.last_saved_path = step, path
         self.last_saved_epoch = epoch
+        self._owners[path] = self.run_id
 
     def mark_preempted(self, reason: str = "preempted") -> None:
         """Record in latest.json that the run stopped on a preemption (``"reason":
@@ -233,10 +271,26 @@ class CheckpointManager:
         return value < self.best_value if self.config.mode == "min" else value > self.best_value
 
     def _prune(self, keep: Path) -> None:
+        """Delete this run's periodic checkpoints beyond ``keep_last`` (never another run's:
+        two runs sharing a folder by mistake lose nothing to each other)."""
+        self._owners[keep] = self.run_id
         periodic = sorted(self.periodic(), key=_order, reverse=True)
+        if self.run_id is not None:
+            periodic = [p for p in periodic if self._owner(p) == self.run_id]
         for old in periodic[self.config.keep_last :]:
             if old != keep:
                 remove_tree(old)
+                self._owners.pop(old, None)
+
+    def _owner(self, path: Path) -> str | None:
+        """The run id stored in the checkpoint at ``path`` (read once, memory-mapped)."""
+        if path not in self._owners:
+            try:
+                source = path / REST if path.is_dir() else path
+                self._owners[path] = run_of(load_file(source, mmap=True, verify=False))[0]
+            except CheckpointError:
+                self._owners[path] = None  # unreadable: not known to be ours, so kept
+        return self._owners[path]
 
     # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:

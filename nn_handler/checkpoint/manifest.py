@@ -31,9 +31,9 @@ from torch.futures import Future
 
 from nn_handler.checkpoint.io import atomic_write_json
 from nn_handler.checkpoint.safe_dcp import INDEX, read_index
+from nn_handler.checkpoint.sharded import MANIFEST
 from nn_handler.errors import CheckpointError
 
-MANIFEST = "manifest.json"
 _FORMAT = "nn_handler.manifest"
 _VERSION = 1
 

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from nn_handler.config.base import ConfigModel
 from nn_handler.config.training import Mode
 
-ResumePolicy = Literal["never", "on_restart", "auto"]
+ResumePolicy = Literal["never", "on_restart", "auto", "force"]
 CheckpointFormat = Literal["auto", "file", "sharded"]
 
 
@@ -31,7 +31,11 @@ class CheckpointConfig(ConfigModel):
         mode: 'min' when lower is better, 'max' when higher is better.
         resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
             restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0), 'auto'
-            whenever ``dir`` holds one, 'never' starts afresh.
+            whenever ``dir`` holds one, 'never' starts afresh. Both resume only a checkpoint of
+            the same run configuration (optimizer and initial learning rate, precision, EMA,
+            loader seed and shuffle, accumulation, clipping...): one written by a run that
+            differs is refused, naming the fields. 'force' resumes the latest whatever wrote
+            it (with a warning naming the differences).
         allow_world_size_change: resuming (``resume`` 'auto'/'on_restart', or ``resume()``
             without the argument) may continue a checkpoint written by another number of
             ranks, with the data re-sharded over the new ranks (a different data order from

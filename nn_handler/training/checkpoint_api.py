@@ -12,6 +12,7 @@ import torch
 
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of
+from nn_handler.checkpoint.run_identity import fingerprint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.checkpoint_hook import CheckpointHook
@@ -37,6 +38,8 @@ class CheckpointMixin(TrainerParts):
     _schedulers: list[Any]
     _scheduler_factory: Callable[[Any, int], Any] | None
     _pending_scheduler_state: Any
+    hyperparameters: Callable[[], dict[str, Any]]
+    initial_lr: float | None
 
     def _build_checkpointing(
         self, config: CheckpointConfig, run_config: dict[str, Any], hooks: list[Any]
@@ -58,6 +61,7 @@ class CheckpointMixin(TrainerParts):
             enabled=not self.config.fast_dev_run,
             group=self.strategy.checkpoint_group,
             sharded=_sharded(config, self.strategy.collective_state),
+            fingerprint=self._run_fingerprint,
         )
         self.checkpoint_hook = None
         if self.checkpointing.manager is not None:
@@ -70,6 +74,14 @@ class CheckpointMixin(TrainerParts):
                 name = f"hook.{type(hook).__name__}"
                 taken = f"tracked.{name}" in registry
                 self.track(f"{name}.{len(self._tracked)}" if taken else name, hook)
+
+    def _run_fingerprint(self) -> dict[str, Any]:
+        """What defines this run (checkpoint/run_identity.py): the hyperparameters, with the
+        learning rate the optimizer had when the Trainer got it (a scheduler moves it)."""
+        params = self.hyperparameters()
+        if self.initial_lr is not None:
+            params["lr"] = self.initial_lr
+        return fingerprint(params)
 
     def _register_optimization_parts(self, registry: StateRegistry) -> None:
         strategy = self.strategy

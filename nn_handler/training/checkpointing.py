@@ -31,12 +31,12 @@ from torch.distributed import ProcessGroup
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manager import (
     CheckpointManager,
-    periodic_name,
     read_checkpoint,
     restart_count,
     write_together,
 )
 from nn_handler.checkpoint.registry import StateRegistry, restore_shards
+from nn_handler.checkpoint.run_identity import RUN, differences, new_run_id, run_of
 from nn_handler.checkpoint.sharded import (
     META,
     SHARDED,
@@ -115,6 +115,7 @@ class TrainerCheckpoints:
         group: Callable[[], ProcessGroup | None],
         enabled: bool = True,
         sharded: bool = False,
+        fingerprint: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.registry = registry
         self.position = position
@@ -131,6 +132,23 @@ class TrainerCheckpoints:
         )
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
+        self._fingerprint = fingerprint
+        #: This run's id (checkpoint/run_identity.py): adopted from the checkpoint it resumes,
+        #: new when it starts afresh.
+        self.run_id: str | None = None
+
+    def _own_run(self, run_id: str | None = None) -> str:
+        """Set (or create) this run's id; rotation then deletes only its checkpoints."""
+        if run_id is not None or self.run_id is None:
+            self.run_id = run_id or new_run_id()
+        if self.manager is not None:
+            self.manager.run_id = self.run_id
+        return self.run_id
+
+    def close(self) -> None:
+        """Give up the checkpoint folder's lock (rank 0). Every rank may call it."""
+        if self.manager is not None:
+            self.manager.release()
 
     # ----------------------------------------------------------------- the format
     def state_dict(self) -> dict[str, Any] | None:
@@ -151,6 +169,7 @@ class TrainerCheckpoints:
             **shared,
             "config": self.run_config,
             "ranks": ranks,
+            RUN: {"id": self._own_run(), "fingerprint": self._fingerprint()},
         }
         if skip:
             checkpoint[SHARDED] = list(skip)
@@ -164,14 +183,19 @@ class TrainerCheckpoints:
         folder: Path | None = None,
         *,
         verified: bool = False,
+        automatic: bool = False,
     ) -> None:
         """Give every part its state from ``checkpoint`` (a sharded checkpoint's unsharded
         parts, with its ``folder``, whose files are checked against their checksums first
-        unless ``verified``); the next fit continues where it was written. Every rank must
-        call this with the same checkpoint."""
+        unless ``verified``); the next fit continues where it was written, as the same run.
+        A checkpoint of a run configured otherwise (checkpoint/run_identity.py) is refused
+        when chosen ``automatic``-ally (resume 'latest', 'auto', 'on_restart'; not with
+        'force'), and loaded with a warning otherwise. Every rank must call this with the
+        same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
+        saved_run = self._check_run(ckpt, source, automatic)
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
         if saved_world != world:
@@ -203,7 +227,31 @@ class TrainerCheckpoints:
             self._load_shards(folder, sharded, source)
         if saved_world != world and self.position.resume is not None:
             self.position.resume.saved_world = saved_world
+        self._own_run(saved_run)
         self._first_fit = False
+
+    def _check_run(self, ckpt: Mapping[str, Any], source: str, automatic: bool) -> str | None:
+        """The checkpoint's run id, once its run's configuration is found to be this one's
+        (or the difference is allowed: see ``load``)."""
+        saved_run, saved = run_of(ckpt)
+        found = differences(saved, self._fingerprint())
+        if not found:
+            return saved_run
+        if automatic and self.config.resume != "force":
+            raise CheckpointError(
+                f"{source} was written by another run configuration: {'; '.join(found)}. "
+                f"Resuming it would continue that experiment's state with this one's "
+                f"settings. Use another checkpoint.dir for this run, restore the settings to "
+                f"continue that run, or set checkpoint.resume='force' to continue it anyway."
+            )
+        if self.comm.rank == 0:
+            self.log.warning(
+                "{} was written by another run configuration ({}); continuing its state with "
+                "this run's settings",
+                source,
+                "; ".join(found),
+            )
+        return saved_run
 
     def _load_shards(self, folder: Path, names: list[str], source: str) -> None:
         """Every sharded part of this run that ``folder`` holds, resharded to this run."""
@@ -253,7 +301,7 @@ class TrainerCheckpoints:
         epoch, step = state.epoch, state.global_step
         if self.writer is None:
             return manager.save_periodic(self.state_dict(), epoch, step, budget_s)
-        path = manager.dir / periodic_name(epoch, step, sharded=True)
+        path = manager.periodic_path(epoch, step)
         self._save_sharded(
             self.writer,
             path,
@@ -273,6 +321,7 @@ class TrainerCheckpoints:
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
         """Resume per the policy (first fit only) and check the loader against a checkpoint."""
         self._auto_resume()
+        self._own_run()
         point = self.position.resume
         if point is None:
             self.position.state.should_stop = False
@@ -283,12 +332,12 @@ class TrainerCheckpoints:
         self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool
     ) -> Path | None:
         self.finish()
-        verified = False
+        verified = automatic = False
         if str(path) == "latest" or (Path(path).is_dir() and not is_sharded(path)):
             target, checkpoint = self._load_latest(path, missing_ok)
             if target is None:
                 return None
-            verified = True
+            verified = automatic = True
         else:
             target, problem, checkpoint = Path(path), None, None
             try:
@@ -297,7 +346,14 @@ class TrainerCheckpoints:
                 problem = error
             agree_on(self.comm, problem, f"loading checkpoint {target}")
         folder = target if is_sharded(target) else None
-        self.load(checkpoint, str(target), allow_world_size_change, folder, verified=verified)
+        self.load(
+            checkpoint,
+            str(target),
+            allow_world_size_change,
+            folder,
+            verified=verified,
+            automatic=automatic,
+        )
         return target
 
     def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
@@ -360,7 +416,9 @@ class TrainerCheckpoints:
         policy = self.config.resume
         if not first or self.position.resume is not None or self.manager is None:
             return
-        if policy == "auto" or (policy == "on_restart" and restart_count(os.environ) > 0):
+        if policy in ("auto", "force") or (
+            policy == "on_restart" and restart_count(os.environ) > 0
+        ):
             found = self.resume("latest", allow_world_size_change=None, missing_ok=True)
             if found is None:
                 self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)

@@ -24,6 +24,7 @@ class OptimizationMixin(TrainerParts):
     """``configure_optimizers``, ``estimated_stepping_batches`` and scheduler stepping."""
 
     _scheduler_factory: Callable[[Any, int], Any] | None
+    initial_lr: float | None
     _pending_scheduler_state: Any
     _optimizers: list[torch.optim.Optimizer]
     _schedulers: list[Any]
@@ -72,6 +73,9 @@ class OptimizationMixin(TrainerParts):
                 )
         self.optimizer = self._optimizers[0] if self._optimizers else None
         self.scheduler = self._schedulers[0] if self._schedulers else None
+        # The run's learning rate as configured, before a deferred scheduler or training
+        # moves it: the same in a relaunched run (checkpoint/run_identity.py).
+        self.initial_lr = None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
         if len(self._optimizers) > 1 and self.automatic_optimization:
             raise ConfigError(
                 f"{len(self._optimizers)} optimizers need manual optimization: set "

@@ -31,6 +31,7 @@ from nn_handler.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
+from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.integrity import record_spans, verify_records
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import LATEST, periodic_name
@@ -94,7 +95,7 @@ def test_sigkill_during_saves_leaves_a_complete_checkpoint(tmp_path: Path) -> No
     assert loaded["version"] >= 3
     assert torch.all(loaded["w"] == float(loaded["version"]))
     _manager(tmp_path)  # a new run's manager cleans up whatever the killed save left
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "ckpt.pt"]  # and holds it
 
 
 def test_remove_orphans_removes_only_temporary_files(tmp_path: Path) -> None:

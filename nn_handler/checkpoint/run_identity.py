@@ -1,0 +1,80 @@
+"""Which run a checkpoint belongs to: an id per run and a fingerprint of what defines it.
+
+A run gets a new id when it starts afresh and keeps the id of the checkpoint it resumes. The
+fingerprint is the subset of ``Trainer.hyperparameters()`` that a resume may not change
+without becoming another experiment (the optimizer and its initial learning rate, precision,
+the EMA, the data order, accumulation, clipping...); what a resume may change (epochs, the
+checkpoint and logging settings, the world size and strategy, loader workers) is left out.
+Rotation deletes only the checkpoints of its own run, and an automatic resume refuses a
+checkpoint whose fingerprint differs from this run's (checkpoint/manager.py,
+training/checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+#: The top-level entry of a checkpoint holding {"id": ..., "fingerprint": {...}}.
+RUN = "run"
+
+#: The hyperparameters that define a run (``Trainer.hyperparameters()`` keys).
+IDENTITY = (
+    "optimizer",
+    "lr",
+    "precision",
+    "ema.enabled",
+    "ema.decay",
+    "ema.warmup",
+    "ema.update_every",
+    "ema.start_step",
+    "ema.buffers",
+    "loader.shuffle",
+    "loader.seed",
+    "loader.drop_last",
+    "trainer.accumulate_grad_batches",
+    "trainer.gradient_clip_val",
+    "trainer.gradient_clip_norm_type",
+    "trainer.scheduler_interval",
+    "trainer.nonfinite",
+    "trainer.sync_batchnorm",
+)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def fingerprint(hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+    """The run-defining subset of ``hyperparameters``, as plain values."""
+    return {key: _plain(hyperparameters[key]) for key in IDENTITY if key in hyperparameters}
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Each field on which two fingerprints differ, as ``field: X in the checkpoint, Y in
+    this run``; fields only one of them has are not compared (another nn_handler version)."""
+    return [
+        f"{key}: {saved[key]!r} in the checkpoint, {current[key]!r} in this run"
+        for key in IDENTITY
+        if key in saved and key in current and saved[key] != current[key]
+    ]
+
+
+def run_of(checkpoint: Any) -> tuple[str | None, dict[str, Any]]:
+    """A checkpoint's run id and fingerprint (None and {} for one written before runs had
+    identities)."""
+    run = checkpoint.get(RUN) if isinstance(checkpoint, Mapping) else None
+    if not isinstance(run, Mapping):
+        return None, {}
+    found = run.get("fingerprint")
+    return (str(run["id"]) if run.get("id") else None), dict(found) if isinstance(
+        found, Mapping
+    ) else {}
+
+
+__all__ = ["IDENTITY", "RUN", "differences", "fingerprint", "new_run_id", "run_of"]
