@@ -429,7 +429,7 @@ class TrainerCheckpoints:
         if existing and self.comm.rank == 0:
             self.log.warning(
                 "{} already holds {} checkpoint(s) and this run starts afresh (resume={!r}, "
-                "not a restart): its checkpoints will be rotated together with them. Use a new "
+                "not a restart): they are kept (rotation deletes only this run's). Use a new "
                 "folder, or resume='auto' to continue the run that wrote them.",
                 self.manager.dir,
                 len(existing),
