@@ -19,13 +19,15 @@ from nn_handler.checkpoint.sharded import dcp_save
 
 
 class Payload:
-    """Unpickling it runs ``touch <marker>`` (what an attacker's os.system would do)."""
+    """Unpickling it calls ``os.mkdir(marker)``: an attacker's call into the os module, as
+    the campaign's ``os.system`` was, without a shell (``system()`` ignores SIGINT in the
+    whole process while it runs, which would disturb the tests beside it)."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = str(marker)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (os.system, (f"touch {self.marker}",))
+        return (os.mkdir, (self.marker,))
 
 
 def payload_is_live(data: bytes, marker: Path) -> bool:
@@ -34,7 +36,8 @@ def payload_is_live(data: bytes, marker: Path) -> bool:
     script = "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"
     subprocess.run([sys.executable, "-c", script], input=data, check=False, timeout=60)
     live = marker.exists()
-    marker.unlink(missing_ok=True)
+    if live:
+        marker.rmdir()
     return live
 
 
