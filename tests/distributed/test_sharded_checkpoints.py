@@ -7,6 +7,8 @@ job is SIGKILLed during a save.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 from nn_handler import HandlerConfig, Hook, NNHandler, Trainer, TrainingPreempted
 from nn_handler.checkpoint.consolidate import consolidate
+from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
 from tests.harness import run_commands, run_group, torchrun_command
 from tests.resume_helpers import SigtermAt
@@ -369,9 +372,13 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint(
         mlp(seed=5),
         _adam,
         nn.CrossEntropyLoss(),
-        config=_config(1, folder, strategy="auto", allow_world_size_change=True),
+        # The torchrun script's run has its own settings (lr, no EMA): continuing it from
+        # this test's configuration is the user's explicit choice.
+        config=_config(1, folder, strategy="auto", allow_world_size_change=True, resume="force"),
     ) as h:
-        assert not any(p.name.startswith(".") for p in folder.iterdir())  # cleaned
+        hidden = sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+        assert hidden == [LOCK], hidden  # the staging folder cleaned; the folder is this job's
+        assert json.loads((folder / LOCK).read_text())["pid"] == os.getpid()  # taken over
         found = h.trainer.resume("latest")
         assert found is not None and found.name == "ckpt-e0001-s00000003"
         assert is_sharded(found) and h.trainer.state.epoch == 1

@@ -76,7 +76,14 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path: Path) -> N
 def test_ctrl_c_is_a_plain_keyboard_interrupt_otherwise(tmp_path: Path, folder: bool) -> None:
     extra = {"handle_sigint": False} if folder else {}
     target = tmp_path if folder else None
-    with _handler(target, hooks=[SigtermAt(3, signum=signal.SIGINT)], **extra) as h:
-        with pytest.raises(KeyboardInterrupt):
-            h.train(DATA, epochs=3)
-        assert h.trainer.state.global_step == 3  # raised at once, inside step 3's hooks
+    # Python's own Ctrl-C handler, whatever the suite inherited: a shell starts a background
+    # job (`make test &`) with SIGINT ignored, and Python then installs no handler at all.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with _handler(target, hooks=[SigtermAt(3, signum=signal.SIGINT)], **extra) as h:
+            with pytest.raises(KeyboardInterrupt):
+                h.train(DATA, epochs=3)
+            assert h.trainer.state.global_step == 3  # raised at once, inside step 3's hooks
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # left alone
+    finally:
+        signal.signal(signal.SIGINT, inherited)
