@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -268,10 +269,17 @@ def _wandb_files(folder: Path) -> list[Path]:
     return sorted(Path(p) for p in glob.glob(str(folder / "wandb" / "offline-run-*" / "*.wandb")))
 
 
-def _wandb_history(folder: Path) -> list[dict[str, Any]]:
-    """The history rows of the one offline run under ``folder``."""
+def _wandb_history(folder: Path, wait_s: float = 30.0) -> list[dict[str, Any]]:
+    """The history rows of the one offline run under ``folder``. W&B's service process
+    writes the file: on a loaded machine its last records can land a moment after
+    ``run.finish()`` returned, so the file is read until it holds an epoch's row (bounded)."""
     (path,) = _wandb_files(folder)
-    return _wandb_rows(path)
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows = _wandb_rows(path)
+        if any("epoch" in row for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
 
 
 def _wandb_rows(path: Path) -> list[dict[str, Any]]:
