@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nn_handler.checkpoint.manifest import MANIFEST, ChecksummingWriter
+from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
+from nn_handler.checkpoint.manifest import MANIFEST
 from nn_handler.checkpoint.sharded import dcp_save
 
 

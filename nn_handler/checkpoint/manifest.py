@@ -1,6 +1,8 @@
 """Checksums of sharded checkpoints: ``manifest.json``, written last into the staging folder.
 
-DCP stores no checksum, so a flipped bit in a ``__*.distcp`` shard would load silently. Each
+(The writer that computes the checksums is checkpoint/checksumming_writer.py, which imports
+DCP; this module does not.) DCP stores no checksum, so a flipped bit in a ``__*.distcp`` shard
+would load silently. Each
 rank checksums what it has just written, item by item (the CRC-32 of every tensor's or value's
 bytes, read back from its file), and hands the sums to rank 0 inside the write results DCP
 gathers anyway (no collective of ours). Rank 0 writes DCP's plain index and then the manifest:
@@ -14,65 +16,27 @@ reads safely and every file it names is there and long enough.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
-
 from nn_handler.checkpoint.io import atomic_write_json
-from nn_handler.checkpoint.safe_dcp import INDEX, read_index
-from nn_handler.checkpoint.sharded import MANIFEST
 from nn_handler.errors import CheckpointError
+
+MANIFEST = "manifest.json"
 
 _FORMAT = "nn_handler.manifest"
 _VERSION = 1
 
 
-@dataclass
-class _CheckedInfo(_StorageInfo):
-    """DCP's per-item storage info with the item's CRC-32 and its file's size (only on its way
-    to rank 0: the index stores the plain ``_StorageInfo``)."""
-
-    crc32: int = 0
-    file_size: int = 0
-
-
-def _crc(view: memoryview, start: int, length: int) -> int:
+def crc32_of(view: memoryview, start: int, length: int) -> int:
     return zlib.crc32(view[start : start + length]) & 0xFFFFFFFF
 
 
-def checksum_results(folder: Path, results: Sequence[WriteResult]) -> list[WriteResult]:
-    """``results`` with each item's CRC-32, read back from the files just written."""
-    by_file: dict[str, list[int]] = {}
-    for position, result in enumerate(results):
-        by_file.setdefault(result.storage_data.relative_path, []).append(position)
-    checked: list[WriteResult] = list(results)
-    for name, positions in by_file.items():
-        path = folder / name
-        size = path.stat().st_size
-        with open(path, "rb") as handle, _mapped(handle.fileno(), size) as view:
-            for position in positions:
-                info: _StorageInfo = results[position].storage_data
-                crc = _crc(view, info.offset, info.length)
-                extended = _CheckedInfo(
-                    info.relative_path, info.offset, info.length, info.transform_descriptors,
-                    crc32=crc, file_size=size,
-                )  # fmt: skip
-                checked[position] = dataclasses.replace(results[position], storage_data=extended)
-    return checked
-
-
-class _mapped:
+class mapped:
     """A read-only memoryview of a file (empty files cannot be memory-mapped)."""
 
     def __init__(self, fd: int, size: int) -> None:
@@ -88,38 +52,6 @@ class _mapped:
             self._map.close()
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that checksums every item it writes; rank 0 (the coordinator)
-    writes DCP's index and then ``manifest.json`` covering every file of the folder."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        written = super().write_data(plan, planner).wait()
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(checksum_results(Path(self.path), written))
-        return done
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        files: dict[str, dict[str, Any]] = {}
-        plain: list[list[WriteResult]] = []
-        for per_rank in results:
-            row = []
-            for result in per_rank:
-                info = result.storage_data
-                if isinstance(info, _CheckedInfo):
-                    entry = files.setdefault(
-                        info.relative_path, {"size": info.file_size, "segments": []}
-                    )
-                    label = result.index.fqn
-                    entry["segments"].append([info.offset, info.length, info.crc32, label])
-                    info = _StorageInfo(
-                        info.relative_path, info.offset, info.length, info.transform_descriptors
-                    )
-                row.append(dataclasses.replace(result, storage_data=info))
-            plain.append(row)
-        super().finish(metadata, plain)
-        write_manifest(Path(self.path), files)
-
-
 def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
     """Write ``folder/manifest.json``: ``shards`` (each shard file's size and segments) and a
     whole-file CRC-32 of every other file already in the folder (the index, trainer.pt)."""
@@ -127,8 +59,11 @@ def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name not in files and path.name != MANIFEST:
             size = path.stat().st_size
-            with open(path, "rb") as handle, _mapped(handle.fileno(), size) as view:
-                files[path.name] = {"size": size, "segments": [[0, size, _crc(view, 0, size), ""]]}
+            with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
+                files[path.name] = {
+                    "size": size,
+                    "segments": [[0, size, crc32_of(view, 0, size), ""]],
+                }
     for entry in files.values():
         entry["segments"].sort()
     manifest = {"format": _FORMAT, "version": _VERSION, "files": files}
@@ -175,6 +110,8 @@ def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = F
     CheckpointError naming the file, the bytes and what they hold.
     A folder without a manifest is an error when ``required`` (it was written with one), and
     gets structural checks otherwise (see the module docstring)."""
+    from nn_handler.checkpoint.safe_dcp import INDEX, read_index  # imports DCP
+
     files = read_manifest(folder)
     if files is None:
         if required:
@@ -212,9 +149,9 @@ def _verify_file(folder: Path, name: str, entry: dict[str, Any]) -> None:
             f"checkpoint {folder} is damaged: {name} has {size} bytes, {entry['size']} were "
             f"written (truncated or replaced); use an earlier checkpoint."
         )
-    with open(path, "rb") as handle, _mapped(handle.fileno(), size) as view:
+    with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
         for offset, length, stored, label in entry["segments"]:
-            actual = _crc(view, int(offset), int(length))
+            actual = crc32_of(view, int(offset), int(length))
             if actual != int(stored):
                 what = f" ({label})" if label else ""
                 raise CheckpointError(
@@ -228,6 +165,8 @@ def _verify_file(folder: Path, name: str, entry: dict[str, Any]) -> None:
 def _check_structure(folder: Path) -> None:
     """A folder without checksums: its index reads safely, and every file it names exists and
     is long enough for the items in it."""
+    from nn_handler.checkpoint.safe_dcp import INDEX, read_index
+
     metadata = read_index(folder / INDEX)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -250,8 +189,8 @@ def _check_structure(folder: Path) -> None:
 
 __all__ = [
     "MANIFEST",
-    "ChecksummingWriter",
-    "checksum_results",
+    "crc32_of",
+    "mapped",
     "read_manifest",
     "share",
     "verify_files",

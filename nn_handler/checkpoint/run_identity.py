@@ -77,4 +77,14 @@ def run_of(checkpoint: Any) -> tuple[str | None, dict[str, Any]]:
     ) else {}
 
 
-__all__ = ["IDENTITY", "RUN", "differences", "fingerprint", "new_run_id", "run_of"]
+def refusal(source: str, found: list[str]) -> str:
+    """Why an automatic resume of ``source`` (another run configuration) is refused."""
+    return (
+        f"{source} was written by another run configuration: {'; '.join(found)}. Resuming it "
+        f"would continue that experiment's state with this one's settings. Use another "
+        f"checkpoint.dir for this run, restore the settings to continue that run, or set "
+        f"checkpoint.resume='force' to continue it anyway."
+    )
+
+
+__all__ = ["IDENTITY", "RUN", "differences", "fingerprint", "new_run_id", "refusal", "run_of"]

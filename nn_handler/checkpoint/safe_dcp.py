@@ -2,7 +2,7 @@
 
 torch.distributed.checkpoint reads its index (``.metadata``) with a plain ``pickle.load`` and
 every non-tensor value of a shard (an optimizer's ``param_groups``, a count) with
-``torch.load(weights_only=False)``: a crafted folder runs code on whoever loads it. Here the
+an unrestricted ``torch.load``: a crafted folder runs code on whoever loads it. Here the
 index is read by an unpickler that only builds DCP's metadata classes and the plain types they
 hold, the byte values with ``weights_only=True``, and every file the index names must be a
 plain file name inside the folder. Anything else is a CheckpointError naming the file and what
@@ -27,6 +27,7 @@ from nn_handler.errors import CheckpointError
 
 #: DCP's index file in a folder.
 INDEX = ".metadata"
+
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 #: The (module, name) pairs a DCP index may build: its own dataclasses and the values in them.
@@ -124,16 +125,15 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_index(Path(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        assert metadata.storage_meta is not None  # for mypy: set just above
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner with every non-tensor value read weights-only (DCP's own
-    reads them with ``weights_only=False``, which runs whatever a crafted shard asks)."""
+    reads them with an unrestricted unpickler, which runs whatever a crafted shard asks)."""
 
     def __init__(self, source: str | Path) -> None:
         super().__init__()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file, write_failure
+from nn_handler.checkpoint.manifest import MANIFEST, verify_files
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
@@ -49,8 +50,6 @@ REST = "trainer.pt"
 SHARDED = "sharded"
 #: The entry of REST naming the folder's checksum file (absent: written before checksums).
 CHECKSUMS = "checksums"
-#: The folder's checksum file (checkpoint/manifest.py, which imports DCP: imported lazily).
-MANIFEST = "manifest.json"
 #: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
 META = ("format", "version", "world_size", "config", "ranks", SHARDED, CHECKSUMS,
         "consolidated_without", RUN)  # fmt: skip
@@ -266,8 +265,6 @@ def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> 
     None: every file, in this process); ``rest`` is its REST contents (a folder written with
     checksums must still have them). Every rank must call this; all raise the same
     CheckpointError naming the file, the bytes and the tensor when any rank found one bad."""
-    from nn_handler.checkpoint.manifest import MANIFEST, verify_files
-
     path = Path(folder)
     required = isinstance(rest, Mapping) and rest.get(CHECKSUMS) == MANIFEST
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
@@ -340,7 +337,7 @@ def dcp_async_save(shards: dict[str, Any], writer: Any, options: dict[str, Any])
 
 
 def _writer(staging: Path) -> Any:
-    from nn_handler.checkpoint.manifest import ChecksummingWriter
+    from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
 
     return ChecksummingWriter(str(staging), sync_files=True)
 

@@ -17,7 +17,6 @@ loop position, never the Trainer.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -25,7 +24,6 @@ from typing import Any
 
 import torch
 from loguru import logger
-from pydantic import BaseModel
 from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.agreement import agree_on
@@ -36,7 +34,13 @@ from nn_handler.checkpoint.manager import (
     write_together,
 )
 from nn_handler.checkpoint.registry import StateRegistry, restore_shards
-from nn_handler.checkpoint.run_identity import RUN, differences, new_run_id, run_of
+from nn_handler.checkpoint.run_identity import (
+    RUN,
+    differences,
+    new_run_id,
+    refusal,
+    run_of,
+)
 from nn_handler.checkpoint.sharded import (
     META,
     SHARDED,
@@ -48,45 +52,14 @@ from nn_handler.checkpoint.sharded import (
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.training.checkpoint_format import (
+    FORMAT,
+    VERSION,
+    check_checkpoint,
+    plain_config,
+    rank_parts,
+)
 from nn_handler.training.position import LoopPosition, check_data
-
-FORMAT = "nn_handler.checkpoint"
-VERSION = 1
-
-
-def plain_config(config: BaseModel) -> dict[str, Any]:
-    """A config as JSON-compatible values for a checkpoint; values JSON cannot hold (a callable
-    in compile_kwargs, say) are stored as their repr."""
-    try:
-        return dict(config.model_dump(mode="json"))
-    except Exception:  # pydantic's serialisation error for values it cannot convert
-        dumped = config.model_dump()
-        return json.loads(json.dumps(dumped, default=repr))  # type: ignore[no-any-return]
-
-
-def check_checkpoint(checkpoint: Any, source: str) -> dict[str, Any]:
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        keys = sorted(checkpoint)[:10] if isinstance(checkpoint, dict) else type(checkpoint)
-        raise CheckpointError(
-            f"{source} is not an nn_handler training checkpoint (top level: {keys}). To load "
-            f"bare weights use nn_handler.checkpoint.load_model_state(model, state) or "
-            f"NNHandler.load."
-        )
-    if int(checkpoint.get("version", 0)) > VERSION:
-        raise CheckpointError(
-            f"{source} was written by a newer nn_handler (format version "
-            f"{checkpoint['version']} > {VERSION}); upgrade nn_handler to load it."
-        )
-    return checkpoint
-
-
-def _rank_parts(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """A rank's saved parts; the tracked states of the first writers (nested under
-    ``tracked``) read as ``tracked.<name>``."""
-    parts = {k: v for k, v in saved.items() if k != "tracked"}
-    for name, state in (saved.get("tracked") or {}).items():
-        parts[f"tracked.{name}"] = state
-    return parts
 
 
 class TrainerCheckpoints:
@@ -211,7 +184,7 @@ class TrainerCheckpoints:
                 else "",
             )
         shared = {k: v for k, v in ckpt.items() if k not in META}
-        ranks = [_rank_parts(r) for r in ckpt["ranks"]]
+        ranks = [rank_parts(r) for r in ckpt["ranks"]]
         sharded = [str(name) for name in ckpt.get(SHARDED) or []]
         if sharded and folder is None:
             raise CheckpointError(
@@ -238,12 +211,7 @@ class TrainerCheckpoints:
         if not found:
             return saved_run
         if automatic and self.config.resume != "force":
-            raise CheckpointError(
-                f"{source} was written by another run configuration: {'; '.join(found)}. "
-                f"Resuming it would continue that experiment's state with this one's "
-                f"settings. Use another checkpoint.dir for this run, restore the settings to "
-                f"continue that run, or set checkpoint.resume='force' to continue it anyway."
-            )
+            raise CheckpointError(refusal(source, found))
         if self.comm.rank == 0:
             self.log.warning(
                 "{} was written by another run configuration ({}); continuing its state with "

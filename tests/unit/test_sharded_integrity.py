@@ -7,6 +7,7 @@ full disk during a sharded save is named; consolidate never writes into its sour
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -325,3 +326,54 @@ def test_an_fsdp_runs_folder_loads_in_one_process_with_the_model_as_it_is(run: P
     with NNHandler.load(folder, mlp(seed=5)) as h:
         assert h.trainer.state.epoch == 2
         assert type(h.trainer.strategy).__name__ != "FSDPStrategy"
+
+
+# ----------------------------------------------------------------- the error paths, one each
+def test_the_folder_lock_takes_over_only_what_is_stale(tmp_path: Path) -> None:
+    import json as jsonlib
+    import socket
+
+    from nn_handler.checkpoint import folder_lock
+
+    lock = tmp_path / folder_lock.LOCK
+    lock.write_text("{torn")  # a torn lock file: stale
+    folder_lock.acquire(tmp_path, {})
+    assert jsonlib.loads(lock.read_text())["pid"] == os.getpid()
+    other = {"host": "node99", "pid": 4242, "job": "SLURM_JOB_ID=7", "time": 0}
+    lock.write_text(jsonlib.dumps(other))  # another machine, this same job (a requeue)
+    folder_lock.acquire(tmp_path, {"SLURM_JOB_ID": "7"})
+    lock.write_text(jsonlib.dumps(other))  # another machine, another job: refused
+    with pytest.raises(CheckpointError, match=r"in use by another live job: SLURM_JOB_ID=7 "
+                       r"\(pid 4242 on node99"):  # fmt: skip
+        folder_lock.acquire(tmp_path, {"SLURM_JOB_ID": "8"})
+    folder_lock.release(tmp_path)  # not ours: left alone
+    assert jsonlib.loads(lock.read_text())["host"] == "node99" != socket.gethostname()
+
+
+def test_a_manifest_that_is_not_ours_or_too_new_is_refused(run: Path) -> None:
+    from nn_handler.checkpoint.manifest import read_manifest, verify_files
+
+    folder = run / SECOND
+    (folder / MANIFEST).write_text('{"format": "other", "files": {}}')
+    with pytest.raises(CheckpointError, match="is not an nn_handler manifest"):
+        read_manifest(folder)
+    (folder / MANIFEST).write_text('{"format": "nn_handler.manifest", "version": 9, "files": {}}')
+    with pytest.raises(CheckpointError, match="format version 9; upgrade nn_handler"):
+        read_manifest(folder)
+    (folder / MANIFEST).write_text('{"format": "nn_handler.manifest", "version": 1, "files": {}}')
+    with pytest.raises(CheckpointError, match=r"does not list \.metadata"):
+        verify_files(folder)
+
+
+def test_an_index_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    import pickle
+
+    from nn_handler.checkpoint.safe_dcp import read_index
+
+    index = tmp_path / ".metadata"
+    index.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP Metadata"):
+        read_index(index)
+    index.write_bytes(b"\x80\x04\x95")  # torn
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_index(index)

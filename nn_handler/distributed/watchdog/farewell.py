@@ -19,13 +19,30 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from nn_handler.distributed.liveness import departed
 from nn_handler.distributed.watchdog.records import RankState, find_mismatch
+from nn_handler.distributed.watchdog.tracker import CollectiveTracker
 
-if TYPE_CHECKING:  # the watchdog calls in here at its teardown
-    from nn_handler.distributed.watchdog.monitor import StallWatchdog
+
+class StallWatchdog(Protocol):
+    """What the last look needs of the watchdog (distributed/watchdog/monitor.py)."""
+
+    store: Any
+    prefix: str
+    world_size: int
+    tracker: CollectiveTracker
+
+    @property
+    def timing(self) -> Any: ...
+
+    def open_incident(self, kind: str, seq: int) -> None: ...
+
+    def answer(self) -> RankState: ...
+
+    def act(self, payload: dict[str, Any]) -> None: ...
+
 
 #: Longest a rank waits at teardown for the others to reach theirs.
 FINISH_WAIT_S = 3.0
