@@ -23,8 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.checkpoint.consolidate import loadable_in_one_process
-from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.sharded import is_sharded, read_rest
+from nn_handler.checkpoint.source import open_checkpoint
 from nn_handler.config import HandlerConfig, LoggingConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
@@ -34,7 +33,7 @@ from nn_handler.errors import ConfigError, HandlerClosedError
 from nn_handler.log import disable_logging, enable_logging
 from nn_handler.monitoring import ThroughputMonitor
 from nn_handler.tracking import build_trackers
-from nn_handler.training.checkpointing import check_checkpoint, plain_config
+from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
@@ -201,7 +200,7 @@ class NNHandler:
             hooks=hooks,
             checkpoint=self.config.checkpoint,
         )
-        self.trainer.run_config = {"handler": plain_config(self.config)}
+        self.trainer.checkpointing.run_config = {"handler": plain_config(self.config)}
 
     # ----------------------------------------------------------------- parts
     @property
@@ -304,10 +303,9 @@ class NNHandler:
         is allowed (the data is re-sharded; mid-epoch, the rest of the epoch visits each
         remaining sample once; a warning says so). Every rank must call this.
         """
-        folder = Path(path) if is_sharded(path) else None
-        checkpoint = read_rest(path) if folder is not None else load_file(path)
+        opened = open_checkpoint(path)
         if config is None:
-            saved = check_checkpoint(checkpoint, str(path)).get("config") or {}
+            saved = check_checkpoint(opened.contents, str(path)).get("config") or {}
             if _alone(communicator) and isinstance(saved, Mapping):
                 saved = loadable_in_one_process(saved)  # an FSDP run's: the model as it is
             config = _without_checkpoint_dir(
@@ -315,7 +313,7 @@ class NNHandler:
             )
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
-            handler.trainer.checkpointing.load(checkpoint, str(path), True, folder)
+            handler.trainer.checkpointing.load(opened.contents, str(path), True, opened.folder)
         except BaseException:
             handler.close()
             raise

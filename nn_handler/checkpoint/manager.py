@@ -41,7 +41,8 @@ from nn_handler.checkpoint.io import (
     unsafe_entries,
 )
 from nn_handler.checkpoint.run_identity import run_of
-from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, read_rest, remove_tree
+from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, remove_tree
+from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
@@ -322,7 +323,7 @@ class CheckpointManager:
 
     def load_latest(
         self, map_location: torch.device | str | None = None, skip: Iterable[Path] = ()
-    ) -> tuple[Path, dict[str, Any]] | None:
+    ) -> Opened | None:
         """The newest readable checkpoint not in ``skip`` and its contents (a sharded one's
         unsharded parts), or None when there is none; an unreadable newest one is reported
         and the previous complete one is used."""
@@ -331,15 +332,10 @@ class CheckpointManager:
             if candidate in skipped:
                 continue
             try:
-                return candidate, read_checkpoint(candidate, map_location)
+                return open_checkpoint(candidate, map_location)
             except CheckpointError as error:
                 logger.warning("{}; trying the previous checkpoint", error)
         return None
-
-
-def read_checkpoint(path: Path, map_location: torch.device | str | None = None) -> Any:
-    """A checkpoint file's contents, or a sharded folder's unsharded parts."""
-    return read_rest(path, map_location) if is_sharded(path) else load_file(path, map_location)
 
 
 def _order(path: Path) -> tuple[int, int]:
@@ -406,7 +402,6 @@ __all__ = [
     "BEST",
     "BEST_SHARDED",
     "is_checkpoint",
-    "read_checkpoint",
     "agree_on",
     "write_together",
     "LATEST",

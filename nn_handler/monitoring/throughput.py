@@ -213,7 +213,7 @@ class ThroughputMonitor(Hook):
         record["compute_pct"] = 100.0 * shares["compute"]
         if self._timer is not None:
             record["exposed_comm_pct"] = 100.0 * shares["comm"]
-        if trainer.checkpoint_hook is not None:
+        if trainer.checkpointing.hook is not None:
             record["checkpoint_pct"] = 100.0 * shares["checkpoint"]
         record["peak_mem_mb"] = peak_memory_bytes(trainer.device) / 2**20
         return record
@@ -233,7 +233,7 @@ class ThroughputMonitor(Hook):
         return [(StepTimes.from_list(row[:width]), row[width], row[width + 1]) for row in rows]
 
     def _checkpoint_seconds(self) -> float:
-        hook = self.trainer.checkpoint_hook
+        hook = self.trainer.checkpointing.hook
         return float(hook.step_seconds) if hook is not None else 0.0
 
     def _can_count(self) -> bool:

@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nn_handler.errors import CheckpointError
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.errors import CheckpointError, ConfigError
 
 FORMAT = "nn_handler.checkpoint"
 VERSION = 1
@@ -50,4 +51,23 @@ def rank_parts(saved: Mapping[str, Any]) -> dict[str, Any]:
     return parts
 
 
-__all__ = ["FORMAT", "VERSION", "check_checkpoint", "plain_config", "rank_parts"]
+def sharded_checkpoints(config: CheckpointConfig, sharded_model: bool) -> bool:
+    """Whether checkpoints are sharded folders (``format``; 'auto': when the model is)."""
+    sharded = config.format == "sharded" or (config.format == "auto" and sharded_model)
+    if config.async_save and not sharded:
+        raise ConfigError(
+            "checkpoint.async_save writes sharded checkpoints in the background, and this run "
+            "writes single files (format='auto' shards with strategy='fsdp' only): set "
+            "checkpoint.format='sharded', or async_save=False."
+        )
+    return sharded
+
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "check_checkpoint",
+    "plain_config",
+    "rank_parts",
+    "sharded_checkpoints",
+]

@@ -1,15 +1,15 @@
 """CheckpointHook: periodic and best checkpoints and preemption, at the loop's hook points.
 
-``after_optimizer_step``: a step checkpoint every ``every_n_steps`` and the agreed SIGTERM /
-Ctrl-C check; ``after_epoch``: an epoch checkpoint, best.pt and a forced preemption check. The
-Trainer also enters ``watching()`` around its epochs and calls ``end_fit()`` when fit completes.
-It runs after the user's hooks at each point, outside their error agreement: everything it
-does is collective, and its errors are agreed on every rank.
+``before_train``: the SIGTERM / Ctrl-C watch starts; ``after_optimizer_step``: a step
+checkpoint every ``every_n_steps`` and the agreed preemption check; ``after_epoch``: an epoch
+checkpoint, best.pt, a forced preemption check and, at the fit's last epoch, the last
+position (save_last); ``after_train``: the watch ends. An ordinary hook of the Trainer's
+HookList, ``collective``: it runs last at each point, after the other hooks' error agreement
+(everything it does is collective, and its errors are agreed on every rank).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,12 @@ class CheckpointHook(Hook):
     """The checkpoint policy of ``CheckpointConfig`` for one fit (needs a checkpoint folder).
 
     Attributes:
-        watch: the SIGTERM / Ctrl-C watch while ``watching()`` is entered (None otherwise, and
-            when ``handle_sigterm`` is off).
+        watch: the SIGTERM / Ctrl-C watch during a fit (None otherwise, and when
+            ``handle_sigterm`` is off).
     """
+
+    collective = True
+    order = 1000  # after every other hook: a checkpoint holds what they did at this point
 
     def __init__(
         self, checkpoints: TrainerCheckpoints, history: History, device: torch.device
@@ -44,6 +47,7 @@ class CheckpointHook(Hook):
         self.history = history
         self.device = device
         self.watch: PreemptionWatch | None = None
+        self._stop: TrainingPreempted | None = None  # what preempt() raised in this fit
         #: Seconds the training thread spent in step checkpoints and preemption checks so far
         #: (the throughput monitor's "checkpoint" part of a step).
         self.step_seconds = 0.0
@@ -56,31 +60,39 @@ class CheckpointHook(Hook):
 
         return Part("best", lambda: self.manager.best_value, load, missing="ignore")
 
-    def watching(self) -> contextlib.AbstractContextManager[Any]:
-        """SIGTERM and Ctrl-C handling around the loop (when handle_sigterm is on; Ctrl-C also
-        needs handle_sigint)."""
-        if not self.config.handle_sigterm:
-            self.watch = None
-            return contextlib.nullcontext()
-        comm = self.checkpoints.comm
-        self.watch = PreemptionWatch(
-            comm,
-            self.device,
-            self.config.preemption_check_interval_s,
-            interrupt=self.config.handle_sigint,
-        )
-        return self.watch
+    def before_train(self) -> None:
+        """SIGTERM and Ctrl-C handling until ``after_train`` (when handle_sigterm is on;
+        Ctrl-C also needs handle_sigint)."""
+        self.watch = None
+        if self.config.handle_sigterm:
+            self.watch = PreemptionWatch(
+                self.checkpoints.comm,
+                self.device,
+                self.config.preemption_check_interval_s,
+                interrupt=self.config.handle_sigint,
+            ).__enter__()
 
-    def wants_step_calls(self) -> bool:
-        """Whether ``after_optimizer_step`` has anything to do in this fit; the loop skips the
-        call otherwise."""
-        return bool(self.config.save_last and self.config.every_n_steps) or self.watch is not None
+    def after_train(self) -> None:
+        """The signal handlers of before the fit are back (also when training raised; after a
+        preemption, further SIGTERMs wait for this process's shutdown for a while)."""
+        watch, self.watch = self.watch, None
+        stop, self._stop = self._stop, None
+        if watch is None:
+            return
+        if not self.trainer.training_failed:
+            watch.__exit__(None, None, None)  # finishes its last check (a collective)
+        elif stop is not None:
+            watch.__exit__(type(stop), stop, None)
+        else:
+            watch.__exit__(Exception, None, None)
 
     # ----------------------------------------------------------------- hook points
     def after_optimizer_step(self) -> None:
         """Step checkpoints and the preemption check (the same steps on every rank)."""
-        started = time.perf_counter()
         every, step = self.config.every_n_steps, self.state.global_step
+        if self.watch is None and not (self.config.save_last and every):
+            return
+        started = time.perf_counter()
         try:
             if self.config.save_last and every and step % every == 0:
                 self.checkpoints.save_periodic()
@@ -90,7 +102,7 @@ class CheckpointHook(Hook):
             self.step_seconds += time.perf_counter() - started
 
     def after_epoch(self) -> None:
-        """Epoch checkpoints, best.pt, and a forced preemption check."""
+        """Epoch checkpoints, best.pt, a forced preemption check, and the fit's end."""
         config, state, record = self.config, self.state, self.history.last
         path: Path | None = None
         every = config.every_n_epochs
@@ -108,9 +120,12 @@ class CheckpointHook(Hook):
                 self.manager.update_best(value, path, write=self.checkpoints.save)
         if self.watch is not None and self.watch.agreed(state.global_step, force=True):
             self.preempt()
+        if state.ends_fit():
+            self.end_fit()
 
     def end_fit(self) -> None:
-        """The last position is saved (save_last) unless it already is."""
+        """The last position is saved (save_last) unless it already is, and a checkpoint
+        still written in the background is committed."""
         if self.config.save_last and self.manager.last_saved_step != self.state.global_step:
             self.checkpoints.save_periodic(final=True)
         self.checkpoints.finish()
@@ -153,6 +168,7 @@ class CheckpointHook(Hook):
             stop.code,
             path,
         )
+        self._stop = stop
         raise stop
 
 

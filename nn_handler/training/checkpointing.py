@@ -18,7 +18,7 @@ loop position, never the Trainer.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,9 @@ from loguru import logger
 from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.manager import (
-    CheckpointManager,
-    read_checkpoint,
-    restart_count,
-    write_together,
-)
-from nn_handler.checkpoint.registry import StateRegistry, restore_shards
+from nn_handler.checkpoint.latest import open_latest
+from nn_handler.checkpoint.manager import CheckpointManager, restart_count, write_together
+from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
 from nn_handler.checkpoint.run_identity import (
     RUN,
     differences,
@@ -49,6 +45,7 @@ from nn_handler.checkpoint.sharded import (
     load_shards,
     verify_sharded,
 )
+from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -63,7 +60,12 @@ from nn_handler.training.position import LoopPosition, check_data
 
 
 class TrainerCheckpoints:
-    """Writing, loading and resuming the Trainer's checkpoints.
+    """The Trainer's checkpointing part: the registry of every stateful part, the user's
+    ``track``-ed state, and writing, loading and resuming checkpoints.
+
+    The registry is built from the parts the Trainer hands over (``adopt``: the strategy's,
+    the optimization's, the history, the loop position); ``track`` may be called before that
+    (e.g. in ``configure_optimizers``) and until the fit starts.
 
     Attributes:
         registry: the checkpoint's parts.
@@ -74,11 +76,11 @@ class TrainerCheckpoints:
         writer: the ShardedWriter when checkpoints are sharded (None: single files). Either
             way a sharded checkpoint can be loaded; ``group`` gives the process group of its
             collectives (the strategy's ``checkpoint_group``).
+        hook: the CheckpointHook of the policy (set by the Trainer when there is a folder).
     """
 
     def __init__(
         self,
-        registry: StateRegistry,
         position: LoopPosition,
         comm: Communicator,
         device: torch.device,
@@ -90,7 +92,7 @@ class TrainerCheckpoints:
         sharded: bool = False,
         fingerprint: Callable[[], dict[str, Any]] = dict,
     ) -> None:
-        self.registry = registry
+        self.registry = StateRegistry()
         self.position = position
         self.comm = comm
         self.device = device
@@ -103,12 +105,53 @@ class TrainerCheckpoints:
             if enabled and config.dir
             else None
         )
+        self.hook: Any = None
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
         self._fingerprint = fingerprint
+        self._tracked: dict[str, Stateful] = {}
         #: This run's id (checkpoint/run_identity.py): adopted from the checkpoint it resumes,
         #: new when it starts afresh.
         self.run_id: str | None = None
+
+    def adopt(self, parts: Iterable[Part], hooks: Sequence[Any] = ()) -> None:
+        """Add the parts that hold the run's state; hooks with ``state_dict`` and
+        ``load_state_dict`` are tracked by themselves, as ``hook.<ClassName>``."""
+        for part in parts:
+            self.registry.add(part)
+        if self.hook is not None:
+            self.registry.add(self.hook.part())  # the best value save_best compares with
+        for hook in hooks:
+            if isinstance(hook, Stateful):
+                name = f"hook.{type(hook).__name__}"
+                taken = name in self._tracked
+                self.track(f"{name}.{len(self._tracked)}" if taken else name, hook)
+
+    def track(self, name: str, obj: Stateful) -> None:
+        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
+        every checkpoint under ``name``, each rank's own state (see ``Trainer.track``)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"track needs a non-empty str name, got {name!r}.")
+        missing = [
+            m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
+        ]
+        if missing:
+            raise ConfigError(
+                f"track({name!r}, ...): {type(obj).__name__} has no {' or '.join(missing)}; "
+                f"track an object with state_dict() and load_state_dict(state)."
+            )
+        known = self._tracked.get(name)
+        if known is obj:
+            return
+        if known is not None:
+            raise ConfigError(f"track: the name {name!r} is already tracked for another object.")
+        self.registry.add(part_of(f"tracked.{name}", obj, per_rank=True, on_resize="rank0"))
+        self._tracked[name] = obj
+
+    @property
+    def tracked(self) -> dict[str, Stateful]:
+        """The user's own checkpointed state, by name (see ``track``)."""
+        return dict(self._tracked)
 
     def _own_run(self, run_id: str | None = None) -> str:
         """Set (or create) this run's id; rotation then deletes only its checkpoints."""
@@ -299,85 +342,42 @@ class TrainerCheckpoints:
     def resume(
         self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool
     ) -> Path | None:
+        """Load ``path`` (a file, a sharded folder, a folder of checkpoints or 'latest') on
+        every rank; see ``Trainer.resume``."""
         self.finish()
-        verified = automatic = False
-        if str(path) == "latest" or (Path(path).is_dir() and not is_sharded(path)):
-            target, checkpoint = self._load_latest(path, missing_ok)
-            if target is None:
-                return None
-            verified = automatic = True
-        else:
-            target, problem, checkpoint = Path(path), None, None
-            try:
-                checkpoint = read_checkpoint(target, self.device)
-            except Exception as error:
-                problem = error
-            agree_on(self.comm, problem, f"loading checkpoint {target}")
-        folder = target if is_sharded(target) else None
+        opened, latest = self._open(path, missing_ok)
+        if opened is None:
+            return None
         self.load(
-            checkpoint,
-            str(target),
+            opened.contents,
+            str(opened.path),
             allow_world_size_change,
-            folder,
-            verified=verified,
-            automatic=automatic,
+            opened.folder,
+            verified=latest,
+            automatic=latest,
         )
-        return target
+        return opened.path
 
-    def _load_latest(self, path: str | Path, missing_ok: bool) -> tuple[Path | None, Any]:
-        """The newest complete, verified checkpoint and its contents (a sharded one's
-        unsharded parts, its files checked by every rank): rank 0 picks the newest readable
-        one, every rank reads it and checks its share; a damaged one is skipped with a
-        warning saying why, and the previous one is tried."""
+    def _open(self, path: str | Path, missing_ok: bool) -> tuple[Opened | None, bool]:
+        """The one place that decides what ``path`` is: 'latest' or a folder of checkpoints
+        (the newest verified one, chosen automatically: True), else one checkpoint (a file
+        or a sharded folder: open_checkpoint decides which)."""
         if str(path) == "latest":
             manager = self.require_manager("resume('latest')")
-        else:
+        elif Path(path).is_dir() and not is_sharded(path):
             folder = CheckpointConfig(dir=str(path))
             manager = CheckpointManager(
                 folder, self.comm, clean=False, sharded=self.writer is not None
             )
-        skipped: list[Path] = []
-        while True:
-            name, checkpoint = self._pick(manager, skipped)
-            if name is None:
-                if missing_ok:
-                    return None, None
-                raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
-            target = Path(name)
-            if not is_sharded(target):
-                return target, checkpoint
+        else:
+            opened, problem = None, None
             try:
-                verify_sharded(target, self.comm, checkpoint)
-            except CheckpointError as error:
-                if self.comm.rank == 0:
-                    self.log.warning("{}; trying the previous checkpoint", error)
-                skipped.append(target)
-                continue
-            return target, checkpoint
-
-    def _pick(self, manager: CheckpointManager, skipped: list[Path]) -> tuple[str | None, Any]:
-        """Rank 0 picks the newest readable checkpoint not in ``skipped``; every rank reads
-        that one (the same CheckpointError on every rank if one cannot)."""
-        comm, device = self.comm, self.device
-        name: str | None = None
-        checkpoint: Any = None
-        problem: BaseException | None = None
-        if comm.rank == 0:
-            try:
-                found = manager.load_latest(device, skip=skipped)
-                if found is not None:
-                    name, checkpoint = str(found[0]), found[1]
+                opened = open_checkpoint(path, self.device)
             except Exception as error:
                 problem = error
-        if comm.world_size > 1:
-            name = comm.broadcast_object(name)
-            if name is not None and comm.rank != 0:
-                try:
-                    checkpoint = read_checkpoint(Path(name), device)
-                except Exception as error:
-                    problem = error
-        agree_on(comm, problem, f"loading the latest checkpoint in {manager.dir}")
-        return name, checkpoint
+            agree_on(self.comm, problem, f"loading checkpoint {path}")
+            return opened, False
+        return open_latest(manager, self.comm, self.device, missing_ok), True
 
     def _auto_resume(self) -> None:
         first, self._first_fit = self._first_fit, False

@@ -43,6 +43,13 @@ class EarlyStopping:
         self.wait += 1
         return self.wait >= self.config.patience
 
+    def describe(self) -> str:
+        """Why it stopped, for the log."""
+        return (
+            f"early stopping: {self.config.monitor} has not improved for {self.wait} epochs "
+            f"(best {self.best:.6g} at epoch {self.best_epoch})"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait}
 

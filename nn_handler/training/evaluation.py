@@ -1,6 +1,6 @@
-"""Evaluation and prediction: the Trainer's validation loop, metrics and predict, exact over
-ranks (every sample once). Mixed into Trainer; override ``validation_step`` /
-``predict_step`` there."""
+"""Evaluator: the Trainer's part for validation, metrics and prediction, exact over ranks
+(every sample once). The per-batch steps are the Trainer's (``validation_step``,
+``predict_step``), passed in by the call."""
 
 from __future__ import annotations
 
@@ -12,54 +12,69 @@ from typing import Any
 import torch
 from torch import nn
 
+from nn_handler.config.training import TrainerConfig
 from nn_handler.data.exact import gather_in_dataset_order
+from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
+from nn_handler.strategies import Strategy
 from nn_handler.training.batch import batch_size_of, loader_length, move_to_device
+from nn_handler.training.ema import ModelEma
+from nn_handler.training.hooks import HookList
 from nn_handler.training.limits import limited
 from nn_handler.training.metrics import MetricFn, StatefulMetric, compute_stateful
-from nn_handler.training.parts import TrainerParts
+from nn_handler.training.precision import Precision
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
 
 Metric = MetricFn | StatefulMetric
 
 
-class EvaluationMixin(TrainerParts):
-    """``evaluate``, ``predict`` and the per-batch ``validation_step`` / ``predict_step``."""
+class Evaluator:
+    """Evaluation and prediction of one Trainer: its metrics, the exact reduction of their
+    means over ranks (every sample once) and the loop both share.
 
-    metrics: dict[str, Metric]
-    _stateful: dict[str, StatefulMetric]
-    _metric_updates: int
-    _eval_keys: MetricKeys
-    _non_blocking: bool
-    _active: nn.Module
+    ``activate(module)`` tells the Trainer which module its ``forward`` runs while evaluating
+    (``activate(None)``: the training model again); ``ema()`` is the model's EMA (or None).
 
-    def forward(self, inputs: Any) -> Any:
-        raise NotImplementedError
+    Attributes:
+        metrics: the ``metrics=`` given to the Trainer, by name.
+    """
 
-    def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
-        """Per-batch means to average over the validation set (weighted by batch size).
-
-        The default returns the loss and ``update_metrics(outputs, targets)``: every metric
-        function's value, with stateful (torchmetrics) metrics updated. An override that
-        wants ``metrics=`` must call ``update_metrics`` too (or the evaluation says so).
-        """
-        inputs, targets = self.split_batch(batch)
-        outputs = self.forward(inputs)
-        values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
-        values.update(self.update_metrics(outputs, targets))
-        return values
+    def __init__(
+        self,
+        config: TrainerConfig,
+        comm: Communicator,
+        device: torch.device,
+        strategy: Strategy,
+        precision: Precision,
+        hooks: HookList,
+        module: nn.Module,
+        metrics: Mapping[str, Metric] | None,
+        activate: Callable[[nn.Module | None], None],
+        ema: Callable[[], ModelEma | ShardedEma | None],
+    ) -> None:
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.strategy = strategy
+        self.precision = precision
+        self.hooks = hooks
+        self.module = module
+        self._ema = ema
+        self.metrics: dict[str, Metric] = dict(metrics or {})
+        self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}
+        for metric in self._stateful.values():
+            if isinstance(metric, nn.Module):
+                metric.to(device)
+        self._activate = activate
+        self._metric_updates = 0
+        # The key sets of the last reductions, the same on every rank (one all_reduce each).
+        self._keys = MetricKeys()
+        self._non_blocking = config.non_blocking and device.type == "cuda"
 
     def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
-        """Feed one validation batch to ``metrics=``: stateful (torchmetrics) metrics are
-        updated, and the metric functions' values are returned (to include in what
-        ``validation_step`` returns, which averages them over the set)."""
+        """Feed one validation batch to the metrics: stateful (torchmetrics) metrics are
+        updated, and the metric functions' values are returned."""
         self._metric_updates += 1
         values: dict[str, torch.Tensor | float] = {}
         stateful = self._stateful  # sorted out once: an isinstance of a Protocol costs ~15 us
@@ -70,37 +85,24 @@ class EvaluationMixin(TrainerParts):
                 values[name] = metric(outputs, targets)  # type: ignore[operator]
         return values
 
-    def predict_step(self, batch: Any) -> torch.Tensor:
-        """Per-sample outputs of one batch (dim 0 = samples); the default runs the model on
-        the batch's inputs (its first element when it is a tuple or list)."""
-        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        output: torch.Tensor = self.forward(inputs)
-        return output
-
-    def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
-        """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
-        this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
-        EmaConfig's validate_with_ema). A failure on any rank raises on every rank.
-
-        The metrics and the agreement on failure travel in one all_reduce (plus one tiny
-        all_gather for the after_validation hooks, and torchmetrics' own synchronisation)."""
-        results, hooks_error = self._evaluate(loader, use_ema)
-        self.comm.raise_if_any_failed(hooks_error, "after_validation hooks")
-        return results
-
     @torch.no_grad()
-    def _evaluate(
-        self, loader: Iterable[Any], use_ema: bool | None
+    def evaluate(
+        self,
+        loader: Iterable[Any],
+        use_ema: bool | None,
+        validation_step: Callable[[Any], Mapping[str, torch.Tensor | float]],
     ) -> tuple[dict[str, float], Exception | None]:
-        """``evaluate`` but for the agreement on the after_validation hooks: returns what they
-        raised on this rank (fit agrees on it with the after_epoch hooks, in one exchange)."""
+        """Exact metrics over ``loader``, the same on every rank (one all_reduce carries them
+        and the agreement on a failed validation step), then the after_validation hooks: what
+        they raised on this rank is returned, for the caller to agree on. Every rank must
+        call this."""
         means = WeightedMeans()
         limit = self.config.fast_dev_run or self.config.limit_val_batches
         count = limited(loader_length(loader), limit)
         self._metric_updates = 0
 
         def validate(batch: Any) -> None:
-            means.update(self.validation_step(batch), batch_size_of(batch))
+            means.update(validation_step(batch), batch_size_of(batch))
 
         def finish(batches: int) -> None:
             if self.metrics and batches and not self._metric_updates:
@@ -119,7 +121,7 @@ class EvaluationMixin(TrainerParts):
         # A failed rank sends nothing of its own, so the reduction has one shape everywhere.
         reduced = means if error is None else WeightedMeans()
         failed = [float(error is not None)]
-        results, (failures,) = reduced.reduce(self.comm, self.device, self._eval_keys, failed)
+        results, (failures,) = reduced.reduce(self.comm, self.device, self._keys, failed)
         if failures:
             self.comm.raise_if_any_failed(error, "the validation loop")
         for name, metric in self._stateful.items():
@@ -132,7 +134,12 @@ class EvaluationMixin(TrainerParts):
         return results, None
 
     @torch.no_grad()
-    def predict(self, loader: Iterable[Any], use_ema: bool | None = None) -> torch.Tensor:
+    def predict(
+        self,
+        loader: Iterable[Any],
+        use_ema: bool | None,
+        predict_step: Callable[[Any], torch.Tensor],
+    ) -> torch.Tensor:
         """Every sample's output, in dataset order, on every rank; every rank must call this.
 
         With more than one rank ``loader`` must be an evaluation loader (with ``indices``:
@@ -148,7 +155,7 @@ class EvaluationMixin(TrainerParts):
         outputs: list[torch.Tensor] = []
 
         def collect(batch: Any) -> None:
-            outputs.append(self.predict_step(batch).float())
+            outputs.append(predict_step(batch).float())
 
         error = self._eval_pass(loader, use_ema, None, collect)
         self.comm.raise_if_any_failed(error, "the prediction loop")
@@ -181,7 +188,7 @@ class EvaluationMixin(TrainerParts):
         with self._eval_weights(use_ema) as module:
             was_training = module.training
             module.eval()
-            self._active = module
+            self._activate(module)
             try:
                 with self.strategy.evaluation():  # every rank enters it (sharded models gather)
                     seen = 0
@@ -196,7 +203,7 @@ class EvaluationMixin(TrainerParts):
                     except Exception as caught:
                         error = caught
             finally:
-                self._active = self.model
+                self._activate(None)
                 module.train(was_training)
         return error
 
@@ -204,11 +211,12 @@ class EvaluationMixin(TrainerParts):
     def _eval_weights(self, use_ema: bool | None) -> Iterator[nn.Module]:
         """The module to evaluate: the plain module, or its EMA (a copy, or for a sharded
         model the averaged shards swapped in for the duration)."""
+        averaged = self._ema()
         if use_ema is None:
-            use_ema = self.ema is not None and self.ema.config.validate_with_ema
-        if use_ema and self.ema is None:
+            use_ema = averaged is not None and averaged.config.validate_with_ema
+        if use_ema and averaged is None:
             raise ConfigError("use_ema=True but EMA is off: set EmaConfig(enabled=True).")
-        ema = self.ema if use_ema else None
+        ema = averaged if use_ema else None
         if isinstance(ema, ShardedEma):
             with ema.applied() as module:
                 yield module
@@ -217,4 +225,4 @@ class EvaluationMixin(TrainerParts):
             yield ema.module if ema is not None else self.module
 
 
-__all__ = ["EvaluationMixin", "Metric"]
+__all__ = ["Evaluator", "Metric"]

@@ -8,9 +8,10 @@ overrides, so an unused point costs nothing in the hot path. ``after_train`` run
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, NNHandlerError
 
 HOOK_POINTS = (
@@ -49,6 +50,10 @@ class Hook:
     _trainer_ref: weakref.ReferenceType[Any] | None = None
     #: Where the hook runs among the others at each point (ascending; ties keep their order).
     order: int = 0
+    #: True for a hook whose methods run collectives and raise only errors that every rank
+    #: raises alike (the CheckpointHook): at the points whose errors the ranks agree on
+    #: (before_train, before_epoch, after_epoch) it runs after that agreement, on every rank.
+    collective: bool = False
 
     @property
     def trainer(self) -> Any:
@@ -108,22 +113,61 @@ class HookList:
     def has(self, point: str) -> bool:
         return bool(self._by_point[point])
 
-    def call(self, point: str, *args: Any) -> None:
-        """Call ``point`` on every hook that overrides it, in order. ``after_train`` (the
-        clean-up point: loggers finalize there) reaches every hook even when one raises; the
-        first error is raised after the last hook ran."""
+    def call(self, point: str, *args: Any, collective: bool | None = None) -> None:
+        """Call ``point`` on every hook that overrides it, in order (only the ``collective``
+        ones, or only the others, when given). ``after_train`` (the clean-up point: loggers
+        finalize there) reaches every hook even when one raises; the first error is raised
+        after the last hook ran."""
+        hooks = self._by_point[point]
+        if collective is not None:
+            hooks = [hook for hook in hooks if hook.collective is collective]
         if point != "after_train":
-            for hook in self._by_point[point]:
+            for hook in hooks:
                 getattr(hook, point)(*args)
             return
         first: Exception | None = None
-        for hook in self._by_point[point]:
+        for hook in hooks:
             try:
                 getattr(hook, point)(*args)
             except Exception as error:
                 first = first or error
         if first is not None:
             raise first
+
+    def call_after_train(self, failed: bool, log: Any) -> None:
+        """The ``after_train`` point, in ``fit``'s ``finally``: an error there is raised when
+        training succeeded, and logged (not raised over the training error) when it failed."""
+        try:
+            self.call("after_train")
+        except Exception:
+            if not failed:
+                raise
+            log.exception("an after_train hook raised while training was failing")
+
+    def call_agreed(
+        self,
+        point: str,
+        comm: Communicator,
+        what: str = "",
+        *,
+        first: Callable[[], None] | None = None,
+        share: Callable[[], Sequence[int]] | None = None,
+    ) -> list[list[int]]:
+        """Call ``point`` on the hooks that are not ``collective`` (``first()`` before them),
+        then agree with every rank on whether that raised anywhere: a hook that raises on one
+        rank raises RankFailedError on every rank instead of leaving the others waiting in
+        their next collective (one tiny all_gather; ``Communicator.raise_if_any_failed``).
+        ``share()``, a few integers read after the hooks, travels with it: returns every
+        rank's. The caller then calls the collective hooks. Every rank must call this."""
+        error: Exception | None = None
+        try:
+            if first is not None:
+                first()
+            self.call(point, collective=False)
+        except Exception as caught:
+            error = caught
+        shared = share() if share is not None else ()
+        return comm.raise_if_any_failed(error, what or f"{point} hooks", shared)
 
 
 def _overrides(hook: Hook, point: str) -> bool:

@@ -79,4 +79,27 @@ def check_monitors(
         )
 
 
-__all__ = ["RECORD_METHODS", "TRAINING_KEYS", "check_monitors", "expected_keys", "monitored"]
+def check_trainer_monitors(
+    trainer_class: type,
+    base: type,
+    metric_names: Iterable[str],
+    validates: bool,
+    watched: Iterable[tuple[str, str, str]],
+) -> None:
+    """``check_monitors`` for a Trainer subclass: which of RECORD_METHODS and
+    ``training_step`` it overrides decides which keys are known."""
+    overridden = {m for m in RECORD_METHODS if getattr(trainer_class, m) is not getattr(base, m)}
+    step = "training_step"
+    own_training_keys = getattr(trainer_class, step) is not getattr(base, step)
+    keys = expected_keys(overridden, metric_names, validates)
+    check_monitors(keys, watched, validates, own_training_keys)
+
+
+__all__ = [
+    "RECORD_METHODS",
+    "TRAINING_KEYS",
+    "check_monitors",
+    "check_trainer_monitors",
+    "expected_keys",
+    "monitored",
+]

@@ -1,44 +1,100 @@
-"""The optimizer and the LR scheduler: building them (factories, a two-argument scheduler
-factory that needs the run's length), the run's length in optimizer steps, and stepping a
-scheduler per epoch. Mixed into Trainer; override ``configure_optimizers`` there."""
+"""Optimization: the Trainer's part that owns the optimizers and LR schedulers, the precision
+(autocast, GradScaler), the accumulation window, the non-finite guard with its buffer snapshot,
+gradient clipping, the EMA and the per-step scheduler; it names its own checkpoint parts.
+
+Why the gradients are zeroed when the next window opens, not right after ``step()``: freeing
+them (``set_to_none``) between ``step()`` and the next forward hands their memory back to the
+allocator just before the forward needs as much again, and with glibc's malloc that costs
+thousands of minor page faults per step on a ResNet (5-10% of the step on a CPU). Zeroing just
+before the forward, as the hand-written loop does, reuses the memory at once
+(benchmarks/realistic.py records the faults per step)."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from loguru import logger
 from torch import nn
 
-from nn_handler.errors import ConfigError
-from nn_handler.training.batch import loader_length
+from nn_handler.checkpoint.registry import Part
+from nn_handler.config.training import EmaConfig, TrainerConfig
+from nn_handler.errors import ConfigError, NonFiniteError
+from nn_handler.strategies import Strategy
+from nn_handler.training.ema import ModelEma
 from nn_handler.training.history import Record
-from nn_handler.training.limits import limited, stepping_batches
-from nn_handler.training.parts import TrainerParts
+from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
+from nn_handler.training.optimization_parts import ema_part, optimizer_parts, scheduler_parts
+from nn_handler.training.precision import Precision
+from nn_handler.training.schedules import (
+    check_schedulers,
+    estimated_steps,
+    required_positional,
+    step_per_epoch,
+    warn_if_the_schedule_ends_early,
+)
+from nn_handler.training.sharded_ema import ShardedEma
+from nn_handler.training.state import TrainerState
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-class OptimizationMixin(TrainerParts):
-    """``configure_optimizers``, ``estimated_stepping_batches`` and scheduler stepping."""
+class Optimization:
+    """How one Trainer's gradients become weight updates, the same on every rank.
 
-    _scheduler_factory: Callable[[Any, int], Any] | None
-    initial_lr: float | None
-    _pending_scheduler_state: Any
-    _optimizers: list[torch.optim.Optimizer]
-    _schedulers: list[Any]
-    automatic_optimization: bool
+    Attributes:
+        optimizers / schedulers: every optimizer and LR scheduler, in the order
+            ``configure_optimizers`` returned them (the first of each is the Trainer's
+            ``optimizer`` / ``scheduler``).
+        precision: autocast for the forward, the GradScaler for an fp16 backward.
+        ema: the model's exponential moving average (None when off).
+        initial_lr: the first optimizer's learning rate as configured, before a scheduler or
+            training moved it (part of the run's identity, checkpoint/run_identity.py).
+    """
 
-    def configure_optimizers(self, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
-        """Build the optimizer and scheduler (override to construct them yourself).
+    def __init__(
+        self,
+        config: TrainerConfig,
+        precision: Precision,
+        strategy: Strategy,
+        state: TrainerState,
+        ema: EmaConfig | None,
+        rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.precision = precision
+        self.strategy = strategy
+        self.state = state
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[Any] = []
+        self.initial_lr: float | None = None
+        self.ema: ModelEma | ShardedEma | None = None
+        self.log = logger.bind(rank=rank)
+        self._ema_config = ema
+        self._deferred: Callable[[Any, int], Any] | None = None
+        self._pending_scheduler_state: Any = None
+        self._params: list[nn.Parameter] = []
+        self._guard = False
+        self._finite = GradientFiniteCheck([])
+        self._buffers: BufferSnapshot | None = None
+        self._window_losses: list[torch.Tensor] = []
+        self._window_open = False  # the next micro-batch opens an optimizer step
 
-        Called once, after the model is wrapped and once ``state``, ``history``, ``hooks``,
-        ``metrics`` and ``strategy`` exist; factories receive ``self.model.parameters()`` and
-        the optimizer respectively. Returns (optimizer, scheduler), or (a list of optimizers,
-        a list of schedulers or None) for several, which needs manual optimization
-        (``automatic_optimization = False``); a list passed as ``optimizer=`` is used as is.
-        """
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def scheduler(self) -> Any:
+        return self.schedulers[0] if self.schedulers else None
+
+    # ----------------------------------------------------------------- building
+    def build(self, optimizer: Any, scheduler: Any, model: nn.Module) -> tuple[Any, Any]:
+        """The default ``configure_optimizers``: an optimizer factory gets the model's
+        parameters and a scheduler factory the optimizer; a two-argument scheduler factory
+        (``lambda opt, total_steps: ...``) is kept until ``begin_fit`` knows the run's length.
+        A list of optimizers (and of schedulers) is used as it is."""
         if isinstance(optimizer, (list, tuple)):
             schedulers = scheduler if isinstance(scheduler, (list, tuple)) else []
             return list(optimizer), list(schedulers)
@@ -48,44 +104,51 @@ class OptimizationMixin(TrainerParts):
                     f"optimizer must be a torch.optim.Optimizer or a factory taking the "
                     f"parameters, got {type(optimizer).__name__}."
                 )
-            optimizer = optimizer(self.model.parameters())
+            optimizer = optimizer(model.parameters())
         if scheduler is not None and optimizer is None:
             raise ConfigError("a scheduler needs an optimizer: pass optimizer= as well.")
         if scheduler is not None and not hasattr(scheduler, "step") and callable(scheduler):
-            if _required_positional(scheduler) >= 2:
-                # lambda opt, total_steps: ... -> built when fit knows the run's length.
-                self._scheduler_factory = scheduler
+            if required_positional(scheduler) >= 2:
+                self._deferred = scheduler
                 return optimizer, None
             scheduler = scheduler(optimizer)
         return optimizer, scheduler
 
-    def _adopt_optimizers(self, built: tuple[Any, Any]) -> None:
-        """Keep what ``configure_optimizers`` returned: ``optimizer``/``scheduler`` are the
-        first ones; several optimizers need manual optimization."""
+    def adopt(self, built: tuple[Any, Any], module: nn.Module, automatic: bool) -> None:
+        """Keep what ``configure_optimizers`` returned, then set up what depends on it (the
+        parameters that train, the non-finite guard, the EMA). Several optimizers need manual
+        optimization (``automatic`` False)."""
         optimizers, schedulers = built
-        self._optimizers = _as_list(optimizers)
-        self._schedulers = _as_list(schedulers)
-        for index, optimizer in enumerate(self._optimizers):
+        self.optimizers[:] = _as_list(optimizers)
+        self.schedulers[:] = _as_list(schedulers)
+        for index, optimizer in enumerate(self.optimizers):
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ConfigError(
                     f"optimizer {index} is a {type(optimizer).__name__}, not a "
                     f"torch.optim.Optimizer."
                 )
-        self.optimizer = self._optimizers[0] if self._optimizers else None
-        self.scheduler = self._schedulers[0] if self._schedulers else None
-        # The run's learning rate as configured, before a deferred scheduler or training
-        # moves it: the same in a relaunched run (checkpoint/run_identity.py).
-        self.initial_lr = None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
-        if len(self._optimizers) > 1 and self.automatic_optimization:
+        first = self.optimizer
+        self.initial_lr = None if first is None else first.param_groups[0]["lr"]
+        if len(self.optimizers) > 1 and automatic:
             raise ConfigError(
-                f"{len(self._optimizers)} optimizers need manual optimization: set "
+                f"{len(self.optimizers)} optimizers need manual optimization: set "
                 f"automatic_optimization = False on your Trainer subclass and call "
                 f"self.manual_backward(loss), optimizer.step() and optimizer.zero_grad() in "
                 f"training_step (the global step, EMA and per-step schedulers still advance "
                 f"once per batch)."
             )
-        if not self.automatic_optimization:
+        if not automatic:
             self._check_manual()
+        check_schedulers(self.schedulers, self.config)
+        ema, strategy = self._ema_config, self.strategy
+        if ema is not None and ema.enabled:  # a sharded model's EMA stays sharded
+            sharded = strategy.collective_state
+            self.ema = ShardedEma(module, ema, strategy) if sharded else ModelEma(module, ema)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
+        self._finite = GradientFiniteCheck(self._params)
+        snapshot = BufferSnapshot(module)
+        self._buffers = snapshot if self._guard and snapshot.has_buffers else None
 
     def _check_manual(self) -> None:
         config, reasons = self.config, []
@@ -101,105 +164,167 @@ class OptimizationMixin(TrainerParts):
         if reasons:
             raise ConfigError("with manual optimization " + "; ".join(reasons) + ".")
 
-    def _build_deferred_scheduler(self, loader: Iterable[Any], epochs: int) -> None:
-        factory, self._scheduler_factory = self._scheduler_factory, None
-        if factory is None:
-            return
-        self.scheduler = factory(self.optimizer, self.estimated_stepping_batches(loader, epochs))
-        self._schedulers = [self.scheduler]
-        self._check_scheduler()
-        pending, self._pending_scheduler_state = self._pending_scheduler_state, None
-        if pending is not None and self.scheduler is not None:
-            self.scheduler.load_state_dict(pending)
-
-    def _check_scheduler(self) -> None:
-        plateau = any(
-            isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) for s in self._schedulers
-        )
-        if plateau and self.config.scheduler_interval == "step":
+    def require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
             raise ConfigError(
-                "ReduceLROnPlateau steps on an epoch metric: use "
-                "TrainerConfig(scheduler_interval='epoch')."
+                "training needs an optimizer: pass optimizer= (an instance or a factory such as "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)) or override "
+                "configure_optimizers."
             )
+        return self.optimizer
 
-    def _train_limit(self) -> int | float | None:
-        return self.config.fast_dev_run or self.config.limit_train_batches
+    # ----------------------------------------------------------------- schedules
+    def begin_fit(self, loader: Iterable[Any], epochs: int) -> None:
+        """Build a scheduler that needed the run's length (before a resume loads its
+        state)."""
+        factory, self._deferred = self._deferred, None
+        if factory is not None:
+            steps = estimated_steps(self.config, self.state, loader, epochs)
+            self.schedulers[:] = [factory(self.optimizer, steps)]
+            check_schedulers(self.schedulers, self.config)
+            pending, self._pending_scheduler_state = self._pending_scheduler_state, None
+            if pending is not None and self.scheduler is not None:
+                self.scheduler.load_state_dict(pending)
 
-    def estimated_stepping_batches(self, loader: Iterable[Any], epochs: int | None = None) -> int:
-        """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
-        ends (steps already done included; limit_train_batches, accumulation and max_steps
-        applied): the length a per-step LR schedule needs. ``loader`` must have len()."""
-        batches = limited(loader_length(loader), self._train_limit())
-        if batches is None:
-            raise ConfigError(
-                "estimated_stepping_batches needs a loader with len(); pass the number of "
-                "steps to the scheduler yourself for an iterable loader."
+    def warn_if_the_schedule_ends_early(self, loader: Iterable[Any], epochs: int) -> None:
+        """Warn when the schedule would end before the run does (after a resume)."""
+        warn_if_the_schedule_ends_early(self.scheduler, self.config, self.state, loader, epochs)
+
+    def step_per_epoch(self, record: Record) -> None:
+        """The epoch's end: step every scheduler stepped per epoch (scheduler_interval)."""
+        step_per_epoch(self.schedulers, self.config, record)
+
+    # ----------------------------------------------------------------- one step
+    def backward(self, loss: torch.Tensor, window: int) -> torch.Tensor:
+        """Backward of one micro-batch of a ``window``-batch accumulation window (the loss is
+        divided by it: the gradient is the window's mean). Returns the detached loss."""
+        scaler = self.precision.scaler
+        if self._guard and self.strategy.reduces_gradients:
+            # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
+            # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
+            # check of the synchronised gradients then decides for all ranks.
+            loss.backward(loss.detach().mul(0.0).add_(1.0 / window))  # type: ignore[no-untyped-call]
+            return loss.detach()
+        scaled = loss / window if window > 1 else loss
+        (scaled if scaler is None else scaler.scale(scaled)).backward()  # type: ignore[no-untyped-call]
+        detached = loss.detach()
+        if self._guard:  # without DDP the window's losses join the gradients' finite check
+            self._window_losses.append(detached)
+        return detached
+
+    def open_window(self) -> None:
+        """Before a micro-batch's forward: the first one of an optimizer step drops the
+        previous step's gradients (here, not after ``step()``: see the module's docstring)
+        and snapshots the buffers for the non-finite guard."""
+        if self._window_open:
+            return
+        self._window_open = True
+        self.require_optimizer().zero_grad(set_to_none=True)
+        if self._buffers is not None:
+            self._buffers.take()
+
+    def step(self) -> bool:
+        """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
+        optimizer stepped. Then the EMA and a per-step scheduler, and the window closes: the
+        gradients stay until the next window's first micro-batch (readable in
+        ``after_optimizer_step`` hooks)."""
+        optimizer, state = self.require_optimizer(), self.state
+        scaler = self.precision.scaler
+        if scaler is not None:
+            self.precision.unscale(optimizer)
+        if self.config.gradient_clip_val is not None:
+            self.strategy.clip_grad_norm(
+                self._params, self.config.gradient_clip_val, self.config.gradient_clip_norm_type
             )
-        epochs = epochs if epochs is not None else self.config.epochs
-        if self.config.fast_dev_run:
-            epochs = self.state.epoch + 1
-        return stepping_batches(
-            batches,
-            self.config.accumulate_grad_batches,
-            epochs,
-            epochs_done=self.state.epoch,
-            steps_done=self.state.global_step,
-            max_steps=self.config.max_steps,
-        )
-
-    def _warn_if_the_schedule_ends_early(self, epochs: int, loader: Iterable[Any]) -> None:
-        """An LR schedule with a horizon (T_max, total_steps, total_iters) that this fit would
-        step past: it does not stretch to the run (a finished cosine rises again), so say so
-        before training, e.g. when a resumed run's epochs are extended."""
-        horizon = next(
-            (
-                (name, int(getattr(self.scheduler, name)))
-                for name in ("T_max", "total_steps", "total_iters")
-                if isinstance(getattr(self.scheduler, name, None), int)
-            ),
-            None,
-        )
-        if horizon is None:
-            return
-        name, length = horizon
-        unit = "epochs"
-        total = epochs
-        if self.config.scheduler_interval == "step":
-            if loader_length(loader) is None:
-                return
-            total = self.estimated_stepping_batches(loader, epochs)
-            unit = "optimizer steps"
-        if total <= length:
-            return
-        self.log.warning(
-            "the LR scheduler {} has {}={} but this run goes to {} {}: past its end it goes on "
-            "with its own formula (a cosine schedule's learning rate rises again). Build it "
-            "for {} {} to anneal over the whole run (extending epochs on resume keeps the "
-            "saved {}).",
-            type(self.scheduler).__name__,
-            name,
-            length,
-            total,
-            unit,
-            total,
-            unit,
-            name,
-        )
-
-    def _step_scheduler_per_epoch(self, record: Record) -> None:
-        if self.config.scheduler_interval != "epoch":
-            return
-        for scheduler in self._schedulers:
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                monitor = self.config.scheduler_monitor
-                if monitor not in record:
-                    raise ConfigError(
-                        f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "
-                        f"{sorted(record)}; set TrainerConfig(scheduler_monitor=...)."
-                    )
-                scheduler.step(record[monitor])
+        stepped = self._finite.all_finite(self._window_losses) if self._guard else True
+        if self._guard and self.strategy.shards_gradients:  # each rank checked its shard
+            stepped = self.strategy.agree(stepped)
+        self._window_losses.clear()
+        if stepped:
+            if scaler is not None:
+                scale = scaler.get_scale()
+                self.precision.step(optimizer)
+                stepped = scaler.get_scale() >= scale
             else:
+                optimizer.step()
+            state.skipped_in_a_row = 0
+        else:
+            if self._buffers is not None:
+                self._buffers.restore()
+            self._on_nonfinite()
+        if stepped:
+            if self.ema is not None:
+                self.ema.update()
+            if self.scheduler is not None and self.config.scheduler_interval == "step":
+                self.scheduler.step()
+        self._window_open = False
+        state.global_step += 1
+        return stepped
+
+    def after_manual_step(self) -> None:
+        """Manual optimization advances once per batch: the EMA, every per-step scheduler and
+        the global step."""
+        if self.ema is not None:
+            self.ema.update()
+        if self.config.scheduler_interval == "step":
+            for scheduler in self.schedulers:
                 scheduler.step()
+        self.state.global_step += 1
+        self.state.skipped_in_a_row = 0
+
+    def reset_window(self) -> None:
+        """A new epoch: nothing left of an epoch that raised (its partial window's gradients
+        are zeroed when the next window opens)."""
+        self._window_losses.clear()
+        self._window_open = False
+
+    def _on_nonfinite(self) -> None:
+        state = self.state
+        where = f"epoch {state.epoch + 1}, optimizer step {state.global_step + 1}"
+        if self.config.nonfinite == "raise":
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank at {where}; every "
+                f"rank stops here. Use TrainerConfig(nonfinite='skip') to skip such steps."
+            )
+        state.skipped_steps += 1
+        state.skipped_in_a_row += 1
+        limit = self.config.max_consecutive_skipped_steps
+        if limit is not None and state.skipped_in_a_row >= limit:
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf on at least one rank for "
+                f"{state.skipped_in_a_row} optimizer steps in a row (the last at {where}); the "
+                f"run has diverged, so every rank stops here. Lower the learning rate, check the "
+                f"data, or raise TrainerConfig(max_consecutive_skipped_steps=...)."
+            )
+        self.log.warning("skipped the optimizer step at {}: NaN/inf loss or gradients", where)
+
+    # ----------------------------------------------------------------- checkpoints
+    def parts(self) -> list[Part]:
+        """This part's state in checkpoints: optimizers, schedulers, the scaler, the EMA."""
+        parts = optimizer_parts(self.strategy, self.optimizers)
+        parts += scheduler_parts(
+            self.schedulers,
+            first=self._deferred is not None or bool(self.schedulers),
+            load_first=self._load_scheduler,
+        )
+        precision = self.precision
+        parts.append(
+            Part(
+                "precision",
+                precision.state_dict,
+                lambda state, _source: precision.load_state_dict(state or {}),
+                missing="ignore",
+            )
+        )
+        if self.ema is not None:
+            parts.append(ema_part(self.ema))
+        return parts
+
+    def _load_scheduler(self, state: Any, _source: str) -> None:
+        if self.scheduler is None:  # built at the start of fit (it needs the run's length)
+            self._pending_scheduler_state = state
+        else:
+            self.scheduler.load_state_dict(state)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -208,13 +333,4 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _required_positional(fn: Callable[..., Any]) -> int:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: the one-argument form
-        return 1
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
-
-
-__all__ = ["OptimizationMixin", "OptimizerFactory"]
+__all__ = ["Optimization", "OptimizerFactory"]

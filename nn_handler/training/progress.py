@@ -5,10 +5,12 @@ returns would run into the epoch summaries."""
 from __future__ import annotations
 
 import sys
+import time
 
 from tqdm.auto import tqdm
 
 from nn_handler.log import is_terminal
+from nn_handler.training.metrics import RunningLoss
 
 
 class ProgressBar:
@@ -33,6 +35,14 @@ class ProgressBar:
     def show(self, **values: float) -> None:
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+
+    def show_running(self, running: RunningLoss, started: float) -> None:
+        """The epoch's running loss, samples/s and extra scalars (this rank's: a host sync,
+        only for a shown bar)."""
+        if self._bar is not None:
+            elapsed = time.perf_counter() - started
+            values = running.extras.local_means()
+            self.show(loss=running.local_mean(), samples_s=running.samples / elapsed, **values)
 
     def close(self) -> None:
         if self._bar is not None:

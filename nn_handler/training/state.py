@@ -28,6 +28,8 @@ class TrainerState:
             outside a step).
         validation_seconds: time spent in mid-epoch validation (``val_check_interval``) so
             far, for monitors that time the steps around it.
+        epochs: the epochs the current (or last) ``fit`` trains to, in total.
+        max_steps: the optimizer steps it stops at (None: no limit).
     """
 
     epoch: int = 0
@@ -40,6 +42,17 @@ class TrainerState:
     should_stop: bool = False
     batch: Any = None
     validation_seconds: float = 0.0
+    epochs: int = 0
+    max_steps: int | None = None
+
+    def ends_fit(self) -> bool:
+        """Whether the loop stops after the epoch it is at (the same on every rank once the
+        epoch's end is agreed): early stopping, the last epoch, or max_steps reached."""
+        return (
+            self.should_stop
+            or self.epoch >= self.epochs
+            or (self.max_steps is not None and self.global_step >= self.max_steps)
+        )
 
 
 __all__ = ["Stateful", "TrainerState"]

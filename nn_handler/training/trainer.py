@@ -1,80 +1,70 @@
-"""Trainer: the training loop, extended by subclassing and hooks.
-
-The loop, in pseudocode (every rank runs it on its own shard), with the file of each part::
-
-    for epoch in range(done, epochs):            # trainer.py: fit, _run_epoch
-        loader.set_epoch(epoch)
-        for each batch:                          # epoch.py: train_epoch
-            run_step(batch)                      # step.py: forward (autocast), backward; on
-                                                 # the last micro-batch of a window: sync,
-                                                 # clip, step, EMA, per-step scheduler
-            [evaluate every val_check_interval]  # epoch.py, evaluation.py
-            after_optimizer_step hooks           # hooks.py; checkpoint_hook.py: step
-                                                 # checkpoints and the preemption check
-        train_loss <- one all_reduce             # no host sync inside the epoch
-        after_train_epoch hooks                  # e.g. the throughput monitor's all_reduce
-        metrics <- evaluate(val_loader)          # evaluation.py: exact, every sample once
-        scheduler.step()                         # optimization.py
-        history.append(record); early stopping; after_epoch hooks; CheckpointHook.after_epoch
-
-The model's parallelism is the Strategy's (nn_handler/strategies/); what a checkpoint holds
-is a registry of named parts (checkpoint_api.py, position.py, checkpointing.py).
-
-Override ``training_step``, ``validation_step``, ``predict_step``, ``compute_loss`` or
-``configure_optimizers``; call ``forward`` inside them so the right model runs (the DDP
-model while training, the plain or EMA model while evaluating).
+"""Trainer: the training loop, extended by subclassing and hooks. Its parts, each with its own
+state: ``optimization`` (optimization.py), ``evaluator`` (evaluation.py), ``checkpointing``
+(checkpointing.py, with its CheckpointHook), ``strategy`` (how the model is parallelised,
+nn_handler/strategies/) and ``hooks``. docs/training.md shows the loop line for line:
+``fit`` -> ``train_epoch`` -> ``run_step`` -> ``optimization.backward``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from loguru import logger
 from torch import nn
 
+from nn_handler.checkpoint.registry import part_of
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
-from nn_handler.training.batch import loader_length, set_epoch
-from nn_handler.training.checkpoint_api import CheckpointMixin
-from nn_handler.training.checkpointing import plain_config
+from nn_handler.training.batch import batch_size_of, loader_length, move_to_device, set_epoch
+from nn_handler.training.checkpoint_format import sharded_checkpoints
+from nn_handler.training.checkpoint_hook import CheckpointHook
+from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.early_stopping import EarlyStopping
-from nn_handler.training.ema import ModelEma
-from nn_handler.training.epoch import EpochMixin, summary
-from nn_handler.training.evaluation import EvaluationMixin, Metric
+from nn_handler.training.epoch import (
+    check_equal_lengths,
+    epoch_batches,
+    epoch_record,
+    summary,
+    validate_mid_epoch,
+    validation_every,
+)
+from nn_handler.training.evaluation import Evaluator, Metric
+from nn_handler.training.facade import TrainerFacade, refuse_taken_names
 from nn_handler.training.fault_tolerance import failing_together
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
-from nn_handler.training.limits import limited
-from nn_handler.training.metrics import StatefulMetric
-from nn_handler.training.monitors import RECORD_METHODS, check_monitors, expected_keys, monitored
-from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
-from nn_handler.training.optimization import OptimizationMixin, OptimizerFactory
+from nn_handler.training.limits import limited, window
+from nn_handler.training.metrics import MetricKeys, RunningLoss
+from nn_handler.training.monitors import check_trainer_monitors, monitored
+from nn_handler.training.optimization import Optimization, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.profiling import ProfilerHook
-from nn_handler.training.sharded_ema import ShardedEma
-from nn_handler.training.state import Stateful, TrainerState
-from nn_handler.training.step import StepMixin
-from nn_handler.training.weighted_means import MetricKeys
+from nn_handler.training.progress import ProgressBar
+from nn_handler.training.run_settings import run_config_of, run_fingerprint
+from nn_handler.training.schedules import train_limit
+from nn_handler.training.state import TrainerState
+from nn_handler.training.step_output import loss_of, manual_loss, record_extras
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, OptimizationMixin):
+class Trainer(TrainerFacade):
     """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
 
-    How the model is parallelised is the Strategy's (``TrainerConfig.strategy``, see
-    nn_handler/strategies/): with 'auto', a run of more than one rank wraps the model in
-    DistributedDataParallel (with synchronised BatchNorm when configured), one rank trains it
-    as it is; either is compiled if configured. ``optimizer`` and ``scheduler`` are instances
-    or factories (``lambda params: torch.optim.Adam(params)``, ``lambda opt: StepLR(opt, 10)``)
-    called after wrapping.
+    ``optimizer`` and ``scheduler`` are instances or factories (``lambda params:
+    torch.optim.Adam(params)``, ``lambda opt: StepLR(opt, 10)``, or ``lambda opt, steps: ...``
+    built when fit knows the run's length) called after the strategy wrapped the model.
+    The attributes and methods a subclass may use are listed in docs/training.md.
     """
 
     #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``,
@@ -97,106 +87,84 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         hooks: Iterable[Hook] = (),
         checkpoint: CheckpointConfig | None = None,
     ) -> None:
-        self.config = config or TrainerConfig()
-        self.comm = communicator or NullCommunicator()
+        refuse_taken_names(self)
+        self.config = config = config or TrainerConfig()
+        self.comm = comm = communicator or NullCommunicator()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.loss_fn = loss_fn
+        self.log = logger.bind(rank=comm.rank)
         self.precision = Precision(precision or PrecisionConfig(), self.device)
-        self.log = logger.bind(rank=self.comm.rank)
-        self.strategy: Strategy = select_strategy(
-            self.comm, self.device, self.config, self.precision.name
-        )
+        self.strategy: Strategy = select_strategy(comm, self.device, config, self.precision.name)
         self.module, self.model = self.strategy.setup(model)
-        self.metrics: dict[str, Metric] = dict(metrics or {})
-        self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}
-        for metric in self._stateful.values():
-            if isinstance(metric, nn.Module):
-                metric.to(self.device)
         self.history = History()
         self.state = TrainerState()
         self.position = LoopPosition(self.state)
         self.early_stopping = (
-            EarlyStopping(self.config.early_stopping) if self.config.early_stopping else None
+            EarlyStopping(config.early_stopping) if config.early_stopping else None
         )
-        if self.config.profile is not None:
-            hooks = [*hooks, ProfilerHook(self.config.profile)]
-        self.hooks = HookList(hooks, self)
-        self._scheduler_factory: Callable[[Any, int], Any] | None = None
-        self._pending_scheduler_state: Any = None
-        self._tracked: dict[str, Stateful] = {}
-        # Last among the parts a subclass may read (state, history, hooks, metrics, strategy).
-        self._adopt_optimizers(self.configure_optimizers(optimizer, scheduler))
-        self._check_scheduler()
-        self.ema: ModelEma | ShardedEma | None = None
-        if ema is not None and ema.enabled:
-            strategy = self.strategy
-            self.ema = (  # a sharded model's EMA stays sharded: one averaged shard per rank
-                ShardedEma(self.module, ema, strategy)
-                if strategy.collective_state
-                else ModelEma(self.module, ema)
-            )
-        self._params = [p for p in self.module.parameters() if p.requires_grad]
-        self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
-        self._finite = GradientFiniteCheck(self._params)
-        snapshot = BufferSnapshot(self.module)
-        self._buffers = snapshot if self._guard and snapshot.has_buffers else None
-        self._window_losses: list[torch.Tensor] = []
-        self._window_open = False  # the next micro-batch starts an optimizer step
-        # The key sets of the last reductions, the same on every rank (one all_reduce each).
-        self._eval_keys = MetricKeys()
-        self._train_keys = MetricKeys()
-        # (the loader, every rank's number of batches) as fit agreed them for this epoch.
-        self._agreed_lengths: tuple[int, list[int]] | None = None
-        self._non_blocking = self.config.non_blocking and self.device.type == "cuda"
-        self._active: nn.Module = self.model
-        self._metric_updates = 0
+        checkpoint = checkpoint or CheckpointConfig()
+        run_config = run_config_of(config, precision, ema, checkpoint)
+        self.checkpointing = TrainerCheckpoints(
+            self.position,
+            comm,
+            self.device,
+            checkpoint,
+            run_config,
+            enabled=not config.fast_dev_run,
+            group=self.strategy.checkpoint_group,
+            sharded=sharded_checkpoints(checkpoint, self.strategy.collective_state),
+            fingerprint=lambda: run_fingerprint(
+                self.hyperparameters(), self.optimization.initial_lr
+            ),
+        )
+        own: list[Hook] = [ProfilerHook(config.profile)] if config.profile is not None else []
+        if self.checkpointing.manager is not None:
+            self.checkpointing.hook = CheckpointHook(self.checkpointing, self.history, self.device)
+            own.append(self.checkpointing.hook)
+        self.hooks = HookList([*hooks, *own], self)
+        self.optimization = Optimization(config, self.precision, self.strategy, self.state, ema)
+        self.evaluator = Evaluator(
+            config,
+            comm,
+            self.device,
+            self.strategy,
+            self.precision,
+            self.hooks,
+            self.module,
+            metrics,
+            activate=self._use_model,
+            ema=lambda: self.optimization.ema,
+        )
         #: Whether the last ``fit`` raised (read by after_train hooks: trackers mark the run).
         self.training_failed = False
         #: Lines hooks add to this epoch's log line (a monitor's verdict), cleared per epoch.
         self.epoch_notes: list[str] = []
-        #: The run's configuration as plain values, stored in checkpoints (NNHandler puts its
-        #: whole HandlerConfig here).
-        run_config: dict[str, Any] = {
-            "trainer": plain_config(self.config),
-            "precision": plain_config(precision or PrecisionConfig()),
-            "ema": plain_config(ema or EmaConfig()),
-            "checkpoint": plain_config(checkpoint or CheckpointConfig()),
-        }
-        self._build_checkpointing(checkpoint or CheckpointConfig(), run_config, self.hooks.hooks)
-
-    # ----------------------------------------------------------------- construction
-    @property
-    def is_main_process(self) -> bool:
-        return self.comm.rank == 0
+        self._active: nn.Module = self.model
+        self._agreed_lengths: tuple[int, list[int]] | None = None
+        self._non_blocking = config.non_blocking and self.device.type == "cuda"
+        self._train_keys = MetricKeys()  # the last reduction's keys, the same on every rank
+        self._step_region = f"training step ({type(self.strategy).__name__}: forward, backward)"
+        built = self.configure_optimizers(optimizer, scheduler)
+        self.optimization.adopt(built, self.module, self.automatic_optimization)
+        parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
+        if self.early_stopping is not None:
+            parts.append(part_of("early_stopping", self.early_stopping))
+        parts += [part_of("history", self.history, missing="error"), *self.position.parts()]
+        self.checkpointing.adopt(parts, self.hooks.hooks)
 
     def release_wrappers(self) -> None:
         """Drop the strategy's wrappers (DDP, compile), keeping the plain module for evaluation.
-
-        Call before the process group is destroyed (NNHandler.close does): a DDP reducer
-        freed after ``destroy_process_group`` can hang or abort the process at exit.
-        """
+        Call before the process group is destroyed (NNHandler.close does)."""
         self.strategy.release()
-        self.model = self.module
+        object.__setattr__(self, "model", self.module)
         self._active = self.module
 
-    def hyperparameters(self) -> dict[str, Any]:
-        """The run's settings as flat ``section.field`` keys with plain values (what the
-        experiment trackers log once): the run configuration (NNHandler's whole config), the
-        resolved precision, the world size, the optimizer's class and first learning rate."""
-        config = self.run_config
-        params = flatten(config["handler"] if set(config) == {"handler"} else config)
-        params["precision"] = self.precision.name
-        params["world_size"] = self.comm.world_size
-        params["strategy"] = self.strategy.name
-        params["ema"] = self.ema is not None
-        if self.optimizer is not None:
-            params["optimizer"] = type(self.optimizer).__name__
-            params["lr"] = self.optimizer.param_groups[0]["lr"]
-        return params
+    def _use_model(self, module: nn.Module | None) -> None:
+        self._active = module if module is not None else self.model
 
     # ----------------------------------------------------------------- override points
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the active model: the DDP-wrapped one in training, the plain (or EMA) one in
+        """Run the active model: the wrapped one in training, the plain (or EMA) one in
         evaluation. Arguments are passed through (``self.forward(z, part="generator")``)."""
         return self._active(*args, **kwargs)
 
@@ -221,6 +189,40 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
         inputs, targets = self.split_batch(batch)
         return self.compute_loss(self.forward(inputs), targets)
 
+    def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
+        """Per-batch means to average over the validation set (weighted by batch size): the
+        loss and ``update_metrics(outputs, targets)``. An override that wants ``metrics=``
+        must call ``update_metrics`` too (or the evaluation says so)."""
+        inputs, targets = self.split_batch(batch)
+        outputs = self.forward(inputs)
+        values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
+        values.update(self.update_metrics(outputs, targets))
+        return values
+
+    def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
+        """Feed one validation batch to ``metrics=`` (stateful ones are updated); returns the
+        metric functions' values, to merge into what ``validation_step`` returns."""
+        return self.evaluator.update_metrics(outputs, targets)
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        """Per-sample outputs of one batch (dim 0 = samples); the default runs the model on
+        the batch's inputs (its first element when it is a tuple or list)."""
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        output: torch.Tensor = self.forward(inputs)
+        return output
+
+    def configure_optimizers(self, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
+        """Build the optimizer and scheduler (override to construct them yourself; ``track``
+        works here). Called once, after the model is wrapped; factories receive
+        ``self.model.parameters()`` and the optimizer. Returns (optimizer, scheduler), or (a
+        list of optimizers, a list of schedulers or None) for manual optimization."""
+        return self.optimization.build(optimizer, scheduler, self.model)
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """Backward for manual optimization (gradients synchronised across ranks as in the
+        automatic loop). Call it in ``training_step`` instead of ``loss.backward()``."""
+        loss.backward()  # type: ignore[no-untyped-call]
+
     # ----------------------------------------------------------------- the loop
     def fit(
         self,
@@ -236,150 +238,187 @@ class Trainer(CheckpointMixin, EpochMixin, EvaluationMixin, StepMixin, Optimizat
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
         if self.config.fast_dev_run:
             epochs = self.state.epoch + 1
-        self._check_monitors(validates=val_loader is not None)
-        checkpoint_hook = self.checkpoint_hook
-        failed = True
+        checkpoint = self.checkpointing.config if self.checkpointing.manager else None
+        watched = monitored(self.early_stopping, checkpoint, self.scheduler, self.config)
+        check_trainer_monitors(type(self), Trainer, self.metrics, val_loader is not None, watched)
+        mid_epoch = {"val_loader": val_loader} if self.config.val_check_interval else {}
+        hooks, state, failed = self.hooks, self.state, True
         try:
-            with failing_together(self.comm, self.state, self.release_wrappers):
-                self._build_deferred_scheduler(train_loader, epochs)
+            with failing_together(self.comm, state, self.release_wrappers):
+                self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
-                self._warn_if_the_schedule_ends_early(epochs, train_loader)
-                self._together("before_train hooks", lambda: self.hooks.call("before_train"))
-                with checkpoint_hook.watching() if checkpoint_hook else contextlib.nullcontext():
-                    while self.state.epoch < epochs and not self._stop_before_epoch():
-                        self._run_epoch(train_loader, val_loader, epochs)
-                    if checkpoint_hook is not None:
-                        checkpoint_hook.end_fit()
+                self.optimization.warn_if_the_schedule_ends_early(train_loader, epochs)
+                state.epochs, state.max_steps = epochs, self.config.max_steps
+                hooks.call_agreed("before_train", self.comm)
+                hooks.call("before_train", collective=True)
+                while not state.ends_fit():
+                    self._begin_epoch(train_loader)
+                    record: Record = {"epoch": float(state.epoch + 1)}
+                    record.update(self.train_epoch(train_loader, epochs, **mid_epoch))
+                    self._end_epoch(record, val_loader, epochs)
             failed = False
         finally:
-            self._after_train(failed)
+            self.training_failed = failed
+            hooks.call_after_train(failed, self.log)
         return self.history
 
-    def _check_monitors(self, validates: bool) -> None:
-        """Monitored keys (early stopping, save_best, ReduceLROnPlateau) the run will never
-        record are a ConfigError before the first step."""
-        base = Trainer
-        overridden = {m for m in RECORD_METHODS if getattr(type(self), m) is not getattr(base, m)}
-        checkpoint = self.checkpoint_config if self.checkpoints is not None else None
-        check_monitors(
-            expected_keys(overridden, self.metrics, validates),
-            monitored(self.early_stopping, checkpoint, self.scheduler, self.config),
-            validates,
-            own_training_keys=type(self).training_step is not base.training_step,
-        )
-
-    def _stop_before_epoch(self) -> bool:
-        max_steps = self.config.max_steps
-        return self.state.should_stop or (
-            max_steps is not None and self.state.global_step >= max_steps
-        )
-
-    def _after_train(self, failed: bool) -> None:
-        self.training_failed = failed
-        try:
-            self.hooks.call("after_train")
-        except Exception:
-            if not failed:
-                raise
-            self.log.exception("an after_train hook raised while training was failing")
-
-    def _run_epoch(
-        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
-    ) -> None:
+    def _begin_epoch(self, train_loader: Iterable[Any]) -> None:
         self.position.start_epoch(train_loader)
         self.epoch_notes.clear()
         set_epoch(train_loader, self.state.epoch)
         # The loaders' lengths travel with the hooks' agreement (train_epoch checks them).
-        length = limited(loader_length(train_loader), self._train_limit())
-        shared = self._together(
-            "before_epoch hooks",
-            lambda: self.hooks.call("before_epoch"),
-            share=lambda: [-1 if length is None else length],
-        )
+        length = limited(loader_length(train_loader), train_limit(self.config))
+        share = [-1 if length is None else length]
+        shared = self.hooks.call_agreed("before_epoch", self.comm, share=lambda: share)
+        self.hooks.call("before_epoch", collective=True)
         self._agreed_lengths = (id(train_loader), [row[0] for row in shared])
-        record: Record = {"epoch": float(self.state.epoch + 1)}
-        if self.config.val_check_interval is not None and val_loader is not None:
-            record.update(self.train_epoch(train_loader, epochs, val_loader=val_loader))
-        else:  # a subclass's train_epoch(loader, epochs) keeps working
-            record.update(self.train_epoch(train_loader, epochs))
-        self.hooks.call("after_train_epoch")  # every rank is here: collectives allowed
-        record["lr"] = float(self._require_optimizer().param_groups[0]["lr"])
+
+    def train_epoch(
+        self, loader: Iterable[Any], epochs: int, val_loader: Iterable[Any] | None = None
+    ) -> Record:
+        """One pass over ``loader``; returns the epoch's train loss, samples and timing.
+        ``val_loader`` is validated inside the epoch when ``val_check_interval`` says so."""
+        config, state, hooks, position = self.config, self.state, self.hooks, self.position
+        self.optimization.require_optimizer()
+        self.model.train()
+        total = limited(loader_length(loader), train_limit(config))
+        agreed, self._agreed_lengths = self._agreed_lengths, None
+        check_equal_lengths(self.comm, total, agreed, loader, state.epoch)
+        every = validation_every(config, total, val_loader)
+        running = position.running = RunningLoss(config.log_every_n_steps)
+        self.optimization.reset_window()
+        title = f"epoch {state.epoch + 1}/{epochs}"
+        bar = ProgressBar(config.progress_bar and self.is_main_process, total, title)
+        state.skipped_steps = 0
+        started = time.perf_counter()
+        try:
+            point = position.take_resume()
+            batches, first = epoch_batches(
+                loader, point, running, total, state, self.comm, self.device
+            )
+            bar.update(first)
+            if total is not None and train_limit(config) is not None:  # a limited epoch
+                batches = itertools.islice(batches, max(total - first, 0))
+            watched = self.comm.watching and self.strategy.reduces_gradients
+            for index, batch in enumerate(batches, start=first):
+                start, end = window(index, config.accumulate_grad_batches, total)
+                state.batch_index, state.batch = index, batch
+                synced = state.step_synced = index + 1 == end
+                hooks.call("before_step")
+                # The stall watchdog counts the step's DDP/FSDP collectives as one.
+                with self.comm.watched(self._step_region) if watched else _NO_REGION:
+                    loss = self.run_step(batch, synced, end - start)
+                state.last_loss = loss
+                running.add(loss, batch_size_of(batch))
+                if synced:
+                    position.batches_done = index + 1
+                    running.end_window(end - start, state.skipped_in_a_row > 0)
+                hooks.call("after_step")
+                bar.update()
+                if bar.active and (index + 1) % config.log_every_n_steps == 0:
+                    bar.show_running(running, started)
+                if not synced:
+                    continue
+                if every and (index + 1) % every == 0 and index + 1 != total:
+                    validate_mid_epoch(self.evaluate, val_loader, state, self.log, total)
+                hooks.call("after_optimizer_step")  # the CheckpointHook last
+                if state.max_steps is not None and state.global_step >= state.max_steps:
+                    state.should_stop = True  # every rank alike: the same steps everywhere
+                    break
+        finally:
+            bar.close()
+            position.running = state.batch = None
+        keys, skipped = self._train_keys, state.skipped_steps
+        record = epoch_record(running, self.comm, self.device, keys, started, skipped)
+        if not self.automatic_optimization and math.isnan(record["train_loss"]):
+            del record["train_loss"]  # a manual training_step that returned no "loss"
+        return record
+
+    def run_step(self, batch: Any, sync: bool = True, window: int = 1) -> torch.Tensor:
+        """One micro-batch: forward and backward, then the optimizer step when ``sync`` (the
+        window's last). ``window`` micro-batches make one step: the loss is divided by it so
+        the gradient is the window's mean. Returns the detached loss."""
+        batch = move_to_device(batch, self.device, self._non_blocking)
+        optimization = self.optimization
+        if not self.automatic_optimization:  # training_step steps the optimizers itself
+            with self.precision.autocast():
+                output = self.training_step(batch)
+            record_extras(self.position.running, output, batch)
+            optimization.after_manual_step()
+            return manual_loss(output, self.device)
+        optimization.open_window()  # the window's first micro-batch zeroes the gradients
+        # Gradients are synchronised across ranks only on the last micro-batch of a window.
+        with contextlib.nullcontext() if sync else self.strategy.no_sync():
+            with self.precision.autocast():
+                output = self.training_step(batch)
+                loss = loss_of(output)
+            record_extras(self.position.running, output, batch)
+            loss = optimization.backward(loss, window)
+        if sync:
+            self.optimizer_step()
+        return loss
+
+    def optimizer_step(self) -> bool:
+        """Unscale, clip, check for NaN/inf, then step (or skip) on every rank alike, then the
+        EMA and a per-step scheduler; returns whether the optimizer stepped."""
+        return self.optimization.step()
+
+    def _end_epoch(self, record: Record, val_loader: Iterable[Any] | None, epochs: int) -> None:
+        state, hooks = self.state, self.hooks
+        hooks.call("after_train_epoch")  # every rank is here: collectives allowed
+        record["lr"] = float(self.optimization.require_optimizer().param_groups[0]["lr"])
         validation_error: Exception | None = None
         if val_loader is not None:
             if type(self).evaluate is Trainer.evaluate:  # its hooks agree with after_epoch's
-                metrics, validation_error = self._evaluate(val_loader, None)
+                metrics, validation_error = self.evaluator.evaluate(
+                    val_loader, None, self.validation_step
+                )
             else:  # an overridden evaluate runs as it is, with its own agreement
                 metrics = self.evaluate(val_loader)
             record.update({f"val_{k}": v for k, v in metrics.items()})
-        self._step_scheduler_per_epoch(record)
+        self.optimization.step_per_epoch(record)
         self.history.append(record)
-        self.state.epoch += 1
+        state.epoch += 1
         self.position.end_epoch()
 
-        def end_epoch() -> None:
+        def first() -> None:
             if validation_error is not None:  # this rank's after_validation hooks raised
                 raise validation_error
-            self._end_epoch()
+            stopper = self.early_stopping
+            if stopper is not None and stopper.update(self.history.last, state.epoch):
+                state.should_stop = True
 
         # One agreement for the after_validation and after_epoch hooks and early stopping,
         # carrying rank 0's stop decision (no collective of their own).
-        shared = self._together(
+        shared = hooks.call_agreed(
+            "after_epoch",
+            self.comm,
             "after_validation hooks, early stopping and after_epoch hooks",
-            end_epoch,
-            share=lambda: [int(self.state.should_stop)],
+            first=first,
+            share=lambda: [int(state.should_stop)],
         )
-        self.state.should_stop = bool(shared[0][0])
-        if self.checkpoint_hook is not None:
-            self.checkpoint_hook.after_epoch()
+        state.should_stop = bool(shared[0][0])
+        hooks.call("after_epoch", collective=True)
         notes = "".join(f"; {note}" for note in self.epoch_notes)
-        self.log.info(
-            "epoch {}/{}: {}{}", self.state.epoch, epochs, summary(self.history.last), notes
-        )
-        if self.state.should_stop and self.early_stopping is not None:
-            self.log.info(
-                "early stopping: {} has not improved for {} epochs (best {:.6g} at epoch {})",
-                self.early_stopping.config.monitor,
-                self.early_stopping.wait,
-                self.early_stopping.best,
-                self.early_stopping.best_epoch,
-            )
+        self.log.info("epoch {}/{}: {}{}", state.epoch, epochs, summary(self.history.last), notes)
+        if state.should_stop and self.early_stopping is not None:
+            self.log.info(self.early_stopping.describe())
 
-    def _end_epoch(self) -> None:
-        stopper = self.early_stopping
-        if stopper is not None and stopper.update(self.history.last, self.state.epoch):
-            self.state.should_stop = True
-        self.hooks.call("after_epoch")
+    def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
+        """Exact metrics over ``loader`` (loss and configured metrics); every rank must call
+        this and gets the same values. Uses the EMA weights when ``use_ema`` (default: the
+        EmaConfig's validate_with_ema). A failure on any rank raises on every rank."""
+        results, error = self.evaluator.evaluate(loader, use_ema, self.validation_step)
+        self.comm.raise_if_any_failed(error, "after_validation hooks")
+        return results
 
-    def _together(
-        self,
-        what: str,
-        action: Callable[[], None],
-        share: Callable[[], Sequence[int]] | None = None,
-    ) -> list[list[int]]:
-        """Run ``action`` on this rank, then agree with every rank on whether it failed
-        anywhere: a hook or validation step that raises on one rank raises RankFailedError on
-        every rank instead of leaving the others waiting in their next collective (one tiny
-        all_gather; in one process the original error is re-raised unchanged). ``share()``,
-        read after ``action`` (a few integers, as many on every rank), travels with it:
-        returns every rank's."""
-        error: Exception | None = None
-        try:
-            action()
-        except Exception as caught:
-            error = caught
-        return self.comm.raise_if_any_failed(error, what, share() if share else ())
+    def predict(self, loader: Iterable[Any], use_ema: bool | None = None) -> torch.Tensor:
+        """Every sample's output, in dataset order, on every rank; every rank must call this
+        (with several ranks ``loader`` is an evaluation loader: LoaderFactory.eval_loader)."""
+        return self.evaluator.predict(loader, use_ema, self.predict_step)
 
 
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as ``a.b.c`` keys; lists and other values as they are."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
+_NO_REGION = contextlib.nullcontext()
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

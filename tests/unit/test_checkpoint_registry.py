@@ -130,9 +130,7 @@ def test_a_checkpoint_is_written_and_read_without_a_trainer(tmp_path: Path) -> N
     module, _ = strategy.setup(nn.Linear(3, 2))
     state = TrainerState(epoch=2, global_step=7)
     position = LoopPosition(state)
-    registry = StateRegistry([*strategy.checkpoint_parts(), *position.parts()])
     checkpoints = TrainerCheckpoints(
-        registry,
         position,
         comm,
         torch.device("cpu"),
@@ -140,6 +138,7 @@ def test_a_checkpoint_is_written_and_read_without_a_trainer(tmp_path: Path) -> N
         {"run": 1},
         group=strategy.checkpoint_group,
     )
+    checkpoints.adopt([*strategy.checkpoint_parts(), *position.parts()])
     path = checkpoints.save(tmp_path / "x.pt")
     saved = torch.load(path, weights_only=True)
     assert saved["config"] == {"run": 1} and saved["trainer"]["global_step"] == 7

@@ -62,7 +62,7 @@ def _handler(folder: Path | None, seed: int = 0, **checkpoint: Any) -> NNHandler
 
 
 def _shards(handler: NNHandler) -> dict[str, Any]:
-    parts = handler.trainer.checkpoint_parts.sharded()
+    parts = handler.trainer.checkpointing.registry.sharded()
     found = {p.name: p.shards() for p in parts if p.shards is not None}
     return {name: state for name, state in found.items() if state}
 

@@ -1,0 +1,67 @@
+"""Resuming from the newest checkpoint of a folder that every rank can trust."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from nn_handler.checkpoint.agreement import agree_on
+from nn_handler.checkpoint.manager import CheckpointManager
+from nn_handler.checkpoint.sharded import verify_sharded
+from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import CheckpointError
+
+
+def open_latest(
+    manager: CheckpointManager, comm: Communicator, device: torch.device, missing_ok: bool
+) -> Opened | None:
+    """The newest complete, verified checkpoint in ``manager``'s folder, read on every rank
+    (a sharded one's files checked, each rank its share): rank 0 picks the newest readable
+    one; a damaged one is skipped with a warning saying why, and the previous one is tried.
+    None when there is none and ``missing_ok``. Every rank must call this."""
+    skipped: list[Path] = []
+    while True:
+        opened = _pick(manager, comm, device, skipped)
+        if opened is None:
+            if missing_ok:
+                return None
+            raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
+        if opened.folder is None:
+            return opened
+        try:
+            verify_sharded(opened.folder, comm, opened.contents)
+        except CheckpointError as error:
+            if comm.rank == 0:
+                logger.warning("{}; trying the previous checkpoint", error)
+            skipped.append(opened.path)
+            continue
+        return opened
+
+
+def _pick(
+    manager: CheckpointManager, comm: Communicator, device: torch.device, skipped: list[Path]
+) -> Opened | None:
+    """Rank 0 picks the newest readable checkpoint not in ``skipped``; every rank reads that
+    one (the same CheckpointError on every rank if one cannot)."""
+    opened: Opened | None = None
+    problem: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            opened = manager.load_latest(device, skip=skipped)
+        except Exception as error:
+            problem = error
+    if comm.world_size > 1:
+        name = comm.broadcast_object(None if opened is None else str(opened.path))
+        if name is not None and comm.rank != 0:
+            try:
+                opened = open_checkpoint(name, device)
+            except Exception as error:
+                problem = error
+    agree_on(comm, problem, f"loading the latest checkpoint in {manager.dir}")
+    return opened
+
+
+__all__ = ["open_latest"]

@@ -1,0 +1,38 @@
+"""A checkpoint opened for loading: single file or sharded folder, decided once, here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.sharded import is_sharded, read_rest
+
+
+class Opened(NamedTuple):
+    """A checkpoint read from disk.
+
+    Attributes:
+        path: where it is.
+        contents: a single file's whole checkpoint, or a sharded folder's unsharded parts
+            (``trainer.pt``), read ``weights_only``.
+        folder: the sharded folder whose DCP shards hold the other parts; None for a file.
+    """
+
+    path: Path
+    contents: Any
+    folder: Path | None
+
+
+def open_checkpoint(path: str | Path, map_location: torch.device | str | None = None) -> Opened:
+    """Read the checkpoint at ``path`` (a file, or a committed sharded folder); raises
+    CheckpointError when it cannot be read."""
+    target = Path(path)
+    if is_sharded(target):
+        return Opened(target, read_rest(target, map_location), target)
+    return Opened(target, load_file(target, map_location), None)
+
+
+__all__ = ["Opened", "open_checkpoint"]

@@ -1,0 +1,142 @@
+"""LR schedules against the run's length: the optimizer steps a fit will take, a schedule that
+would end before the run does, and stepping the per-epoch schedulers. Pure functions of the
+configuration and the loop state; Optimization (optimization.py) calls them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from loguru import logger
+
+from nn_handler.config.training import TrainerConfig
+from nn_handler.errors import ConfigError
+from nn_handler.training.batch import loader_length
+from nn_handler.training.history import Record
+from nn_handler.training.limits import limited, stepping_batches
+from nn_handler.training.state import TrainerState
+
+
+def train_limit(config: TrainerConfig) -> int | float | None:
+    """The batches of an epoch to train (fast_dev_run or limit_train_batches; None: all)."""
+    return config.fast_dev_run or config.limit_train_batches
+
+
+def estimated_steps(
+    config: TrainerConfig, state: TrainerState, loader: Iterable[Any], epochs: int | None
+) -> int:
+    """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
+    ends (steps already done included; limit_train_batches, accumulation and max_steps
+    applied): the length a per-step LR schedule needs. ``loader`` must have len()."""
+    batches = limited(loader_length(loader), train_limit(config))
+    if batches is None:
+        raise ConfigError(
+            "estimated_stepping_batches needs a loader with len(); pass the number of "
+            "steps to the scheduler yourself for an iterable loader."
+        )
+    epochs = epochs if epochs is not None else config.epochs
+    if config.fast_dev_run:
+        epochs = state.epoch + 1
+    return stepping_batches(
+        batches,
+        config.accumulate_grad_batches,
+        epochs,
+        epochs_done=state.epoch,
+        steps_done=state.global_step,
+        max_steps=config.max_steps,
+    )
+
+
+def check_schedulers(schedulers: list[Any], config: TrainerConfig) -> None:
+    plateau = any(isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) for s in schedulers)
+    if plateau and config.scheduler_interval == "step":
+        raise ConfigError(
+            "ReduceLROnPlateau steps on an epoch metric: use "
+            "TrainerConfig(scheduler_interval='epoch')."
+        )
+
+
+def warn_if_the_schedule_ends_early(
+    scheduler: Any,
+    config: TrainerConfig,
+    state: TrainerState,
+    loader: Iterable[Any],
+    epochs: int,
+) -> None:
+    """An LR schedule with a horizon (T_max, total_steps, total_iters) that this fit would
+    step past: it does not stretch to the run (a finished cosine rises again), so say so
+    before training, e.g. when a resumed run's epochs are extended."""
+    horizon = next(
+        (
+            (name, int(getattr(scheduler, name)))
+            for name in ("T_max", "total_steps", "total_iters")
+            if isinstance(getattr(scheduler, name, None), int)
+        ),
+        None,
+    )
+    if horizon is None:
+        return
+    name, length = horizon
+    unit = "epochs"
+    total = epochs
+    if config.scheduler_interval == "step":
+        if loader_length(loader) is None:
+            return
+        total = estimated_steps(config, state, loader, epochs)
+        unit = "optimizer steps"
+    if total <= length:
+        return
+    logger.warning(
+        "the LR scheduler {} has {}={} but this run goes to {} {}: past its end it goes on "
+        "with its own formula (a cosine schedule's learning rate rises again). Build it "
+        "for {} {} to anneal over the whole run (extending epochs on resume keeps the "
+        "saved {}).",
+        type(scheduler).__name__,
+        name,
+        length,
+        total,
+        unit,
+        total,
+        unit,
+        name,
+    )
+
+
+def step_per_epoch(schedulers: list[Any], config: TrainerConfig, record: Record) -> None:
+    """Step the schedulers at an epoch's end (scheduler_interval 'epoch'); ReduceLROnPlateau
+    with the record's ``scheduler_monitor`` value."""
+    if config.scheduler_interval != "epoch":
+        return
+    for scheduler in schedulers:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            monitor = config.scheduler_monitor
+            if monitor not in record:
+                raise ConfigError(
+                    f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "
+                    f"{sorted(record)}; set TrainerConfig(scheduler_monitor=...)."
+                )
+            scheduler.step(record[monitor])
+        else:
+            scheduler.step()
+
+
+def required_positional(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` requires (1 for a builtin: the one-argument form)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+__all__ = [
+    "check_schedulers",
+    "estimated_steps",
+    "required_positional",
+    "step_per_epoch",
+    "train_limit",
+    "warn_if_the_schedule_ends_early",
+]
