@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
 PIP_INSTALL := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo docs test lint typecheck install bench bench-quick clean
+.PHONY: demo docs test test-fast lint typecheck install bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# In-process tests on both cores (a file's tests stay together: their module fixtures run
-# once); the multi-process tests one at a time, their timing bounds assume the cores are theirs.
-test: lint typecheck
+# The edit loop: lint, types and the in-process tests (no second process), about 4 minutes.
+test-fast: lint typecheck
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property
+
+# In-process tests and the launched scripts (README, examples, demo, benchmarks) on both cores
+# (a file's tests stay together: their module fixtures run once); then the process-group
+# tests one at a time, their timing bounds assume the cores are theirs.
+test: lint typecheck
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property tests/launched
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/distributed
 
 clean:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -148,3 +149,24 @@ def test_a_result_the_parent_cannot_unpickle_is_named(tmp_path: Path) -> None:
         run_in_processes(
             functools.partial(_returns_a_foreign_object, str(tmp_path)), 1, what="foreign"
         )
+
+
+class _Unloadable:
+    """Pickles fine in the worker; raises when the parent unpickles it."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+def _returns_unloadable() -> Any:
+    return _Unloadable()
+
+
+@pytest.mark.distributed
+def test_a_worker_result_that_cannot_be_unpickled_is_named() -> None:
+    with pytest.raises(DistributedError, match=r"rank 0 returned a value .* cannot unpickle"):
+        launch(_returns_unloadable, 2, backend="gloo")

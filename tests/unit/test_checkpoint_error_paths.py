@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import CheckpointError, HandlerConfig, NNHandler, launch
+from nn_handler import CheckpointError, HandlerConfig, NNHandler
 from nn_handler import log as nn_log
 from nn_handler.checkpoint import manager
-from nn_handler.errors import DistributedError
 from tests.training_helpers import mlp, regression_data, sgd
 
 DATA = regression_data()
@@ -89,24 +88,3 @@ def test_nn_handler_load_that_fails_leaves_no_sink_behind(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match=r"do not match Sequential"):
         NNHandler.load(saved, wider, sgd, nn.CrossEntropyLoss())
     assert nn_log._LEASE.handles == handles_before, "the failed handler was closed"
-
-
-class _Unloadable:
-    """Pickles fine in the worker; raises when the parent unpickles it."""
-
-    def __reduce__(self) -> Any:
-        return (_refuse_to_load, ())
-
-
-def _refuse_to_load() -> None:
-    raise RuntimeError("this object cannot be rebuilt here")
-
-
-def _returns_unloadable() -> Any:
-    return _Unloadable()
-
-
-@pytest.mark.distributed
-def test_a_worker_result_that_cannot_be_unpickled_is_named() -> None:
-    with pytest.raises(DistributedError, match=r"rank 0 returned a value .* cannot unpickle"):
-        launch(_returns_unloadable, 2, backend="gloo")
