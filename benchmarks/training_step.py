@@ -282,7 +282,7 @@ def _watchdog_costs(handler: NNHandler, raw_step_s: float) -> dict[str, float]:
     """The stall watchdog's cost timed alone, where the end-to-end comparison drowns in noise:
     the bookkeeping of one training step's region on the training thread, and one look of the
     watchdog's thread (its store round trips) against its interval."""
-    from nn_handler.distributed.watchdog import WATCHDOGS
+    from nn_handler.distributed.faults.watchdog import WATCHDOGS
 
     watchdog = WATCHDOGS.watchdog()
     assert watchdog is not None and handler.communicator.watching

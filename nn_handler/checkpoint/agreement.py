@@ -1,24 +1,39 @@
-"""Agreeing on a checkpoint operation's outcome: every rank raises the same error."""
+"""Agreeing on a checkpoint operation's outcome: every rank raises the same CheckpointError.
+
+The agreement is ``Communicator.raise_if_any_failed`` (the one mechanism for "every rank
+raises the same error"); this adapter makes its error a CheckpointError (resume falls back on
+one) whose message is each failed rank's one-line cause."""
 
 from __future__ import annotations
 
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import CheckpointError
+from nn_handler.errors import CheckpointError, RankFailedError
+
+_PREFIX = f"{CheckpointError.__module__}.{CheckpointError.__qualname__}: "
 
 
 def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -> None:
     """Raise the same CheckpointError on every rank if ``what`` failed on any (``error`` is this
     rank's failure, or None). Every rank must call this."""
-    text = None if error is None else str(error) if isinstance(error, str) else _text(error)
-    texts = comm.all_gather_object(text) if comm.world_size > 1 else [text]
-    failed = {rank: t for rank, t in enumerate(texts) if t is not None}
-    if not failed:
-        return
-    if isinstance(error, CheckpointError) and comm.world_size == 1:
-        raise error
-    details = "; ".join(f"rank {rank}: {t}" for rank, t in failed.items())
-    cause = error if isinstance(error, BaseException) else None
-    raise CheckpointError(f"{what} failed on rank(s) {list(failed)}: {details}") from cause
+    text = None if error is None else error if isinstance(error, str) else _text(error)
+    # Never raised, so only its text travels (no traceback): the cause as one line.
+    cause = None if text is None else CheckpointError(text)
+    try:
+        comm.raise_if_any_failed(cause, what)
+    except RankFailedError as failed:
+        details = "; ".join(
+            f"rank {rank}: {message.strip().removeprefix(_PREFIX)}"
+            for rank, message in failed.rank_messages.items()
+        )
+        raised = error if isinstance(error, BaseException) else None
+        raise CheckpointError(f"{what} failed on rank(s) {failed.failed_ranks}: {details}") from (
+            raised
+        )
+    except CheckpointError:  # one process: raise_if_any_failed gave back this rank's own
+        if isinstance(error, CheckpointError):
+            raise error from error.__cause__
+        raised = error if isinstance(error, BaseException) else None
+        raise CheckpointError(f"{what} failed on rank(s) [0]: rank 0: {text}") from raised
 
 
 def _text(error: BaseException) -> str:

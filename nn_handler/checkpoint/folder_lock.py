@@ -20,7 +20,7 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.distributed.liveness import process_running
+from nn_handler.distributed.faults.liveness import process_running
 from nn_handler.errors import CheckpointError
 
 LOCK = ".nn_handler.lock"

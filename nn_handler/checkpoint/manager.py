@@ -165,11 +165,11 @@ class CheckpointManager:
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                self.committed(path, epoch, step)
+                self.publish(path, epoch, step)
             except OSError as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, self.dir / LATEST)
-        self.saved(path, epoch, step)
+        self.remember(path, epoch, step)
         return path
 
     def periodic_path(self, epoch: int, step: int) -> Path:
@@ -183,13 +183,13 @@ class CheckpointManager:
             return plain
         return plain.with_name(plain.name.replace(f"-s{step:08d}", f"-s{step:08d}-r{self.run_id}"))
 
-    def committed(self, path: Path, epoch: int, step: int) -> None:
+    def publish(self, path: Path, epoch: int, step: int) -> None:
         """Rank 0, once the periodic checkpoint ``path`` is complete: point latest.json at it
         and delete periodic ones beyond ``keep_last``."""
         self._point_latest(path, epoch, step, "periodic")
         self._prune(keep=path)
 
-    def saved(self, path: Path, epoch: int, step: int) -> None:
+    def remember(self, path: Path, epoch: int, step: int) -> None:
         """Remember the periodic checkpoint every rank has just written (or started to)."""
         self.last_saved_step, self.last_saved_path = step, path
         self.last_saved_epoch = epoch

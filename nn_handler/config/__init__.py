@@ -4,7 +4,8 @@ Config objects are validated once, at the edge; code below receives these object
 """
 
 from nn_handler.config.checkpoint import CheckpointConfig, ResumePolicy
-from nn_handler.config.distributed import Backend, DistributedConfig, LoaderConfig, LoaderMode
+from nn_handler.config.data import LoaderConfig, LoaderMode
+from nn_handler.config.distributed import Backend, DistributedConfig
 from nn_handler.config.handler import HandlerConfig, LoggingConfig
 from nn_handler.config.training import (
     EarlyStoppingConfig,

@@ -12,7 +12,8 @@ from pydantic import Field, field_validator
 
 from nn_handler.config.base import ConfigModel, validate_config
 from nn_handler.config.checkpoint import CheckpointConfig
-from nn_handler.config.distributed import DistributedConfig, LoaderConfig
+from nn_handler.config.data import LoaderConfig
+from nn_handler.config.distributed import DistributedConfig
 from nn_handler.config.observability import TrackerConfig, tracker_shorthand
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.errors import ConfigError

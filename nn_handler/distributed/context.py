@@ -16,16 +16,16 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from nn_handler.config import DistributedConfig
 from nn_handler.config.base import validate_config
-from nn_handler.distributed import liveness
 from nn_handler.distributed.communicator import Communicator, NullCommunicator, TorchCommunicator
 from nn_handler.distributed.device import resolve_device
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
+from nn_handler.distributed.faults import liveness
+from nn_handler.distributed.faults.watchdog import WATCHDOGS
 from nn_handler.distributed.local_groups import (
     LOCAL_GROUPS,
     create_local_process_group,
     destroy_local_process_group,
 )
-from nn_handler.distributed.watchdog import WATCHDOGS
 from nn_handler.errors import ConfigError, DistributedError
 
 

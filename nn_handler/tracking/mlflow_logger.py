@@ -10,7 +10,7 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.distributed.liveness import process_running
+from nn_handler.distributed.faults.liveness import process_running
 from nn_handler.tracking.base import ExperimentLogger, plain_params, require
 
 #: MLflow's longest parameter value.

@@ -19,11 +19,11 @@ import torch
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.registry import Part
 from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.distributed.faults.preemption import PreemptionWatch
 from nn_handler.errors import CheckpointError, ConfigError, TrainingInterrupted, TrainingPreempted
 from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
-from nn_handler.training.preemption import PreemptionWatch
 
 
 class CheckpointHook(Hook):

@@ -317,9 +317,9 @@ class TrainerCheckpoints:
             self.writer,
             path,
             asynchronous=self.config.async_save and not final,
-            then=lambda done: manager.committed(done, epoch, step),
+            then=lambda done: manager.publish(done, epoch, step),
         )
-        manager.saved(path, epoch, step)
+        manager.remember(path, epoch, step)
         return path
 
     def finish(self) -> None:

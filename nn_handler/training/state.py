@@ -45,6 +45,10 @@ class TrainerState:
     epochs: int = 0
     max_steps: int | None = None
 
+    def where(self) -> str:
+        """Where the loop is, for an error message."""
+        return f"training (epoch {self.epoch + 1}, step {self.global_step})"
+
     def ends_fit(self) -> bool:
         """Whether the loop stops after the epoch it is at (the same on every rank once the
         epoch's end is agreed): early stopping, the last epoch, or max_steps reached."""

@@ -22,6 +22,7 @@ from nn_handler.checkpoint.registry import part_of
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
+from nn_handler.distributed.faults.failure import failing_together
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
 from nn_handler.training.batch import batch_size_of, loader_length, move_to_device, set_epoch
@@ -39,12 +40,10 @@ from nn_handler.training.epoch import (
 )
 from nn_handler.training.evaluation import Evaluator, Metric
 from nn_handler.training.facade import TrainerFacade, refuse_taken_names
-from nn_handler.training.fault_tolerance import failing_together
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
 from nn_handler.training.limits import limited, window
 from nn_handler.training.metrics import MetricKeys, RunningLoss
-from nn_handler.training.monitors import check_trainer_monitors, monitored
 from nn_handler.training.optimization import Optimization, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
@@ -54,6 +53,7 @@ from nn_handler.training.run_settings import run_config_of, run_fingerprint
 from nn_handler.training.schedules import train_limit
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import loss_of, manual_loss, record_extras
+from nn_handler.training.watched_keys import check_trainer_monitors, monitored
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -244,7 +244,7 @@ class Trainer(TrainerFacade):
         mid_epoch = {"val_loader": val_loader} if self.config.val_check_interval else {}
         hooks, state, failed = self.hooks, self.state, True
         try:
-            with failing_together(self.comm, state, self.release_wrappers):
+            with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
                 self.optimization.warn_if_the_schedule_ends_early(train_loader, epochs)

@@ -20,7 +20,7 @@ from nn_handler.distributed import (
     get_local_rank,
     get_local_size,
 )
-from nn_handler.distributed.watchdog import WATCHDOGS
+from nn_handler.distributed.faults.watchdog import WATCHDOGS
 from nn_handler.errors import ConfigError, DistributedError, RankFailedError
 from tests.harness import free_port, run_group, slurm_env
 

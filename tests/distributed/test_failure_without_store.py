@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nn_handler.distributed import failure
+from nn_handler.distributed.faults import failure
 from tests.harness import run_group
 
 pytestmark = pytest.mark.distributed

@@ -30,7 +30,7 @@ from nn_handler import (
     accuracy,
 )
 from nn_handler.distributed.communicator import torch_backend
-from nn_handler.distributed.watchdog import WATCHDOGS
+from nn_handler.distributed.faults.watchdog import WATCHDOGS
 from tests.harness import run_group
 from tests.resume_helpers import TIMING_KEYS
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of

@@ -8,7 +8,7 @@ import signal
 import time
 from types import FrameType
 
-from nn_handler.training.preemption import ShutdownShield
+from nn_handler.distributed.faults.preemption import ShutdownShield
 
 
 def test_sigterm_is_ignored_during_the_grace_period_then_handed_back() -> None:

@@ -18,9 +18,10 @@ from torch._C._distributed_c10d import HashStore
 
 from nn_handler import CollectiveMismatchError, CollectiveStallError
 from nn_handler.distributed.communicator import Communicator, run_in_threads
-from nn_handler.distributed.watchdog import CollectiveTracker, StallWatchdog, WatchdogTiming
-from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt, _class_raising
-from nn_handler.distributed.watchdog.records import (
+from nn_handler.distributed.faults.watchdog import CollectiveLedger, StallWatchdog, WatchdogTiming
+from nn_handler.distributed.faults.watchdog.interrupt import MainThreadInterrupt, _class_raising
+from nn_handler.distributed.faults.watchdog.ledger import HISTORY
+from nn_handler.distributed.faults.watchdog.records import (
     SIGNATURE_CHARS,
     RankState,
     find_mismatch,
@@ -28,14 +29,13 @@ from nn_handler.distributed.watchdog.records import (
     neighbour,
     user_location,
 )
-from nn_handler.distributed.watchdog.report import (
+from nn_handler.distributed.faults.watchdog.report import (
     diverging_lines,
     mismatch_signatures,
     no_stall,
     stall_report,
     stalled_ranks,
 )
-from nn_handler.distributed.watchdog.tracker import HISTORY
 
 signatures = st.sampled_from(
     ["all_reduce(op=sum) float32[4]", "all_reduce(op=sum) int32[4]", "broadcast(src=0) int64[1]"]
@@ -86,7 +86,7 @@ def test_neighbours_form_one_ring() -> None:
 
 
 def test_the_location_is_the_callers_line_outside_the_library() -> None:
-    tracker = CollectiveTracker(0)
+    tracker = CollectiveLedger(0)
     tracker.enter("barrier()")
     line = test_the_location_is_the_callers_line_outside_the_library.__code__.co_firstlineno + 2
     assert (
@@ -101,7 +101,7 @@ def test_the_location_is_the_callers_line_outside_the_library() -> None:
 
 # ----------------------------------------------------------------- tracker
 def test_the_tracker_counts_collectives_and_knows_when_it_is_inside_one() -> None:
-    tracker = CollectiveTracker(1)
+    tracker = CollectiveLedger(1)
     assert tracker.snapshot()[0].seq == 0
     for _ in range(HISTORY + 5):
         tracker.enter("all_reduce(op=sum) float32[4]")
@@ -121,7 +121,7 @@ def test_the_tracker_counts_collectives_and_knows_when_it_is_inside_one() -> Non
 
 
 def test_after_an_incident_no_collective_is_issued() -> None:
-    tracker = CollectiveTracker(0)
+    tracker = CollectiveLedger(0)
     tracker.incident = CollectiveStallError("the report", [1])
     with pytest.raises(CollectiveStallError, match="the report"):
         tracker.enter("barrier()")
@@ -130,7 +130,7 @@ def test_after_an_incident_no_collective_is_issued() -> None:
 
 def test_each_public_collective_is_recorded_once() -> None:
     def calls(comm: Communicator) -> list[str]:
-        tracker = CollectiveTracker(comm.rank)
+        tracker = CollectiveLedger(comm.rank)
         comm._watch = tracker
         comm.barrier()
         comm.all_reduce({"a": torch.ones(2)}, op="mean")
@@ -200,7 +200,7 @@ def test_mismatch_signatures_list_every_rank() -> None:
 
 
 # ----------------------------------------------------------------- raising on the main thread
-def _raise_soon(tracker: CollectiveTracker, interrupt: MainThreadInterrupt) -> None:
+def _raise_soon(tracker: CollectiveLedger, interrupt: MainThreadInterrupt) -> None:
     def later() -> None:
         time.sleep(0.2)
         tracker.incident = CollectiveStallError("stalled", [1])
@@ -210,7 +210,7 @@ def _raise_soon(tracker: CollectiveTracker, interrupt: MainThreadInterrupt) -> N
 
 
 def test_the_main_thread_raises_even_inside_a_long_sleep() -> None:
-    tracker = CollectiveTracker(0)
+    tracker = CollectiveLedger(0)
     interrupt = MainThreadInterrupt(tracker)
     interrupt.install()
     try:
@@ -227,7 +227,7 @@ def test_the_main_thread_raises_even_inside_a_long_sleep() -> None:
 
 
 def test_without_the_handler_the_error_arrives_as_an_async_exception() -> None:
-    tracker = CollectiveTracker(0)
+    tracker = CollectiveLedger(0)
     interrupt = MainThreadInterrupt(tracker)  # not installed: the fallback
     _raise_soon(tracker, interrupt)
     deadline = time.monotonic() + 10
@@ -254,10 +254,10 @@ class RecordingInterrupt(MainThreadInterrupt):
         self.delivered += 1
 
 
-def _pair(stall_timeout: float) -> tuple[list[CollectiveTracker], list[StallWatchdog]]:
+def _pair(stall_timeout: float) -> tuple[list[CollectiveLedger], list[StallWatchdog]]:
     store = HashStore()
     timing = WatchdogTiming(stall_timeout, interval=0.05, answer_wait=2.0, grace=600.0)
-    trackers = [CollectiveTracker(rank) for rank in range(2)]
+    trackers = [CollectiveLedger(rank) for rank in range(2)]
     watchdogs = [
         StallWatchdog(t, store, 2, timing, interrupt=RecordingInterrupt()) for t in trackers
     ]
@@ -265,7 +265,7 @@ def _pair(stall_timeout: float) -> tuple[list[CollectiveTracker], list[StallWatc
 
 
 def _watch(
-    trackers: list[CollectiveTracker], watchdogs: list[StallWatchdog], seconds: float
+    trackers: list[CollectiveLedger], watchdogs: list[StallWatchdog], seconds: float
 ) -> None:
     """Run the watchdogs until every tracker has an incident, or for ``seconds``."""
     for watchdog in watchdogs:
@@ -331,7 +331,7 @@ def test_an_unwatched_communicator_marks_nothing() -> None:
 def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> None:
     store = HashStore()
     timing = WatchdogTiming(60.0, interval=0.05, answer_wait=0.3, grace=600.0)
-    tracker = CollectiveTracker(1)
+    tracker = CollectiveLedger(1)
     watchdog = StallWatchdog(tracker, store, 2, timing, interrupt=RecordingInterrupt())
     tracker.enter("all_reduce(op=sum) float32[4]")  # waiting for rank 0, which opened and died
     store.add("nn_handler/watch/open", 1)
@@ -355,7 +355,7 @@ def test_the_applications_own_sigusr2_handler_is_left_alone() -> None:
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        tracker = CollectiveTracker(0)
+        tracker = CollectiveLedger(0)
         interrupt = MainThreadInterrupt(tracker)
         interrupt.install()  # the application's handler stays; delivery is asynchronous
         assert signal.getsignal(signal.SIGUSR2) is not interrupt._on_signal
@@ -374,7 +374,7 @@ def test_the_applications_own_sigusr2_handler_is_left_alone() -> None:
 def test_off_the_main_thread_nothing_is_installed() -> None:
     import signal
 
-    interrupt = MainThreadInterrupt(CollectiveTracker(0))
+    interrupt = MainThreadInterrupt(CollectiveLedger(0))
     worker = threading.Thread(target=interrupt.install)
     worker.start()
     worker.join()

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
-from nn_handler.distributed.watchdog import WATCHDOGS, CollectiveTracker
+from nn_handler.distributed.faults.watchdog import WATCHDOGS, CollectiveLedger
 from nn_handler.errors import (
     CollectiveMismatchError,
     CollectiveStallError,
@@ -18,7 +18,7 @@ from nn_handler.errors import (
 
 
 class Watched(Protocol):
-    _watch: CollectiveTracker | None
+    _watch: CollectiveLedger | None
 
 
 P = ParamSpec("P")
@@ -59,7 +59,7 @@ class WatchedCollectives:
     """The stall watchdog's sections, mixed into Communicator (``_watch`` is set by the
     Communicator: the default group's tracker, or None when nothing watches)."""
 
-    _watch: CollectiveTracker | None
+    _watch: CollectiveLedger | None
 
     @property
     def watching(self) -> bool:

@@ -29,7 +29,7 @@ from nn_handler.distributed.communicator._common import (
 )
 from nn_handler.distributed.communicator._watched import WatchedCollectives, collective
 from nn_handler.distributed.communicator.object_collectives import ObjectCollectives
-from nn_handler.distributed.watchdog import CollectiveTracker
+from nn_handler.distributed.faults.watchdog import CollectiveLedger
 from nn_handler.errors import CollectiveMismatchError, ConfigError, RankFailedError
 
 ReduceOp = Literal["sum", "mean", "min", "max", "product"]
@@ -50,7 +50,7 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
     def __init__(self, *, debug: bool | None = None) -> None:
         self._debug = debug_from_env() if debug is None else bool(debug)
         #: The stall watchdog's record of this group's collectives (None: not watched).
-        self._watch: CollectiveTracker | None = None
+        self._watch: CollectiveLedger | None = None
 
     # ----------------------------------------------------------------- identity of this rank
     @property

@@ -18,7 +18,7 @@ import torch
 
 from nn_handler.distributed.communicator import _objects
 from nn_handler.distributed.communicator._watched import collective
-from nn_handler.distributed.watchdog import CollectiveTracker
+from nn_handler.distributed.faults.watchdog import CollectiveLedger
 from nn_handler.errors import RankFailedError
 
 #: Object payloads above this size move one rank at a time (bounded memory).
@@ -32,7 +32,7 @@ _EAGER_HEADER = 64
 class ObjectCollectives:
     """Collectives on picklable objects; every rank of the group must call each, in order."""
 
-    _watch: CollectiveTracker | None
+    _watch: CollectiveLedger | None
 
     if TYPE_CHECKING:  # the Communicator's (communicator/base.py)
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator, Waiter
-from nn_handler.distributed.watchdog import WATCHDOGS
+from nn_handler.distributed.faults.watchdog import WATCHDOGS
 from nn_handler.errors import DistributedError
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.

@@ -21,18 +21,18 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nn_handler.distributed.liveness import departed
-from nn_handler.distributed.watchdog.records import RankState, find_mismatch
-from nn_handler.distributed.watchdog.tracker import CollectiveTracker
+from nn_handler.distributed.faults.liveness import departed
+from nn_handler.distributed.faults.watchdog.ledger import CollectiveLedger
+from nn_handler.distributed.faults.watchdog.records import RankState, find_mismatch
 
 
 class StallWatchdog(Protocol):
-    """What the last look needs of the watchdog (distributed/watchdog/monitor.py)."""
+    """What the last look needs of the watchdog (distributed/faults/watchdog/stall_watchdog.py)."""
 
     store: Any
     prefix: str
     world_size: int
-    tracker: CollectiveTracker
+    tracker: CollectiveLedger
 
     @property
     def timing(self) -> Any: ...

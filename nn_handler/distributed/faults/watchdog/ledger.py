@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from nn_handler.distributed.watchdog.records import (
+from nn_handler.distributed.faults.watchdog.records import (
     RankState,
     Record,
     Site,
@@ -24,7 +24,7 @@ from nn_handler.distributed.watchdog.records import (
 HISTORY = 32
 
 
-class CollectiveTracker:
+class CollectiveLedger:
     """Counts the collectives of one process group on this rank. Every collective the library
     issues calls ``enter`` before it and ``leave`` after it (the Communicator does; the
     Trainer marks a training step that DDP or FSDP synchronises with ``region``).
@@ -125,7 +125,7 @@ class Region:
 
     __slots__ = ("_tracker", "_what")
 
-    def __init__(self, tracker: CollectiveTracker, what: str) -> None:
+    def __init__(self, tracker: CollectiveLedger, what: str) -> None:
         self._tracker, self._what = tracker, what
 
     def __enter__(self) -> None:
@@ -135,4 +135,4 @@ class Region:
         self._tracker.leave()
 
 
-__all__ = ["HISTORY", "CollectiveTracker", "Region"]
+__all__ = ["HISTORY", "CollectiveLedger", "Region"]

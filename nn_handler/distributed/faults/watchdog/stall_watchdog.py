@@ -25,19 +25,19 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.distributed.liveness import departed
-from nn_handler.distributed.watchdog import report as reports
-from nn_handler.distributed.watchdog.farewell import last_look
-from nn_handler.distributed.watchdog.interrupt import MainThreadInterrupt
-from nn_handler.distributed.watchdog.loader_wait import late_batch
-from nn_handler.distributed.watchdog.records import (
+from nn_handler.distributed.faults.liveness import departed
+from nn_handler.distributed.faults.watchdog import report as reports
+from nn_handler.distributed.faults.watchdog.farewell import last_look
+from nn_handler.distributed.faults.watchdog.interrupt import MainThreadInterrupt
+from nn_handler.distributed.faults.watchdog.ledger import CollectiveLedger
+from nn_handler.distributed.faults.watchdog.loader_wait import late_batch
+from nn_handler.distributed.faults.watchdog.records import (
     RankState,
     describe,
     find_mismatch,
     neighbour,
     user_location,
 )
-from nn_handler.distributed.watchdog.tracker import CollectiveTracker
 from nn_handler.errors import CollectiveMismatchError, CollectiveStallError
 
 PREFIX = "nn_handler/watch"
@@ -74,7 +74,7 @@ class StallWatchdog:
 
     def __init__(
         self,
-        tracker: CollectiveTracker,
+        tracker: CollectiveLedger,
         store: Any,
         world_size: int,
         timing: WatchdogTiming,

@@ -18,7 +18,7 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.distributed.watchdog.tracker import CollectiveTracker
+from nn_handler.distributed.faults.watchdog.ledger import CollectiveLedger
 
 SIGNAL = getattr(signal, "SIGUSR2", None)
 
@@ -28,7 +28,7 @@ class MainThreadInterrupt:
     the main thread (elsewhere they do nothing and delivery falls back to an async exception,
     as it does when training runs on another thread)."""
 
-    def __init__(self, tracker: CollectiveTracker) -> None:
+    def __init__(self, tracker: CollectiveLedger) -> None:
         self._tracker = tracker
         self._previous: Any = None
         self._installed = False

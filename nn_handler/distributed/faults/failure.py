@@ -1,5 +1,9 @@
 """Stop every rank when one raises outside a collective agreement, instead of hanging.
 
+(At the points where every rank meets, ranks agree on an error instead, in the same
+collective: ``Communicator.raise_if_any_failed``, the one mechanism for "every rank raises
+the same error"; this module is for everything else.)
+
 When a rank fails in the middle of a training step, its peers are (or soon will be) blocked in
 a collective it will never join. The failing rank publishes its traceback in the process
 group's key-value store, then destroys its process group: the peers' pending collectives fail
@@ -13,23 +17,31 @@ torchrun's agent stops them, which it does as soon as the failing process exits)
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
 from loguru import logger
 
+from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.communicator._common import format_error
 from nn_handler.distributed.context import collect_before_destroy
-from nn_handler.distributed.liveness import (
+from nn_handler.distributed.faults.liveness import (
     default_store,
     departures_after,
     describe_exit,
     note_departure,
 )
-from nn_handler.distributed.watchdog import WATCHDOGS
-from nn_handler.errors import RankFailedError
+from nn_handler.distributed.faults.watchdog import WATCHDOGS
+from nn_handler.errors import (
+    CheckpointError,
+    NonFiniteError,
+    RankFailedError,
+    TrainingPreempted,
+    UnevenDataError,
+)
 
 _PREFIX = "nn_handler/failure"
 ACK_WAIT_S = 5.0
@@ -135,4 +147,34 @@ def _abort(release: Callable[[], None]) -> None:
         _try(dist.destroy_process_group)
 
 
-__all__ = ["ACK_WAIT_S", "fail_together"]
+#: Errors every rank raises together (after agreeing), so the group needs no abort.
+AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError, UnevenDataError)
+
+
+@contextlib.contextmanager
+def failing_together(
+    comm: Communicator, where: Callable[[], str], release: Callable[[], None]
+) -> Iterator[None]:
+    """Around a loop of collectives (the Trainer's fit): an error on this rank alone is told
+    to every rank (which raise RankFailedError naming it, ``where()`` it happened) before it
+    propagates; ``release`` drops the model's wrappers first. Agreed errors and an agreed
+    preemption pass through unchanged."""
+    try:
+        yield
+    except AGREED_ERRORS:
+        raise
+    except TrainingPreempted:  # every rank agreed to stop: nothing to propagate
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as error:
+        if comm.world_size == 1:
+            raise
+        if not isinstance(error, Exception):  # this rank is leaving: say so, then leave
+            fail_together(error, comm.rank, comm.world_size, "training", release)
+            raise
+        failure = fail_together(error, comm.rank, comm.world_size, where(), release)
+        if failure is error:
+            raise
+        raise failure from error
+
+
+__all__ = ["ACK_WAIT_S", "AGREED_ERRORS", "fail_together", "failing_together"]

@@ -17,16 +17,16 @@ from typing import Any
 import torch.distributed as dist
 from loguru import logger
 
-from nn_handler.distributed.liveness import default_store, departures_after
-from nn_handler.distributed.watchdog.monitor import (
+from nn_handler.distributed.faults.liveness import default_store, departures_after
+from nn_handler.distributed.faults.watchdog.ledger import CollectiveLedger
+from nn_handler.distributed.faults.watchdog.records import describe
+from nn_handler.distributed.faults.watchdog.stall_watchdog import (
     BLOCKED_EXIT_CODE,
     MISMATCH_HINT,
     PREFIX,
     StallWatchdog,
     WatchdogTiming,
 )
-from nn_handler.distributed.watchdog.records import describe
-from nn_handler.distributed.watchdog.tracker import CollectiveTracker
 from nn_handler.errors import CollectiveMismatchError, CollectiveStallError, RankFailedError
 
 
@@ -39,7 +39,7 @@ class WatchdogRegistry:
         # destroy_process_group, so peers blocked on this rank would never see it leave.
         self._group: weakref.ref[Any] | None = None
 
-    def tracker(self) -> CollectiveTracker | None:
+    def tracker(self) -> CollectiveLedger | None:
         watchdog = self.watchdog()
         return None if watchdog is None else watchdog.tracker
 
@@ -62,7 +62,7 @@ class WatchdogRegistry:
         timing = WatchdogTiming.for_timeout(stall_timeout.total_seconds())
         generation = store.add(f"{PREFIX}/started/{rank}", 1)
         prefix = f"{PREFIX}/{generation}"
-        self._watchdog = StallWatchdog(CollectiveTracker(rank), store, world_size, timing, prefix)
+        self._watchdog = StallWatchdog(CollectiveLedger(rank), store, world_size, timing, prefix)
         group = _default_group()
         self._group = None if group is None else weakref.ref(group)
         self._watchdog.start()
@@ -148,7 +148,7 @@ __all__ = [
     "BLOCKED_EXIT_CODE",
     "VANISHED_HINT",
     "WATCHDOGS",
-    "CollectiveTracker",
+    "CollectiveLedger",
     "StallWatchdog",
     "WatchdogRegistry",
     "WatchdogTiming",

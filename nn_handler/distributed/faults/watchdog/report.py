@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
-from nn_handler.distributed.watchdog.records import RankState, Record, describe, ranks_text
+from nn_handler.distributed.faults.watchdog.records import RankState, Record, describe, ranks_text
 
 HOW_TO_READ = (
     "Every rank must issue the same collectives in the same order. A rank that has not arrived "
