@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -34,14 +33,13 @@ from nn_handler.checkpoint import folder_lock
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import (
     atomic_link,
-    atomic_save,
     atomic_write_json,
     load_file,
     remove_orphans,
-    unsafe_entries,
 )
 from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, remove_tree
+from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -73,21 +71,6 @@ def restart_count(env: Mapping[str, str]) -> int:
         if _COUNT.fullmatch(value) and int(value) > 0:
             return int(value)
     return 0
-
-
-def write_together(
-    comm: Communicator,
-    checkpoint: Mapping[str, Any] | None,
-    path: str | Path,
-    budget_s: float | None = None,
-) -> Path:
-    """Rank 0 writes ``checkpoint`` atomically to ``path``; every rank must call this and
-    returns once the file is complete, or raises the same CheckpointError."""
-    target = Path(path)
-    error = _write_on_main(checkpoint, target, budget_s) if comm.rank == 0 else None
-    with comm.patient():  # the others wait while rank 0 writes (minutes for a large model)
-        agree_on(comm, error, f"writing checkpoint {target}")
-    return target
 
 
 class CheckpointManager:
@@ -343,67 +326,11 @@ def _order(path: Path) -> tuple[int, int]:
     return (int(match.group(2)), int(match.group(1))) if match else (-1, -1)
 
 
-def _write_on_main(
-    checkpoint: Mapping[str, Any] | None, target: Path, budget_s: float | None
-) -> str | None:
-    if checkpoint is None:
-        return "no checkpoint contents were given on rank 0"
-    unsafe = unsafe_entries(checkpoint)
-    if unsafe:
-        logger.warning(
-            "checkpoint {} holds values that weights-only loading refuses: {}; loading it will "
-            "need trusted=[...] (torch.serialization.add_safe_globals)",
-            target,
-            ", ".join(unsafe[:5]),
-        )
-    if budget_s is None:
-        try:
-            atomic_save(dict(checkpoint), target)
-        except Exception as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-    outcome: list[str | None] = []
-    cancel = threading.Event()
-
-    def save() -> None:
-        try:
-            atomic_save(dict(checkpoint), target, cancel)
-            outcome.append(None)
-        except Exception as error:
-            outcome.append(f"{type(error).__name__}: {error}")
-
-    # Past the budget the writer is cancelled: it stops at its next write (at most a few MB
-    # later), removes its temporary file and never commits the target. It is joined before
-    # this returns, so no thread is left inside torch.save when the process exits (a thread
-    # still in torch's C++ writer at exit aborts the process with SIGABRT, status 134).
-    writer = threading.Thread(target=save, name="nn_handler-checkpoint", daemon=True)
-    writer.start()
-    writer.join(budget_s)
-    if writer.is_alive():
-        cancel.set()
-        writer.join(CANCEL_GRACE_S)
-        if outcome and outcome[0] is None:  # it committed just before the cancel landed
-            return None
-        if writer.is_alive():
-            logger.warning(
-                "the save to {} did not stop within {} s of its cancellation (a blocked write?)",
-                target,
-                CANCEL_GRACE_S,
-            )
-        return f"the save did not finish within its budget of {budget_s:g} s (abandoned)"
-    return outcome[0] if outcome else "the save thread ended without a result"
-
-
-#: Seconds a cancelled save gets to stop and remove its temporary file.
-CANCEL_GRACE_S = 10.0
-
-
 __all__ = [
     "BEST",
     "BEST_SHARDED",
     "is_checkpoint",
     "agree_on",
-    "write_together",
     "LATEST",
     "CheckpointManager",
     "periodic_name",

@@ -24,7 +24,6 @@ one process. Loading reads the index and the shards' values without running code
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import warnings
@@ -38,9 +37,15 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file, write_failure
+from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
 from nn_handler.checkpoint.manifest import MANIFEST, verify_files
 from nn_handler.checkpoint.run_identity import RUN
+from nn_handler.checkpoint.sharded_errors import (
+    causes_of,
+    dcp_errors,
+    failure_text,
+    save_failure,
+)
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -172,14 +177,14 @@ class ShardedWriter:
         if asynchronous:
             try:
                 future = dcp_async_save(shards, writer, {**options, "async_stager": self._stager})
-            except _dcp_errors() as caught:
+            except dcp_errors() as caught:
                 error = save_failure(caught, target, shards)
             agree_on(self.comm, error, f"staging checkpoint {target}")
             self._pending = _Pending(future, staging, target, then)
             return target
         try:
             dcp_save(shards, writer, options)
-        except _dcp_errors() as caught:
+        except dcp_errors() as caught:
             error = save_failure(caught, target, shards)
         if error is None and self.comm.rank == 0:
             error = _commit(staging, target, then)
@@ -195,69 +200,12 @@ class ShardedWriter:
         error: str | None = None
         try:
             pending.future.result()
-        except _dcp_errors() as caught:
+        except dcp_errors() as caught:
             error = save_failure(caught, pending.target, None)
         if error is None and self.comm.rank == 0:
             error = _commit(pending.staging, pending.target, pending.then)
         agree_on(self.comm, error, f"writing checkpoint {pending.target} (in the background)")
         return pending.target
-
-
-def _dcp_errors() -> tuple[type[BaseException], ...]:
-    """What DCP raises: its CheckpointException is a BaseException, not an Exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-def failure_text(error: BaseException) -> str:
-    """One line per failed rank of a DCP error (DCP wraps every rank's exception and its
-    traceback in one CheckpointException); the error's own text otherwise."""
-    failures = getattr(error, "failures", None)
-    if not isinstance(failures, Mapping):
-        return f"{type(error).__name__}: {error}"
-    lines = []
-    for rank, wrapped in sorted(failures.items()):
-        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        lines.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-    return "; ".join(lines)
-
-
-def save_failure(error: BaseException, target: Path, shards: Any) -> str:
-    """What went wrong in DCP's save of ``target``: a full disk (torch reports it as
-    'unexpected pos N vs M') is named as such with the space needed and free."""
-    text = failure_text(error)
-    causes = [error, *_causes(error)]
-    full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
-    if full or "unexpected pos" in text or "No space left" in text:
-        local = _local_tensors(shards)
-        described = write_failure(target, OSError(errno.ENOSPC, "no space"), local)
-        if "no space left" in described:
-            return described.replace("the checkpoint needs", "this rank's shards need")
-    return text
-
-
-def _causes(error: BaseException) -> list[BaseException]:
-    failures = getattr(error, "failures", None)
-    if not isinstance(failures, Mapping):
-        return []
-    found = []
-    for wrapped in failures.values():
-        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        if isinstance(cause, BaseException):
-            found.append(cause)
-    return found
-
-
-def _local_tensors(value: Any) -> Any:
-    """``value`` with every DTensor replaced by its local shard (what this rank writes)."""
-    if isinstance(value, Mapping):
-        return {k: _local_tensors(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_local_tensors(v) for v in value]
-    if isinstance(value, torch.Tensor) and hasattr(value, "to_local"):
-        return value.to_local()
-    return value
 
 
 def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> None:
@@ -303,8 +251,8 @@ def load_shards(
             )
     except CheckpointError:
         raise
-    except _dcp_errors() as error:  # DCP raised the same error on every rank
-        ours = [c for c in _causes(error) if isinstance(c, CheckpointError)]
+    except dcp_errors() as error:  # DCP raised the same error on every rank
+        ours = [c for c in causes_of(error) if isinstance(c, CheckpointError)]
         if ours:  # a refused index or value: the file is at fault, not the model
             raise CheckpointError(f"cannot load the shards of {path}: {ours[0]}") from error
         raise CheckpointError(
@@ -409,13 +357,11 @@ __all__ = [
     "REST",
     "SHARDED",
     "ShardedWriter",
-    "failure_text",
     "is_sharded",
     "link_tree",
     "load_shards",
     "read_rest",
     "remove_tree",
-    "save_failure",
     "staging_path",
     "verify_sharded",
 ]

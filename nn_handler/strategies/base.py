@@ -31,7 +31,7 @@ class Strategy(ABC):
     """How one rank's model takes part in the run.
 
     Attributes:
-        name: 'single' or 'ddp' (what ``TrainerConfig.strategy`` names).
+        name: 'single', 'ddp' or 'fsdp' (what ``TrainerConfig.strategy`` names).
         comm: the run's Communicator (its rank and world size are the run's).
         device: this rank's device.
         module: the plain module after ``setup`` (on the device, BatchNorm converted).

@@ -1,5 +1,19 @@
-"""The Trainer's checkpoint format: its marker and version, the run configuration as plain
-values, the check that a loaded object is a training checkpoint, and a rank's saved parts."""
+"""The Trainer's checkpoint format: a StateRegistry's parts in one ``torch.save`` file of plain
+values (it loads with ``weights_only=True``).
+
+Top level: ``format``, ``version``, ``world_size``, ``config`` and every shared part by name
+(the strategy's ``model``; ``optimizer``, ``scheduler``, ``optimizers``, ``schedulers``,
+``precision``, ``ema``, ``early_stopping``, ``history``; the loop's ``trainer`` and ``data``;
+``best`` with a checkpoint folder); ``ranks``: for every rank its per-rank parts (``rng``,
+``epoch_rng``, ``running``, the strategy's ``buffers``, the user's ``tracked.<name>``).
+
+A sharded checkpoint (``CheckpointConfig.format``, checkpoint/sharded.py) is a folder: the
+parts with a sharded view (model, optimizers, EMA) in every rank's DCP shards, the rest in
+``trainer.pt`` in the format above, whose ``sharded`` entry names the parts in the shards.
+
+Here: the marker and version, the run configuration as plain values, the check that a loaded
+object is a training checkpoint, a rank's saved parts, and the rules on a world-size change.
+"""
 
 from __future__ import annotations
 
@@ -63,10 +77,23 @@ def sharded_checkpoints(config: CheckpointConfig, sharded_model: bool) -> bool:
     return sharded
 
 
+def check_world_change(source: str, saved_world: int, world: int, allowed: bool) -> None:
+    if allowed:
+        return
+    raise CheckpointError(
+        f"{source} was written by {saved_world} rank(s); this run has {world}. Resume with "
+        f"{saved_world} rank(s) to continue exactly, or set "
+        f"checkpoint.allow_world_size_change=True (or pass allow_world_size_change=True) to "
+        f"continue with the data re-sharded over the new ranks (a different data order from "
+        f"then on; mid-epoch, the rest of the epoch visits each remaining sample once)."
+    )
+
+
 __all__ = [
     "FORMAT",
     "VERSION",
     "check_checkpoint",
+    "check_world_change",
     "plain_config",
     "rank_parts",
     "sharded_checkpoints",

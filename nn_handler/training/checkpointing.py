@@ -1,18 +1,6 @@
-"""The Trainer's checkpoints: a StateRegistry's parts in one ``torch.save`` file of plain
-values (it loads with ``weights_only=True``), and how a run is put back where it stopped.
-
-Top level: ``format``, ``version``, ``world_size``, ``config`` and every shared part by name
-(the strategy's ``model``; ``optimizer``, ``scheduler``, ``optimizers``, ``schedulers``,
-``precision``, ``ema``, ``early_stopping``, ``history``; the loop's ``trainer`` and ``data``;
-``best`` with a checkpoint folder); ``ranks``: for every rank its per-rank parts (``rng``,
-``epoch_rng``, ``running``, the strategy's ``buffers``, the user's ``tracked.<name>``).
-
-A sharded checkpoint (``CheckpointConfig.format``, checkpoint/sharded.py) is a folder: the
-parts with a sharded view (model, optimizers, EMA) in every rank's DCP shards, the rest in
-``trainer.pt`` in the format above, whose ``sharded`` entry names the parts in the shards.
-
-``TrainerCheckpoints`` writes and reads them; it takes the registry, the communicator and the
-loop position, never the Trainer.
+"""The Trainer's checkpointing part (TrainerCheckpoints): the registry of its stateful parts,
+writing and reading the format of training/checkpoint_format.py, and putting a run back where
+it stopped. It takes the parts, the communicator and the loop position, never the Trainer.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.latest import open_latest
-from nn_handler.checkpoint.manager import CheckpointManager, restart_count, write_together
+from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
 from nn_handler.checkpoint.run_identity import (
     RUN,
@@ -45,6 +33,7 @@ from nn_handler.checkpoint.sharded import (
     load_shards,
     verify_sharded,
 )
+from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -53,6 +42,7 @@ from nn_handler.training.checkpoint_format import (
     FORMAT,
     VERSION,
     check_checkpoint,
+    check_world_change,
     plain_config,
     rank_parts,
 )
@@ -215,7 +205,7 @@ class TrainerCheckpoints:
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
         if saved_world != world:
-            _check_world_change(source, saved_world, world, allow_world_size_change)
+            check_world_change(source, saved_world, world, allow_world_size_change)
             self.log.warning(
                 "resuming {} (written by {} ranks) with {} ranks: the data is re-sharded, so "
                 "the order differs from an uninterrupted run from here on{}",
@@ -403,18 +393,6 @@ class TrainerCheckpoints:
                 len(existing),
                 policy,
             )
-
-
-def _check_world_change(source: str, saved_world: int, world: int, allowed: bool) -> None:
-    if allowed:
-        return
-    raise CheckpointError(
-        f"{source} was written by {saved_world} rank(s); this run has {world}. Resume with "
-        f"{saved_world} rank(s) to continue exactly, or set "
-        f"checkpoint.allow_world_size_change=True (or pass allow_world_size_change=True) to "
-        f"continue with the data re-sharded over the new ranks (a different data order from "
-        f"then on; mid-epoch, the rest of the epoch visits each remaining sample once)."
-    )
 
 
 __all__ = ["FORMAT", "META", "VERSION", "TrainerCheckpoints", "check_checkpoint", "plain_config"]

@@ -60,14 +60,14 @@ def _load_into_ddp(context: Any) -> bool:
 
 def _failed_write(rank: int, folder: Path, context: Any) -> str:
     """Rank 0 cannot write: every rank raises the same CheckpointError."""
-    from nn_handler.checkpoint import manager
+    from nn_handler.checkpoint import single_file
 
-    real = manager.atomic_save
+    real = single_file.atomic_save
 
     def disk_full(obj: Any, path: Any) -> Any:
         raise CheckpointError(f"cannot write checkpoint {path}: [Errno 28] No space left")
 
-    manager.atomic_save = disk_full  # type: ignore[assignment]
+    single_file.atomic_save = disk_full  # type: ignore[assignment]
     config = HandlerConfig.from_dict(
         {"trainer": {"progress_bar": False}, "checkpoint": {"dir": str(folder)}}
     )
@@ -77,7 +77,7 @@ def _failed_write(rank: int, folder: Path, context: Any) -> str:
     except CheckpointError as error:
         return str(error)
     finally:
-        manager.atomic_save = real  # type: ignore[assignment]
+        single_file.atomic_save = real  # type: ignore[assignment]
     return "no error"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -97,3 +98,56 @@ def check_gatherable(
             f"dimensions (at most {MAX_DIMS}) and the other dimensions must match.",
         )
     return [shape for _, shape in decoded]
+
+
+def gather_variable(
+    tensor: torch.Tensor,
+    device: torch.device,
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
+    gather: Callable[[torch.Tensor], list[torch.Tensor] | None] | None,
+    what: str,
+) -> list[torch.Tensor] | None:
+    """Gather tensors whose first dimension may differ: exchange shapes, pad, gather (to every
+    rank with ``gather`` None), trim. ``all_gather`` and ``gather`` are a backend's equal-shape
+    hooks."""
+    metas = all_gather(encode_meta(tensor, device))
+    decoded = [decode_meta(meta) for meta in metas]
+    shapes = check_gatherable(decoded, what)
+    dtype = copy_transport(tensor.dtype)
+    buffer = tensor.to(device=device, dtype=dtype)
+    if tensor.dim() > 0:
+        longest = max(shape[0] for shape in shapes)
+        if tensor.shape[0] < longest:
+            pad = buffer.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+            buffer = torch.cat([buffer, pad])
+    buffer = buffer.contiguous()
+    parts = all_gather(buffer) if gather is None else gather(buffer)
+    if parts is None:
+        return None
+    return [
+        (part[: shape[0]] if shape else part).to(device=tensor.device, dtype=tensor.dtype)
+        for part, shape in zip(parts, shapes, strict=True)
+    ]
+
+
+def nan_sums_and_counts(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``reduce_dict(ignore_nan=True)``'s payload: every leaf with its NaNs as zeros, then
+    every leaf's count of values that are not NaN."""
+    sums, counts = [], []
+    for leaf in leaves:
+        value = leaf if leaf.is_floating_point() else leaf.to(torch.float64)
+        missing = torch.isnan(value)
+        sums.append(torch.where(missing, torch.zeros_like(value), value))
+        counts.append((~missing).to(value.dtype))
+    return sums + counts
+
+
+def nan_ignoring_results(totals: list[torch.Tensor], average: bool) -> list[torch.Tensor]:
+    """The reduced sums divided by their counts (when ``average``); NaN where no rank had a
+    value."""
+    half = len(totals) // 2
+    results = []
+    for total, count in zip(totals[:half], totals[half:], strict=True):
+        value = total / count if average else total
+        results.append(torch.where(count > 0, value, torch.full_like(total, float("nan"))))
+    return results

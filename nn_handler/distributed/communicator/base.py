@@ -13,6 +13,7 @@ variable ``NN_HANDLER_DEBUG_COLLECTIVES=1`` on every rank) to turn such mistakes
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -215,7 +216,10 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         """
         self._require_tensor(tensor, "all_gather")
         self._check_signature("all_gather(tensor)")
-        return self._gather_variable(tensor.detach(), None, "all_gather") or []
+        gathered = _wire.gather_variable(
+            tensor.detach(), self.device, self._do_all_gather, None, "all_gather"
+        )
+        return gathered or []
 
     @collective
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor]:
@@ -227,7 +231,11 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         self._require_tensor(tensor, "gather")
         self._check_rank("dst", dst)
         self._check_signature(f"gather(tensor, dst={dst})")
-        return self._gather_variable(tensor.detach(), dst, "gather") or []
+        gather = functools.partial(self._do_gather, dst=dst)
+        gathered = _wire.gather_variable(
+            tensor.detach(), self.device, self._do_all_gather, gather, "gather"
+        )
+        return gathered or []
 
     def gather_into_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """All ranks' tensors concatenated along dimension 0 (stacked for 0-d tensors), on every
@@ -302,18 +310,8 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
                 spec, iter(self._mean(t) if average else t for t in totals)
             )
             return plain
-        sums, counts = [], []
-        for leaf in leaves:
-            value = leaf if leaf.is_floating_point() else leaf.to(torch.float64)
-            missing = torch.isnan(value)
-            sums.append(torch.where(missing, torch.zeros_like(value), value))
-            counts.append((~missing).to(value.dtype))
-        totals = self._reduce_leaves(sums + counts, "sum")
-        results = []
-        for total, count in zip(totals[: len(leaves)], totals[len(leaves) :], strict=True):
-            nan = torch.full_like(total, float("nan"))
-            value = total / count if average else total
-            results.append(torch.where(count > 0, value, nan))
+        totals = self._reduce_leaves(_wire.nan_sums_and_counts(leaves), "sum")
+        results = _wire.nan_ignoring_results(totals, average)
         reduced: dict[str, Any] = _tree.unflatten(spec, iter(results))
         return reduced
 
@@ -411,26 +409,3 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         lengths = [int(n.item()) for n in self._do_all_gather(length)]
         parts = self._do_all_gather(_wire.bytes_to_tensor(payload, max(lengths), self.device))
         return [_wire.tensor_to_bytes(p, n) for p, n in zip(parts, lengths, strict=True)]
-
-    def _gather_variable(
-        self, tensor: torch.Tensor, dst: int | None, what: str
-    ) -> list[torch.Tensor] | None:
-        """Gather tensors whose first dimension may differ: exchange shapes, pad, gather, trim."""
-        metas = self._do_all_gather(_wire.encode_meta(tensor, self.device))
-        decoded = [_wire.decode_meta(meta) for meta in metas]
-        shapes = _wire.check_gatherable(decoded, what)
-        dtype = _wire.copy_transport(tensor.dtype)
-        buffer = tensor.to(device=self.device, dtype=dtype)
-        if tensor.dim() > 0:
-            longest = max(shape[0] for shape in shapes)
-            if tensor.shape[0] < longest:
-                pad = buffer.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-                buffer = torch.cat([buffer, pad])
-        buffer = buffer.contiguous()
-        parts = self._do_all_gather(buffer) if dst is None else self._do_gather(buffer, dst)
-        if parts is None:
-            return None
-        return [
-            (part[: shape[0]] if shape else part).to(device=tensor.device, dtype=tensor.dtype)
-            for part, shape in zip(parts, shapes, strict=True)
-        ]
