@@ -32,8 +32,9 @@ def test_the_trainer_has_one_documented_base_and_at_most_40_methods() -> None:
         if inspect.isfunction(value) or isinstance(value, property)
     ]
     assert len(own) <= 40, sorted(own)
-    # The facade holds no state and no loop: only views and delegations.
-    assert not [n for n, v in vars(TrainerFacade).items() if n.startswith("_") and callable(v)]
+    # The facade holds no state and no loop: views, delegations and the attribute guard.
+    helpers = [n for n, v in vars(TrainerFacade).items() if n.startswith("_") and callable(v)]
+    assert helpers == ["__setattr__"], helpers
 
 
 def _backward_stack(handler: NNHandler) -> list[str]:
@@ -233,3 +234,28 @@ def test_track_right_after_building_the_handler(tmp_path: Path) -> None:
         again.trainer.track("counter", restored)
         again.resume(path)
         assert restored.count == 3
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model_resumes(tmp_path: Path) -> None:
+    """Why single-file checkpoints of one device or DDP keep ``optimizer.state_dict()``
+    instead of DCP's get_optimizer_state_dict view: DCP's view refuses (KeyError) an optimizer
+    with a parameter the module does not own, such as a learnable temperature."""
+    temperature = nn.Parameter(torch.ones(()))
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam([*params, temperature], lr=0.01)
+
+    class Tempered(Trainer):
+        def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+            return nn.functional.cross_entropy(outputs / temperature, targets)
+
+    config = {"loader": {"batch_size": 4}, "trainer": {"progress_bar": False}}
+    with NNHandler(mlp(), optimizer, config=config, trainer_class=Tempered) as handler:
+        handler.train(regression_data(n=8), epochs=1)
+        path = handler.save(tmp_path / "t.pt")
+        moments = handler.trainer.optimizer.state_dict()["state"][len(list(mlp().parameters()))]
+    with NNHandler(mlp(), optimizer, config=config, trainer_class=Tempered) as again:
+        again.resume(path)
+        restored = again.trainer.optimizer.state_dict()["state"]
+        index = len(list(mlp().parameters()))
+        assert torch.equal(restored[index]["exp_avg"], moments["exp_avg"])
