@@ -20,6 +20,7 @@ from nn_handler.errors import ConfigError
 from nn_handler.training.facade import TrainerFacade
 from nn_handler.training.trainer import Trainer
 from tests.training_helpers import mlp, regression_data, sgd
+from tests.unit.test_tracked_state import Counter
 
 PACKAGE = Path(nn_handler.__file__).parent
 
@@ -184,17 +185,6 @@ def test_setting_one_before_the_trainer_is_built_is_a_clear_error() -> None:
         Early(mlp(), sgd, nn.CrossEntropyLoss())
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = int(state["count"])
-
-
 class TracksInConfigureOptimizers(Trainer):
     """docs/checkpoints.md names configure_optimizers as a place to call track."""
 
@@ -216,24 +206,24 @@ def test_track_works_at_every_documented_call_site(
     trainer_class: type[Trainer], tmp_path: Path
 ) -> None:
     trainer: Any = trainer_class(mlp(), sgd, nn.CrossEntropyLoss())
-    trainer.counter.count = 5
+    trainer.counter.value = 5
     path = trainer.save_checkpoint(tmp_path / "c.pt")
     fresh: Any = trainer_class(mlp(), sgd, nn.CrossEntropyLoss())
     fresh.resume(path)
-    assert fresh.counter.count == 5 and "counter" in fresh.tracked
+    assert fresh.counter.value == 5 and "counter" in fresh.tracked
 
 
 def test_track_right_after_building_the_handler(tmp_path: Path) -> None:
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as handler:
         counter = Counter()
         handler.trainer.track("counter", counter)
-        counter.count = 3
+        counter.value = 3
         path = handler.save(tmp_path / "h.pt")
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss()) as again:
         restored = Counter()
         again.trainer.track("counter", restored)
         again.resume(path)
-        assert restored.count == 3
+        assert restored.value == 3
 
 
 def test_an_optimizer_holding_a_parameter_outside_the_model_resumes(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The stall watchdog's parts in one process: records and their comparison (property tests),
-the tracker, the report, raising on the main thread, and the store protocol between two
+the ledger, the report, raising on the main thread, and the store protocol between two
 watchdogs sharing one in-memory store (the real-process scenarios are in
 tests/distributed/test_stall_watchdog.py)."""
 
@@ -86,11 +86,11 @@ def test_neighbours_form_one_ring() -> None:
 
 
 def test_the_location_is_the_callers_line_outside_the_library() -> None:
-    tracker = CollectiveLedger(0)
-    tracker.enter("barrier()")
+    ledger = CollectiveLedger(0)
+    ledger.enter("barrier()")
     line = test_the_location_is_the_callers_line_outside_the_library.__code__.co_firstlineno + 2
     assert (
-        tracker.snapshot()[0]
+        ledger.snapshot()[0]
         .records[-1]
         .where.endswith(
             f"test_watchdog.py:{line} in test_the_location_is_the_callers_line_outside_the_library"
@@ -99,39 +99,39 @@ def test_the_location_is_the_callers_line_outside_the_library() -> None:
     assert user_location().startswith("tests/unit/test_watchdog.py:")
 
 
-# ----------------------------------------------------------------- tracker
+# ----------------------------------------------------------------- ledger
 def test_the_tracker_counts_collectives_and_knows_when_it_is_inside_one() -> None:
-    tracker = CollectiveLedger(1)
-    assert tracker.snapshot()[0].seq == 0
+    ledger = CollectiveLedger(1)
+    assert ledger.snapshot()[0].seq == 0
     for _ in range(HISTORY + 5):
-        tracker.enter("all_reduce(op=sum) float32[4]")
-        tracker.leave()
-    with tracker.region("training step (DDPStrategy: forward, backward)"):
-        state, patient = tracker.snapshot()
+        ledger.enter("all_reduce(op=sum) float32[4]")
+        ledger.leave()
+    with ledger.region("training step (DDPStrategy: forward, backward)"):
+        state, patient = ledger.snapshot()
         assert state.inside and not patient and state.seq == HISTORY + 6
-    state, _ = tracker.snapshot()
+    state, _ = ledger.snapshot()
     assert not state.inside and len(state.records) == HISTORY
     assert state.records[0].seq == 7  # the oldest ones are dropped
-    with tracker.patient():
-        tracker.enter("barrier()")
-        assert tracker.snapshot()[1]  # inside a patient collective
-        tracker.leave()
-    tracker.enter("barrier()")
-    assert not tracker.snapshot()[1]
+    with ledger.patient():
+        ledger.enter("barrier()")
+        assert ledger.snapshot()[1]  # inside a patient collective
+        ledger.leave()
+    ledger.enter("barrier()")
+    assert not ledger.snapshot()[1]
 
 
 def test_after_an_incident_no_collective_is_issued() -> None:
-    tracker = CollectiveLedger(0)
-    tracker.incident = CollectiveStallError("the report", [1])
+    ledger = CollectiveLedger(0)
+    ledger.incident = CollectiveStallError("the report", [1])
     with pytest.raises(CollectiveStallError, match="the report"):
-        tracker.enter("barrier()")
-    assert tracker.incident_raised and tracker.seq == 0
+        ledger.enter("barrier()")
+    assert ledger.incident_raised and ledger.seq == 0
 
 
 def test_each_public_collective_is_recorded_once() -> None:
     def calls(comm: Communicator) -> list[str]:
-        tracker = CollectiveLedger(comm.rank)
-        comm._watch = tracker
+        ledger = CollectiveLedger(comm.rank)
+        comm._watch = ledger
         comm.barrier()
         comm.all_reduce({"a": torch.ones(2)}, op="mean")
         comm.all_reduce_(torch.ones(3))
@@ -146,7 +146,7 @@ def test_each_public_collective_is_recorded_once() -> None:
         comm.all_gather_object({"rank": comm.rank})
         comm.gather_object(comm.rank)
         comm.broadcast_object("x")
-        state, _ = tracker.snapshot()
+        state, _ = ledger.snapshot()
         assert state.seq == len(state.records) and not state.inside
         return [record.what.split("(")[0] for record in state.records]
 
@@ -200,25 +200,25 @@ def test_mismatch_signatures_list_every_rank() -> None:
 
 
 # ----------------------------------------------------------------- raising on the main thread
-def _raise_soon(tracker: CollectiveLedger, interrupt: MainThreadInterrupt) -> None:
+def _raise_soon(ledger: CollectiveLedger, interrupt: MainThreadInterrupt) -> None:
     def later() -> None:
         time.sleep(0.2)
-        tracker.incident = CollectiveStallError("stalled", [1])
+        ledger.incident = CollectiveStallError("stalled", [1])
         interrupt.deliver()
 
     threading.Thread(target=later, daemon=True).start()
 
 
 def test_the_main_thread_raises_even_inside_a_long_sleep() -> None:
-    tracker = CollectiveLedger(0)
-    interrupt = MainThreadInterrupt(tracker)
+    ledger = CollectiveLedger(0)
+    interrupt = MainThreadInterrupt(ledger)
     interrupt.install()
     try:
         started = time.monotonic()
-        _raise_soon(tracker, interrupt)
+        _raise_soon(ledger, interrupt)
         with pytest.raises(CollectiveStallError, match="stalled"):
             time.sleep(30)
-        assert time.monotonic() - started < 5 and tracker.incident_raised
+        assert time.monotonic() - started < 5 and ledger.incident_raised
     finally:
         interrupt.uninstall()
     import signal
@@ -227,9 +227,9 @@ def test_the_main_thread_raises_even_inside_a_long_sleep() -> None:
 
 
 def test_without_the_handler_the_error_arrives_as_an_async_exception() -> None:
-    tracker = CollectiveLedger(0)
-    interrupt = MainThreadInterrupt(tracker)  # not installed: the fallback
-    _raise_soon(tracker, interrupt)
+    ledger = CollectiveLedger(0)
+    interrupt = MainThreadInterrupt(ledger)  # not installed: the fallback
+    _raise_soon(ledger, interrupt)
     deadline = time.monotonic() + 10
     with pytest.raises(CollectiveStallError, match="stalled") as info:
         while time.monotonic() < deadline:  # Python code: interrupted at a bytecode
@@ -257,22 +257,20 @@ class RecordingInterrupt(MainThreadInterrupt):
 def _pair(stall_timeout: float) -> tuple[list[CollectiveLedger], list[StallWatchdog]]:
     store = HashStore()
     timing = WatchdogTiming(stall_timeout, interval=0.05, answer_wait=2.0, grace=600.0)
-    trackers = [CollectiveLedger(rank) for rank in range(2)]
+    ledgers = [CollectiveLedger(rank) for rank in range(2)]
     watchdogs = [
-        StallWatchdog(t, store, 2, timing, interrupt=RecordingInterrupt()) for t in trackers
+        StallWatchdog(t, store, 2, timing, interrupt=RecordingInterrupt()) for t in ledgers
     ]
-    return trackers, watchdogs
+    return ledgers, watchdogs
 
 
-def _watch(
-    trackers: list[CollectiveLedger], watchdogs: list[StallWatchdog], seconds: float
-) -> None:
-    """Run the watchdogs until every tracker has an incident, or for ``seconds``."""
+def _watch(ledgers: list[CollectiveLedger], watchdogs: list[StallWatchdog], seconds: float) -> None:
+    """Run the watchdogs until every ledger has an incident, or for ``seconds``."""
     for watchdog in watchdogs:
         watchdog.start()
     try:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(t.incident is None for t in trackers):
+        while time.monotonic() < deadline and any(t.incident is None for t in ledgers):
             time.sleep(0.02)
     finally:
         for watchdog in watchdogs:
@@ -280,13 +278,13 @@ def _watch(
 
 
 def test_two_watchdogs_report_a_stall_to_both_ranks() -> None:
-    trackers, watchdogs = _pair(stall_timeout=0.3)
-    for tracker in trackers:
-        tracker.enter("all_reduce(op=sum) float32[4]")
-        tracker.leave()
-    trackers[0].enter("all_reduce(op=sum) float32[4]")  # rank 0 waits; rank 1 never comes
-    _watch(trackers, watchdogs, 10)
-    errors = [t.incident for t in trackers]
+    ledgers, watchdogs = _pair(stall_timeout=0.3)
+    for ledger in ledgers:
+        ledger.enter("all_reduce(op=sum) float32[4]")
+        ledger.leave()
+    ledgers[0].enter("all_reduce(op=sum) float32[4]")  # rank 0 waits; rank 1 never comes
+    _watch(ledgers, watchdogs, 10)
+    errors = [t.incident for t in ledgers]
     assert all(isinstance(e, CollectiveStallError) for e in errors), errors
     assert str(errors[0]) == str(errors[1]) and errors[0].ranks == [1]  # type: ignore[union-attr]
     assert "rank 0 waited" in str(errors[0]) and "rank 1 has not arrived" in str(errors[0])
@@ -296,27 +294,27 @@ def test_two_watchdogs_report_a_stall_to_both_ranks() -> None:
 
 
 def test_two_watchdogs_find_a_mismatch_without_any_collective() -> None:
-    trackers, watchdogs = _pair(stall_timeout=60.0)
-    trackers[0].enter("all_reduce(op=sum) float32[4]")
-    trackers[1].enter("all_reduce(op=sum) int32[4]")
-    for tracker in trackers:
-        tracker.leave()
-    _watch(trackers, watchdogs, 10)
-    for tracker in trackers:
-        assert isinstance(tracker.incident, CollectiveMismatchError), tracker.incident
-        text = str(tracker.incident)
+    ledgers, watchdogs = _pair(stall_timeout=60.0)
+    ledgers[0].enter("all_reduce(op=sum) float32[4]")
+    ledgers[1].enter("all_reduce(op=sum) int32[4]")
+    for ledger in ledgers:
+        ledger.leave()
+    _watch(ledgers, watchdogs, 10)
+    for ledger in ledgers:
+        assert isinstance(ledger.incident, CollectiveMismatchError), ledger.incident
+        text = str(ledger.incident)
         assert "collective #1" in text and "float32[4]" in text and "int32[4]" in text
 
 
 def test_patient_collectives_and_agreeing_ranks_raise_nothing() -> None:
-    trackers, watchdogs = _pair(stall_timeout=0.2)
-    for tracker in trackers:
-        tracker.enter("barrier()")
-        tracker.leave()
-    with trackers[0].patient():
-        trackers[0].enter("barrier()")  # rank 0 waits for rank 1's long preparation
-    _watch(trackers, watchdogs, 1.0)
-    assert trackers[0].incident is None and trackers[1].incident is None
+    ledgers, watchdogs = _pair(stall_timeout=0.2)
+    for ledger in ledgers:
+        ledger.enter("barrier()")
+        ledger.leave()
+    with ledgers[0].patient():
+        ledgers[0].enter("barrier()")  # rank 0 waits for rank 1's long preparation
+    _watch(ledgers, watchdogs, 1.0)
+    assert ledgers[0].incident is None and ledgers[1].incident is None
 
 
 def test_an_unwatched_communicator_marks_nothing() -> None:
@@ -331,18 +329,18 @@ def test_an_unwatched_communicator_marks_nothing() -> None:
 def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> None:
     store = HashStore()
     timing = WatchdogTiming(60.0, interval=0.05, answer_wait=0.3, grace=600.0)
-    tracker = CollectiveLedger(1)
-    watchdog = StallWatchdog(tracker, store, 2, timing, interrupt=RecordingInterrupt())
-    tracker.enter("all_reduce(op=sum) float32[4]")  # waiting for rank 0, which opened and died
+    ledger = CollectiveLedger(1)
+    watchdog = StallWatchdog(ledger, store, 2, timing, interrupt=RecordingInterrupt())
+    ledger.enter("all_reduce(op=sum) float32[4]")  # waiting for rank 0, which opened and died
     store.add("nn_handler/watch/open", 1)
     store.set("nn_handler/watch/opened", '{"kind": "stall", "seq": 1, "rank": 0}')
     started = time.monotonic()
-    _watch([tracker], [watchdog], 10)
-    assert isinstance(tracker.incident, CollectiveStallError), tracker.incident
+    _watch([ledger], [watchdog], 10)
+    assert isinstance(ledger.incident, CollectiveStallError), ledger.incident
     assert time.monotonic() - started > timing.answer_wait  # it waited for the reporter first
-    text = str(tracker.incident)
+    text = str(ledger.incident)
     assert text.startswith("Collective stall: rank 1 waited") and "rank 0: did not answer" in text
-    assert tracker.incident.ranks == [0]
+    assert ledger.incident.ranks == [0]
     # The report was written once, and a later writer would get the same one back.
     assert store.compare_set("nn_handler/watch/report", "", "{}") == store.get(
         "nn_handler/watch/report"
@@ -355,11 +353,11 @@ def test_the_applications_own_sigusr2_handler_is_left_alone() -> None:
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        tracker = CollectiveLedger(0)
-        interrupt = MainThreadInterrupt(tracker)
+        ledger = CollectiveLedger(0)
+        interrupt = MainThreadInterrupt(ledger)
         interrupt.install()  # the application's handler stays; delivery is asynchronous
         assert signal.getsignal(signal.SIGUSR2) is not interrupt._on_signal
-        _raise_soon(tracker, interrupt)
+        _raise_soon(ledger, interrupt)
         deadline = time.monotonic() + 10
         with pytest.raises(CollectiveStallError):
             while time.monotonic() < deadline:

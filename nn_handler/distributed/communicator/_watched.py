@@ -57,7 +57,7 @@ def collective(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C
 
 class WatchedCollectives:
     """The stall watchdog's sections, mixed into Communicator (``_watch`` is set by the
-    Communicator: the default group's tracker, or None when nothing watches)."""
+    Communicator: the default group's ledger, or None when nothing watches)."""
 
     _watch: CollectiveLedger | None
 

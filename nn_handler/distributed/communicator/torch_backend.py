@@ -63,7 +63,7 @@ class TorchCommunicator(Communicator):
             device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda else None
         self._device = device or torch.device("cpu")
         if group is None and watch:  # the default group's collectives, for the watchdog
-            self._watch = WATCHDOGS.tracker()
+            self._watch = WATCHDOGS.ledger()
 
     @property
     @override

@@ -39,9 +39,9 @@ class WatchdogRegistry:
         # destroy_process_group, so peers blocked on this rank would never see it leave.
         self._group: weakref.ref[Any] | None = None
 
-    def tracker(self) -> CollectiveLedger | None:
+    def ledger(self) -> CollectiveLedger | None:
         watchdog = self.watchdog()
-        return None if watchdog is None else watchdog.tracker
+        return None if watchdog is None else watchdog.ledger
 
     def watchdog(self) -> StallWatchdog | None:
         """The running watchdog; None (and the stale one stopped) once the group it watched
@@ -87,12 +87,12 @@ class WatchdogRegistry:
         watchdog = self._watchdog  # kept after the group is destroyed: the report outlives it
         if watchdog is None:
             return None
-        tracker = watchdog.tracker
-        if tracker.incident is None:
-            tracker.incident = _read_report(watchdog.store, watchdog.prefix)
-        if tracker.incident is not None:
-            tracker.incident_raised = True
-        return tracker.incident
+        ledger = watchdog.ledger
+        if ledger.incident is None:
+            ledger.incident = _read_report(watchdog.store, watchdog.prefix)
+        if ledger.incident is not None:
+            ledger.incident_raised = True
+        return ledger.incident
 
     def vanished(self, error: BaseException) -> RankFailedError | None:
         """When ``error`` (a backend error in a collective) came from peers that left the
@@ -101,12 +101,12 @@ class WatchdogRegistry:
         watchdog = self._watchdog
         if watchdog is None:
             return None
-        rank, world_size = watchdog.tracker.rank, watchdog.world_size
+        rank, world_size = watchdog.ledger.rank, watchdog.world_size
         gone = departures_after(error, world_size, rank)
         if not gone:
             return None
         texts = {peer: f"{how}; {watchdog.last_published(peer)}" for peer, how in gone.items()}
-        mine, _ = watchdog.tracker.snapshot()
+        mine, _ = watchdog.ledger.snapshot()
         return RankFailedError(
             describe(mine.latest),
             texts,

@@ -32,7 +32,7 @@ class StallWatchdog(Protocol):
     store: Any
     prefix: str
     world_size: int
-    tracker: CollectiveLedger
+    ledger: CollectiveLedger
 
     @property
     def timing(self) -> Any: ...
@@ -50,12 +50,12 @@ FINISH_WAIT_S = 3.0
 
 def last_look(watchdog: StallWatchdog) -> None:
     """Compare this rank's final records with every rank's (see the module docstring); an
-    incident found or reported ends up in ``watchdog.tracker.incident``. Raises whatever the
+    incident found or reported ends up in ``watchdog.ledger.incident``. Raises whatever the
     store raises once it is gone."""
-    store, prefix, rank = watchdog.store, watchdog.prefix, watchdog.tracker.rank
+    store, prefix, rank = watchdog.store, watchdog.prefix, watchdog.ledger.rank
     timing = watchdog.timing
-    if watchdog.tracker.incident is None:
-        state, _ = watchdog.tracker.snapshot()
+    if watchdog.ledger.incident is None:
+        state, _ = watchdog.ledger.snapshot()
         store.set(f"{prefix}/state/{rank}", state.to_bytes())
         store.set(f"{prefix}/done/{rank}", str(state.seq))
         arrived = _Arrivals(watchdog)
@@ -67,9 +67,9 @@ def last_look(watchdog: StallWatchdog) -> None:
         if store.check([f"{prefix}/open"]):
             wait = timing.answer_wait + 2 * timing.interval + 1.0
             _await(watchdog, lambda: _reported(watchdog), wait)
-        if _reported(watchdog) and watchdog.tracker.incident is None:
+        if _reported(watchdog) and watchdog.ledger.incident is None:
             watchdog.act(json.loads(store.get(f"{prefix}/report")))
-    if watchdog.tracker.incident is not None:  # every rank has it before this one leaves
+    if watchdog.ledger.incident is not None:  # every rank has it before this one leaves
         _await(watchdog, lambda: _all(watchdog, "read"), timing.answer_wait)
         return
     store.set(f"{prefix}/checked/{rank}", "1")
@@ -106,7 +106,7 @@ class _Arrivals:
 
     def __call__(self) -> bool:
         watchdog = self._watchdog
-        rank, world = watchdog.tracker.rank, watchdog.world_size
+        rank, world = watchdog.ledger.rank, watchdog.world_size
         if time.monotonic() - self._looked > 0.25:
             self._looked = time.monotonic()
             self._gone = set(departed(world, rank))

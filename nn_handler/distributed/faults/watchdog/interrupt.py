@@ -24,12 +24,12 @@ SIGNAL = getattr(signal, "SIGUSR2", None)
 
 
 class MainThreadInterrupt:
-    """Delivers ``tracker.incident`` to the training thread; ``install`` and ``uninstall`` on
+    """Delivers ``ledger.incident`` to the training thread; ``install`` and ``uninstall`` on
     the main thread (elsewhere they do nothing and delivery falls back to an async exception,
     as it does when training runs on another thread)."""
 
-    def __init__(self, tracker: CollectiveLedger) -> None:
-        self._tracker = tracker
+    def __init__(self, ledger: CollectiveLedger) -> None:
+        self._tracker = ledger
         self._previous: Any = None
         self._installed = False
 

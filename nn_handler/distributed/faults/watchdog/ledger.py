@@ -70,7 +70,7 @@ class CollectiveLedger:
 
     def region(self, what: str) -> Region:
         """Code that issues collectives the Communicator does not see (DDP's gradient
-        reduction, FSDP's gathers), counted as one collective: ``with tracker.region(...)``."""
+        reduction, FSDP's gathers), counted as one collective: ``with ledger.region(...)``."""
         return Region(self, what)
 
     @contextlib.contextmanager
@@ -120,13 +120,13 @@ def _record(key: tuple[int, str, Site]) -> Record:
 
 
 class Region:
-    """``with tracker.region(what)``: one collective around the block (no generator: this runs
+    """``with ledger.region(what)``: one collective around the block (no generator: this runs
     every training step)."""
 
     __slots__ = ("_tracker", "_what")
 
-    def __init__(self, tracker: CollectiveLedger, what: str) -> None:
-        self._tracker, self._what = tracker, what
+    def __init__(self, ledger: CollectiveLedger, what: str) -> None:
+        self._tracker, self._what = ledger, what
 
     def __enter__(self) -> None:
         self._tracker.enter(self._what)

@@ -68,26 +68,26 @@ class WatchdogTiming:
 
 
 class StallWatchdog:
-    """Watches one rank's ``tracker``; every rank of the group runs one (``start`` after the
+    """Watches one rank's ``ledger``; every rank of the group runs one (``start`` after the
     group is up, ``stop`` before it is destroyed). ``store``: the group's key-value store (any
     torch Store); ``interrupt``: how the main thread is made to raise (tests pass their own)."""
 
     def __init__(
         self,
-        tracker: CollectiveLedger,
+        ledger: CollectiveLedger,
         store: Any,
         world_size: int,
         timing: WatchdogTiming,
         prefix: str = PREFIX,
         interrupt: MainThreadInterrupt | None = None,
     ) -> None:
-        self.tracker = tracker
+        self.ledger = ledger
         self.timing = timing
         self.store = self._store = store
         self.prefix = self._prefix = prefix
-        self._rank = tracker.rank
+        self._rank = ledger.rank
         self.world_size = self._world_size = world_size
-        self._interrupt = interrupt or MainThreadInterrupt(tracker)
+        self._interrupt = interrupt or MainThreadInterrupt(ledger)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nn_handler-watchdog", daemon=True)
         self._answered = False
@@ -119,11 +119,11 @@ class StallWatchdog:
             last_look(self)
         except Exception as error:  # the store went away: nothing more can be compared
             logger.debug("stall watchdog on rank {} at teardown: {}", self._rank, error)
-        tracker = self.tracker
-        if tracker.incident is None or tracker.incident_raised:
+        ledger = self.ledger
+        if ledger.incident is None or ledger.incident_raised:
             return None
-        tracker.incident_raised = True
-        return tracker.incident
+        ledger.incident_raised = True
+        return ledger.incident
 
     def last_published(self, rank: int) -> str:
         """Rank ``rank``'s last collective as it published it (best effort)."""
@@ -154,7 +154,7 @@ class StallWatchdog:
                     return
 
     def _tick(self) -> None:
-        state, patient = self.tracker.snapshot()
+        state, patient = self.ledger.snapshot()
         store = self._store
         store.set(f"{self._prefix}/state/{self._rank}", state.to_bytes())
         if store.check([f"{self._prefix}/open"]):
@@ -215,8 +215,8 @@ class StallWatchdog:
 
     # ----------------------------------------------------------------- an incident
     def answer(self) -> RankState:
-        state, _ = self.tracker.snapshot()
-        thread = self.tracker.thread_ident or threading.main_thread().ident or -1
+        state, _ = self.ledger.snapshot()
+        thread = self.ledger.thread_ident or threading.main_thread().ident or -1
         frame = sys._current_frames().get(thread)
         if frame is not None:
             state.stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:])  # training
@@ -297,7 +297,7 @@ class StallWatchdog:
                 f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
             )
         self._text = str(payload["text"])
-        self.tracker.incident = incident
+        self.ledger.incident = incident
         self._acted_at = time.monotonic()
         self._store.set(f"{self._prefix}/read/{self._rank}", "1")  # see farewell.py
         if self._reporter:  # one line in the log; the whole report is in the error raised
@@ -309,21 +309,21 @@ class StallWatchdog:
         self._deliver_if_running()
 
     def _deliver_if_running(self) -> None:
-        state, _ = self.tracker.snapshot()
-        if not state.inside and not self._delivered and not self.tracker.incident_raised:
+        state, _ = self.ledger.snapshot()
+        if not state.inside and not self._delivered and not self.ledger.incident_raised:
             self._delivered = True
             self._interrupt.deliver()
 
     def _after_report(self) -> bool:
         """After the report: make sure this rank raises; True once it has."""
-        if self.tracker.incident_raised:
+        if self.ledger.incident_raised:
             return True
         self._deliver_if_running()
         acted_at = self._acted_at if self._acted_at is not None else time.monotonic()
         limit = self.timing.grace * (1 if self._reporter else 2)
         if time.monotonic() - acted_at < limit:
             return False
-        state, _ = self.tracker.snapshot()
+        state, _ = self.ledger.snapshot()
         where = describe(state.latest) if state.inside else "code that ignores the interrupt"
         # Printed, not logged: the library's log may be off, and this process ends here.
         print(
