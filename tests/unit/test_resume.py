@@ -186,9 +186,9 @@ def test_resume_falls_back_when_the_newest_checkpoint_is_torn(tmp_path: Path) ->
 def test_an_emergency_save_over_budget_is_cancelled_and_never_appears(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nn_handler.checkpoint import manager as manager_module
+    from nn_handler.checkpoint import single_file as writer_module
 
-    real_save = manager_module.atomic_save
+    real_save = writer_module.atomic_save
     waited: list[bool] = []
 
     def slow_save(obj: Any, path: Any, cancel: Any = None) -> Any:
@@ -196,7 +196,7 @@ def test_an_emergency_save_over_budget_is_cancelled_and_never_appears(
             waited.append(cancel.wait(5.0))
         return real_save(obj, path, cancel)
 
-    monkeypatch.setattr(manager_module, "atomic_save", slow_save)
+    monkeypatch.setattr(writer_module, "atomic_save", slow_save)
     budget = {"every_n_steps": 2, "preemption_budget_s": 0.2}
     with (
         _simple(tmp_path, hooks=[SigtermAt(3)], **budget) as h,
