@@ -50,10 +50,16 @@ test-fast: lint typecheck
 
 # In-process tests and the launched scripts (README, examples, demo, benchmarks) on both cores
 # (a file's tests stay together: their module fixtures run once); then the process-group
-# tests one at a time, their timing bounds assume the cores are theirs.
-test: lint typecheck
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property tests/launched
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/distributed
+# tests one at a time, their timing bounds assume the cores are theirs. Every part runs even
+# when an earlier one fails; the exit status says whether any failed.
+test: $(STAMP)
+	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
+	$(MAKE) --no-print-directory typecheck || status=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property tests/launched || status=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/distributed || status=1; \
+	if [ $$status -ne 0 ]; then echo "make test: some part failed (see above)"; fi; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site .bench-quick
