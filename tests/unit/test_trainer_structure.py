@@ -249,3 +249,13 @@ def test_an_optimizer_holding_a_parameter_outside_the_model_resumes(tmp_path: Pa
         restored = again.trainer.optimizer.state_dict()["state"]
         index = len(list(mlp().parameters()))
         assert torch.equal(restored[index]["exp_avg"], moments["exp_avg"])
+
+
+def test_docs_list_exactly_the_trainers_own_attributes() -> None:
+    """docs/training.md's table of what a subclass may use is the Trainer's attribute list."""
+    text = (PACKAGE.parent / "docs" / "training.md").read_text()
+    table = text.split("| attribute | what it is |", 1)[1].split("\n\n", 1)[0]
+    documented: set[str] = set()
+    for row in table.splitlines()[2:]:
+        documented |= {name.strip("` ") for name in row.split("|")[1].split(",")}
+    assert documented == set(TrainerFacade.__annotations__)
