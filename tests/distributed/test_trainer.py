@@ -350,17 +350,17 @@ def _reduction_checks(context: Any, val: Any, rank: int) -> dict[str, Any]:
         out[f"evaluate_{call}_collectives"] = dict(counts)
     train = regression_data()
     per_epochs = {}
-    tracker = WATCHDOGS.tracker()  # the stall watchdog is on: the counts hold with it
-    out["watched"] = tracker is not None and handler.communicator.watching
+    ledger = WATCHDOGS.ledger()  # the stall watchdog is on: the counts hold with it
+    out["watched"] = ledger is not None and handler.communicator.watching
     numbered = {}
     # train() continues a run: the first call trains epoch 1, the second epochs 2 and 3, so
     # their difference is what one epoch costs.
     for epochs in (1, 3):
-        before = tracker.seq if tracker is not None else 0
+        before = ledger.seq if ledger is not None else 0
         with _counting_collectives() as counts:
             handler.train(train, epochs=epochs)
         per_epochs[epochs] = counts
-        numbered[epochs] = (tracker.seq if tracker is not None else 0) - before
+        numbered[epochs] = (ledger.seq if ledger is not None else 0) - before
     out["epoch_collectives"] = dict(per_epochs[3] - per_epochs[1])
     out["epoch_records"] = numbered[3] - numbered[1]
     handler.trainer.state.epoch = 1  # rank 1 now reports a key rank 0 never saw

@@ -48,6 +48,9 @@ class Leave(Hook):
 
 def main() -> None:
     out, mode, leaver = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    # Python's own Ctrl-C handler, also when the suite runs as a background job (which starts
+    # its children with SIGINT ignored): the 'sigint' mode needs a real KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(400, 6, generator=generator), torch.randint(0, 3, (400,), generator=generator)

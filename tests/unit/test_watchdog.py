@@ -99,6 +99,20 @@ def test_the_location_is_the_callers_line_outside_the_library() -> None:
     assert user_location().startswith("tests/unit/test_watchdog.py:")
 
 
+def test_every_module_of_the_package_counts_as_the_library() -> None:
+    """The report names the user's line, skipping frames in any nn_handler module, wherever
+    the watchdog's own files sit in the package (a frame in checkpoint/ once counted as the
+    user's after the watchdog moved a folder deeper)."""
+    import nn_handler
+    import nn_handler.checkpoint.registry
+    import nn_handler.training.trainer
+    from nn_handler.distributed.faults.watchdog import records
+
+    for module in (nn_handler, nn_handler.checkpoint.registry, nn_handler.training.trainer):
+        assert records._is_library(str(module.__file__)), module.__name__
+    assert not records._is_library(__file__)
+
+
 # ----------------------------------------------------------------- ledger
 def test_the_tracker_counts_collectives_and_knows_when_it_is_inside_one() -> None:
     ledger = CollectiveLedger(1)

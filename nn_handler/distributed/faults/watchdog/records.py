@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The nn_handler package's folder (this file is nn_handler/distributed/faults/watchdog/).
+_PACKAGE = os.path.abspath(__file__).rsplit(f"{os.sep}distributed{os.sep}faults{os.sep}", 1)[0]
 _TORCH_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py", f"{os.sep}threading.py")
 
 #: Characters of a signature kept in a record (the digest covers the whole text).
