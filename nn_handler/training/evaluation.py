@@ -18,10 +18,10 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy
 from nn_handler.training.batch import batch_size_of, loader_length, move_to_device
-from nn_handler.training.ema import ModelEma
 from nn_handler.training.hooks import HookList
 from nn_handler.training.limits import limited
 from nn_handler.training.metrics import MetricFn, StatefulMetric, compute_stateful
+from nn_handler.training.optimization import Optimization
 from nn_handler.training.precision import Precision
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
@@ -34,7 +34,7 @@ class Evaluator:
     means over ranks (every sample once) and the loop both share.
 
     ``activate(module)`` tells the Trainer which module its ``forward`` runs while evaluating
-    (``activate(None)``: the training model again); ``ema()`` is the model's EMA (or None).
+    (``activate(None)``: the training model again); the EMA is ``optimization``'s.
 
     Attributes:
         metrics: the ``metrics=`` given to the Trainer, by name.
@@ -43,24 +43,22 @@ class Evaluator:
     def __init__(
         self,
         config: TrainerConfig,
-        comm: Communicator,
-        device: torch.device,
         strategy: Strategy,
-        precision: Precision,
+        optimization: Optimization,
         hooks: HookList,
-        module: nn.Module,
         metrics: Mapping[str, Metric] | None,
         activate: Callable[[nn.Module | None], None],
-        ema: Callable[[], ModelEma | ShardedEma | None],
     ) -> None:
+        if strategy.module is None:
+            raise ConfigError("the Evaluator needs a strategy whose setup(model) has run.")
         self.config = config
-        self.comm = comm
-        self.device = device
+        self.comm: Communicator = strategy.comm
+        self.device = device = strategy.device
         self.strategy = strategy
-        self.precision = precision
+        self.precision: Precision = optimization.precision
         self.hooks = hooks
-        self.module = module
-        self._ema = ema
+        self.module: nn.Module = strategy.module
+        self._optimization = optimization  # its EMA, once configure_optimizers has run
         self.metrics: dict[str, Metric] = dict(metrics or {})
         self._stateful = {k: m for k, m in self.metrics.items() if isinstance(m, StatefulMetric)}
         for metric in self._stateful.values():
@@ -211,7 +209,7 @@ class Evaluator:
     def _eval_weights(self, use_ema: bool | None) -> Iterator[nn.Module]:
         """The module to evaluate: the plain module, or its EMA (a copy, or for a sharded
         model the averaged shards swapped in for the duration)."""
-        averaged = self._ema()
+        averaged = self._optimization.ema
         if use_ema is None:
             use_ema = averaged is not None and averaged.config.validate_with_ema
         if use_ema and averaged is None:

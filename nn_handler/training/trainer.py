@@ -60,12 +60,9 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 class Trainer(TrainerFacade):
     """Trains one model on this rank's data; every rank must call ``fit``/``evaluate`` alike.
-
-    ``optimizer`` and ``scheduler`` are instances or factories (``lambda params:
-    torch.optim.Adam(params)``, ``lambda opt: StepLR(opt, 10)``, or ``lambda opt, steps: ...``
-    built when fit knows the run's length) called after the strategy wrapped the model.
-    The attributes and methods a subclass may use are listed in docs/training.md.
-    """
+    ``optimizer``/``scheduler``: instances or factories (``lambda params: Adam(params)``,
+    ``lambda opt: StepLR(opt, 10)``, ``lambda opt, steps: ...``). docs/training.md lists what a
+    subclass may use."""
 
     #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``,
     #: ``self.manual_backward``), as for GANs; needed for several optimizers.
@@ -124,16 +121,7 @@ class Trainer(TrainerFacade):
         self.hooks = HookList([*hooks, *own], self)
         self.optimization = Optimization(config, self.precision, self.strategy, self.state, ema)
         self.evaluator = Evaluator(
-            config,
-            comm,
-            self.device,
-            self.strategy,
-            self.precision,
-            self.hooks,
-            self.module,
-            metrics,
-            activate=self._use_model,
-            ema=lambda: self.optimization.ema,
+            config, self.strategy, self.optimization, self.hooks, metrics, self._use_model
         )
         #: Whether the last ``fit`` raised (read by after_train hooks: trackers mark the run).
         self.training_failed = False
@@ -153,8 +141,7 @@ class Trainer(TrainerFacade):
         self.checkpointing.adopt(parts, self.hooks.hooks)
 
     def release_wrappers(self) -> None:
-        """Drop the strategy's wrappers (DDP, compile), keeping the plain module for evaluation.
-        Call before the process group is destroyed (NNHandler.close does)."""
+        """Drop the strategy's wrappers (DDP, compile) before the process group goes."""
         self.strategy.release()
         object.__setattr__(self, "model", self.module)
         self._active = self.module
@@ -164,8 +151,7 @@ class Trainer(TrainerFacade):
 
     # ----------------------------------------------------------------- override points
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the active model: the wrapped one in training, the plain (or EMA) one in
-        evaluation. Arguments are passed through (``self.forward(z, part="generator")``)."""
+        """Run the active model (wrapped in training, plain or EMA in evaluation)."""
         return self._active(*args, **kwargs)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -200,13 +186,11 @@ class Trainer(TrainerFacade):
         return values
 
     def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
-        """Feed one validation batch to ``metrics=`` (stateful ones are updated); returns the
-        metric functions' values, to merge into what ``validation_step`` returns."""
+        """Feed a batch to ``metrics=``; returns the values to merge into validation_step's."""
         return self.evaluator.update_metrics(outputs, targets)
 
     def predict_step(self, batch: Any) -> torch.Tensor:
-        """Per-sample outputs of one batch (dim 0 = samples); the default runs the model on
-        the batch's inputs (its first element when it is a tuple or list)."""
+        """Per-sample outputs of one batch (dim 0 = samples) of its inputs (first element)."""
         inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
         output: torch.Tensor = self.forward(inputs)
         return output
@@ -219,8 +203,7 @@ class Trainer(TrainerFacade):
         return self.optimization.build(optimizer, scheduler, self.model)
 
     def manual_backward(self, loss: torch.Tensor) -> None:
-        """Backward for manual optimization (gradients synchronised across ranks as in the
-        automatic loop). Call it in ``training_step`` instead of ``loss.backward()``."""
+        """Backward for manual optimization: call it in ``training_step``, not loss.backward()."""
         loss.backward()  # type: ignore[no-untyped-call]
 
     # ----------------------------------------------------------------- the loop
@@ -276,8 +259,7 @@ class Trainer(TrainerFacade):
     def train_epoch(
         self, loader: Iterable[Any], epochs: int, val_loader: Iterable[Any] | None = None
     ) -> Record:
-        """One pass over ``loader``; returns the epoch's train loss, samples and timing.
-        ``val_loader`` is validated inside the epoch when ``val_check_interval`` says so."""
+        """One pass over ``loader`` (``val_loader`` validated every val_check_interval)."""
         config, state, hooks, position = self.config, self.state, self.hooks, self.position
         self.optimization.require_optimizer()
         self.model.train()
@@ -359,8 +341,7 @@ class Trainer(TrainerFacade):
         return loss
 
     def optimizer_step(self) -> bool:
-        """Unscale, clip, check for NaN/inf, then step (or skip) on every rank alike, then the
-        EMA and a per-step scheduler; returns whether the optimizer stepped."""
+        """Unscale, clip, NaN/inf check, step (or skip), EMA, scheduler; whether it stepped."""
         return self.optimization.step()
 
     def _end_epoch(self, record: Record, val_loader: Iterable[Any] | None, epochs: int) -> None:
@@ -413,8 +394,7 @@ class Trainer(TrainerFacade):
         return results
 
     def predict(self, loader: Iterable[Any], use_ema: bool | None = None) -> torch.Tensor:
-        """Every sample's output, in dataset order, on every rank; every rank must call this
-        (with several ranks ``loader`` is an evaluation loader: LoaderFactory.eval_loader)."""
+        """Every sample's output in dataset order (LoaderFactory.eval_loader); every rank."""
         return self.evaluator.predict(loader, use_ema, self.predict_step)
 
 
