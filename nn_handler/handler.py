@@ -313,7 +313,8 @@ class NNHandler:
             )
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
-            handler.trainer.checkpointing.load(opened.contents, str(path), True, opened.folder)
+            checkpointing = handler.trainer.checkpointing
+            checkpointing.load(opened.contents, str(path), True, opened.folder, for_inference=True)
         except BaseException:
             handler.close()
             raise

@@ -100,6 +100,7 @@ class TrainerCheckpoints:
         self._first_fit = True
         self._fingerprint = fingerprint
         self._tracked: dict[str, Stateful] = {}
+        self._world_note: str | None = None  # a world-size change said at the next fit
         #: This run's id (checkpoint/run_identity.py): adopted from the checkpoint it resumes,
         #: new when it starts afresh.
         self.run_id: str | None = None
@@ -190,32 +191,37 @@ class TrainerCheckpoints:
         *,
         verified: bool = False,
         automatic: bool = False,
+        for_inference: bool = False,
     ) -> None:
         """Give every part its state from ``checkpoint`` (a sharded checkpoint's unsharded
         parts, with its ``folder``, whose files are checked against their checksums first
         unless ``verified``); the next fit continues where it was written, as the same run.
         A checkpoint of a run configured otherwise (checkpoint/run_identity.py) is refused
         when chosen ``automatic``-ally (resume 'latest', 'auto', 'on_restart'; not with
-        'force'), and loaded with a warning otherwise. Every rank must call this with the
-        same checkpoint."""
+        'force'), and loaded with a warning otherwise. ``for_inference`` (NNHandler.load):
+        a change of world size is said at the next fit, where the data's order matters, not
+        now. Every rank must call this with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
         saved_run = self._check_run(ckpt, source, automatic)
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
+        self._world_note = None
         if saved_world != world:
             check_world_change(source, saved_world, world, allow_world_size_change)
-            self.log.warning(
-                "resuming {} (written by {} ranks) with {} ranks: the data is re-sharded, so "
-                "the order differs from an uninterrupted run from here on{}",
-                source,
-                saved_world,
-                world,
-                " (the rest of the interrupted epoch visits each of its remaining samples once)"
-                if batches_done
-                else "",
+            self._world_note = (
+                f"resuming {source} (written by {saved_world} ranks) with {world} ranks: the "
+                f"data is re-sharded, so the order differs from an uninterrupted run from here on"
+                + (
+                    " (the rest of the interrupted epoch visits each of its remaining samples once)"
+                    if batches_done
+                    else ""
+                )
             )
+            if not for_inference:
+                self.log.warning(self._world_note)
+                self._world_note = None
         shared = {k: v for k, v in ckpt.items() if k not in META}
         ranks = [rank_parts(r) for r in ckpt["ranks"]]
         sharded = [str(name) for name in ckpt.get(SHARDED) or []]
@@ -328,6 +334,9 @@ class TrainerCheckpoints:
             self.position.state.should_stop = False
         else:
             check_data(point, train_loader, self.comm.rank)
+            if self._world_note is not None:
+                self.log.warning(self._world_note)
+        self._world_note = None
 
     def resume(
         self, path: str | Path, allow_world_size_change: bool | None, missing_ok: bool

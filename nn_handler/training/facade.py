@@ -117,7 +117,10 @@ class TrainerFacade:
             "strategy": self.strategy.name,
             "ema": self.ema is not None,
         }
-        return hyperparameters_of(self.checkpointing.run_config, resolved, self.optimizer)
+        params = hyperparameters_of(self.checkpointing.run_config, resolved, self.optimizer)
+        if self.state.epochs:  # the epochs this fit trains to (train(..., epochs=3)), once set
+            params["trainer.epochs"] = self.state.epochs
+        return params
 
     def estimated_stepping_batches(self, loader: Iterable[Any], epochs: int | None = None) -> int:
         """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it

@@ -177,13 +177,14 @@ class Trainer(TrainerFacade):
 
     def validation_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         """Per-batch means to average over the validation set (weighted by batch size): the
-        loss and ``update_metrics(outputs, targets)``. An override that wants ``metrics=``
-        must call ``update_metrics`` too (or the evaluation says so)."""
+        loss (without a loss_fn, none) and ``update_metrics(outputs, targets)``. An override
+        that wants ``metrics=`` must call ``update_metrics`` too (or the evaluation says so)."""
         inputs, targets = self.split_batch(batch)
         outputs = self.forward(inputs)
-        values: dict[str, torch.Tensor | float] = {"loss": self.compute_loss(outputs, targets)}
-        values.update(self.update_metrics(outputs, targets))
-        return values
+        values: dict[str, torch.Tensor | float] = {}
+        if self.loss_fn is not None or type(self).compute_loss is not Trainer.compute_loss:
+            values["loss"] = self.compute_loss(outputs, targets)  # no loss_fn: metrics alone
+        return {**values, **self.update_metrics(outputs, targets)}
 
     def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
         """Feed a batch to ``metrics=``; returns the values to merge into validation_step's."""

@@ -24,6 +24,7 @@ from tests.resume_helpers import EPOCHS, SigtermAt, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
 
 DATA = regression_data()
+_QUIET = {"trainer": {"progress_bar": False}}
 VAL = regression_data(n=16, seed=1)
 
 
@@ -287,3 +288,33 @@ def test_extra_training_values_resume_exactly_mid_epoch(tmp_path: Path) -> None:
         resumed = h.train(DATA, epochs=2).records
     for key in ("train_loss", "train_doubled", "train_size"):
         assert [r[key] for r in resumed] == [r[key] for r in full], key
+
+
+def test_loading_another_world_sizes_checkpoint_for_inference_says_nothing_until_train(
+    tmp_path: Path,
+) -> None:
+    """NNHandler.load of a 2-rank checkpoint in one process: no re-sharding warning for an
+    inference; the next train(), where the data order matters, says it once."""
+    from loguru import logger
+
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=_QUIET) as h:
+        h.train(DATA, epochs=1)
+        one_rank = h.save(tmp_path / "one.pt")
+    checkpoint = load_file(one_rank)
+    checkpoint["world_size"] = 2
+    checkpoint["ranks"] = [checkpoint["ranks"][0], checkpoint["ranks"][0]]
+    two_ranks = tmp_path / "two.pt"
+    atomic_save(checkpoint, two_ranks)
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(seen.append, level="WARNING", format="{message}")
+    try:
+        loaded = NNHandler.load(two_ranks, mlp(), sgd, nn.CrossEntropyLoss(), config=_QUIET)
+        with loaded:
+            loaded.evaluate(DATA)
+            assert not [m for m in seen if "re-sharded" in m], seen
+            loaded.train(DATA, epochs=2)
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    assert len([m for m in seen if "written by 2 ranks" in m and "re-sharded" in m]) == 1, seen

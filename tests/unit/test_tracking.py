@@ -115,6 +115,14 @@ def test_the_protocol_hyperparams_once_steps_epochs_a_figure_then_finish(tmp_pat
     assert "samples_per_sec" in epochs[0][1] and "data_wait_pct" in epochs[0][1]
 
 
+def test_the_hyperparameters_are_the_values_the_run_used(tmp_path: Path) -> None:
+    """train(..., epochs=3) with the config's default epochs (1): the trackers log 3."""
+    recording = Recording()
+    _train(tmp_path, hooks=(recording,), epochs=3)
+    params = recording.calls[0][1]
+    assert params["trainer.epochs"] == 3
+
+
 def test_a_failed_run_finishes_failed_without_curves(tmp_path: Path) -> None:
     class Boom(nn.Module):
         calls = 0

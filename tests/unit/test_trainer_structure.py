@@ -259,3 +259,13 @@ def test_docs_list_exactly_the_trainers_own_attributes() -> None:
     for row in table.splitlines()[2:]:
         documented |= {name.strip("` ") for name in row.split("|")[1].split(",")}
     assert documented == set(TrainerFacade.__annotations__)
+
+
+def test_metrics_without_a_loss_evaluate() -> None:
+    """Inference after training: evaluate() with metrics and no loss_fn gives the metrics."""
+    from nn_handler import accuracy
+
+    config = {"loader": {"batch_size": 4}, "trainer": {"progress_bar": False}}
+    with NNHandler(mlp(), config=config, metrics={"accuracy": accuracy}) as handler:
+        results = handler.evaluate(regression_data(n=12))
+    assert set(results) == {"accuracy"} and 0.0 <= results["accuracy"] <= 1.0
