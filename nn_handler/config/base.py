@@ -17,6 +17,7 @@ _VALIDATING: ContextVar[bool] = ContextVar("nn_handler_config_validating", defau
 
 
 M = TypeVar("M", bound=BaseModel)
+C = TypeVar("C", bound="ConfigModel")
 
 
 class ConfigModel(BaseModel):
@@ -38,6 +39,20 @@ class ConfigModel(BaseModel):
             raise ConfigError(
                 describe_validation_error(error, type(self).__name__, type(self))
             ) from None
+        finally:
+            _VALIDATING.reset(token)
+
+    @classmethod
+    def model_validate(cls: type[C], obj: Any, **options: Any) -> C:
+        """pydantic's ``model_validate``, with its errors as the constructor's ConfigError
+        (``HandlerConfig.model_validate({...})`` is a common way to build one)."""
+        token = _VALIDATING.set(True)
+        try:
+            return super().model_validate(obj, **options)
+        except ValidationError as error:
+            if token.old_value is True:
+                raise
+            raise ConfigError(describe_validation_error(error, cls.__name__, cls)) from None
         finally:
             _VALIDATING.reset(token)
 

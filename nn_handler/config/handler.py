@@ -76,6 +76,8 @@ class HandlerConfig(ConfigModel):
     @field_validator("precision", mode="before")
     @classmethod
     def _precision_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # Lightning's precision=16 / 32: the error lists ours
         return {"precision": value} if isinstance(value, str) else value
 
     @classmethod

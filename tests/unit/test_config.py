@@ -133,3 +133,16 @@ def test_every_bad_field_of_nested_sections_is_listed_once() -> None:
         "loader.batch_size",
         "trainer.early_stopping.patience",
     ]
+
+
+def test_model_validate_gives_the_constructors_config_error() -> None:
+    """pydantic's own entry point says what the constructor says, not a raw ValidationError."""
+    with pytest.raises(ConfigError, match=r"trainer\.epochz: .*did you mean 'epochs'"):
+        HandlerConfig.model_validate({"trainer": {"epochz": 3}})
+    assert HandlerConfig.model_validate({"trainer": {"epochs": 3}}).trainer.epochs == 3
+
+
+def test_lightnings_numeric_precision_lists_the_valid_names() -> None:
+    with pytest.raises(ConfigError, match=r"'32', 'bf16', 'fp16' or 'amp' \(got '16'\)"):
+        HandlerConfig.from_dict({"precision": 16})
+    assert HandlerConfig.from_dict({"precision": 32}).precision.precision == "32"
