@@ -204,6 +204,18 @@ def check_reduce_dict_propagates_nan_like_the_originals(comm: Communicator) -> N
     assert math.isnan(tensor["t"][1].item())
 
 
+def check_reduce_dict_keeps_integers_in_a_sum(comm: Communicator) -> None:
+    """detectron2's reduce_dict stacks the tensors: summed integer counts stay integers (a
+    mean is floating)."""
+    w = comm.world_size
+    total = comm.reduce_dict({"n": torch.tensor(3), "k": torch.tensor([1, 2])}, average=False)
+    assert total["n"].dtype == torch.int64 and int(total["n"]) == 3 * w, total
+    assert total["k"].dtype == torch.int64 and total["k"].tolist() == [w, 2 * w], total
+    assert comm.reduce_dict({"c": 2}, average=False) == {"c": 2 * w}
+    mean = comm.reduce_dict({"n": torch.tensor(3)})
+    assert mean["n"].is_floating_point() and float(mean["n"]) == 3.0, mean
+
+
 def check_reduce_dict_keys_must_agree(comm: Communicator) -> None:
     r, w = comm.rank, comm.world_size
     # The same keys in another order are the same dict.
@@ -286,6 +298,7 @@ CHECKS: list[Callable[[Communicator], None]] = [
     check_object_collectives,
     check_objects_carry_tensors_and_arrays,
     check_reduce_dict_propagates_nan_like_the_originals,
+    check_reduce_dict_keeps_integers_in_a_sum,
     check_reduce_dict_keys_must_agree,
     check_reduce_dict_nan_rule,
     check_seed_barrier_and_agreement,

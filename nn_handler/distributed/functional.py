@@ -182,13 +182,17 @@ def reduce_dict(
     input_dict: Mapping[str, Any], average: bool = True, *, ignore_nan: bool = False
 ) -> dict[str, Any]:
     """Sum or average a dict of numbers/tensors over all ranks; every rank gets the result
-    (detectron2's gives it to rank 0 only), keys sorted.
+    (detectron2's gives it to rank 0 only), keys sorted. In one process, as detectron2's, the
+    input itself comes back unchanged.
 
     As the originals, a NaN or inf on any rank propagates; ``ignore_nan=True`` leaves NaN
     ranks out of each key's mean instead (see ``Communicator.reduce_dict``). Every rank must
     call this with the same keys: different keys raise CollectiveMismatchError on every rank.
     """
-    return communicator().reduce_dict(input_dict, average=average, ignore_nan=ignore_nan)
+    comm = communicator()
+    if comm.world_size < 2:
+        return input_dict  # type: ignore[return-value]
+    return comm.reduce_dict(input_dict, average=average, ignore_nan=ignore_nan)
 
 
 def shared_random_seed() -> int:

@@ -23,6 +23,9 @@ def test_seed_000_names_give_the_single_process_answers(capsys: pytest.CaptureFi
     assert nd.all_gather(data, safe_clone=False)[0] is data
     assert nd.gather(data) == [data]
     assert nd.reduce_dict({"loss": torch.tensor(2.0)}) == {"loss": torch.tensor(2.0)}
+    # As detectron2's: in one process the very dict comes back (unsorted, its ints intact).
+    counts = {"b": torch.tensor(3), "a": 1}
+    assert nd.reduce_dict(counts) is counts and list(counts) == ["b", "a"]
     assert 0 <= nd.shared_random_seed() < 2**31
     nd.print_gpu_memory_usage(0)
     nd.print_gpu_memory_stats(0)

@@ -289,7 +289,8 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         and element, ranks whose value is NaN contribute a zero sum and a zero count; the result
         is the sum of the others (``average=False``) or that sum divided by how many ranks were
         not NaN. When every rank is NaN the result is NaN. Infinities are ordinary values.
-        Tensors come back as tensors on their device, numbers as floats.
+        Tensors come back as tensors on their device, numbers as numbers; integers stay
+        integers in a sum (``average=False``, as detectron2's), a mean is floating.
         """
         if not isinstance(input_dict, Mapping):
             raise ConfigError(
@@ -301,11 +302,12 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         what = f"reduce_dict(average={average}, ignore_nan={ignore_nan})"
         leaves, spec = self._prepare(ordered, what)
         self._agree_on_structure(f"{what} {_tree.describe(spec)}")
-        if not ignore_nan:
-            totals = self._reduce_leaves(
-                [leaf if leaf.is_floating_point() else leaf.to(torch.float64) for leaf in leaves],
-                "sum",
-            )
+        if not ignore_nan:  # integers stay integers in a sum, as detectron2's
+            sent = [
+                leaf if leaf.is_floating_point() or not average else leaf.to(torch.float64)
+                for leaf in leaves
+            ]
+            totals = self._reduce_leaves(sent, "sum")
             plain: dict[str, Any] = _tree.unflatten(
                 spec, iter(self._mean(t) if average else t for t in totals)
             )

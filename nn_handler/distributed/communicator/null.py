@@ -89,7 +89,7 @@ class NullCommunicator(Communicator):
     ) -> dict[str, Any]:
         if isinstance(input_dict, Mapping):
             ordered = dict(sorted(input_dict.items(), key=lambda item: str(item[0])))
-            single = _reduce_dict_one_process(ordered)
+            single = _reduce_dict_one_process(ordered, average)
             if single is not None:
                 return single
         return super().reduce_dict(input_dict, average, ignore_nan=ignore_nan)
@@ -121,15 +121,17 @@ class NullCommunicator(Communicator):
         return [tensor]
 
 
-def _reduce_dict_one_process(input_dict: Mapping[str, Any]) -> dict[str, Any] | None:
-    """reduce_dict's result in a group of one (NaN stays NaN), or None for nested input."""
+def _reduce_dict_one_process(input_dict: Mapping[str, Any], average: bool) -> dict[str, Any] | None:
+    """reduce_dict's result in a group of one (NaN stays NaN; integers stay integers in a
+    sum), or None for nested input."""
     result: dict[str, Any] = {}
     for key, value in input_dict.items():
         if isinstance(value, torch.Tensor):
-            floating = value.is_floating_point()
-            result[key] = value.detach().to(value.dtype if floating else torch.float64, copy=True)
+            keep = value.is_floating_point() or not average
+            dtype = _wire.reduce_transport(value.dtype) if keep else torch.float64
+            result[key] = value.detach().to(dtype, copy=True)
         elif isinstance(value, int | float) and not isinstance(value, bool):
-            result[key] = float(value)
+            result[key] = value if isinstance(value, int) and not average else float(value)
         else:
             return None
     return result
