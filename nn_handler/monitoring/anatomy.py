@@ -21,7 +21,7 @@ PARTS = ("data", "compute", "comm", "checkpoint")
 ADVICE = {
     "data": (
         "waiting for batches",
-        "raise num_workers, pin_memory, or use rank-cached loading (loader mode rank_cached)",
+        "raise num_workers{pin_memory}, or use rank-cached loading (loader mode rank_cached)",
     ),
     "checkpoint": (
         "writing checkpoints",
@@ -60,12 +60,17 @@ class StepTimes:
         return {part: min(max(getattr(self, part) / self.wall, 0.0), 1.0) for part in PARTS}
 
 
-def verdict(shares_by_rank: Sequence[Mapping[str, float]]) -> str | None:
+def advice(part: str, cuda: bool) -> str:
+    """What to do about ``part``; pinned memory is advised only where it helps (CUDA)."""
+    return ADVICE[part][1].format(pin_memory=", pin_memory" if cuda else "")
+
+
+def verdict(shares_by_rank: Sequence[Mapping[str, float]], cuda: bool = False) -> str | None:
     """One line when a part other than compute takes at least ``DOMINANT`` of the step on
     some rank: the first such part in ``ADVICE``'s order, on the rank where its share is
     largest (named when there are several ranks); None when compute dominates or nothing
-    does."""
-    for part, (what, fix) in ADVICE.items():
+    does. ``cuda``: the run trains on CUDA devices."""
+    for part, (what, _fix) in ADVICE.items():
         share, rank = max(
             ((shares.get(part, 0.0), -rank) for rank, shares in enumerate(shares_by_rank)),
             default=(0.0, 0),
@@ -73,8 +78,8 @@ def verdict(shares_by_rank: Sequence[Mapping[str, float]]) -> str | None:
         if share >= DOMINANT:
             where = f" on rank {-rank}" if len(shares_by_rank) > 1 else ""
             bound = "communication" if part == "comm" else part
-            return f"{bound}-bound: {share:.0%} of the step {what}{where}; {fix}"
+            return f"{bound}-bound: {share:.0%} of the step {what}{where}; {advice(part, cuda)}"
     return None
 
 
-__all__ = ["ADVICE", "DOMINANT", "PARTS", "StepTimes", "verdict"]
+__all__ = ["ADVICE", "DOMINANT", "PARTS", "StepTimes", "advice", "verdict"]

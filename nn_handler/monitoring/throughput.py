@@ -175,7 +175,8 @@ class ThroughputMonitor(Hook):
             times.compute = max(gpu - times.comm, 0.0)
         record = self._record(trainer)
         ranks = self._gather(trainer)
-        self.last_verdict = verdict([rank.shares() for rank, _samples, _tokens in ranks])
+        shares = [rank.shares() for rank, _samples, _tokens in ranks]
+        self.last_verdict = verdict(shares, cuda=trainer.device.type == "cuda")
         if self.count_tokens is not None:  # every rank's tokens over the slowest rank's time
             wall = max(rank.wall for rank, _samples, _tokens in ranks)
             tokens = sum(tokens for _rank, _samples, tokens in ranks)

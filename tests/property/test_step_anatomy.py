@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nn_handler.monitoring import DOMINANT, StepTimes, verdict
-from nn_handler.monitoring.anatomy import ADVICE, PARTS
+from nn_handler.monitoring.anatomy import ADVICE, PARTS, advice
 
 seconds = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
 times = st.builds(
@@ -36,11 +36,11 @@ def test_shares_are_fractions_of_the_wall_time(step_times: StepTimes) -> None:
     assert StepTimes.from_list(step_times.as_list()) == step_times
 
 
-@given(st.lists(rank_shares, min_size=1, max_size=8))
+@given(st.lists(rank_shares, min_size=1, max_size=8), st.booleans())
 def test_the_verdict_names_the_first_dominant_cause_on_its_worst_rank(
-    ranks: list[dict[str, float]],
+    ranks: list[dict[str, float]], cuda: bool
 ) -> None:
-    line = verdict(ranks)
+    line = verdict(ranks, cuda)
     dominant = [part for part in ADVICE if any(r[part] >= DOMINANT for r in ranks)]
     if not dominant:  # compute (or nothing) dominates: nothing to say
         assert line is None
@@ -51,7 +51,8 @@ def test_the_verdict_names_the_first_dominant_cause_on_its_worst_rank(
     assert line is not None
     bound = "communication" if part == "comm" else part
     assert line.startswith(f"{bound}-bound: {worst:.0%} of the step {ADVICE[part][0]}")
-    assert line.endswith(ADVICE[part][1])
+    assert line.endswith(advice(part, cuda))
+    assert ("pin_memory" in line) == (cuda and part == "data")  # pinning helps CUDA only
     assert (f" on rank {rank};" in line) == (len(ranks) > 1)
 
 
@@ -61,7 +62,11 @@ def test_a_straggler_waiting_for_data_is_named_before_the_ranks_waiting_for_it()
         {"data": 0.01, "compute": 0.09, "comm": 0.9, "checkpoint": 0.0},
         {"data": 0.8, "compute": 0.1, "comm": 0.05, "checkpoint": 0.0},
     ]
-    assert verdict(ranks) == (
+    assert verdict(ranks, cuda=True) == (
         "data-bound: 80% of the step waiting for batches on rank 1; raise num_workers, "
         "pin_memory, or use rank-cached loading (loader mode rank_cached)"
+    )
+    assert verdict(ranks) == (
+        "data-bound: 80% of the step waiting for batches on rank 1; raise num_workers, or "
+        "use rank-cached loading (loader mode rank_cached)"
     )
