@@ -23,6 +23,7 @@ from nn_handler.distributed import (
     DistributedInfo,
     NullCommunicator,
     TorchCommunicator,
+    initialize_ddp,
     launch,
     launch_distributed_training,
     main_process_first,
@@ -66,12 +67,15 @@ from nn_handler.training import (
     Trainer,
     accuracy,
 )
+from nn_handler.training.seeding import seed_everything
 
 logger.disable("nn_handler")
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "initialize_ddp",
+    "seed_everything",
     "CSVLogger",
     "CheckpointConfig",
     "CheckpointError",

@@ -81,14 +81,14 @@ def initialize_ddp(
 
     Returns None when a process group was already initialised, else
     ``(distributed, rank, local_rank, world_size, device)``; without a multi-process launcher
-    that is ``(False, 0, 0, 1, device)``. ``timeout`` defaults to 60 minutes. Backend: nccl on
-    CUDA, gloo otherwise. Every rank must call this.
+    that is ``(False, 0, -1, 1, device)``, local rank -1 as the original's. ``timeout``
+    defaults to 60 minutes. Backend: nccl on CUDA, gloo otherwise. Every rank must call this.
     """
     if is_dist_active():
         return None
     info = parse_distributed_env(os.environ)
     if not should_use_distributed(None):
-        return False, 0, 0, 1, resolve_device("auto", 0)
+        return False, 0, -1, 1, resolve_device("auto", 0)
     config = DistributedConfig(timeout=timeout or timedelta(minutes=60))
     context = DistributedContext(config, info=info).setup()
     return True, info.rank, info.local_rank, info.world_size, context.device

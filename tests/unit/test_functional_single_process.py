@@ -93,7 +93,11 @@ def test_init_dist_in_one_process_makes_a_group_of_one() -> None:
 
 def test_seed_002_initialize_ddp_and_should_use_distributed() -> None:
     expected_device = nd.resolve_device("auto", 0)
-    assert ddp.initialize_ddp() == (False, 0, 0, 1, expected_device)
+    # rouzib/NNHandler's one-process answer: local rank -1 (no launcher gave one).
+    assert ddp.initialize_ddp() == (False, 0, -1, 1, expected_device)
+    from nn_handler import initialize_ddp  # exported at the top level, as the original
+
+    assert initialize_ddp is ddp.initialize_ddp
     assert not ddp._should_use_distributed(False)
     assert not ddp._should_use_distributed(None)
     with pytest.warns(RuntimeWarning, match="not started by a multi-process launcher"):

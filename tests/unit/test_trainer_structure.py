@@ -269,3 +269,19 @@ def test_metrics_without_a_loss_evaluate() -> None:
     with NNHandler(mlp(), config=config, metrics={"accuracy": accuracy}) as handler:
         results = handler.evaluate(regression_data(n=12))
     assert set(results) == {"accuracy"} and 0.0 <= results["accuracy"] <= 1.0
+
+
+def test_seed_everything_repeats_the_initial_weights_and_draws() -> None:
+    import random
+
+    import numpy as np
+
+    from nn_handler import seed_everything
+
+    draws = []
+    for _ in range(2):
+        assert seed_everything(7) == 7
+        draws.append((random.random(), float(np.random.rand()), nn.Linear(3, 2).weight.sum()))
+    assert draws[0] == draws[1]
+    with pytest.raises(ConfigError, match="seed_everything needs an int"):
+        seed_everything(-1)
