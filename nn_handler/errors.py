@@ -152,8 +152,9 @@ class CollectiveStallError(DistributedError):
 
 class LocalGroupSizeError(ConfigError, AssertionError):
     """``create_local_process_group``: the world size is not a multiple of
-    num_workers_per_machine. Also an AssertionError, which detectron2's ``comm`` (seed 000)
-    raised for it, so callers catching that keep working."""
+    num_workers_per_machine, or a local group of another size exists. Also an AssertionError,
+    which detectron2's ``comm`` (seed 000) raised for both, so callers catching that keep
+    working."""
 
 
 class NoLocalGroupError(DistributedError, AssertionError):

@@ -87,7 +87,7 @@ def create_local_process_group(num_workers_per_machine: int) -> dist.ProcessGrou
     if existing is not None:
         if existing.size == n:
             return existing.group
-        raise ConfigError(
+        raise LocalGroupSizeError(  # an AssertionError too, as detectron2's
             f"a local process group of size {existing.size} already exists; call "
             f"destroy_local_process_group() on every rank before creating one of size {n}."
         )

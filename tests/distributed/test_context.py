@@ -94,6 +94,8 @@ def _local_groups_of_four(rank: int, world_size: int) -> dict[str, Any]:
     }
     with pytest.raises(ConfigError, match="already exists"):
         create_local_process_group(4)
+    with pytest.raises(AssertionError, match="already exists"):  # detectron2's assert
+        create_local_process_group(4)
     destroy_local_process_group()
     with pytest.raises(DistributedError, match="call create_local_process_group"):
         get_local_process_group()
