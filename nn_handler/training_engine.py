@@ -51,7 +51,9 @@ class TrainingEngine:
     ``setup_distributed`` first, or run under ``launch_distributed_training`` / torchrun);
     the model is wrapped in DDP with synchronised BatchNorm. ``use_amp`` is fp16 with a
     GradScaler on CUDA and bf16 elsewhere; ``use_ema`` keeps an EMA of the weights (validation
-    uses it). Checkpoints go to ``checkpoint_dir/experiment_name``.
+    uses it), warmed up (``min(decay, (1 + n) / (10 + n))``) unless ``ema_warmup=False`` gives
+    the seed's plain ``decay`` from the first step. Checkpoints go to
+    ``checkpoint_dir/experiment_name``.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class TrainingEngine:
         use_ema: bool = False,
         ema_decay: float = 0.9999,
         experiment_name: str = "experiment",
+        ema_warmup: bool = True,
         checkpoint_dir: str | Path = "checkpoints",
         progress_bar: bool = True,
     ) -> None:
@@ -86,6 +89,7 @@ class TrainingEngine:
         self.use_amp = use_amp
         self.use_ema = use_ema
         self.ema_decay = ema_decay
+        self.ema_warmup = ema_warmup
         self.experiment_name = experiment_name
         self.checkpoint_dir = Path(checkpoint_dir) / experiment_name
         self.progress_bar = progress_bar
@@ -143,7 +147,7 @@ class TrainingEngine:
                 progress_bar=self.progress_bar,
             ),
             precision=PrecisionConfig(precision="amp" if self.use_amp else "32"),
-            ema=EmaConfig(enabled=self.use_ema, decay=self.ema_decay),
+            ema=EmaConfig(enabled=self.use_ema, decay=self.ema_decay, warmup=self.ema_warmup),
             communicator=self.comm,
             device=self.device,
             checkpoint=checkpoint,

@@ -115,3 +115,24 @@ def test_save_best_needs_a_validation_loader(tmp_path: Path) -> None:
             nn.CrossEntropyLoss(),
             save_best=True,
         )
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_ema_warm_up_follows_the_engines_argument(tmp_path: Path, warmup: bool) -> None:
+    """ema_warmup=False: the seed's plain EMA (decay from the first step); True: warmed up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    engine = TrainingEngine(
+        model, "cpu", use_ema=True, ema_decay=0.99, ema_warmup=warmup,
+        experiment_name="ema", checkpoint_dir=tmp_path, progress_bar=False,
+    )  # fmt: skip
+    engine.train(
+        DataLoader(regression_data(n=8), batch_size=8),
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        num_epochs=1,
+    )
+    assert engine.trainer is not None and engine.trainer.ema is not None
+    assert engine.trainer.ema.config.warmup is warmup
+    assert engine.trainer.ema.decay() == pytest.approx(0.99 if not warmup else 2 / 11)
