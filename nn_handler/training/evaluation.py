@@ -67,7 +67,7 @@ class Evaluator:
         self._activate = activate
         self._metric_updates = 0
         # The key sets of the last reductions, the same on every rank (one all_reduce each).
-        self._keys = MetricKeys()
+        self._keys = MetricKeys("validation metric")
         self._non_blocking = config.non_blocking and device.type == "cuda"
 
     def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:

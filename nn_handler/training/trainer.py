@@ -130,7 +130,7 @@ class Trainer(TrainerFacade):
         self._active: nn.Module = self.model
         self._agreed_lengths: tuple[int, list[int]] | None = None
         self._non_blocking = config.non_blocking and self.device.type == "cuda"
-        self._train_keys = MetricKeys()  # the last reduction's keys, the same on every rank
+        self._train_keys = MetricKeys("training value")  # the keys agreed last, every rank
         self._step_region = f"training step ({type(self.strategy).__name__}: forward, backward)"
         built = self.configure_optimizers(optimizer, scheduler)
         self.optimization.adopt(built, self.module, self.automatic_optimization)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
@@ -64,8 +65,11 @@ class MetricKeys:
     next one sends its values by position with no agreement round. Keep one per purpose
     (validation metrics, training extras) for the life of a run."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "metric") -> None:
         self.keys: tuple[str, ...] | None = None
+        self.what = what
+        #: Keys already reported as returned by some ranks only (each is said once).
+        self.partial: set[str] = set()
 
 
 class WeightedMeans:
@@ -232,7 +236,7 @@ class WeightedMeans:
             extra_totals = layout.extra(totals)
             if layout.head_values(totals)[0] == 0:  # nobody saw a key outside the agreed set
                 return self._means(known, totals, layout), extra_totals
-            agreed = self._gathered_union(comm, local)
+            agreed = self._gathered_union(comm, local, cache)
         else:  # the first reduction: agree by hashing the sorted keys (no object gather)
             vector, layout = WeightedMeans()._vector([], _hash_terms(local), extra, where)
             totals = _as_floats(comm.all_reduce_(vector))
@@ -242,7 +246,7 @@ class WeightedMeans:
                 comm.world_size * int(head[2 * i + 1]) == int(head[2 * i]) ** 2
                 for i in range(_HASH_CHUNKS)
             )
-            agreed = tuple(local) if same else self._gathered_union(comm, local)
+            agreed = tuple(local) if same else self._gathered_union(comm, local, cache)
         cache.keys = agreed
         if not agreed:
             return {}, extra_totals
@@ -296,11 +300,25 @@ class WeightedMeans:
         return means
 
     @staticmethod
-    def _gathered_union(comm: Communicator, local: list[str]) -> tuple[str, ...]:
-        union: set[str] = set()
-        for rank_keys in comm.all_gather_object(local):
-            union.update(rank_keys)
-        return tuple(sorted(union))
+    def _gathered_union(comm: Communicator, local: list[str], keys: MetricKeys) -> tuple[str, ...]:
+        """Every rank's keys, united; a key some ranks did not return is said once (its mean
+        is over those ranks' samples only)."""
+        per_rank = comm.all_gather_object(local)
+        union = sorted(set().union(*per_rank))
+        for key in union:
+            having = [rank for rank, rank_keys in enumerate(per_rank) if key in rank_keys]
+            if len(having) < len(per_rank) and key not in keys.partial:
+                keys.partial.add(key)
+                logger.bind(rank=comm.rank).warning(
+                    "{} {!r} came from rank(s) {} only (of {}): its value is the mean over "
+                    "those ranks' samples, not the whole set's (a value computed under `if "
+                    "rank == 0`, or a metric some shards cannot give?)",
+                    keys.what,
+                    key,
+                    having,
+                    len(per_rank),
+                )
+        return tuple(union)
 
 
 def _hash_terms(keys: Sequence[str]) -> list[float]:

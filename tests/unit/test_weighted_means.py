@@ -73,3 +73,36 @@ def test_scalars_of_any_one_element_shape_average_and_a_late_vector_is_refused()
     means.update({"a": torch.tensor(1.0)}, 1)
     with pytest.raises(ConfigError, match="must all be scalars"):
         means.update({"a": torch.tensor([1.0, 2.0])}, 1)  # the second update folds
+
+
+def test_a_key_from_some_ranks_only_is_said_once_naming_them() -> None:
+    """Three ranks (as threads): 'iou' from rank 1 only. Its mean is rank 1's, and one
+    warning names the key and the rank, once over two reductions."""
+    from loguru import logger
+
+    from nn_handler.distributed.communicator.threads import run_in_threads
+    from nn_handler.training.weighted_means import MetricKeys
+
+    def reduce_twice(comm: Any) -> list[dict[str, float]]:
+        keys = MetricKeys("validation metric")
+        results = []
+        for _ in range(2):
+            means = WeightedMeans()
+            values = {"loss": 1.0, **({"iou": 0.5} if comm.rank == 1 else {})}
+            means.update(values, 4)
+            results.append(means.reduce(comm, keys=keys)[0])
+        return results
+
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(
+        seen.append, level="WARNING", format="{message}", filter=lambda r: r["extra"]["rank"] == 0
+    )
+    try:
+        out = run_in_threads(reduce_twice, 3)
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    assert all(r == {"loss": 1.0, "iou": 0.5} for rank in out for r in rank)
+    said = [m for m in seen if "'iou' came from rank(s) [1] only (of 3)" in m]
+    assert len(said) == 1, seen
