@@ -85,10 +85,17 @@ class FSDP2Strategy(Strategy):
                 "cpu_offload off."
             )
         if not (dist.is_available() and dist.is_initialized()):
+            alone = self.comm.world_size == 1
             raise ConfigError(
                 f"strategy 'fsdp' shards the model over a process group, and there is none "
-                f"(the communicator reports world size {self.comm.world_size}). Launch with "
-                f"torchrun, SLURM or nn_handler.launch."
+                f"(the communicator reports world size {self.comm.world_size}). "
+                + (
+                    "One process makes no group by default, also under torchrun: set "
+                    "distributed: {enabled: true} (DistributedConfig(enabled=True)) for a "
+                    "group of one, or use strategy 'single'."
+                    if alone
+                    else "Launch with torchrun, SLURM or nn_handler.launch."
+                )
             )
         if dist.get_world_size() != self.comm.world_size:
             raise ConfigError(

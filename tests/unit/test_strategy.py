@@ -9,6 +9,7 @@ from torch import nn
 
 from nn_handler import ConfigError, NNHandler, NullCommunicator
 from nn_handler.strategies import DDPStrategy, SingleDeviceStrategy
+from tests.harness import free_port
 from tests.training_helpers import mlp, regression_data, sgd
 
 
@@ -101,3 +102,22 @@ def test_importing_nn_handler_leaves_fsdp_and_dcp_unimported() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["[]", "True"], done.stdout + done.stderr
+
+
+def test_fsdp_in_one_process_names_the_setting_that_makes_a_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun --nproc-per-node=1: one rank, no group by default; the error says which
+    setting makes one (and distributed: {enabled: true} does)."""
+    for name, value in {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "t",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"set distributed: \{enabled: true\}"):
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": {"strategy": "fsdp"}})
+    config = {"trainer": {"strategy": "fsdp"}, "distributed": {"enabled": True}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        assert handler.trainer.strategy.name == "fsdp"
+        history = handler.train(regression_data(n=16), epochs=1)
+        assert len(history) == 1
