@@ -82,6 +82,12 @@ class RankFailedError(WorkerFailedError):
         return self.failed
 
 
+class LauncherGoneError(DistributedError):
+    """This worker's launcher (torchrun's agent) is gone: the worker stops at its next step,
+    writes nothing more and exits non-zero, instead of training on as an orphan beside a
+    relaunched job. Each worker finds it by itself (no agreement is needed)."""
+
+
 class WorkerTimeoutError(DistributedError):
     """Worker processes were still running at a deadline and were killed.
 
@@ -232,6 +238,7 @@ __all__ = [
     "CollectiveStallError",
     "ConfigError",
     "DistributedError",
+    "LauncherGoneError",
     "INTERRUPTED_EXIT_CODE",
     "LocalGroupSizeError",
     "NNHandlerError",

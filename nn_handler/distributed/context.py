@@ -200,7 +200,11 @@ class DistributedContext:
         if stall is None or self._info.world_size < 2:
             return
         if WATCHDOGS.watchdog() is None:
-            self._owns_watchdog = WATCHDOGS.start(self._info.rank, self._info.world_size, stall)
+            # Under torchrun the agent is this worker's parent: when it is gone, the worker is
+            # an orphan and stops (LauncherGoneError) instead of training on.
+            agent = os.getppid() if self._info.launcher == "torchrun" else None
+            info = self._info
+            self._owns_watchdog = WATCHDOGS.start(info.rank, info.world_size, stall, agent)
 
     def _init_process_group(self) -> None:
         if not dist.is_available():

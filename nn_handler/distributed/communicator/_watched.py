@@ -13,6 +13,7 @@ from nn_handler.errors import (
     CollectiveMismatchError,
     CollectiveStallError,
     ConfigError,
+    LauncherGoneError,
     RankFailedError,
 )
 
@@ -48,6 +49,8 @@ def collective(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C
                     raise
                 raise vanished from error
             watch.incident_raised = True
+            if isinstance(incident, LauncherGoneError):  # the peer left for the same reason
+                raise incident from None
             raise incident from error
         finally:
             watch.leave()

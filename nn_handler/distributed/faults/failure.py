@@ -37,6 +37,7 @@ from nn_handler.distributed.faults.liveness import (
 from nn_handler.distributed.faults.watchdog import WATCHDOGS
 from nn_handler.errors import (
     CheckpointError,
+    LauncherGoneError,
     NonFiniteError,
     RankFailedError,
     TrainingPreempted,
@@ -147,8 +148,15 @@ def _abort(release: Callable[[], None]) -> None:
         _try(dist.destroy_process_group)
 
 
-#: Errors every rank raises together (after agreeing), so the group needs no abort.
-AGREED_ERRORS = (RankFailedError, NonFiniteError, CheckpointError, UnevenDataError)
+#: Errors every rank raises together (after agreeing, or each finding it by itself: a
+#: launcher gone), so the group needs no abort.
+AGREED_ERRORS = (
+    RankFailedError,
+    NonFiniteError,
+    CheckpointError,
+    UnevenDataError,
+    LauncherGoneError,
+)
 
 
 @contextlib.contextmanager

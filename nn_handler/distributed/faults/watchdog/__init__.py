@@ -51,8 +51,15 @@ class WatchdogRegistry:
             self.stop()
         return self._watchdog
 
-    def start(self, rank: int, world_size: int, stall_timeout: timedelta) -> bool:
-        """Start watching the default group (idempotent); False when it has no store."""
+    def start(
+        self,
+        rank: int,
+        world_size: int,
+        stall_timeout: timedelta,
+        launcher_pid: int | None = None,
+    ) -> bool:
+        """Start watching the default group (idempotent); False when it has no store.
+        ``launcher_pid``: the launcher that must outlive this worker (torchrun's agent)."""
         if self.watchdog() is not None or world_size < 2:
             return self._watchdog is not None
         store = default_store()
@@ -62,7 +69,9 @@ class WatchdogRegistry:
         timing = WatchdogTiming.for_timeout(stall_timeout.total_seconds())
         generation = store.add(f"{PREFIX}/started/{rank}", 1)
         prefix = f"{PREFIX}/{generation}"
-        self._watchdog = StallWatchdog(CollectiveLedger(rank), store, world_size, timing, prefix)
+        self._watchdog = StallWatchdog(
+            CollectiveLedger(rank), store, world_size, timing, prefix, launcher_pid=launcher_pid
+        )
         group = _default_group()
         self._group = None if group is None else weakref.ref(group)
         self._watchdog.start()

@@ -38,7 +38,7 @@ from nn_handler.distributed.faults.watchdog.records import (
     neighbour,
     user_location,
 )
-from nn_handler.errors import CollectiveMismatchError, CollectiveStallError
+from nn_handler.errors import CollectiveMismatchError, CollectiveStallError, LauncherGoneError
 
 PREFIX = "nn_handler/watch"
 #: Exit status of a rank that is still blocked inside a collective after the report (no
@@ -80,6 +80,7 @@ class StallWatchdog:
         timing: WatchdogTiming,
         prefix: str = PREFIX,
         interrupt: MainThreadInterrupt | None = None,
+        launcher_pid: int | None = None,
     ) -> None:
         self.ledger = ledger
         self.timing = timing
@@ -98,6 +99,9 @@ class StallWatchdog:
         self._text = ""
         self._cleared: tuple[int, float] | None = None  # (collective, seconds) seen fine
         self._said_slow = False
+        #: The launcher that started this worker (torchrun's agent, its parent process): when
+        #: it is gone, the worker is an orphan and stops (``LauncherGoneError``).
+        self.launcher_pid = launcher_pid
 
     def start(self) -> None:
         self._interrupt.install()
@@ -115,8 +119,10 @@ class StallWatchdog:
         calls it at teardown, on the thread that issued the collectives."""
         self.stop()
         self._delivered = True  # raised by the caller, never as an interrupt in teardown
+        orphaned = isinstance(self.ledger.incident, LauncherGoneError)
         try:
-            last_look(self)
+            if not orphaned:  # an orphan's store went with its launcher: nothing to compare
+                last_look(self)
         except Exception as error:  # the store went away: nothing more can be compared
             logger.debug("stall watchdog on rank {} at teardown: {}", self._rank, error)
         ledger = self.ledger
@@ -140,6 +146,9 @@ class StallWatchdog:
     def _run(self) -> None:
         failures = 0
         while not self._stop.wait(self.timing.interval):
+            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+                self._orphaned()
+                return
             try:
                 if self._acted_at is not None:
                     if self._after_report():
@@ -152,6 +161,20 @@ class StallWatchdog:
                 logger.debug("stall watchdog on rank {}: {}", self._rank, error)
                 if failures >= 5:
                     return
+
+    def _orphaned(self) -> None:
+        """The launcher is gone (this worker was re-parented): the next collective or training
+        step raises LauncherGoneError, so nothing more is trained or written."""
+        if self.ledger.incident is not None:
+            return
+        self.ledger.incident = LauncherGoneError(
+            f"rank {self._rank}: the launcher that started this worker (torchrun's agent, pid "
+            f"{self.launcher_pid}) is gone, killed with its job; this worker stops here "
+            f"without training or writing more, so a relaunched job has its folder to itself."
+        )
+        logger.bind(rank=self._rank).error(
+            "the launcher (pid {}) is gone: stopping at the next step", self.launcher_pid
+        )
 
     def _tick(self) -> None:
         state, patient = self.ledger.snapshot()
