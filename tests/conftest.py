@@ -9,8 +9,20 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.distributed.local_groups import LOCAL_GROUPS
+from tests.timeouts import SCALE, scaled
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's bound of every test (its marker's, else the ini's) scaled for this
+    machine's load (tests/timeouts.py): a hang still fails, slowness does not."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker is not None and marker.args else default
+        if seconds > 0 and SCALE > 1:
+            item.add_marker(pytest.mark.timeout(scaled(seconds)), append=False)
 
 
 @pytest.fixture(autouse=True)

@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import cloudpickle
 
+from tests.timeouts import scaled
+
 InitMode = Literal["harness", "env", "none"]
 EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 
@@ -154,6 +156,7 @@ def run_group(
     Raises :class:`GroupRunError` with every rank's traceback (and stacks for ranks that were
     still running) when a rank fails, dies, or the run passes ``timeout`` seconds.
     """
+    timeout = scaled(timeout)
     ctx = mp.get_context("spawn")
     payload = cloudpickle.dumps((fn, args))
     port = free_port()
@@ -260,6 +263,7 @@ def run_commands(
         )
         for command in commands
     ]
+    timeout = scaled(timeout)
     end = time.monotonic() + timeout
     outputs: list[str] = []
     try:

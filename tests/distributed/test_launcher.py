@@ -20,6 +20,7 @@ from nn_handler.distributed import communicator, get_dist_info, get_rank, get_wo
 from nn_handler.distributed.processes import run_in_processes
 from nn_handler.errors import ConfigError, DistributedError, RankFailedError, WorkerTimeoutError
 from tests.harness import run_command
+from tests.timeouts import scaled
 
 pytestmark = pytest.mark.distributed
 DEADLINE = 60.0  # every launch in this file bounds itself
@@ -68,7 +69,9 @@ def test_a_rank_that_raises_fails_the_launch_fast_with_its_traceback(failing: in
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         launch(_raise_on, 2, failing, deadline=DEADLINE)
-    assert time.monotonic() - start < 20, "the survivor must be terminated within seconds"
+    # Below the survivor's 30 s sleep whatever the machine's load: a terminated survivor.
+    bound = min(scaled(20), 28)
+    assert time.monotonic() - start < bound, "the survivor must be terminated within seconds"
     error = info.value
     assert error.failed_ranks == [failing]
     assert isinstance(error.__cause__, ValueError)
