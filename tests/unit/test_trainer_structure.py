@@ -285,3 +285,22 @@ def test_seed_everything_repeats_the_initial_weights_and_draws() -> None:
     assert draws[0] == draws[1]
     with pytest.raises(ConfigError, match="seed_everything needs an int"):
         seed_everything(-1)
+
+
+def test_an_evaluator_needs_a_strategy_that_has_set_up_the_model() -> None:
+    from nn_handler.config.training import PrecisionConfig, TrainerConfig
+    from nn_handler.distributed.communicator import NullCommunicator
+    from nn_handler.strategies import SingleDeviceStrategy
+    from nn_handler.training.evaluation import Evaluator
+    from nn_handler.training.hooks import HookList
+    from nn_handler.training.optimization import Optimization
+    from nn_handler.training.precision import Precision
+    from nn_handler.training.state import TrainerState
+
+    config, device = TrainerConfig(), torch.device("cpu")
+    strategy = SingleDeviceStrategy(NullCommunicator(), device, config)  # setup() not called
+    optimization = Optimization(
+        config, Precision(PrecisionConfig(), device), strategy, TrainerState(), None
+    )
+    with pytest.raises(ConfigError, match="needs a strategy whose setup"):
+        Evaluator(config, strategy, optimization, HookList([], None), None, lambda _m: None)
