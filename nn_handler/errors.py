@@ -8,6 +8,7 @@ Messages say what was expected, what was received, on which rank, and how to fix
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,31 +36,73 @@ class WorkerFailedError(DistributedError):
     Attributes:
         failed: for each failed worker (by index), its error's type, message and traceback.
         unit: what a worker index means ('rank' or 'device').
+        brief: whether the message names each failure in one line (its error and innermost
+            line) because the whole traceback is printed elsewhere (by the failed rank itself,
+            or as this error's cause); ``failed`` holds the whole texts either way.
     """
 
     def __init__(
-        self, what: str, messages: Mapping[int, str], unit: str = "worker", note: str = ""
+        self,
+        what: str,
+        messages: Mapping[int, str],
+        unit: str = "worker",
+        note: str = "",
+        brief: bool = False,
     ) -> None:
         self.what = what
         self.unit = unit
         self.note = note
+        self.brief = brief
         self.failed: dict[int, str] = dict(sorted(messages.items()))
-        details = "\n".join(
-            f"--- {unit} {index} ---\n{text.rstrip()}" for index, text in self.failed.items()
-        )
+        if brief:
+            details = "\n".join(
+                f"--- {unit} {index} --- {summarize_traceback(text)} (the traceback: "
+                f"{unit} {index}'s output, or .rank_messages)"
+                for index, text in self.failed.items()
+            )
+        else:
+            details = "\n".join(
+                f"--- {unit} {index} ---\n{text.rstrip()}" for index, text in self.failed.items()
+            )
         message = f"{what} failed on {unit}(s) {list(self.failed)}:\n{details}"
         super().__init__(message + (f"\n{note}" if note else ""))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_worker_error, (type(self), self.what, self.failed, self.unit, self.note))
+        return (
+            _rebuild_worker_error,
+            (type(self), self.what, self.failed, self.unit, self.note, self.brief),
+        )
 
 
 def _rebuild_worker_error(
-    cls: type[WorkerFailedError], what: str, failed: dict[int, str], unit: str, note: str
+    cls: type[WorkerFailedError],
+    what: str,
+    failed: dict[int, str],
+    unit: str,
+    note: str,
+    brief: bool = False,
 ) -> WorkerFailedError:
     error = cls.__new__(cls)
-    WorkerFailedError.__init__(error, what, failed, unit, note)
+    WorkerFailedError.__init__(error, what, failed, unit, note, brief)
     return error
+
+
+def summarize_traceback(text: str) -> str:
+    """A formatted traceback in one line: its (last) error and the innermost line it names,
+    e.g. ``KeyError: 'x' at train.py:11 in __getitem__``, after what precedes the traceback
+    (how a rank left). Text that is not a traceback (a rank killed by a signal) comes back as
+    it is, on one line."""
+    lines = text.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return " ".join(line.strip() for line in lines)
+    last = frames[-1]
+    error = [line for line in lines[last + 1 :] if line and not line.startswith("    ")]
+    frame = re.match(r'\s*File "(.*)", line (\d+), in (.*)', lines[last])
+    where = f"{frame[1]}:{frame[2]} in {frame[3]}" if frame else lines[last].strip()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), 0)
+    preamble = "".join(f"{line.strip()}: " for line in lines[:start] if line.strip())
+    return f"{preamble}{' '.join(error[:3]) or '(no message)'} at {where}"
 
 
 class RankFailedError(WorkerFailedError):
@@ -67,11 +110,15 @@ class RankFailedError(WorkerFailedError):
 
     Attributes:
         failed_ranks: the ranks on which the operation failed, sorted.
-        rank_messages: for each failed rank, the original error's type, message and traceback.
+        rank_messages: for each failed rank, the original error's type, message and traceback
+            (whole, also where the message is ``brief``: one line per failed rank, because
+            each failed rank prints its own traceback).
     """
 
-    def __init__(self, what: str, rank_messages: Mapping[int, str], note: str = "") -> None:
-        super().__init__(what, rank_messages, unit="rank", note=note)
+    def __init__(
+        self, what: str, rank_messages: Mapping[int, str], note: str = "", brief: bool = False
+    ) -> None:
+        super().__init__(what, rank_messages, unit="rank", note=note, brief=brief)
 
     @property
     def failed_ranks(self) -> list[int]:
@@ -145,15 +192,29 @@ class CollectiveStallError(DistributedError):
     Attributes:
         report: the whole report.
         ranks: the ranks that had not arrived (or did not answer).
+        printed_by: the rank that printed the whole report when it found the stall (the
+            message is then the report's first line), or None (the message is the report).
     """
 
-    def __init__(self, report: str, ranks: Sequence[int] = ()) -> None:
+    def __init__(
+        self, report: str, ranks: Sequence[int] = (), printed_by: int | None = None
+    ) -> None:
         self.report = report
         self.ranks: list[int] = list(ranks)
-        super().__init__(report)
+        self.printed_by = printed_by
+        if printed_by is None:
+            super().__init__(report)
+        else:
+            headline = report.splitlines()[0] if report else ""
+            super().__init__(
+                f"{headline}\n(the whole report, with each rank's state and stack, was printed "
+                f"by rank {printed_by} when it found the stall; it is also this error's .report)"
+            )
 
-    def __reduce__(self) -> tuple[type[CollectiveStallError], tuple[str, list[int]]]:
-        return (type(self), (self.report, self.ranks))
+    def __reduce__(
+        self,
+    ) -> tuple[type[CollectiveStallError], tuple[str, list[int], int | None]]:
+        return (type(self), (self.report, self.ranks, self.printed_by))
 
 
 class LocalGroupSizeError(ConfigError, AssertionError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,8 @@ def _failure_group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             "type": type(error).__name__,
             "text": str(error),
             "cause": type(error.__cause__).__name__ if error.__cause__ else None,
+            "printed": "".join(traceback.format_exception(error)),
+            "whole": getattr(error, "rank_messages", None),
             "seconds": time.monotonic() - started,
         }
     else:
@@ -174,8 +177,18 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_traceback() -> None:
     assert "bad batch on rank 1" in results[1]["text"]
     assert results[0]["type"] == "RankFailedError"
     assert "rank(s) [1]" in results[0]["text"]
-    assert "bad batch on rank 1" in results[0]["text"]  # rank 1's original traceback
-    assert "FailsOnRankOne" in results[0]["text"] or "training_step" in results[0]["text"]
+    # Rank 0's report names rank 1's error and line in one line; rank 1 prints its traceback
+    # itself (the output holds it once), and the backend's broken connection is not chained.
+    brief = next(line for line in results[0]["text"].splitlines() if "--- rank 1 ---" in line)
+    assert "ValueError: bad batch on rank 1 at " in brief, brief
+    assert "in training_step (the traceback: rank 1's output" in brief, brief
+    assert "Traceback" not in results[0]["text"]
+    assert "Traceback" in results[1]["printed"] and "bad batch on rank 1" in results[1]["printed"]
+    printed = results[0]["printed"]
+    assert results[0]["cause"] is None and "direct cause" not in printed, printed
+    assert "During handling of the above exception" not in printed, printed
+    assert "Connection closed" not in printed and "gloo" not in printed, printed
+    assert "Traceback" in results[0]["whole"][1]  # the whole text stays on the error
     assert max(r["seconds"] for r in results) < 30
     # The checkpoint on disk is the last complete one, written before the failure.
     assert latest["trainer"]["global_step"] == 2

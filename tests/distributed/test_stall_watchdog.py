@@ -97,13 +97,30 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
 
 
 def _both_raise(outcome: Outcome, error: str) -> list[str]:
+    """Both ranks' reports (a stall's whole ``report``, which its message points to)."""
     messages = []
     for rank in (0, 1):
         raised = outcome.raised(rank)
         assert raised is not None and raised["type"] == error, (rank, raised, outcome.output)
-        messages.append(raised["message"])
+        messages.append(raised["report"] or raised["message"])
+        if error == "CollectiveStallError":
+            _printed_once(outcome, raised)
     assert messages[0] == messages[1], "both ranks raise the same report"
     return messages
+
+
+def _printed_once(outcome: Outcome, raised: dict[str, Any]) -> None:
+    """A stall's error says the report's first line and who printed it; the job's output
+    holds the whole report once, printed by the rank that made it, before any traceback."""
+    report: str = raised["report"]
+    headline, *rest = report.splitlines()
+    message = raised["message"].splitlines()
+    assert message[0] == headline and len(message) == 2, raised["message"]
+    assert re.fullmatch(r"\(the whole report, .* was printed by rank [01] when it .*\)", message[1])
+    assert outcome.output.count(rest[-1]) == 1, outcome.output  # its last line, once
+    assert outcome.output.count(headline) == 3, outcome.output  # the report's, two errors'
+    if len(outcome.codes) == 1:  # under torchrun: one output, in the order printed
+        assert outcome.output.index(report) < outcome.output.index("Traceback"), outcome.output
 
 
 def test_a_rank_asleep_in_a_hook_is_named_with_its_line(outcomes: dict[str, Outcome]) -> None:
@@ -273,7 +290,7 @@ def test_the_troubleshooting_page_shows_the_reports_these_scenarios_give(
     raised = outcomes[scenario].raised(rank)
     assert raised is not None, outcomes[scenario].output
     page = "\n".join(_comparable(DOCS.read_text()))
-    for line in _comparable(raised["message"]):
+    for line in _comparable(raised["report"] or raised["message"]):
         assert line in page, (
             f"docs/troubleshooting.md does not show this line of the {scenario} report:\n{line}"
         )

@@ -1,6 +1,6 @@
 """Run by tests/distributed/test_stall_watchdog.py on 2 ranks (by hand or under torchrun), not
 by pytest: one desync or stall SCENARIO with a short stall timeout; each rank writes
-OUT/rank{R}.json with what it raised, its message and when, then re-raises (exit status 1).
+OUT/rank{R}.json with what it raised, its message, a stall's report and when, then re-raises.
 
 Usage: python stall_scenarios.py OUT SCENARIO
 SCENARIO: 'hook' (rank 1 sleeps in an after_step hook inside fit), 'skip' (rank 1 skips one
@@ -154,6 +154,7 @@ def main() -> None:
         report = {
             "type": type(error).__name__,
             "message": str(error),
+            "report": getattr(error, "report", None),
             "seconds": time.time() - started,
             "time": time.time(),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 import textwrap
+import traceback
 
 import pytest
 from loguru import logger
@@ -13,10 +14,12 @@ from nn_handler import disable_logging, enable_logging
 from nn_handler.errors import (
     CheckpointError,
     CollectiveMismatchError,
+    CollectiveStallError,
     ConfigError,
     DistributedError,
     NNHandlerError,
     RankFailedError,
+    summarize_traceback,
 )
 from tests.harness import run_command
 
@@ -33,6 +36,67 @@ def test_rank_failed_error_names_ranks_and_survives_pickling() -> None:
     assert "step failed on rank(s) [1, 3]" in str(error) and "--- rank 3 ---" in str(error)
     copy = pickle.loads(pickle.dumps(error))
     assert copy.failed_ranks == [1, 3] and str(copy) == str(error)
+
+
+def _raise_in_getitem() -> None:
+    samples: dict[int, int] = {}
+    samples[46]  # the innermost line
+
+
+def _formatted(call: object) -> str:
+    try:
+        call()  # type: ignore[operator]
+    except BaseException as error:
+        return "".join(traceback.format_exception(error))
+    raise AssertionError("no error")
+
+
+def test_a_brief_rank_failed_error_names_each_error_and_line_in_one_line() -> None:
+    text = _formatted(_raise_in_getitem)
+    line = _raise_in_getitem.__code__.co_firstlineno + 2
+    error = RankFailedError("training", {1: text}, note="rank 0 stopped because of it.", brief=True)
+    assert str(error).splitlines() == [
+        "training failed on rank(s) [1]:",
+        f"--- rank 1 --- KeyError: 46 at {__file__}:{line} in _raise_in_getitem "
+        "(the traceback: rank 1's output, or .rank_messages)",
+        "rank 0 stopped because of it.",
+    ]
+    assert error.rank_messages == {1: text}  # the whole traceback stays on the error
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.brief and str(copy) == str(error)
+    full = RankFailedError("training", {1: text})
+    assert "Traceback (most recent call last)" in str(full) and not full.brief
+
+
+def test_summarize_traceback_keeps_how_a_rank_left_and_chained_errors_last() -> None:
+    def chained() -> None:
+        try:
+            _raise_in_getitem()
+        except KeyError as error:
+            raise ValueError("bad sample\nsecond line") from error
+
+    summary = summarize_traceback(_formatted(chained))
+    assert summary.startswith("ValueError: bad sample second line at ")
+    assert summary.endswith(" in chained"), summary
+    exited = "SystemExit (exit status 3)\n" + _formatted(lambda: sys.exit(3))
+    assert summarize_traceback(exited).startswith("SystemExit (exit status 3): SystemExit: 3 at ")
+    assert summarize_traceback("killed by SIGKILL\n(gone without a word)") == (
+        "killed by SIGKILL (gone without a word)"
+    )
+
+
+def test_a_stall_error_printed_elsewhere_says_its_first_line_and_who_printed_it() -> None:
+    report = "Collective stall: rank 0 waited 2 s\n  rank 0: waiting\nStack of rank 1"
+    whole = CollectiveStallError(report, [1])
+    assert str(whole) == report and whole.printed_by is None
+    brief = CollectiveStallError(report, [1], printed_by=0)
+    assert str(brief).splitlines() == [
+        "Collective stall: rank 0 waited 2 s",
+        "(the whole report, with each rank's state and stack, was printed by rank 0 when it "
+        "found the stall; it is also this error's .report)",
+    ]
+    copy = pickle.loads(pickle.dumps(brief))
+    assert copy.report == report and copy.ranks == [1] and str(copy) == str(brief)
 
 
 def test_mismatch_error_lists_every_rank_and_survives_pickling() -> None:

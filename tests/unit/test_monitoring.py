@@ -115,7 +115,7 @@ def test_throughput_agrees_with_samples_over_wall_time() -> None:
 def test_a_slow_dataset_is_reported_data_bound(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     monitor = ThroughputMonitor()
-    handler = _run(mlp(), SlowDataset(n=40, seconds=0.004), monitor, log_file=log)
+    handler = _run(mlp(), SlowDataset(n=40, seconds=0.01), monitor, log_file=log)
     record = handler.history.last
     assert record["data_wait_pct"] > 70.0 and record["compute_pct"] < 30.0
     assert monitor.last_verdict is not None

@@ -340,7 +340,9 @@ def test_an_unwatched_communicator_marks_nothing() -> None:
         assert comm.all_reduce(2.0) == 2.0
 
 
-def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> None:
+def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     store = HashStore()
     timing = WatchdogTiming(60.0, interval=0.05, answer_wait=0.3, grace=600.0)
     ledger = CollectiveLedger(1)
@@ -352,9 +354,13 @@ def test_a_rank_takes_over_when_the_reporting_rank_dies_before_its_report() -> N
     _watch([ledger], [watchdog], 10)
     assert isinstance(ledger.incident, CollectiveStallError), ledger.incident
     assert time.monotonic() - started > timing.answer_wait  # it waited for the reporter first
-    text = str(ledger.incident)
+    text = ledger.incident.report
     assert text.startswith("Collective stall: rank 1 waited") and "rank 0: did not answer" in text
     assert ledger.incident.ranks == [0]
+    # The rank that made the report printed it, once; the error points there.
+    assert ledger.incident.printed_by == 1
+    assert str(ledger.incident).splitlines()[0] == text.splitlines()[0]
+    assert capfd.readouterr().err.count(f"[nn_handler rank 1] {text}") == 1
     # The report was written once, and a later writer would get the same one back.
     assert store.compare_set("nn_handler/watch/report", "", "{}") == store.get(
         "nn_handler/watch/report"

@@ -251,9 +251,10 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         """Agree across ranks on whether a step succeeded. Every rank must call this.
 
         Pass the exception this rank caught (or None). If any rank passes one, every rank raises
-        ``RankFailedError`` naming the failed ranks with their original
-        tracebacks (chained as ``__cause__`` on the failing rank). In one process the original
-        exception is re-raised unchanged. ``share``: a few integers (as many on every rank)
+        ``RankFailedError`` naming each failed rank's error and line in one line (``brief``:
+        the failing rank's own error is its ``__cause__``, printed with it, so a job's output
+        holds each traceback once; ``rank_messages`` has them all). In one process the
+        original exception is re-raised unchanged. ``share``: a few integers (as many on every rank)
         that travel with the agreement at no extra round trip; returns every rank's, in rank
         order, when no rank failed.
         """
@@ -270,7 +271,7 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         text = format_error(error) if error is not None else ""
         texts = self._all_gather_bytes(text.encode())
         failed = {r: t.decode(errors="replace") for r, t in enumerate(texts) if flags[r]}
-        raise RankFailedError(what, failed) from error
+        raise RankFailedError(what, failed, brief=True) from error
 
     @collective
     def reduce_dict(

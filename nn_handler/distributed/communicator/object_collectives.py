@@ -77,7 +77,9 @@ class ObjectCollectives:
         if small is not None:  # every frame came with the lengths: one round trip
             if any(failed_flags):
                 failed = self._failures(small, failed_flags)
-                raise RankFailedError("all_gather_object: pickling the object", failed) from error
+                raise RankFailedError(
+                    "all_gather_object: pickling the object", failed, brief=True
+                ) from error
             return self._unpickle_together(small, "all_gather_object")
         large = max(lengths) > _LARGE_FRAME and not any(failed_flags)
         send = self._send_buffer(frame, lengths[self.rank] if large else max(lengths))
@@ -86,7 +88,9 @@ class ObjectCollectives:
             parts = [part.cpu().numpy() for part in self._do_all_gather(send)]
             if any(failed_flags):
                 failed = self._failures(parts, failed_flags)
-                raise RankFailedError("all_gather_object: pickling the object", failed) from error
+                raise RankFailedError(
+                    "all_gather_object: pickling the object", failed, brief=True
+                ) from error
             return self._unpickle_together(parts, "all_gather_object")
         # One rank at a time: each payload is unpickled and its buffer dropped before the next.
         frames = self._broadcast_frames(send, lengths)
@@ -107,7 +111,9 @@ class ObjectCollectives:
         if any(failed_flags):
             parts = self._all_gather_frames(frame, lengths)
             failed = self._failures(parts, failed_flags)
-            raise RankFailedError("gather_object: pickling the object", failed) from error
+            raise RankFailedError(
+                "gather_object: pickling the object", failed, brief=True
+            ) from error
         gathered = self._do_gather(self._send_buffer(frame, max(lengths)), dst)
         parts = [] if gathered is None else [part.cpu().numpy() for part in gathered]
         return self._unpickle_together(parts, "gather_object")
@@ -129,7 +135,9 @@ class ObjectCollectives:
         part = self._do_broadcast(buffer.to(self.device), src).cpu().numpy()
         if failed_flag:
             message = {src: _objects.read_stream(part).decode(errors="replace")}
-            raise RankFailedError("broadcast_object: pickling the object", message) from error
+            raise RankFailedError(
+                "broadcast_object: pickling the object", message, brief=True
+            ) from error
         if self.rank == src:
             self.raise_if_any_failed(None, "broadcast_object: unpickling the object")
             return obj

@@ -116,7 +116,8 @@ def fail_together(
                 texts[peer] = "(its traceback could not be read)"
         _try(lambda: store.set(f"{_PREFIX}/ack/{rank}", "1"))
         _abort(release)
-        return RankFailedError(what, texts, note=f"rank {rank} stopped because of it.")
+        # Brief: each failed rank prints its own traceback; the job's output holds it once.
+        return RankFailedError(what, texts, note=f"rank {rank} stopped because of it.", brief=True)
     text = format_error(error)
     if not isinstance(error, Exception):
         text = f"{describe_exit(error)}\n{text}"
@@ -166,7 +167,12 @@ def failing_together(
     """Around a loop of collectives (the Trainer's fit): an error on this rank alone is told
     to every rank (which raise RankFailedError naming it, ``where()`` it happened) before it
     propagates; ``release`` drops the model's wrappers first. Agreed errors and an agreed
-    preemption pass through unchanged."""
+    preemption pass through unchanged.
+
+    The job's output holds the failure once: the failed rank raises (and prints) its own
+    error; the others raise a brief RankFailedError (one line per failed rank, the whole
+    tracebacks in ``rank_messages``) or the stall report's headline, without the backend's
+    connection errors chained in front."""
     try:
         yield
     except AGREED_ERRORS:
@@ -182,7 +188,10 @@ def failing_together(
         failure = fail_together(error, comm.rank, comm.world_size, where(), release)
         if failure is error:
             raise
-        raise failure from error
+        # This rank's own error is the backend's echo of the peer's failure (gloo's
+        # "Connection closed by peer"): not printed in front of the report that explains it.
+        logger.bind(rank=comm.rank).debug("rank {} stopped by: {!r}", comm.rank, error)
+        raise failure from None
 
 
 __all__ = ["ACK_WAIT_S", "AGREED_ERRORS", "fail_together", "failing_together"]

@@ -22,12 +22,12 @@ from nn_handler.distributed.faults.watchdog.ledger import CollectiveLedger
 from nn_handler.distributed.faults.watchdog.records import describe
 from nn_handler.distributed.faults.watchdog.stall_watchdog import (
     BLOCKED_EXIT_CODE,
-    MISMATCH_HINT,
     PREFIX,
     StallWatchdog,
     WatchdogTiming,
+    incident_from,
 )
-from nn_handler.errors import CollectiveMismatchError, CollectiveStallError, RankFailedError
+from nn_handler.errors import RankFailedError
 
 
 class WatchdogRegistry:
@@ -143,11 +143,7 @@ def _read_report(store: Any, prefix: str) -> BaseException | None:
         payload = json.loads(store.get(f"{prefix}/report"))
     except Exception:  # the store went away with its host
         return None
-    if payload["kind"] == "stall":
-        return CollectiveStallError(payload["text"], payload["ranks"])
-    return CollectiveMismatchError(
-        f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
-    )
+    return incident_from(payload)
 
 
 #: The process-wide registry of the default group's watchdog.

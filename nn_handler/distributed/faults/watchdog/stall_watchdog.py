@@ -278,7 +278,12 @@ class StallWatchdog:
         if kind == "stall":
             subject = opener if opener in states else self._rank
             text, ranks = reports.stall_report(states, subject, self.timing.stall_timeout, silent)
-            payload: dict[str, Any] = {"kind": kind, "text": text, "ranks": ranks}
+            payload: dict[str, Any] = {
+                "kind": kind,
+                "text": text,
+                "ranks": ranks,
+                "reporter": self._rank,
+            }
         else:
             signatures = reports.mismatch_signatures(states, seq, self._world_size)
             error = CollectiveMismatchError(f"collective #{seq}", signatures, MISMATCH_HINT)
@@ -313,21 +318,20 @@ class StallWatchdog:
         }
 
     def act(self, payload: dict[str, Any]) -> None:
-        if payload["kind"] == "stall":
-            incident: BaseException = CollectiveStallError(payload["text"], payload["ranks"])
-        else:
-            incident = CollectiveMismatchError(
-                f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
-            )
+        incident = incident_from(payload)
         self._text = str(payload["text"])
         self.ledger.incident = incident
         self._acted_at = time.monotonic()
         self._store.set(f"{self._prefix}/read/{self._rank}", "1")  # see farewell.py
-        if self._reporter:  # one line in the log; the whole report is in the error raised
+        if self._reporter and payload["kind"] == "stall":
+            # Printed, not logged: the log shows rank 0's records only (the report may be made
+            # on another rank) and may be off. Once, by the rank that made it, before any rank
+            # raises (torchrun stops the others when the first exits): every rank's
+            # CollectiveStallError then carries its first line and points here.
+            print(f"[nn_handler rank {self._rank}] {self._text}", file=sys.stderr, flush=True)
+        elif self._reporter:  # a mismatch: short, the error raised on every rank says it all
             logger.bind(rank=self._rank).error(
-                "{} (every rank raises {} with the whole report)",
-                self._text.splitlines()[0],
-                type(incident).__name__,
+                "{} (every rank raises {})", self._text.splitlines()[0], type(incident).__name__
             )
         self._deliver_if_running()
 
@@ -352,11 +356,31 @@ class StallWatchdog:
         print(
             f"[nn_handler rank {self._rank}] still blocked in {where} {limit:.0f} s after the "
             f"stall watchdog's report, where no exception can be raised: exiting with status "
-            f"{BLOCKED_EXIT_CODE} so the other ranks can raise.\n{self._text}",
+            f"{BLOCKED_EXIT_CODE} so the other ranks can raise.\n{self.ledger.incident}",
             file=sys.stderr,
         )
         sys.stderr.flush()
         os._exit(BLOCKED_EXIT_CODE)
 
 
-__all__ = ["BLOCKED_EXIT_CODE", "MISMATCH_HINT", "PREFIX", "StallWatchdog", "WatchdogTiming"]
+def incident_from(payload: dict[str, Any]) -> BaseException:
+    """The error a published stall or mismatch report makes every rank raise. The rank that made
+    a stall's report printed it whole; the error's message is its first line and that rank
+    (its ``report`` the whole), so a job's output holds the report once."""
+    if payload["kind"] == "stall":
+        reporter = payload.get("reporter")
+        printed_by = None if reporter is None else int(reporter)
+        return CollectiveStallError(payload["text"], payload["ranks"], printed_by=printed_by)
+    return CollectiveMismatchError(
+        f"collective #{payload['seq']}", payload["signatures"], MISMATCH_HINT
+    )
+
+
+__all__ = [
+    "BLOCKED_EXIT_CODE",
+    "MISMATCH_HINT",
+    "PREFIX",
+    "StallWatchdog",
+    "WatchdogTiming",
+    "incident_from",
+]
