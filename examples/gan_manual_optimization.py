@@ -7,8 +7,8 @@
 generator with their own optimizers (``self.optimizers()``, ``self.manual_backward``); the
 global step, the EMA and per-step schedulers still advance once per batch, and both
 optimizers and schedulers are checkpointed. Under DDP each backward follows one forward of the
-wrapped model, and ``find_unused_parameters`` lets the discriminator's step leave the
-generator without gradients. In one process the generated points end on the circle
+wrapped model, and ``find_unused_parameters`` lets each step leave the part it does not train
+without gradients (the generator's step freezes the discriminator). In one process the generated points end on the circle
 (mean radius 1.00 +- 0.25 after 480 steps); with 2 ranks (240 steps of twice the batch) they
 are on their way there.
 """
@@ -59,10 +59,15 @@ class GANTrainer(Trainer):
         opt_d.zero_grad(set_to_none=True)
         self.manual_backward(d_loss)
         opt_d.step()
+        # The generator's step trains only the generator: freezing the discriminator skips its
+        # gradients, and under DDP leaves it unused as the discriminator's step leaves the
+        # generator (find_unused_parameters then finds unused parameters at every step).
+        self.module.discriminator.requires_grad_(False)
         g_loss = functional.softplus(-self.forward(noise, "fake_scores")).mean()
         opt_g.zero_grad(set_to_none=True)
         self.manual_backward(g_loss)
         opt_g.step()
+        self.module.discriminator.requires_grad_(True)
         return {"d_loss": d_loss.detach(), "g_loss": g_loss.detach()}
 
 

@@ -6,8 +6,11 @@ W&B and MLflow need):
 
 - ``log_hyperparams(params)``: once, before the first epoch (``Trainer.hyperparameters()``:
   the flat configuration, precision, world size, optimizer and learning rate);
-- ``log_metrics(metrics, step)``: ``train_loss_step`` every ``every_n_steps`` optimizer steps,
-  and each epoch's History record (``epoch`` included) when the epoch ends;
+- ``log_metrics(metrics, step)``: every ``every_n_steps`` optimizer steps, ``train_loss_step``
+  and ``train_<key>_step`` for every other scalar the step's ``training_step`` returned (rank
+  0's values for that batch); each epoch's History record (``epoch`` included) when the epoch
+  ends; and whatever the training code logs with ``trainer.log_metrics`` (the ``after_log``
+  hook point), at the step it names;
 - ``log_figure(name, figure, step)``: the History's curves (a matplotlib Figure) when training
   ends, if matplotlib is installed (default: ignored);
 - ``finish(status)``: once, 'success' or 'failed' (also when training raised).
@@ -16,6 +19,7 @@ W&B and MLflow need):
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import ModuleType
@@ -92,7 +96,14 @@ class ExperimentLogger(Hook, ABC):
             and state.last_loss is not None
             and self.trainer.is_main_process
         ):
-            self.log_metrics({"train_loss_step": float(state.last_loss)}, state.global_step)
+            metrics = {"train_loss_step": float(state.last_loss)}
+            if math.isnan(metrics["train_loss_step"]) and not self.trainer.automatic_optimization:
+                del metrics["train_loss_step"]  # a manual training_step that returned no loss
+            metrics.update({f"train_{k}_step": float(v) for k, v in state.last_scalars.items()})
+            self.log_metrics(metrics, state.global_step)
+
+    def after_log(self, metrics: dict[str, float], step: int) -> None:
+        self.log_metrics(metrics, step)
 
     def after_epoch(self) -> None:
         trainer = self.trainer

@@ -33,6 +33,7 @@ from nn_handler.training.run_settings import hyperparameters_of
 from nn_handler.training.schedules import estimated_steps
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import TrainerState
+from nn_handler.training.step_output import scalar_value
 
 
 class TrainerFacade:
@@ -126,6 +127,19 @@ class TrainerFacade:
         """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
         ends (steps done included; limits, accumulation and max_steps applied)."""
         return estimated_steps(self.config, self.state, loader, epochs)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Write scalars to every experiment tracker now, at ``step`` (default: the optimizer
+        steps done), like Accelerate's ``accelerator.log``: from ``training_step``, a hook,
+        anywhere, as often as you call it. The values are this rank's own, written by rank 0
+        (reduce them first with ``self.comm``, on every rank, for a mean over ranks); on the
+        other ranks the call does nothing (no host sync there). Values: numbers or
+        one-element tensors."""
+        if not self.is_main_process:
+            return
+        values = {str(key): scalar_value(key, value) for key, value in metrics.items()}
+        done = self.state.global_step if step is None else step
+        self.hooks.call("after_log", values, done)
 
     # ----------------------------------------------------------------- checkpoints
     def track(self, name: str, obj: Stateful) -> None:

@@ -24,6 +24,7 @@ HOOK_POINTS = (
     "after_step",
     "after_optimizer_step",
     "after_validation",
+    "after_log",
 )
 
 
@@ -40,6 +41,8 @@ class Hook:
     - ``after_optimizer_step``: after each optimizer step (the last batch of an accumulation
       window), once ``trainer.state.global_step`` counts it.
     - ``after_validation(metrics)``: with the reduced validation metrics (same on every rank).
+    - ``after_log(metrics, step)``: on rank 0 only, after the training code logged scalars
+      with ``trainer.log_metrics`` (experiment trackers write them there).
     Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only. They run
     in ascending ``order`` (default 0), then in the order given: monitors that complete the
     epoch record have a negative order, experiment loggers that log it a positive one.
@@ -91,6 +94,9 @@ class Hook:
 
     def after_validation(self, metrics: dict[str, float]) -> None:
         """After each validation run, with its reduced metrics."""
+
+    def after_log(self, metrics: dict[str, float], step: int) -> None:
+        """On rank 0, after ``trainer.log_metrics(metrics, step)``."""
 
 
 class HookList:

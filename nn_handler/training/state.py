@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ class TrainerState:
             step that was taken).
         step_synced: whether the last batch ended an accumulation window (an optimizer step).
         last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
+        last_scalars: the other scalars the last batch's ``training_step`` returned (detached
+            tensors or numbers; empty when it returned none).
         should_stop: set when early stopping (or a hook) ends training after this epoch.
         batch: the batch being trained, from ``before_step`` to ``after_step`` (None
             outside a step).
@@ -39,6 +41,7 @@ class TrainerState:
     skipped_in_a_row: int = 0
     step_synced: bool = False
     last_loss: torch.Tensor | None = None
+    last_scalars: dict[str, Any] = field(default_factory=dict)
     should_stop: bool = False
     batch: Any = None
     validation_seconds: float = 0.0

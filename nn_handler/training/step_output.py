@@ -36,10 +36,11 @@ def manual_loss(output: Any, device: torch.device) -> torch.Tensor:
     return loss.detach()
 
 
-def record_extras(running: RunningLoss | None, output: Any, batch: Any) -> None:
-    """Other scalars the step returned: sample-weighted per epoch, no host sync here."""
+def record_extras(running: RunningLoss | None, output: Any, batch: Any) -> dict[str, Any]:
+    """Other scalars the step returned: sample-weighted per epoch, no host sync here.
+    Returns them (detached), for the trackers' per-step rows."""
     if not isinstance(output, Mapping) or len(output) < 2 or running is None:
-        return
+        return {}
     extras = {
         k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else v
         for k, v in output.items()
@@ -47,6 +48,22 @@ def record_extras(running: RunningLoss | None, output: Any, batch: Any) -> None:
     }
     if extras:
         running.extras.update(extras, batch_size_of(batch))
+    return extras
 
 
-__all__ = ["loss_of", "manual_loss", "record_extras"]
+def scalar_value(key: object, value: Any) -> float:
+    """``value`` as a float for the trackers, or a ConfigError naming ``key``."""
+    if not is_scalar(value):
+        what = (
+            f"a tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ConfigError(
+            f"log_metrics: {key!r} is {what}, not a number or a one-element tensor; log a "
+            f"reduction of it (e.g. .mean()) or one entry per key."
+        )
+    return float(value)
+
+
+__all__ = ["loss_of", "manual_loss", "record_extras", "scalar_value"]

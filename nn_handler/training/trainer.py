@@ -326,7 +326,7 @@ class Trainer(TrainerFacade):
         if not self.automatic_optimization:  # training_step steps the optimizers itself
             with self.precision.autocast():
                 output = self.training_step(batch)
-            record_extras(self.position.running, output, batch)
+            self.state.last_scalars = record_extras(self.position.running, output, batch)
             optimization.after_manual_step()
             return manual_loss(output, self.device)
         optimization.open_window()  # the window's first micro-batch zeroes the gradients
@@ -335,7 +335,7 @@ class Trainer(TrainerFacade):
             with self.precision.autocast():
                 output = self.training_step(batch)
                 loss = loss_of(output)
-            record_extras(self.position.running, output, batch)
+            self.state.last_scalars = record_extras(self.position.running, output, batch)
             loss = optimization.backward(loss, window)
         if sync:
             self.optimizer_step()

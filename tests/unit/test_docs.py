@@ -141,3 +141,4 @@ def test_the_observability_guides_python_runs_as_written(tmp_path: Path) -> None
     )
     assert found is not None and float(found.group(1)) > 1e6, output  # the CNN: ~2 MFLOPs
     assert "step 20 ['train_loss_step']" in output and "'step_ms'" in output, output
+    assert "step 10 ['grad_norm']\nstep 20 ['train_loss_step']\nstep 20 ['grad_norm']" in output

@@ -25,9 +25,11 @@ from nn_handler import (
     ExperimentLogger,
     HandlerConfig,
     History,
+    Hook,
     MLflowLogger,
     NNHandler,
     TrackioLogger,
+    Trainer,
     WandbLogger,
 )
 from nn_handler.errors import ConfigError
@@ -158,6 +160,102 @@ def test_trackers_log_on_rank_zero_only() -> None:
     run_in_threads(rank, 2)
     assert [kind for kind, _, _ in recordings[0].calls][-1] == "finish"
     assert recordings[1].calls == []
+
+
+class ReturnsAccuracy(Trainer):
+    """Returns the batch's accuracy beside its loss."""
+
+    def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        out = self.forward(x)
+        return {"loss": self.compute_loss(out, y), "acc": (out.argmax(1) == y).float().mean()}
+
+
+class LogsGradientNorm(Hook):
+    """Logs the gradient norm and the learning rate after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+
+    def after_optimizer_step(self) -> None:
+        trainer = self.trainer
+        norm = torch.stack([p.grad.norm() for p in trainer.module.parameters()]).norm()
+        self.logged.append(float(norm))
+        trainer.log_metrics(
+            {"grad_norm": norm, "lr_x10": 10 * trainer.optimizer.param_groups[0]["lr"]}
+        )
+
+
+def _scalars_run(tmp_path: Path, comm: Any = None, hooks: tuple[Any, ...] = ()) -> NNHandler:
+    config = {
+        "loader": {"batch_size": 8, "shuffle": False},
+        "trainer": {"progress_bar": False},
+        "logging": {
+            "dir": str(tmp_path / "runs"),
+            "trackers": [{"type": "csv", "every_n_steps": 2}],
+        },
+    }
+    extra = {} if comm is None else {"communicator": comm}
+    with NNHandler(
+        mlp(), sgd, nn.CrossEntropyLoss(), config=config, trainer_class=ReturnsAccuracy,
+        hooks=list(hooks), **extra,
+    ) as handler:  # fmt: skip
+        handler.train(regression_data(), epochs=2)
+    return handler
+
+
+def _csv_rows(tmp_path: Path) -> list[dict[str, str]]:
+    files = glob.glob(str(tmp_path / "runs" / "**" / "metrics.csv"), recursive=True)
+    assert len(files) == 1, files
+    with open(files[0], newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_scalars_a_step_returns_reach_the_trackers_per_step(tmp_path: Path) -> None:
+    """Every ``every_n_steps`` optimizer steps, each scalar training_step returned is logged
+    as train_<key>_step beside train_loss_step (the epoch's mean stays train_<key>)."""
+    recording = Recording(every_n_steps=2)
+    handler = _scalars_run(tmp_path, hooks=(recording,))
+    steps = [(m, s) for kind, m, s in recording.calls if kind == "metrics" and "epoch" not in m]
+    per_step = [(s, sorted(m)) for m, s in steps if "train_loss_step" in m]
+    assert per_step == [(s, ["train_acc_step", "train_loss_step"]) for s in (2, 4, 6, 8, 10)]
+    values = [m["train_acc_step"] for m, _ in steps if "train_acc_step" in m]
+    assert all(v in {i / 8 for i in range(9)} for v in values), values  # a batch's accuracy
+    assert "train_acc" in handler.history.last and "train_acc_step" not in handler.history.last
+
+
+def test_log_metrics_writes_the_training_codes_scalars_at_the_step(tmp_path: Path) -> None:
+    hook = LogsGradientNorm()
+    _scalars_run(tmp_path, hooks=(hook,))
+    rows = [r for r in _csv_rows(tmp_path) if r.get("grad_norm")]
+    assert [int(r["step"]) for r in rows] == list(range(1, 11))  # every step, as called
+    assert [float(r["grad_norm"]) for r in rows] == pytest.approx(hook.logged)
+    assert [float(r["lr_x10"]) for r in rows] == pytest.approx([1.0] * 10)  # sgd: lr 0.1
+
+
+def test_log_metrics_on_other_ranks_writes_nothing_and_bad_values_name_the_key() -> None:
+    from nn_handler.distributed.communicator import run_in_threads
+
+    recordings = [Recording(), Recording()]
+    errors: dict[int, str] = {}
+
+    def rank(comm: Any) -> None:
+        config = {"loader": {"batch_size": 4}, "trainer": {"progress_bar": False}}
+        with NNHandler(
+            mlp(), sgd, nn.CrossEntropyLoss(), config=config, communicator=comm,
+            hooks=[recordings[comm.rank]],
+        ) as handler:  # fmt: skip
+            handler.trainer.log_metrics({"custom": torch.tensor(2.5)}, step=7)
+            try:
+                handler.trainer.log_metrics({"weights": torch.ones(3)})
+            except ConfigError as error:
+                errors[comm.rank] = str(error)
+
+    run_in_threads(rank, 2)
+    assert recordings[0].calls == [("metrics", {"custom": 2.5}, 7)]
+    assert recordings[1].calls == []  # rank 1: nothing written, nothing checked
+    assert list(errors) == [0]
+    assert "'weights' is a tensor of shape (3,), not a number" in errors[0]
 
 
 # --------------------------------------------------------------------------- CSV
