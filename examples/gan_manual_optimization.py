@@ -8,9 +8,9 @@ generator with their own optimizers (``self.optimizers()``, ``self.manual_backwa
 global step, the EMA and per-step schedulers still advance once per batch, and both
 optimizers and schedulers are checkpointed. Under DDP each backward follows one forward of the
 wrapped model, and ``find_unused_parameters`` lets each step leave the part it does not train
-without gradients (the generator's step freezes the discriminator). In one process the generated points end on the circle
-(mean radius 1.00 +- 0.25 after 480 steps); with 2 ranks (240 steps of twice the batch) they
-are on their way there.
+without gradients (the generator's step freezes the discriminator). In one process the
+generated points end on the circle (mean radius 1.00 +- 0.25 after 480 steps); with 2 ranks
+(240 steps of twice the batch) they are on their way there.
 """
 
 from __future__ import annotations
