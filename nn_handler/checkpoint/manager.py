@@ -7,6 +7,9 @@ Layout of ``config.dir``::
                               ``.pt`` (checkpoint/sharded.py)
     best.pt                   the best one by ``config.monitor`` (a hard link, no extra write;
                               ``best/``, a folder of hard links, for sharded checkpoints)
+    top-e0003-s00000120-val_loss=0.231.pt
+                              with ``save_top_k`` > 1, the k best by ``config.monitor``
+                              (hard links too; the one that falls out of the k is deleted)
     latest.json               names the newest complete checkpoint; written after it, atomically;
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
@@ -23,6 +26,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, remove_tree
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
@@ -73,6 +78,16 @@ def restart_count(env: Mapping[str, str]) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """What one monitored value changed: best.pt, and the top-k checkpoint kept (its name)
+    with the names that fell out of the k."""
+
+    best: bool
+    top: str | None
+    dropped: list[str]
+
+
 class CheckpointManager:
     """Writes, rotates and finds the checkpoints of one run in ``config.dir``.
 
@@ -94,6 +109,8 @@ class CheckpointManager:
         self.dir = Path(config.dir)
         self.sharded = sharded
         self.best_value: float | None = None
+        #: The save_top_k best checkpoints kept as top-*.pt (unused when save_top_k is 1).
+        self.top = TopK(config.save_top_k, config.mode)
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None
         self.last_saved_epoch: int | None = None
@@ -217,6 +234,45 @@ class CheckpointManager:
         """best.pt, or the folder ``best`` for sharded checkpoints."""
         return self.dir / (BEST_SHARDED if self.sharded else BEST)
 
+    def rank(self, value: float, epoch: int, step: int) -> Ranking:
+        """Rank the monitored ``value`` of the checkpoint after ``epoch`` epochs and ``step``
+        steps: the best value and the top-k move now (in memory, so the checkpoint written
+        next holds its own ranking); ``keep`` then makes the files. Every rank alike."""
+        best = not math.isnan(value) and self.improves(value)
+        if best:
+            self.best_value = value
+        top, dropped = None, []
+        if self.config.save_top_k > 1 and self.top.admits(value):
+            top = top_name(self.config.monitor, value, epoch, step, self.sharded)
+            dropped = self.top.add(value, top)
+        return Ranking(best, top, dropped)
+
+    def keep(self, ranking: Ranking, source: Path | None, write: Callable[[Path], Path]) -> None:
+        """The files of ``ranking``: best.pt (``best/``) and the top-k checkpoint as hard links
+        to the complete checkpoint ``source``, or ``write(path)`` once where there is none;
+        the checkpoint that fell out of the top k is deleted. Every rank must call this."""
+        if ranking.best:
+            if source is None:
+                write(self.best_path)
+                source = self.best_path
+            else:
+                self._link(source, self.best_path)
+        if ranking.top is None:
+            return
+        target = self.dir / ranking.top
+        if source is None:
+            write(target)
+        else:
+            self._link(source, target)
+        error: str | None = None
+        if self.comm.rank == 0:
+            try:
+                for name in ranking.dropped:
+                    remove_tree(self.dir / name)
+            except OSError as caught:
+                error = f"{type(caught).__name__}: {caught}"
+        self._agree(error, target)
+
     def update_best(
         self,
         value: float,
@@ -230,13 +286,16 @@ class CheckpointManager:
         if math.isnan(value) or not self.improves(value):
             return False
         self.best_value = value
-        target = self.best_path
-        if source is None:
-            if write is not None:
-                write(target)
-            else:
-                self.write(checkpoint, target)
-            return True
+        self.keep(
+            Ranking(best=True, top=None, dropped=[]),
+            source,
+            write or (lambda target: self.write(checkpoint, target)),
+        )
+        return True
+
+    def _link(self, source: Path, target: Path) -> None:
+        """``target`` becomes hard links to the checkpoint ``source`` (rank 0; every rank
+        agrees on the outcome)."""
         error: str | None = None
         if self.comm.rank == 0:
             try:
@@ -247,7 +306,6 @@ class CheckpointManager:
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
-        return True
 
     def improves(self, value: float) -> bool:
         if self.best_value is None:

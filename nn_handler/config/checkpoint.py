@@ -27,6 +27,9 @@ class CheckpointConfig(ConfigModel):
         every_n_steps: also write one after every N-th optimizer step (None: not per step).
         keep_last: how many periodic checkpoints to keep (the oldest are deleted).
         save_best: keep ``best.pt``, the checkpoint with the best ``monitor`` value so far.
+        save_top_k: with save_best, also keep the k best checkpoints by ``monitor`` as
+            ``top-e<epoch>-s<step>-<monitor>=<value>.pt`` (Lightning's save_top_k; hard links
+            to the epoch's checkpoint where there is one); 1: best.pt alone.
         monitor: the History key save_best watches (e.g. 'val_loss', 'val_accuracy').
         mode: 'min' when lower is better, 'max' when higher is better.
         resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
@@ -68,6 +71,7 @@ class CheckpointConfig(ConfigModel):
     every_n_steps: int | None = Field(default=None, ge=1, strict=True)
     keep_last: int = Field(default=1, ge=1, strict=True)
     save_best: bool = False
+    save_top_k: int = Field(default=1, ge=1, strict=True)
     monitor: str = "val_loss"
     mode: Mode = "min"
     resume: ResumePolicy = "on_restart"
@@ -85,6 +89,11 @@ class CheckpointConfig(ConfigModel):
         if self.save_last and self.every_n_epochs is None and self.every_n_steps is None:
             raise ValueError(
                 "save_last needs every_n_epochs or every_n_steps (or set save_last=False)"
+            )
+        if self.save_top_k > 1 and not self.save_best:
+            raise ValueError(
+                f"save_top_k={self.save_top_k} keeps the best checkpoints by monitor "
+                f"({self.monitor!r}, mode {self.mode!r}): set save_best=True as well"
             )
         if self.async_save and self.format == "file":
             raise ValueError(

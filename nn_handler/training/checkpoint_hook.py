@@ -52,13 +52,20 @@ class CheckpointHook(Hook):
         #: (the throughput monitor's "checkpoint" part of a step).
         self.step_seconds = 0.0
 
-    def part(self) -> Part:
-        """The ``best`` value save_best compares with, kept in checkpoints."""
+    def parts(self) -> list[Part]:
+        """The ``best`` value save_best compares with and the top-k checkpoints' values and
+        names, kept in checkpoints."""
 
         def load(value: Any, _source: str) -> None:
             self.manager.best_value = float(value)
 
-        return Part("best", lambda: self.manager.best_value, load, missing="ignore")
+        def load_top(entries: Any, _source: str) -> None:
+            self.manager.top.load_state_dict(entries)
+
+        return [
+            Part("best", lambda: self.manager.best_value, load, missing="ignore"),
+            Part("top_k", self.manager.top.state_dict, load_top, missing="ignore"),
+        ]
 
     def before_train(self) -> None:
         """SIGTERM and Ctrl-C handling until ``after_train`` (when handle_sigterm is on;
@@ -102,26 +109,32 @@ class CheckpointHook(Hook):
             self.step_seconds += time.perf_counter() - started
 
     def after_epoch(self) -> None:
-        """Epoch checkpoints, best.pt, a forced preemption check, and the fit's end."""
-        config, state, record = self.config, self.state, self.history.last
+        """Epoch checkpoints, best.pt and the top-k, a forced preemption check, and the
+        fit's end."""
+        config, state = self.config, self.state
+        ranking = None
+        if config.save_best:  # ranked first: the epoch's checkpoint holds its own ranking
+            ranking = self.manager.rank(self._monitored(), state.epoch, state.global_step)
         path: Path | None = None
         every = config.every_n_epochs
         if config.save_last and every is not None and state.epoch % every == 0:
             path = self.checkpoints.save_periodic()
-        if config.save_best:
-            if config.monitor not in record:
-                raise ConfigError(
-                    f"save_best monitors {config.monitor!r}, but the epoch record has only "
-                    f"{sorted(record)}; set CheckpointConfig(monitor=...)."
-                )
-            value = float(record[config.monitor])
-            if self.manager.improves(value):
-                self.checkpoints.finish()  # best links the files of a complete checkpoint
-                self.manager.update_best(value, path, write=self.checkpoints.save)
+        if ranking is not None and (ranking.best or ranking.top):
+            self.checkpoints.finish()  # links need the files of a complete checkpoint
+            self.manager.keep(ranking, path, write=self.checkpoints.save)
         if self.watch is not None and self.watch.agreed(state.global_step, force=True):
             self.preempt()
         if state.ends_fit():
             self.end_fit()
+
+    def _monitored(self) -> float:
+        record, monitor = self.history.last, self.config.monitor
+        if monitor not in record:
+            raise ConfigError(
+                f"save_best monitors {monitor!r}, but the epoch record has only "
+                f"{sorted(record)}; set CheckpointConfig(monitor=...)."
+            )
+        return float(record[monitor])
 
     def end_fit(self) -> None:
         """The last position is saved (save_last) unless it already is, and a checkpoint

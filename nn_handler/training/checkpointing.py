@@ -110,8 +110,9 @@ class TrainerCheckpoints:
         ``load_state_dict`` are tracked by themselves, as ``hook.<ClassName>``."""
         for part in parts:
             self.registry.add(part)
-        if self.hook is not None:
-            self.registry.add(self.hook.part())  # the best value save_best compares with
+        if self.hook is not None:  # the best value and top-k that save_best compares with
+            for part in self.hook.parts():
+                self.registry.add(part)
         for hook in hooks:
             if isinstance(hook, Stateful):
                 name = f"hook.{type(hook).__name__}"

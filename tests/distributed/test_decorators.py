@@ -26,6 +26,7 @@ def _caught(call: Any) -> dict[str, Any]:
             "seconds": time.monotonic() - start,
             "failed": error.failed_ranks,
             "text": str(error),
+            "whole": error.rank_messages,
             "cause": type(cause).__name__ if cause is not None else None,
         }
     raise AssertionError("no RankFailedError")
@@ -90,7 +91,11 @@ def test_on_rank_errors_reach_every_rank_and_the_group_stays_aligned() -> None:
         assert (
             "@on_rank(0) " in zero["text"] and "fails_on_zero failed on rank(s) [0]" in zero["text"]
         )
-        assert "ValueError: checkpoint dir missing" in zero["text"] and "Traceback" in zero["text"]
+        # One line per failed rank (its own error is the cause it prints); the whole
+        # traceback stays on the error.
+        assert "--- rank 0 --- ValueError: checkpoint dir missing at " in zero["text"]
+        assert "in fails_on_zero (the traceback: rank 0's output" in zero["text"]
+        assert "Traceback" not in zero["text"] and "Traceback" in zero["whole"][0]
         assert zero["cause"] == ("ValueError" if rank == 0 else None)
         assert seen["rank1"]["failed"] == [1] and "KeyError: 'no such key'" in seen["rank1"]["text"]
         assert seen["rank1"]["cause"] == ("KeyError" if rank == 1 else None)

@@ -48,7 +48,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         with NNHandler(nn.Linear(6, 3), sgd, nn.CrossEntropyLoss(), config=config) as h:
             h.train(StuckAt(), epochs=1)
     except CollectiveStallError as error:
-        return {"report": str(error), "seconds": time.monotonic() - started}
+        return {"report": error.report, "seconds": time.monotonic() - started}
     return {"report": None}
 
 

@@ -174,6 +174,91 @@ def test_save_best_keeps_the_best_epoch_and_needs_its_metric(tmp_path: Path) -> 
         h.train(DATA, VAL, epochs=1)
 
 
+SCORES = [0.5, 0.3, 0.4, 0.2, 0.6]  # by epoch: the 2 best end as epochs 4 and 2
+
+
+def _scored(folder: Path, every_n_epochs: int | None = 1) -> NNHandler:
+    """Validation's ``val_score`` is SCORES[epoch] (a constant per validation run)."""
+    holder: dict[str, Any] = {}
+
+    def score(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(SCORES[holder["trainer"].state.epoch])
+
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {
+                "dir": str(folder),
+                "save_best": True,
+                "save_top_k": 2,
+                "monitor": "val_score",
+                "keep_last": 5,
+                "every_n_epochs": every_n_epochs,
+                "save_last": every_n_epochs is not None,
+                "resume": "never",
+            },
+        }
+    )
+    handler = NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, metrics={"score": score})
+    holder["trainer"] = handler.trainer
+    return handler
+
+
+def _tops(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("top-"))
+
+
+@pytest.mark.parametrize("periodic", [True, False], ids=["linked", "written"])
+def test_save_top_k_keeps_the_k_best_checkpoints_by_the_monitored_value(
+    tmp_path: Path, periodic: bool
+) -> None:
+    with _scored(tmp_path, every_n_epochs=1 if periodic else None) as h:
+        h.train(DATA, VAL, epochs=5)
+    assert h.history["val_score"] == pytest.approx(SCORES)
+    kept = ["top-e0002-s00000010-val_score=0.3.pt", "top-e0004-s00000020-val_score=0.2.pt"]
+    assert _tops(tmp_path) == kept
+    assert (tmp_path / kept[1]).stat().st_ino == (tmp_path / "best.pt").stat().st_ino
+    for name, epoch in zip(kept, (2, 4), strict=True):
+        assert load_file(tmp_path / name)["trainer"]["epoch"] == epoch
+        if periodic:  # a link to the epoch's checkpoint, not a second write
+            periodic_path = tmp_path / f"ckpt-e{epoch:04d}-s{5 * epoch:08d}.pt"
+            assert (tmp_path / name).stat().st_ino == periodic_path.stat().st_ino
+    if periodic:
+        # Each checkpoint holds the ranking with its own epoch's value in it (and best.pt's
+        # value), so a resume from it goes on exactly.
+        third = load_file(tmp_path / "ckpt-e0003-s00000015.pt")
+        assert [name for _, name in third["top_k"]] == [
+            "top-e0002-s00000010-val_score=0.3.pt",
+            "top-e0003-s00000015-val_score=0.4.pt",
+        ]
+        assert [value for value, _ in third["top_k"]] == pytest.approx([0.3, 0.4])
+        assert third["best"] == pytest.approx(0.3)
+        second = load_file(tmp_path / "ckpt-e0002-s00000010.pt")
+        assert second["best"] == pytest.approx(0.3)  # its own epoch's, the best so far
+
+
+def test_a_resumed_run_goes_on_ranking_the_same_top_k(tmp_path: Path) -> None:
+    with _scored(tmp_path) as h:
+        h.train(DATA, VAL, epochs=3)
+    assert _tops(tmp_path) == [
+        "top-e0002-s00000010-val_score=0.3.pt",
+        "top-e0003-s00000015-val_score=0.4.pt",
+    ]
+    with _scored(tmp_path) as h:
+        h.resume("latest")
+        h.train(DATA, VAL, epochs=5)
+    assert _tops(tmp_path) == [
+        "top-e0002-s00000010-val_score=0.3.pt",
+        "top-e0004-s00000020-val_score=0.2.pt",
+    ]
+
+
+def test_save_top_k_without_save_best_is_a_config_error_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"save_top_k=3 keeps the best .* set save_best=True"):
+        HandlerConfig.from_dict({"checkpoint": {"dir": "x", "save_top_k": 3}})
+
+
 def test_resume_falls_back_when_the_newest_checkpoint_is_torn(tmp_path: Path) -> None:
     with _simple(tmp_path, keep_last=3) as h:
         h.train(DATA, epochs=2)

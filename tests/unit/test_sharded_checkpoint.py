@@ -127,8 +127,8 @@ def test_an_asynchronous_save_is_complete_when_fit_returns(
 
 
 def test_best_is_a_folder_of_links_to_the_best_checkpoint(tmp_path: Path) -> None:
-    with _handler(tmp_path, save_best=True, monitor="val_loss") as h:
-        h.train(DATA, VAL, epochs=2)
+    with _handler(tmp_path, save_best=True, save_top_k=2, monitor="val_loss", keep_last=3) as h:
+        h.train(DATA, VAL, epochs=3)
         losses = [r["val_loss"] for r in h.history.records]
     best = tmp_path / "best"
     assert is_sharded(best)
@@ -136,6 +136,12 @@ def test_best_is_a_folder_of_links_to_the_best_checkpoint(tmp_path: Path) -> Non
     assert read_rest(best)["trainer"]["epoch"] == epoch
     source = next(tmp_path.glob(f"ckpt-e{epoch:04d}-*"))
     assert (best / "__0_0.distcp").stat().st_ino == (source / "__0_0.distcp").stat().st_ino
+    # save_top_k: the two best epochs as folders of links, the third deleted.
+    kept = sorted(sorted(range(3), key=lambda i: losses[i])[:2])
+    tops = sorted(tmp_path.glob("top-*"))
+    assert [int(p.name[5:9]) for p in tops] == [i + 1 for i in kept], tops
+    for top in tops:
+        assert is_sharded(top) and read_rest(top)["trainer"]["epoch"] == int(top.name[5:9])
 
 
 def test_a_staging_folder_left_by_a_killed_save_is_removed(tmp_path: Path) -> None:
