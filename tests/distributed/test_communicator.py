@@ -107,9 +107,6 @@ def test_one_rank_failing_raises_on_every_rank_and_the_group_stays_usable() -> N
         assert error.failed_ranks == [1] and "training step failed" in text
         assert "--- rank 1 --- ZeroDivisionError: bad batch 17 at " in text
         assert "Traceback" not in text and "Traceback" in error.rank_messages[1]
-        assert (type(error.__cause__).__name__ if rank == 1 else None) == (
-            "ZeroDivisionError" if rank == 1 else None
-        )
         _, text, _ = by_what["all_gather trailing dims"]
         assert "rank 0: float32[2, 3]" in text and "rank 1: float32[2, 4]" in text
         _, text, _ = by_what["all_gather dtype"]
