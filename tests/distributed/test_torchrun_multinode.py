@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -49,3 +50,23 @@ def test_torchrun_names_the_real_root_cause_of_a_failing_rank() -> None:
     root_cause = output.split("Root Cause (first observed failure):")[-1]
     assert "rank      : 1" in root_cause, output
     assert "ValueError: deliberate failure on rank 1" in root_cause, output
+
+
+def test_a_failing_getitem_on_one_rank_is_reported_once_first() -> None:
+    """Rank 1's __getitem__ raises while rank 0 waits in DDP's all_reduce: the job's output
+    holds rank 1's traceback once, and rank 0 one brief RankFailedError naming rank 1's error
+    and line, without gloo's 'Connection closed by peer' chain in front of it."""
+    script = ROOT / "tests" / "scripts" / "torchrun_failing.py"
+    code, output = run_command(torchrun_command(script, "getitem"), timeout=120)
+    assert code != 0
+    ours = output.split("Traceback (most recent call last):\n  File")[0]  # before torchrun's
+    assert ours.count("KeyError: 'sample") == 2, output  # rank 1's traceback, rank 0's line
+    assert ours.count('raise KeyError(f"sample {index} is missing")') == 1, output
+    brief = re.search(
+        r"--- rank 1 --- KeyError: 'sample \d+ is missing' at \S+:(\d+) in __getitem__", ours
+    )
+    assert brief is not None, output
+    assert "the line rank 0's report names" in script.read_text().splitlines()[int(brief[1]) - 1]
+    assert "rank 0 stopped because of it." in ours
+    assert "Connection closed by peer" not in output and "direct cause" not in ours, output
+    assert len(ours.splitlines()) < 60, output  # was 100 before torchrun's own summary
