@@ -22,6 +22,7 @@ import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -51,8 +52,12 @@ class GroupRunError(AssertionError):
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 now (from [low, high) when given)."""
-    candidates = range(low, high) if low is not None and high is not None else [0]
+    """A TCP port free on 127.0.0.1 now (from [low, high) when given, tried from a random
+    place in it: two suites running at once must not both take the lowest)."""
+    candidates: list[int] = [0]
+    if low is not None and high is not None:
+        start = random.randrange(low, high)
+        candidates = [*range(start, high), *range(low, start)]
     for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

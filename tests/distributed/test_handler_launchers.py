@@ -13,6 +13,7 @@ from torch import nn
 
 from nn_handler import NNHandler, launch
 from tests.harness import free_port, run_command, run_group, slurm_env, torchrun_command
+from tests.timeouts import scaled
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
 pytestmark = pytest.mark.distributed
@@ -51,7 +52,7 @@ def _train_small() -> dict[str, Any]:
 
 
 def test_the_same_handler_code_runs_under_launch_and_in_one_process() -> None:
-    results = launch(_train_small, 2, deadline=90)
+    results = launch(_train_small, 2, deadline=scaled(90))
     assert [r["rank"] for r in results] == [0, 1] and results[0]["world"] == 2
     assert [(r["wrapped"], r["after_close"]) for r in results] == [
         ("DistributedDataParallel", "Sequential")

@@ -23,7 +23,7 @@ from tests.harness import run_command
 from tests.timeouts import scaled
 
 pytestmark = pytest.mark.distributed
-DEADLINE = 60.0  # every launch in this file bounds itself
+DEADLINE = scaled(60.0)  # every launch in this file bounds itself
 
 
 def test_launch_returns_per_rank_results_of_a_closure_and_a_lambda() -> None:
@@ -107,7 +107,8 @@ def _hang() -> None:
 
 def test_a_hang_is_turned_into_an_error_at_the_deadline_naming_the_ranks() -> None:
     with pytest.raises(WorkerTimeoutError) as info:
-        launch(_hang, 2, deadline=15)  # room for a slow start: the stacks must be in _hang
+        # Room for a slow start (scaled on a loaded machine): the stacks must be in _hang.
+        launch(_hang, 2, deadline=scaled(15))
     assert info.value.running == [0, 1]
     assert "in _hang" in info.value.stacks[0] and "in _hang" in info.value.stacks[1]
 
