@@ -195,7 +195,7 @@ def distributed_train_worker(
             owns_group = not existed
         except (DistributedError, ConfigError, RuntimeError) as error:
             launcher = parse_distributed_env(os.environ).launcher
-            if launcher in ("torchrun", "slurm"):
+            if launcher in ("torchrun", "slurm", "kubeflow", "skypilot"):
                 raise DistributedError(
                     f"rank {rank}: distributed setup failed under {launcher} ({error}); not "
                     f"falling back to a single process, which would train {world_size} "

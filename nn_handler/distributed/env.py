@@ -7,15 +7,18 @@ CUDA or ``os.environ`` (callers pass ``os.environ``). Precedence, first match wi
 2. torchrun / env: ``RANK`` and ``WORLD_SIZE`` set (``torchrun`` when ``TORCHELASTIC_RUN_ID`` is
    set too, otherwise a launcher that exports the same variables);
 3. SLURM: ``SLURM_PROCID`` set (one task per process, started by ``srun``);
-4. single process: none of the above.
+4. Kubeflow Trainer (``PET_*``) or SkyPilot (``SKYPILOT_*``) without torchrun: one process per
+   node, mapped as torchrun would (cluster_env.py);
+5. single process: none of the above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from nn_handler.distributed.cluster_env import torchrun_view
 from nn_handler.distributed.slurm_lists import (
     expand_slurm_nodelist,
     expand_slurm_tasks_per_node,
@@ -23,7 +26,7 @@ from nn_handler.distributed.slurm_lists import (
 )
 from nn_handler.errors import ConfigError
 
-Launcher = Literal["single", "manual", "torchrun", "env", "slurm"]
+Launcher = Literal["single", "manual", "torchrun", "env", "slurm", "kubeflow", "skypilot"]
 
 #: Variables torchrun sets in every worker (see torch.distributed.run's documentation).
 TORCHRUN_VARIABLES = (
@@ -172,6 +175,10 @@ def parse_distributed_env(
         )
     if "SLURM_PROCID" in env:
         return _parse_slurm(env)
+    view = torchrun_view(env)
+    if view is not None:
+        launcher, variables = view
+        return replace(_parse_rank_env(variables), launcher=launcher)
     return DistributedInfo()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -128,6 +129,38 @@ def test_a_slurm_launch_finds_its_master_in_the_nodelist() -> None:
     for rank, (info, mean) in enumerate(results):
         assert (info.launcher, info.rank, info.master_addr) == ("slurm", rank, "127.0.0.1")
         assert info.master_port == port and mean == 0.5
+
+
+def _cluster_env(kind: str, port: int) -> Callable[[int], dict[str, str]]:
+    """Per-rank variables of a two-node Kubeflow TrainJob or SkyPilot task run without
+    torchrun (one process per node), whose head is 127.0.0.1."""
+
+    def for_rank(rank: int) -> dict[str, str]:
+        if kind == "kubeflow":
+            return {
+                "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": "1",
+                "PET_NODE_RANK": str(rank),
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port),
+            }
+        return {
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "MASTER_PORT": str(port),
+        }
+
+    return for_rank
+
+
+@pytest.mark.parametrize("kind", ["kubeflow", "skypilot"])
+def test_a_cluster_launch_without_torchrun_forms_its_group(kind: str) -> None:
+    results = run_group(_slurm_task, 2, init="none", env=_cluster_env(kind, free_port()))
+    for rank, (info, mean) in enumerate(results):
+        assert (info.launcher, info.rank, info.node_rank, info.local_rank) == (kind, rank, rank, 0)
+        assert info.master_addr == "127.0.0.1" and mean == 0.5
 
 
 def _misplaced_rank(rank: int, world_size: int) -> tuple[list[int], str]:
