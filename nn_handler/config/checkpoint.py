@@ -54,6 +54,10 @@ class CheckpointConfig(ConfigModel):
         preemption_budget_s: the longest the emergency checkpoint may take; past it the save is
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
+        preemption_notice: a preemption notice that comes without a signal, treated as a
+            SIGTERM: a file path (a notice once the file exists) or an http(s) URL (a notice
+            once it answers 2xx, e.g. AWS spot's instance-action metadata), polled in a
+            thread every ``preemption_notice_interval_s`` seconds. None: signals only.
         format: 'file' writes one file (rank 0 writes it, the state gathered to rank 0);
             'sharded' a folder every rank writes its shards into in parallel, through
             torch.distributed.checkpoint, which any number of ranks can resume (see
@@ -81,6 +85,8 @@ class CheckpointConfig(ConfigModel):
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float = Field(default=120.0, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
+    preemption_notice: str | None = None
+    preemption_notice_interval_s: float = Field(default=5.0, gt=0)
     format: CheckpointFormat = "auto"
     async_save: bool = False
 
@@ -94,6 +100,10 @@ class CheckpointConfig(ConfigModel):
             raise ValueError(
                 f"save_top_k={self.save_top_k} keeps the best checkpoints by monitor "
                 f"({self.monitor!r}, mode {self.mode!r}): set save_best=True as well"
+            )
+        if self.preemption_notice is not None and not self.handle_sigterm:
+            raise ValueError(
+                "preemption_notice is treated as a SIGTERM: it needs handle_sigterm=True"
             )
         if self.async_save and self.format == "file":
             raise ValueError(

@@ -71,12 +71,15 @@ class CheckpointHook(Hook):
         """SIGTERM and Ctrl-C handling until ``after_train`` (when handle_sigterm is on;
         Ctrl-C also needs handle_sigint)."""
         self.watch = None
-        if self.config.handle_sigterm:
+        config = self.config
+        if config.handle_sigterm:
             self.watch = PreemptionWatch(
                 self.checkpoints.comm,
                 self.device,
-                self.config.preemption_check_interval_s,
-                interrupt=self.config.handle_sigint,
+                config.preemption_check_interval_s,
+                interrupt=config.handle_sigint,
+                notice=config.preemption_notice,
+                notice_interval_s=config.preemption_notice_interval_s,
             ).__enter__()
 
     def after_train(self) -> None:

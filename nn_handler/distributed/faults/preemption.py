@@ -24,6 +24,7 @@ from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.communicator.base import Waiter
+from nn_handler.distributed.faults.notice import NoticePoller, NoticeSource, notice_from
 from nn_handler.errors import TrainingPreempted
 
 MAX_STEPS_BETWEEN_CHECKS = 10_000
@@ -39,7 +40,9 @@ _NONE, _SIGTERM, _SIGINT = 0, 1, 2
 class PreemptionWatch:
     """A SIGTERM (and, with ``interrupt``, SIGINT) flag plus the collective check of it; use
     as a context manager around the loop (it installs the handlers on entry and restores the
-    previous ones on exit).
+    previous ones on exit). ``notice``: a preemption notice source besides the signal (a file
+    path, an http(s) URL or a callable; notice.py), polled every ``notice_interval_s`` seconds
+    in a thread while the watch is on, and treated as a SIGTERM.
 
     Attributes:
         requested: this rank received SIGTERM or a first Ctrl-C.
@@ -54,8 +57,14 @@ class PreemptionWatch:
         device: torch.device,
         interval_s: float,
         interrupt: bool = False,
+        notice: str | NoticeSource | None = None,
+        notice_interval_s: float = 5.0,
     ) -> None:
         self.comm = communicator
+        self._poller: NoticePoller | None = None
+        if notice is not None:
+            source, self._notice_name = notice_from(notice)
+            self._poller = NoticePoller(source, notice_interval_s, self._on_notice)
         self.device = device
         self.interval_s = interval_s
         self.interrupt = interrupt
@@ -83,6 +92,16 @@ class PreemptionWatch:
             )
         self.requested = True
 
+    def _on_notice(self) -> None:
+        """A preemption notice (notice.py), from the poller's thread: as a SIGTERM."""
+        if not self.requested:
+            logger.bind(rank=self.comm.rank).warning(
+                "rank {} got a preemption notice from {}: stopping soon, with a checkpoint",
+                self.comm.rank,
+                self._notice_name,
+            )
+        self.requested = True
+
     def _on_interrupt(self) -> None:
         if self.interrupted:  # the second Ctrl-C: stop now, without a checkpoint
             signal.signal(signal.SIGINT, self._previous_sigint)
@@ -95,6 +114,8 @@ class PreemptionWatch:
         )
 
     def __enter__(self) -> PreemptionWatch:
+        if self._poller is not None:
+            self._poller.start()
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             if self.interrupt:
@@ -113,6 +134,8 @@ class PreemptionWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._poller is not None:
+            self._poller.stop()
         if self._installed:
             if self.interrupt and signal.getsignal(signal.SIGINT) == self._on_signal:
                 signal.signal(signal.SIGINT, self._previous_sigint)

@@ -1,0 +1,99 @@
+"""Preemption notices that come without a signal: a file that appears, or a URL that starts
+to answer (AWS spot instances get a two-minute notice from the instance metadata service,
+and no SIGTERM before the end). A daemon thread polls the source; the first notice is
+treated exactly like a SIGTERM (``PreemptionWatch``: the ranks agree to stop, an emergency
+checkpoint is written), so polling never blocks a training step.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from loguru import logger
+
+from nn_handler.errors import ConfigError
+
+NoticeSource = Callable[[], bool]
+
+
+def file_notice(path: str | Path) -> NoticeSource:
+    """A notice once ``path`` exists (a scheduler's or a sidecar's marker file)."""
+    target = Path(path)
+    return target.exists
+
+
+def url_notice(url: str, timeout_s: float = 1.0) -> NoticeSource:
+    """A notice once a GET of ``url`` answers 2xx; 404, other errors and timeouts are no
+    notice (AWS: ``http://169.254.169.254/latest/meta-data/spot/instance-action`` answers 404
+    until the instance is to be stopped; with IMDSv2 required, pass your own callable that
+    fetches a token first)."""
+
+    def poll() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+                return 200 <= int(answer.status) < 300
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    return poll
+
+
+def notice_from(spec: str | NoticeSource) -> tuple[NoticeSource, str]:
+    """The source ``spec`` names (an http(s) URL, a file path, or a callable returning True
+    once the notice came) and how to name it in a log line."""
+    if callable(spec):
+        return spec, getattr(spec, "__name__", type(spec).__name__)
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(
+            f"preemption_notice must be a file path, an http(s) URL or a callable, got {spec!r}."
+        )
+    if spec.startswith(("http://", "https://")):
+        return url_notice(spec), spec
+    return file_notice(spec), spec
+
+
+class NoticePoller:
+    """Calls ``source`` every ``interval_s`` seconds in a daemon thread until it returns True,
+    then ``on_notice()`` once. A source that raises is logged once and polled on."""
+
+    def __init__(
+        self, source: NoticeSource, interval_s: float, on_notice: Callable[[], None]
+    ) -> None:
+        self.source = source
+        self.interval_s = interval_s
+        self.on_notice = on_notice
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nn-handler-notice", daemon=True)
+        self._failed = False
+
+    def start(self) -> NoticePoller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(2 * self.interval_s, 1.0))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._poll():
+                self.on_notice()
+                return
+            self._stop.wait(self.interval_s)
+
+    def _poll(self) -> bool:
+        try:
+            return bool(self.source())
+        except Exception as error:  # a broken source must not end the training
+            if not self._failed:
+                logger.warning("the preemption notice source raised {!r}; polling on", error)
+                self._failed = True
+            return False
+
+
+__all__ = ["NoticePoller", "NoticeSource", "file_notice", "notice_from", "url_notice"]

@@ -1,0 +1,137 @@
+"""A preemption notice without a signal (a file, a URL, a callable) stops training exactly as
+a SIGTERM does: an emergency checkpoint, latest.json marked preempted, TrainingPreempted."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loguru import logger
+from torch import nn
+
+from nn_handler import ConfigError, HandlerConfig, Hook, NNHandler, TrainingPreempted
+from nn_handler.distributed.faults.notice import NoticePoller, notice_from, url_notice
+from tests.harness import free_port
+from tests.training_helpers import mlp, regression_data, sgd
+
+
+class NoticeAt(Hook):
+    """Gives the notice after optimizer step ``step`` and waits until the watch has seen it,
+    so the run stops at that step (the poller runs in its own thread)."""
+
+    def __init__(self, step: int, give: Callable[[], None]) -> None:
+        self.step, self.give = step, give
+
+    def after_optimizer_step(self) -> None:
+        if self.trainer.state.global_step != self.step:
+            return
+        self.give()
+        watch = self.trainer.checkpointing.hook.watch
+        deadline = time.monotonic() + 10
+        while not watch.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _handler(folder: Path, notice: str, hooks: list[Hook]) -> NNHandler:
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {
+                "dir": str(folder / "ckpt"),
+                "preemption_notice": notice,
+                "preemption_notice_interval_s": 0.02,
+            },
+        }
+    )
+    return NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=hooks)
+
+
+def _stopped_at(handler: NNHandler, folder: Path) -> int:
+    with handler, pytest.raises(TrainingPreempted) as info:
+        handler.train(regression_data(), epochs=5)
+    latest = json.loads((folder / "ckpt" / "latest.json").read_text())
+    assert latest["reason"] == "preempted" and latest["global_step"] == info.value.global_step
+    assert info.value.checkpoint is not None and Path(info.value.checkpoint).exists()
+    return info.value.global_step
+
+
+def test_a_notice_file_stops_training_with_a_checkpoint(tmp_path: Path) -> None:
+    marker = tmp_path / "preempt-now"
+    hook = NoticeAt(3, marker.touch)
+    assert _stopped_at(_handler(tmp_path, str(marker), [hook]), tmp_path) == 3
+
+
+@pytest.fixture
+def metadata_server() -> Iterator[tuple[str, threading.Event]]:
+    """A local stand-in for a spot instance's metadata: 404 until the notice, then 200."""
+    noticed = threading.Event()
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"action": "terminate"}'
+            self.send_response(200 if noticed.is_set() else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/latest/meta-data/spot/instance-action"
+    try:
+        yield url, noticed
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_notice_url_stops_training_once_it_answers(
+    tmp_path: Path, metadata_server: tuple[str, threading.Event]
+) -> None:
+    url, noticed = metadata_server
+    assert url_notice(url)() is False  # 404: no notice yet
+    assert _stopped_at(_handler(tmp_path, url, [NoticeAt(4, noticed.set)]), tmp_path) == 4
+    assert url_notice("http://127.0.0.1:9/nothing-listens", timeout_s=0.2)() is False
+
+
+def test_a_source_that_raises_is_logged_once_and_polled_on() -> None:
+    calls: list[int] = []
+
+    def broken() -> bool:
+        calls.append(1)
+        raise OSError("metadata service unreachable")
+
+    seen: list[str] = []
+    logged: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(lambda m: logged.append(str(m)), level="WARNING")
+    try:
+        poller = NoticePoller(broken, 0.01, lambda: seen.append("notice")).start()
+        time.sleep(0.2)
+        poller.stop()
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    assert len(calls) > 3 and seen == []  # polled on, never a notice
+    assert len([m for m in logged if "metadata service unreachable" in m]) == 1, logged
+
+
+def test_notice_specs_and_config_errors() -> None:
+    source, name = notice_from("https://example.invalid/x")
+    assert name == "https://example.invalid/x" and callable(source)
+    with pytest.raises(ConfigError, match="file path, an http\\(s\\) URL or a callable"):
+        notice_from("")
+    with pytest.raises(ConfigError, match="needs handle_sigterm=True"):
+        HandlerConfig.from_dict(
+            {"checkpoint": {"dir": "x", "preemption_notice": "f", "handle_sigterm": False}}
+        )
