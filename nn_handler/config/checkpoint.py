@@ -55,9 +55,10 @@ class CheckpointConfig(ConfigModel):
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
         preemption_notice: a preemption notice that comes without a signal, treated as a
-            SIGTERM: a file path (a notice once the file exists) or an http(s) URL (a notice
-            once it answers 2xx, e.g. AWS spot's instance-action metadata), polled in a
-            thread every ``preemption_notice_interval_s`` seconds. None: signals only.
+            SIGTERM: 'aws-spot' (the EC2 spot interruption notice, IMDSv2 or v1), a file path
+            (a notice once the file exists) or an http(s) URL (a notice once it answers 2xx),
+            polled in a thread every ``preemption_notice_interval_s`` seconds. None: signals
+            only.
         format: 'file' writes one file (rank 0 writes it, the state gathered to rank 0);
             'sharded' a folder every rank writes its shards into in parallel, through
             torch.distributed.checkpoint, which any number of ranks can resume (see

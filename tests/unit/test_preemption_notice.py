@@ -16,7 +16,12 @@ from loguru import logger
 from torch import nn
 
 from nn_handler import ConfigError, HandlerConfig, Hook, NNHandler, TrainingPreempted
-from nn_handler.distributed.faults.notice import NoticePoller, notice_from, url_notice
+from nn_handler.distributed.faults.notice import (
+    NoticePoller,
+    aws_spot_notice,
+    notice_from,
+    url_notice,
+)
 from tests.harness import free_port
 from tests.training_helpers import mlp, regression_data, sgd
 
@@ -104,6 +109,61 @@ def test_a_notice_url_stops_training_once_it_answers(
     assert url_notice("http://127.0.0.1:9/nothing-listens", timeout_s=0.2)() is False
 
 
+@pytest.fixture
+def imdsv2_server() -> Iterator[tuple[str, threading.Event, list[str]]]:
+    """A local stand-in of the EC2 metadata service with IMDSv2 required: a PUT to
+    /latest/api/token gives a token; a GET without it is 401; with it, 404 until the notice."""
+    noticed = threading.Event()
+    seen: list[str] = []
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+            ok = self.path == "/latest/api/token" and ttl is not None
+            self._answer(200 if ok else 400, b"secret-token")
+
+        def do_GET(self) -> None:
+            token = self.headers.get("X-aws-ec2-metadata-token")
+            seen.append(f"{self.path} token={token}")
+            if token != "secret-token":
+                self._answer(401, b"")
+            elif self.path != "/latest/meta-data/spot/instance-action" or not noticed.is_set():
+                self._answer(404, b"")
+            else:
+                self._answer(200, b'{"action": "stop", "time": "2026-11-24T16:00:00Z"}')
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", noticed, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_aws_spot_source_asks_with_an_imdsv2_token(
+    imdsv2_server: tuple[str, threading.Event, list[str]],
+) -> None:
+    base, noticed, seen = imdsv2_server
+    action = f"{base}/latest/meta-data/spot/instance-action"
+    poll = aws_spot_notice(base)
+    assert poll() is False and seen[-1].endswith("token=secret-token")  # 404: no notice yet
+    assert url_notice(action)() is False  # a plain GET is refused (401) where IMDSv2 is required
+    noticed.set()
+    assert poll() is True
+    assert url_notice(action)() is False
+    assert notice_from("aws-spot")[1] == "the AWS spot interruption notice"
+
+
 def test_a_source_that_raises_is_logged_once_and_polled_on() -> None:
     calls: list[int] = []
 
@@ -129,7 +189,7 @@ def test_a_source_that_raises_is_logged_once_and_polled_on() -> None:
 def test_notice_specs_and_config_errors() -> None:
     source, name = notice_from("https://example.invalid/x")
     assert name == "https://example.invalid/x" and callable(source)
-    with pytest.raises(ConfigError, match="file path, an http\\(s\\) URL or a callable"):
+    with pytest.raises(ConfigError, match="'aws-spot', a file path or an http\\(s\\) URL"):
         notice_from("")
     with pytest.raises(ConfigError, match="needs handle_sigterm=True"):
         HandlerConfig.from_dict(

@@ -28,29 +28,64 @@ def file_notice(path: str | Path) -> NoticeSource:
 
 def url_notice(url: str, timeout_s: float = 1.0) -> NoticeSource:
     """A notice once a GET of ``url`` answers 2xx; 404, other errors and timeouts are no
-    notice (AWS: ``http://169.254.169.254/latest/meta-data/spot/instance-action`` answers 404
-    until the instance is to be stopped; with IMDSv2 required, pass your own callable that
-    fetches a token first)."""
+    notice (for AWS spot, 'aws-spot' also handles IMDSv2's session token)."""
 
     def poll() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as answer:
-                return 200 <= int(answer.status) < 300
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        return _answers(url, timeout_s)
 
     return poll
 
 
+#: The EC2 instance metadata service, where a spot instance finds its interruption notice.
+AWS_METADATA = "http://169.254.169.254"
+AWS_SPOT_NOTICE = "aws-spot"
+
+
+def aws_spot_notice(base: str = AWS_METADATA, timeout_s: float = 1.0) -> NoticeSource:
+    """A notice once ``latest/meta-data/spot/instance-action`` answers 2xx (AWS gives it two
+    minutes before a spot instance is stopped). Each poll asks for an IMDSv2 session token
+    first (PUT ``latest/api/token``) and sends it; where that fails (IMDSv1 only) the GET goes
+    without one."""
+
+    def poll() -> bool:
+        headers: dict[str, str] = {}
+        ask = urllib.request.Request(
+            f"{base}/latest/api/token",
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"},
+        )
+        try:
+            with urllib.request.urlopen(ask, timeout=timeout_s) as answer:
+                headers["X-aws-ec2-metadata-token"] = answer.read().decode()
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        action = urllib.request.Request(
+            f"{base}/latest/meta-data/spot/instance-action", headers=headers
+        )
+        return _answers(action, timeout_s)
+
+    return poll
+
+
+def _answers(request: urllib.request.Request | str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return 200 <= int(answer.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def notice_from(spec: str | NoticeSource) -> tuple[NoticeSource, str]:
-    """The source ``spec`` names (an http(s) URL, a file path, or a callable returning True
-    once the notice came) and how to name it in a log line."""
+    """The source ``spec`` names ('aws-spot', an http(s) URL, a file path, or a callable
+    returning True once the notice came) and how to name it in a log line."""
     if callable(spec):
         return spec, getattr(spec, "__name__", type(spec).__name__)
     if not isinstance(spec, str) or not spec:
         raise ConfigError(
-            f"preemption_notice must be a file path, an http(s) URL or a callable, got {spec!r}."
+            f"preemption_notice must be 'aws-spot', a file path or an http(s) URL, got {spec!r}."
         )
+    if spec == AWS_SPOT_NOTICE:
+        return aws_spot_notice(), "the AWS spot interruption notice"
     if spec.startswith(("http://", "https://")):
         return url_notice(spec), spec
     return file_notice(spec), spec
@@ -96,4 +131,13 @@ class NoticePoller:
             return False
 
 
-__all__ = ["NoticePoller", "NoticeSource", "file_notice", "notice_from", "url_notice"]
+__all__ = [
+    "AWS_METADATA",
+    "AWS_SPOT_NOTICE",
+    "NoticePoller",
+    "NoticeSource",
+    "aws_spot_notice",
+    "file_notice",
+    "notice_from",
+    "url_notice",
+]
