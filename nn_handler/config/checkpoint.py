@@ -53,6 +53,8 @@ class CheckpointConfig(ConfigModel):
             the check is free and runs every step). Ranks stop within about two intervals.
         preemption_budget_s: the longest the emergency checkpoint may take; past it the save is
             abandoned (the previous checkpoint stays the latest) and the run exits anyway.
+            None: 25 s under Kubernetes (its default grace period between SIGTERM and SIGKILL
+            is 30 s), 120 s elsewhere.
         preemption_exit_code: the exit status of a preempted run (75, EX_TEMPFAIL, by default).
         preemption_notice: a preemption notice that comes without a signal, treated as a
             SIGTERM: 'aws-spot' (the EC2 spot interruption notice, IMDSv2 or v1), a file path
@@ -84,7 +86,7 @@ class CheckpointConfig(ConfigModel):
     handle_sigterm: bool = True
     handle_sigint: bool = True
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
-    preemption_budget_s: float = Field(default=120.0, gt=0)
+    preemption_budget_s: float | None = Field(default=None, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
     preemption_notice: str | None = None
     preemption_notice_interval_s: float = Field(default=5.0, gt=0)

@@ -10,6 +10,7 @@ HookList, ``collective``: it runs last at each point, after the other hooks' err
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.registry import Part
 from nn_handler.config.checkpoint import CheckpointConfig
-from nn_handler.distributed.faults.preemption import PreemptionWatch
+from nn_handler.distributed.faults.preemption import PreemptionWatch, preemption_budget
 from nn_handler.errors import CheckpointError, ConfigError, TrainingInterrupted, TrainingPreempted
 from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.history import History
@@ -165,7 +166,8 @@ class CheckpointHook(Hook):
         else:
             try:
                 path = self.checkpoints.save_periodic(
-                    budget_s=config.preemption_budget_s, final=True
+                    budget_s=preemption_budget(config.preemption_budget_s, os.environ),
+                    final=True,
                 )
             except CheckpointError as error:
                 log.error("no emergency checkpoint: {}", error)

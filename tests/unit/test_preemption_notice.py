@@ -1,5 +1,6 @@
-"""A preemption notice without a signal (a file, a URL, a callable) stops training exactly as
-a SIGTERM does: an emergency checkpoint, latest.json marked preempted, TrainingPreempted."""
+"""A preemption notice without a signal (a file, a URL, the AWS spot notice) stops training
+exactly as a SIGTERM does: an emergency checkpoint, latest.json marked preempted,
+TrainingPreempted; and the emergency save's default budget fits Kubernetes' grace period."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from nn_handler.distributed.faults.notice import (
     notice_from,
     url_notice,
 )
+from nn_handler.distributed.faults.preemption import preemption_budget
+from nn_handler.training.checkpointing import TrainerCheckpoints
 from tests.harness import free_port
 from tests.training_helpers import mlp, regression_data, sgd
 
@@ -195,3 +198,25 @@ def test_notice_specs_and_config_errors() -> None:
         HandlerConfig.from_dict(
             {"checkpoint": {"dir": "x", "preemption_notice": "f", "handle_sigterm": False}}
         )
+
+
+def test_the_default_budget_fits_kubernetes_grace_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert preemption_budget(None, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}) == 25.0
+    assert preemption_budget(None, {}) == 120.0
+    assert preemption_budget(7.5, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}) == 7.5
+    budgets: list[float | None] = []
+    original = TrainerCheckpoints.save_periodic
+
+    def recording(
+        self: TrainerCheckpoints, budget_s: float | None = None, final: bool = False
+    ) -> Path:
+        budgets.append(budget_s)
+        return original(self, budget_s=budget_s, final=final)
+
+    monkeypatch.setattr(TrainerCheckpoints, "save_periodic", recording)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    marker = tmp_path / "preempt-now"
+    _stopped_at(_handler(tmp_path, str(marker), [NoticeAt(3, marker.touch)]), tmp_path)
+    assert budgets[-1] == 25.0  # the emergency save, in a pod

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -31,6 +32,21 @@ MAX_STEPS_BETWEEN_CHECKS = 10_000
 #: Seconds a preempted process shields its shutdown from further SIGTERMs (torchrun waits up
 #: to 30 s after its SIGTERM before it sends SIGKILL).
 SHUTDOWN_GRACE_S = 20.0
+
+
+#: The emergency save's budget where none is configured: Kubernetes gives a pod 30 s between
+#: SIGTERM and SIGKILL by default (terminationGracePeriodSeconds), and the ranks still have to
+#: agree and exit; elsewhere (SLURM's --signal lead time, a spot notice) more is usual.
+KUBERNETES_BUDGET_S = 25.0
+DEFAULT_BUDGET_S = 120.0
+
+
+def preemption_budget(configured: float | None, env: Mapping[str, str]) -> float:
+    """The emergency checkpoint's time budget: ``configured``, else 25 s in a Kubernetes pod
+    (``KUBERNETES_SERVICE_HOST`` set) and 120 s elsewhere."""
+    if configured is not None:
+        return configured
+    return KUBERNETES_BUDGET_S if "KUBERNETES_SERVICE_HOST" in env else DEFAULT_BUDGET_S
 
 
 #: The flag values each rank contributes (max-reduced: an interrupt outranks a preemption).
@@ -242,4 +258,12 @@ def _deliver_default(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
-__all__ = ["MAX_STEPS_BETWEEN_CHECKS", "SHUTDOWN_GRACE_S", "PreemptionWatch", "ShutdownShield"]
+__all__ = [
+    "DEFAULT_BUDGET_S",
+    "KUBERNETES_BUDGET_S",
+    "MAX_STEPS_BETWEEN_CHECKS",
+    "SHUTDOWN_GRACE_S",
+    "PreemptionWatch",
+    "ShutdownShield",
+    "preemption_budget",
+]
