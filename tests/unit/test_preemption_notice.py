@@ -4,6 +4,7 @@ TrainingPreempted; and the emergency save's default budget fits Kubernetes' grac
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -76,31 +77,42 @@ def test_a_notice_file_stops_training_with_a_checkpoint(tmp_path: Path) -> None:
     assert _stopped_at(_handler(tmp_path, str(marker), [hook]), tmp_path) == 3
 
 
+class Quiet(http.server.BaseHTTPRequestHandler):
+    """A request handler that answers with a status and a body, and logs nothing."""
+
+    def answer(self, status: int, body: bytes = b"") -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serving(handler: type[Quiet]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 in a thread; yields the base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def metadata_server() -> Iterator[tuple[str, threading.Event]]:
     """A local stand-in for a spot instance's metadata: 404 until the notice, then 200."""
     noticed = threading.Event()
 
-    class Answer(http.server.BaseHTTPRequestHandler):
+    class Answer(Quiet):
         def do_GET(self) -> None:
-            body = b'{"action": "terminate"}'
-            self.send_response(200 if noticed.is_set() else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(200 if noticed.is_set() else 404, b'{"action": "terminate"}')
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Answer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/latest/meta-data/spot/instance-action"
-    try:
-        yield url, noticed
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Answer) as base:
+        yield f"{base}/latest/meta-data/spot/instance-action", noticed
 
 
 def test_a_notice_url_stops_training_once_it_answers(
@@ -119,38 +131,24 @@ def imdsv2_server() -> Iterator[tuple[str, threading.Event, list[str]]]:
     noticed = threading.Event()
     seen: list[str] = []
 
-    class Metadata(http.server.BaseHTTPRequestHandler):
+    class Metadata(Quiet):
         def do_PUT(self) -> None:
             ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
             ok = self.path == "/latest/api/token" and ttl is not None
-            self._answer(200 if ok else 400, b"secret-token")
+            self.answer(200 if ok else 400, b"secret-token")
 
         def do_GET(self) -> None:
             token = self.headers.get("X-aws-ec2-metadata-token")
             seen.append(f"{self.path} token={token}")
             if token != "secret-token":
-                self._answer(401, b"")
+                self.answer(401)
             elif self.path != "/latest/meta-data/spot/instance-action" or not noticed.is_set():
-                self._answer(404, b"")
+                self.answer(404)
             else:
-                self._answer(200, b'{"action": "stop", "time": "2026-11-24T16:00:00Z"}')
+                self.answer(200, b'{"action": "stop", "time": "2026-11-24T16:00:00Z"}')
 
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Metadata)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", noticed, seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Metadata) as base:
+        yield base, noticed, seen
 
 
 def test_the_aws_spot_source_asks_with_an_imdsv2_token(
