@@ -7,7 +7,8 @@ variables, ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MAST
 ``SKYPILOT_NUM_GPUS_PER_NODE``. A script run under either *without* torchrun is one process per
 node: ``torchrun_view`` gives the variables torchrun would give that process (rank = node
 rank, world size = nodes, local rank 0 of 1, the master's address, port 29500 as torchrun's
-default unless ``MASTER_PORT`` is set). Pure: it reads the mapping it is given and never
+default unless ``MASTER_PORT`` is set). On one node the script is a single process, as it
+would be without the launcher. Pure: it reads the mapping it is given and never
 writes ``os.environ``. More than one process per node needs torchrun (which reads the
 ``PET_*`` variables itself): a ConfigError says the command.
 """
@@ -56,14 +57,14 @@ def _kubeflow(env: Mapping[str, str]) -> dict[str, str] | None:
             f"PET_NODE_RANK={node_rank} is not below PET_NNODES={nodes}; check the TrainJob's "
             f"numNodes."
         )
+    if nodes == 1:  # one machine: a plain single process, as without the launcher
+        return None
     per_node = env.get("PET_NPROC_PER_NODE", "1").strip()
     if per_node != "1":
         raise ConfigError(
             f"PET_NPROC_PER_NODE={per_node!r}: more than one process per node (or one per "
             f"device) is torchrun's to start; {command} (one process per node runs without it)."
         )
-    if nodes == 1:
-        return None
     addr = env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR")
     if not addr:
         raise ConfigError(
@@ -86,6 +87,8 @@ def _skypilot(env: Mapping[str, str]) -> dict[str, str] | None:
         raise ConfigError(
             f"SKYPILOT_NODE_RANK={node_rank} is not below SKYPILOT_NUM_NODES={nodes}."
         )
+    if nodes == 1:  # one machine: a plain single process, as without the launcher
+        return None
     gpus = 0
     if env.get("SKYPILOT_NUM_GPUS_PER_NODE", "").strip():
         gpus = _count(env, "SKYPILOT_NUM_GPUS_PER_NODE", 0, "it is the GPUs of one node.")
@@ -97,8 +100,6 @@ def _skypilot(env: Mapping[str, str]) -> dict[str, str] | None:
             f'$(echo "$SKYPILOT_NODE_IPS" | head -n1) --master-port={DEFAULT_MASTER_PORT} '
             f"train.py"
         )
-    if nodes == 1:
-        return None
     if len(ips) != nodes:
         raise ConfigError(
             f"SKYPILOT_NODE_IPS lists {len(ips)} node(s) but SKYPILOT_NUM_NODES={nodes}: the "

@@ -78,6 +78,10 @@ def test_torchrun_inside_the_cluster_launcher_wins() -> None:
 def test_one_node_is_a_single_process_and_master_port_overrides() -> None:
     assert parse_distributed_env(kubeflow_env(1, 0)).launcher == "single"
     assert parse_distributed_env(skypilot_env(1, 0)).launcher == "single"
+    # One machine with several devices, run with plain python: one process, as before.
+    many = {**kubeflow_env(1, 0), "PET_NPROC_PER_NODE": "4"}
+    assert parse_distributed_env(many).launcher == "single"
+    assert parse_distributed_env(skypilot_env(1, 0, gpus=8)).launcher == "single"
     info = parse_distributed_env({**skypilot_env(2, 0), "MASTER_PORT": "8008"})
     assert info.master_port == 8008
 
