@@ -7,7 +7,11 @@ import math
 import re
 from typing import Any
 
+from nn_handler.errors import CheckpointError
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+#: What top_name makes: no path separator, never '.' or '..'.
+_NAME = re.compile(r"top-e\d{4,}-s\d{8,}-[A-Za-z0-9_.-]+=[A-Za-z0-9_.+-]+")
 
 
 def top_name(monitor: str, value: float, epoch: int, step: int, sharded: bool) -> str:
@@ -52,7 +56,21 @@ class TopK:
         return [[value, name] for value, name in self.entries]
 
     def load_state_dict(self, state: Any) -> None:
-        self.entries = [(float(value), str(name)) for value, name in state][: self.k]
+        """The entries a checkpoint kept. Their names are later deleted from the checkpoint
+        folder, so each must be a plain top-k file name (never a path out of the folder):
+        anything else is a CheckpointError."""
+        entries: list[tuple[float, str]] = []
+        for entry in state if isinstance(state, list) else [state]:
+            value, name = entry if isinstance(entry, list | tuple) and len(entry) == 2 else (0, 0)
+            if not (isinstance(name, str) and _NAME.fullmatch(name)) or not isinstance(
+                value, int | float
+            ):
+                raise CheckpointError(
+                    f"the checkpoint's top_k entry {entry!r} is not (value, top-k file name): "
+                    f"the checkpoint is corrupt or was not written by nn_handler."
+                )
+            entries.append((float(value), name))
+        self.entries = entries[: self.k]
 
 
 __all__ = ["TopK", "top_name"]
