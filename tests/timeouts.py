@@ -16,7 +16,7 @@ import os
 MAX_SCALE = 8.0
 
 
-def _scale() -> float:
+def measured_scale() -> float:
     given = os.environ.get("NN_HANDLER_TEST_TIMEOUT_SCALE", "").strip()
     if given:
         return max(1.0, float(given))
@@ -27,7 +27,7 @@ def _scale() -> float:
     return min(MAX_SCALE, max(1.0, load / (os.cpu_count() or 1)))
 
 
-SCALE = _scale()
+SCALE = measured_scale()
 
 
 def scaled(seconds: float) -> float:
@@ -35,4 +35,4 @@ def scaled(seconds: float) -> float:
     return seconds * SCALE
 
 
-__all__ = ["SCALE", "scaled"]
+__all__ = ["SCALE", "measured_scale", "scaled"]

@@ -88,7 +88,7 @@ class CheckpointConfig(ConfigModel):
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float | None = Field(default=None, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
-    preemption_notice: str | None = None
+    preemption_notice: str | None = Field(default=None, min_length=1)
     preemption_notice_interval_s: float = Field(default=5.0, gt=0)
     format: CheckpointFormat = "auto"
     async_save: bool = False

@@ -192,6 +192,8 @@ def test_notice_specs_and_config_errors() -> None:
     assert name == "https://example.invalid/x" and callable(source)
     with pytest.raises(ConfigError, match="'aws-spot', a file path or an http\\(s\\) URL"):
         notice_from("")
+    with pytest.raises(ConfigError, match="preemption_notice: String should have at least 1"):
+        HandlerConfig.from_dict({"checkpoint": {"dir": "x", "preemption_notice": ""}})
     with pytest.raises(ConfigError, match="needs handle_sigterm=True"):
         HandlerConfig.from_dict(
             {"checkpoint": {"dir": "x", "preemption_notice": "f", "handle_sigterm": False}}

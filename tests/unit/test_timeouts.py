@@ -15,13 +15,13 @@ def test_the_scale_is_the_load_per_core_between_1_and_8(load: float, cpus: int) 
         patch.delenv("NN_HANDLER_TEST_TIMEOUT_SCALE", raising=False)
         patch.setattr(timeouts.os, "getloadavg", lambda: (load, 0.0, 0.0))
         patch.setattr(timeouts.os, "cpu_count", lambda: cpus)
-        scale = timeouts._scale()
+        scale = timeouts.measured_scale()
     assert 1.0 <= scale <= timeouts.MAX_SCALE
     assert scale == pytest.approx(min(8.0, max(1.0, load / cpus)))
 
 
 def test_the_environment_variable_sets_the_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NN_HANDLER_TEST_TIMEOUT_SCALE", "3")
-    assert timeouts._scale() == 3.0
+    assert timeouts.measured_scale() == 3.0
     monkeypatch.setenv("NN_HANDLER_TEST_TIMEOUT_SCALE", "0.5")  # never below the bounds
-    assert timeouts._scale() == 1.0
+    assert timeouts.measured_scale() == 1.0

@@ -109,8 +109,8 @@ def test_every_module_of_the_package_counts_as_the_library() -> None:
     from nn_handler.distributed.faults.watchdog import records
 
     for module in (nn_handler, nn_handler.checkpoint.registry, nn_handler.training.trainer):
-        assert records._is_library(str(module.__file__)), module.__name__
-    assert not records._is_library(__file__)
+        assert records.is_library(str(module.__file__)), module.__name__
+    assert not records.is_library(__file__)
 
 
 # ----------------------------------------------------------------- ledger

@@ -42,7 +42,8 @@ _LIBRARY: dict[str, bool] = {}
 Site = tuple[str, int, str]
 
 
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
+    """Whether code in ``filename`` is nn_handler's or torch's (not the user's line)."""
     known = _LIBRARY.get(filename)
     if known is None:
         known = _LIBRARY[filename] = filename.startswith(_PACKAGE) or any(
@@ -57,7 +58,7 @@ def user_site(frame: FrameType | None = None) -> Site:
     dictionary lookups per frame, for every collective."""
     current: FrameType | None = frame if frame is not None else sys._getframe(1)
     first = current
-    while current is not None and _is_library(current.f_code.co_filename):
+    while current is not None and is_library(current.f_code.co_filename):
         current = current.f_back
     chosen = current or first
     if chosen is None:
@@ -160,6 +161,7 @@ __all__ = [
     "neighbour",
     "ranks_text",
     "format_site",
+    "is_library",
     "user_location",
     "user_site",
 ]
