@@ -97,6 +97,8 @@ def test_one_node_is_a_single_process_and_master_port_overrides() -> None:
         (skypilot_env(2, 0, gpus=8), r"SKYPILOT_NUM_GPUS_PER_NODE=8.*--nproc-per-node"),
         ({**skypilot_env(2, 0), "SKYPILOT_NODE_IPS": "10.0.0.1"}, r"lists 1 node\(s\)"),
         ({**skypilot_env(2, 0), "SKYPILOT_NODE_RANK": "x"}, r"SKYPILOT_NODE_RANK='x'"),
+        (skypilot_env(2, 2), r"SKYPILOT_NODE_RANK=2 is not below SKYPILOT_NUM_NODES=2"),
+        ({**skypilot_env(2, 0), "SKYPILOT_NUM_NODES": "0"}, r"SKYPILOT_NUM_NODES='0'"),
     ],
 )
 def test_what_one_process_per_node_cannot_be_is_a_config_error(
