@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nn_handler.checkpoint.manifest import crc32_of, mapped, write_manifest
+from nn_handler.checkpoint.manifest import MANIFEST, crc32_of, mapped, write_manifest
+from nn_handler.checkpoint.safe_dcp import INDEX
 
 
 @dataclass
@@ -52,8 +53,14 @@ class ChecksummingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that checksums every item it writes; rank 0 (the coordinator)
     writes DCP's index and then ``manifest.json`` covering every file of the folder."""
 
+    #: The files this rank wrote (its shards; on the coordinator also the index and the
+    #: manifest), filled as they are written: what it uploads to an object store.
+    written: list[str]
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner).wait()
+        names = {result.storage_data.relative_path for result in written}
+        self.written = sorted(set(getattr(self, "written", [])) | names)
         done: Future[list[WriteResult]] = Future()
         done.set_result(checksum_results(Path(self.path), written))
         return done
@@ -78,6 +85,7 @@ class ChecksummingWriter(FileSystemWriter):
             plain.append(row)
         super().finish(metadata, plain)
         write_manifest(Path(self.path), files)
+        self.written = sorted({*getattr(self, "written", []), INDEX, MANIFEST})
 
 
 __all__ = ["ChecksummingWriter", "checksum_results"]

@@ -10,7 +10,7 @@ from loguru import logger
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.sharded import verify_sharded
-from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.checkpoint.source import Opened
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -28,7 +28,7 @@ def open_latest(
         if opened is None:
             if missing_ok:
                 return None
-            raise CheckpointError(f"no complete checkpoint in {manager.dir} to resume from.")
+            raise CheckpointError(f"no complete checkpoint in {manager.where} to resume from.")
         if opened.folder is None:
             return opened
         try:
@@ -54,13 +54,13 @@ def _pick(
         except Exception as error:
             problem = error
     if comm.world_size > 1:
-        name = comm.broadcast_object(None if opened is None else str(opened.path))
+        name = comm.broadcast_object(None if opened is None else opened.path.name)
         if name is not None and comm.rank != 0:
             try:
-                opened = open_checkpoint(name, device)
+                opened = manager.open(manager.dir / name, device)
             except Exception as error:
                 problem = error
-    agree_on(comm, problem, f"loading the latest checkpoint in {manager.dir}")
+    agree_on(comm, problem, f"loading the latest checkpoint in {manager.where}")
     return opened
 
 

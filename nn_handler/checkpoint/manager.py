@@ -13,6 +13,11 @@ Layout of ``config.dir``::
     latest.json               names the newest complete checkpoint; written after it, atomically;
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
+With a URL ``config.dir`` (an object store) this is the layout of the local working copy, and
+every change is mirrored to the store by a RemoteFolder (checkpoint/remote/folder.py): a
+checkpoint is uploaded and committed by its manifest, then latest.json moves; the committed
+checkpoints and latest.json on the store are the ones trusted.
+
 Rank 0 writes single files (every rank writes its shards of a sharded one); every rank calls
 ``write`` and raises the same CheckpointError if the write failed, so no rank trains on
 believing a checkpoint exists.
@@ -28,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from loguru import logger
@@ -46,7 +51,10 @@ from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, remove_tr
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.checkpoint.top_k import TopK, top_name
-from nn_handler.config.checkpoint import CheckpointConfig
+
+if TYPE_CHECKING:
+    from nn_handler.checkpoint.remote.folder import RemoteFolder
+from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -106,7 +114,10 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
         self.config = config
         self.comm = communicator
-        self.dir = Path(config.dir)
+        #: The object store's folder when ``config.dir`` is a URL (``dir`` is then its local
+        #: working copy); None for a plain folder.
+        self.remote = _remote_folder(config) if is_url(config.dir) else None
+        self.dir = self.remote.local if self.remote is not None else Path(config.dir)
         self.sharded = sharded
         self.best_value: float | None = None
         #: The save_top_k best checkpoints kept as top-*.pt (unused when save_top_k is 1).
@@ -131,13 +142,38 @@ class CheckpointManager:
             else:  # only once the folder is ours: another job's save may be in flight
                 for orphan in remove_orphans(self.dir):
                     logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
+                error = self._start_remote()
         if self.comm.world_size > 1:
-            agree_on(self.comm, error, f"starting checkpoints in {self.dir}")
+            agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:
             raise error
+        if self.remote is not None and self.comm.rank != 0:
+            self.remote.refresh()  # what rank 0 kept: every rank names checkpoints alike
+
+    @property
+    def where(self) -> str:
+        """The folder as the user named it (a URL for an object store)."""
+        return self.remote.url if self.remote is not None else str(self.dir)
+
+    def _start_remote(self) -> CheckpointError | None:
+        """Rank 0: check the object store can be written and delete incomplete uploads."""
+        if self.remote is None:
+            return None
+        try:
+            for stale in self.remote.start(_is_checkpoint_name):
+                logger.bind(rank=0).warning(
+                    "removed {} (an upload interrupted before its commit)",
+                    self.remote.store.url_of(stale),
+                )
+        except CheckpointError as caught:
+            return caught
+        return None
 
     def release(self) -> None:
-        """Give up the folder's lock (rank 0; the handler's close does). Idempotent."""
+        """Give up the folder's lock (rank 0; the handler's close does) and wait for uploads
+        still running. Idempotent."""
+        if self.remote is not None:
+            self.remote.close()
         if self._locked:
             folder_lock.release(self.dir)
             self._locked = False
@@ -147,9 +183,39 @@ class CheckpointManager:
         self, checkpoint: Mapping[str, Any] | None, path: str | Path, budget_s: float | None = None
     ) -> Path:
         """Write ``checkpoint`` (used on rank 0 only) atomically to ``path``; every rank must
-        call this and returns once the file is complete. ``budget_s`` bounds the write: past it
-        the save is cancelled (the file does not appear) and CheckpointError is raised."""
-        return write_together(self.comm, checkpoint, path, budget_s)
+        call this and returns once the file is complete (and, on an object store, uploaded
+        and committed, or on its way in the background). ``budget_s`` bounds the write: past
+        it the save is cancelled (the file does not appear) and CheckpointError is raised."""
+        target = write_together(self.comm, checkpoint, path, budget_s)
+        self.published(target)
+        return target
+
+    def published(self, path: Path) -> None:
+        """On an object store, upload and commit the single-file checkpoint ``path`` that rank
+        0 has just written (in the background with ``async_save``). Every rank must call this."""
+        if self.remote is None or self.sharded:
+            return
+        error: str | None = None
+        if self.comm.rank == 0:
+            try:
+                self.remote.publish(path, self.run_id)
+            except CheckpointError as caught:
+                error = str(caught)
+        with self.comm.patient():  # the others wait while rank 0 uploads
+            self._agree(error, path)
+
+    def flush(self) -> None:
+        """Wait for the uploads running in the background (rank 0's); every rank raises the
+        same CheckpointError if one failed. Every rank must call this."""
+        if self.remote is None:
+            return
+        error: str | None = None
+        try:
+            self.remote.flush()
+        except CheckpointError as caught:
+            error = str(caught)
+        with self.comm.patient():
+            agree_on(self.comm, error, f"uploading checkpoints to {self.remote.url}")
 
     def _agree(self, error: str | None, target: Path) -> Path:
         agree_on(self.comm, error, f"writing checkpoint {target}")
@@ -166,9 +232,10 @@ class CheckpointManager:
         if self.comm.rank == 0:
             try:
                 self.publish(path, epoch, step)
-            except OSError as caught:
+            except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
-        self._agree(error, self.dir / LATEST)
+        with self.comm.patient():
+            self._agree(error, self.dir / LATEST)
         self.remember(path, epoch, step)
         return path
 
@@ -178,7 +245,7 @@ class CheckpointManager:
         the name with this run's id (``ckpt-e0002-s00000010-r<id>.pt``), so it is never
         replaced."""
         plain = self.dir / periodic_name(epoch, step, self.sharded)
-        owner = self._owner(plain) if is_checkpoint(plain) else None
+        owner = self._owner(plain) if self._exists(plain) else None
         if owner is None or self.run_id is None or owner == self.run_id:
             return plain
         return plain.with_name(plain.name.replace(f"-s{step:08d}", f"-s{step:08d}-r{self.run_id}"))
@@ -210,7 +277,9 @@ class CheckpointManager:
             epoch, step = (int(match.group(1)), int(match.group(2))) if match else (None, None)
         try:
             self._point_latest(path, epoch, step, reason)
-        except OSError as error:
+            if self.remote is not None:
+                self.remote.flush()  # the process exits next: the emergency upload lands first
+        except (OSError, CheckpointError) as error:
             logger.bind(rank=0).error(
                 "could not mark {} as {}: {}", self.dir / LATEST, reason, error
             )
@@ -218,16 +287,16 @@ class CheckpointManager:
     def _point_latest(
         self, path: Path | None, epoch: int | None, step: int | None, reason: str
     ) -> None:
-        atomic_write_json(
-            {
-                "checkpoint": None if path is None else path.name,
-                "epoch": epoch,
-                "global_step": step,
-                "reason": reason,
-                "time": time.time(),
-            },
-            self.dir / LATEST,
-        )
+        pointer = {
+            "checkpoint": None if path is None else path.name,
+            "epoch": epoch,
+            "global_step": step,
+            "reason": reason,
+            "time": time.time(),
+        }
+        atomic_write_json(pointer, self.dir / LATEST)
+        if self.remote is not None:
+            self.remote.point_latest(pointer)
 
     @property
     def best_path(self) -> Path:
@@ -253,7 +322,7 @@ class CheckpointManager:
         the checkpoint that fell out of the top k is deleted. Every rank must call this."""
         if ranking.best:
             if source is None:
-                write(self.best_path)
+                self.published(write(self.best_path))
                 source = self.best_path
             else:
                 self._link(source, self.best_path)
@@ -261,15 +330,15 @@ class CheckpointManager:
             return
         target = self.dir / ranking.top
         if source is None:
-            write(target)
+            self.published(write(target))
         else:
             self._link(source, target)
         error: str | None = None
         if self.comm.rank == 0:
             try:
                 for name in ranking.dropped:
-                    remove_tree(self.dir / name)
-            except OSError as caught:
+                    self._remove(self.dir / name)
+            except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
 
@@ -301,8 +370,10 @@ class CheckpointManager:
             try:
                 if source.is_dir():
                     link_tree(source, target)
-                else:
+                elif source.exists() or self.remote is None:
                     atomic_link(source, target)
+                if self.remote is not None:
+                    self.remote.copy(source.name, target.name)
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
@@ -321,11 +392,26 @@ class CheckpointManager:
             periodic = [p for p in periodic if self._owner(p) == self.run_id]
         for old in periodic[self.config.keep_last :]:
             if old != keep:
-                remove_tree(old)
+                self._remove(old)
                 self._owners.pop(old, None)
 
+    def _remove(self, path: Path) -> None:
+        """Delete a checkpoint (on the store too: its manifest first)."""
+        remove_tree(path)
+        if self.remote is not None:
+            self.remote.remove(path.name)
+
+    def _exists(self, path: Path) -> bool:
+        """Whether ``path`` is a complete checkpoint (on a store: a committed one)."""
+        if self.remote is not None:
+            return path.name in self.remote.names()
+        return is_checkpoint(path)
+
     def _owner(self, path: Path) -> str | None:
-        """The run id stored in the checkpoint at ``path`` (read once, memory-mapped)."""
+        """The run id stored in the checkpoint at ``path`` (read once, memory-mapped; on a
+        store, its manifest's)."""
+        if self.remote is not None and path.name in self.remote.names():
+            return self.remote.owner(path.name)
         if path not in self._owners:
             try:
                 source = path / REST if path.is_dir() else path
@@ -336,12 +422,16 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:
+        if self.remote is not None:
+            return [self.dir / n for n in self.remote.names() if _PERIODIC.match(n)]
         if not self.dir.is_dir():
             return []
         return [p for p in self.dir.iterdir() if _PERIODIC.match(p.name) and is_checkpoint(p)]
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
+        if self.remote is not None:
+            self.remote.refresh()
         ordered = sorted(self.periodic(), key=_order, reverse=True)
         pointed = self._pointed()
         if pointed is not None:
@@ -351,7 +441,8 @@ class CheckpointManager:
     def _pointed(self) -> Path | None:
         pointer = self.dir / LATEST
         try:
-            name = json.loads(pointer.read_text())["checkpoint"]
+            data = self.remote.latest() if self.remote else json.loads(pointer.read_text())
+            name = data["checkpoint"]
             if name is None:
                 return None
         except FileNotFoundError:
@@ -360,7 +451,14 @@ class CheckpointManager:
             logger.warning("ignoring unreadable {}: {}", pointer, error)
             return None
         target = self.dir / str(name)
-        return target if is_checkpoint(target) else None
+        return target if self._exists(target) else None
+
+    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
+        """Read the checkpoint at ``path`` (on a store: the committed one of that name,
+        downloaded into the working copy where missing or changed, every object checked)."""
+        if self.remote is not None:
+            path = self.remote.fetch(Path(path).name)
+        return open_checkpoint(path, map_location)
 
     def load_latest(
         self, map_location: torch.device | str | None = None, skip: Iterable[Path] = ()
@@ -373,10 +471,28 @@ class CheckpointManager:
             if candidate in skipped:
                 continue
             try:
-                return open_checkpoint(candidate, map_location)
+                return self.open(candidate, map_location)
             except CheckpointError as error:
                 logger.warning("{}; trying the previous checkpoint", error)
         return None
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    """A name the manager gives checkpoints (periodic, best, top-k)."""
+    return bool(_PERIODIC.match(name)) or name in (BEST, BEST_SHARDED) or name.startswith("top-")
+
+
+def _remote_folder(config: CheckpointConfig) -> RemoteFolder:
+    from nn_handler.checkpoint.remote.folder import RemoteFolder, working_copy
+
+    url = str(config.dir)
+    return RemoteFolder(
+        url,
+        working_copy(url, config.staging_dir),
+        config.storage_options,
+        workers=config.upload_workers,
+        background=config.async_save,
+    )
 
 
 def _order(path: Path) -> tuple[int, int]:

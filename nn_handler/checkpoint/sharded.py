@@ -28,10 +28,10 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from nn_handler.checkpoint.sharded_errors import (
 )
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from nn_handler.checkpoint.remote.folder import RemoteFolder
 
 #: The file of a sharded checkpoint holding its unsharded parts.
 REST = "trainer.pt"
@@ -131,6 +134,9 @@ class _Pending:
     staging: Path
     target: Path
     then: Callable[[Path], None] | None
+    #: This rank's upload to the object store, once the files are written (None: no store).
+    uploaded: Future[dict[str, Any]] | None = None
+    run: str | None = None
 
 
 class ShardedWriter:
@@ -140,13 +146,24 @@ class ShardedWriter:
     ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
     save returns once every rank has copied its state; the files are written in a background
     thread, and the next ``save`` or ``wait`` waits for it and commits it.
+
+    With ``remote`` (an object store's folder), every rank uploads the files it wrote (in the
+    background too, for an asynchronous save) and rank 0 commits the folder there once every
+    rank's upload finished (checkpoint/remote/commit.py), before ``then`` runs.
     """
 
-    def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        group: Callable[[], dist.ProcessGroup | None],
+        remote: RemoteFolder | None = None,
+    ) -> None:
         self.comm = comm
         self._group = group
         self._pending: _Pending | None = None
         self._stager = CachedStager()
+        self.remote = remote
+        self._uploads = ThreadPoolExecutor(1, "nn_handler-upload") if remote else None
 
     @property
     def pending(self) -> Path | None:
@@ -174,22 +191,74 @@ class ShardedWriter:
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
         writer = _writer(staging)
+        run = _run_of(rest)
         if asynchronous:
             try:
                 future = dcp_async_save(shards, writer, {**options, "async_stager": self._stager})
             except dcp_errors() as caught:
                 error = save_failure(caught, target, shards)
             agree_on(self.comm, error, f"staging checkpoint {target}")
-            self._pending = _Pending(future, staging, target, then)
+            uploaded = None
+            if self._uploads is not None:
+                uploaded = self._uploads.submit(self._upload, writer, staging, target, future)
+            self._pending = _Pending(future, staging, target, then, uploaded, run)
             return target
         try:
             dcp_save(shards, writer, options)
         except dcp_errors() as caught:
             error = save_failure(caught, target, shards)
-        if error is None and self.comm.rank == 0:
-            error = _commit(staging, target, then)
-        agree_on(self.comm, error, f"writing checkpoint {target}")
+        objects: dict[str, Any] = {}
+        if error is None and self.remote is not None:
+            try:
+                objects = self._upload(writer, staging, target, None)
+            except CheckpointError as caught:
+                error = str(caught)
+        self._finish(staging, target, then, error, objects, run, f"writing checkpoint {target}")
         return target
+
+    def _upload(
+        self, writer: Any, staging: Path, target: Path, written: Future[Any] | None
+    ) -> dict[str, Any]:
+        """This rank's files of the folder, uploaded as ``target``'s (after ``written``)."""
+        if written is not None:
+            written.result()
+        if self.remote is None:
+            return {}
+        names = list(getattr(writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
+        return self.remote.upload(staging, [staging / n for n in names], name=target.name)
+
+    def _finish(
+        self,
+        staging: Path,
+        target: Path,
+        then: Callable[[Path], None] | None,
+        error: str | None,
+        objects: dict[str, Any],
+        run: str | None,
+        what: str,
+    ) -> None:
+        """Every rank: agree on the writes (and uploads), then rank 0 commits the folder (on
+        the store first, with every rank's objects) and runs ``then``."""
+        remote = self.remote
+        if remote is not None:
+            with self.comm.patient():  # ranks upload at their own pace
+                agree_on(self.comm, error, f"uploading checkpoint {target} to {remote.url}")
+            every = (
+                self.comm.gather_object(objects, dst=0) if self.comm.world_size > 1 else [objects]
+            )
+            merged = {key: entry for part in every or [] for key, entry in part.items()}
+
+            def committed(done: Path) -> None:
+                remote.commit(done.name, merged, run)
+                if then is not None:
+                    then(done)
+
+            error = _commit(staging, target, committed) if self.comm.rank == 0 else None
+        elif error is None and self.comm.rank == 0:
+            error = _commit(staging, target, then)
+        agree_on(self.comm, error, what)
+        if self.comm.rank != 0 and staging.exists():  # another machine's copy: uploaded
+            shutil.rmtree(staging, ignore_errors=True)
 
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and commit it; returns its folder.
@@ -202,10 +271,23 @@ class ShardedWriter:
             pending.future.result()
         except dcp_errors() as caught:
             error = save_failure(caught, pending.target, None)
-        if error is None and self.comm.rank == 0:
-            error = _commit(pending.staging, pending.target, pending.then)
-        agree_on(self.comm, error, f"writing checkpoint {pending.target} (in the background)")
+        objects: dict[str, Any] = {}
+        if pending.uploaded is not None:
+            try:
+                objects = pending.uploaded.result()
+            except Exception as caught:  # the write's own failure is said above
+                error = error or str(caught)
+        what = f"writing checkpoint {pending.target} (in the background)"
+        self._finish(
+            pending.staging, pending.target, pending.then, error, objects, pending.run, what
+        )
         return pending.target
+
+
+def _run_of(rest: Mapping[str, Any] | None) -> str | None:
+    run = rest.get(RUN) if isinstance(rest, Mapping) else None
+    found = run.get("id") if isinstance(run, Mapping) else None
+    return found if isinstance(found, str) else None
 
 
 def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -9,6 +10,7 @@ import torch
 
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
+from nn_handler.config.checkpoint import is_url
 
 
 class Opened(NamedTuple):
@@ -26,9 +28,18 @@ class Opened(NamedTuple):
     folder: Path | None
 
 
-def open_checkpoint(path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-    """Read the checkpoint at ``path`` (a file, or a committed sharded folder); raises
-    CheckpointError when it cannot be read."""
+def open_checkpoint(
+    path: str | Path,
+    map_location: torch.device | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Opened:
+    """Read the checkpoint at ``path`` (a file, or a committed sharded folder; a URL: one
+    committed on an object store, or the latest of a folder there, downloaded and checked
+    first); raises CheckpointError when it cannot be read."""
+    if is_url(path):
+        from nn_handler.checkpoint.remote.folder import fetch_url
+
+        path = fetch_url(str(path), storage_options)
     target = Path(path)
     if is_sharded(target):
         return Opened(target, read_rest(target, map_location), target)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -21,7 +22,17 @@ class CheckpointConfig(ConfigModel):
     newest complete one.
 
     Attributes:
-        dir: the checkpoint folder (shared by all ranks of a multi-machine run).
+        dir: the checkpoint folder (shared by all ranks of a multi-machine run), or the URL
+            of a folder on an object store (``s3://bucket/run``, ``gs://``, ``az://``,
+            ``file://``, ``memory://``; any fsspec URL): checkpoints are written to a local
+            working copy (``staging_dir``), uploaded and committed there (docs/checkpoints.md,
+            "Object stores").
+        staging_dir: the local working copy of a URL ``dir`` (ranks of one machine share it).
+            None: ``~/.cache/nn_handler/checkpoints/<the URL>``.
+        storage_options: options for the object store's fsspec filesystem (an endpoint, a
+            profile...). Credentials belong in the standard places (environment, config files,
+            the machine's role); whatever is here is never logged nor stored in a checkpoint.
+        upload_workers: objects each process uploads or downloads at once.
         save_last: write periodic checkpoints (the resumable ones, named by latest.json).
         every_n_epochs: write one after every N-th epoch (None: not per epoch).
         every_n_steps: also write one after every N-th optimizer step (None: not per step).
@@ -69,10 +80,14 @@ class CheckpointConfig(ConfigModel):
         async_save: (sharded checkpoints) return to training once every rank has copied its
             state; the files are written in the background, and the next save, the end of
             ``fit`` or a preemption waits for them. The ``latest.json`` pointer moves only
-            once the folder is complete.
+            once the folder is complete. With a URL ``dir`` (single files too), the upload
+            runs in the background: the loop's stall is the local write.
     """
 
     dir: str | None = None
+    staging_dir: str | None = None
+    storage_options: dict[str, Any] | None = Field(default=None, exclude=True, repr=False)
+    upload_workers: int = Field(default=8, ge=1, strict=True)
     save_last: bool = True
     every_n_epochs: int | None = Field(default=1, ge=1, strict=True)
     every_n_steps: int | None = Field(default=None, ge=1, strict=True)
@@ -108,7 +123,7 @@ class CheckpointConfig(ConfigModel):
             raise ValueError(
                 "preemption_notice is treated as a SIGTERM: it needs handle_sigterm=True"
             )
-        if self.async_save and self.format == "file":
+        if self.async_save and self.format == "file" and not is_url(self.dir):
             raise ValueError(
                 "async_save writes sharded checkpoints in the background; it needs "
                 "format='sharded' (or 'auto' with strategy='fsdp')"
@@ -116,4 +131,12 @@ class CheckpointConfig(ConfigModel):
         return self
 
 
-__all__ = ["CheckpointConfig", "CheckpointFormat", "ResumePolicy"]
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a plain path."""
+    return isinstance(path, str) and bool(_SCHEME.match(path))
+
+
+__all__ = ["CheckpointConfig", "CheckpointFormat", "ResumePolicy", "is_url"]

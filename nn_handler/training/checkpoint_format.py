@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.errors import CheckpointError, ConfigError
 
 FORMAT = "nn_handler.checkpoint"
@@ -68,7 +68,7 @@ def rank_parts(saved: Mapping[str, Any]) -> dict[str, Any]:
 def sharded_checkpoints(config: CheckpointConfig, sharded_model: bool) -> bool:
     """Whether checkpoints are sharded folders (``format``; 'auto': when the model is)."""
     sharded = config.format == "sharded" or (config.format == "auto" and sharded_model)
-    if config.async_save and not sharded:
+    if config.async_save and not sharded and not is_url(config.dir):
         raise ConfigError(
             "checkpoint.async_save writes sharded checkpoints in the background, and this run "
             "writes single files (format='auto' shards with strategy='fsdp' only): set "

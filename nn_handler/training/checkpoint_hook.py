@@ -124,7 +124,8 @@ class CheckpointHook(Hook):
         if config.save_last and every is not None and state.epoch % every == 0:
             path = self.checkpoints.save_periodic()
         if ranking is not None and (ranking.best or ranking.top):
-            self.checkpoints.finish()  # links need the files of a complete checkpoint
+            # Links need the files of a complete checkpoint (a store copies after the upload).
+            self.checkpoints.finish(uploads=False)
             self.manager.keep(ranking, path, write=self.checkpoints.save)
         if self.watch is not None and self.watch.agreed(state.global_step, force=True):
             self.preempt()

@@ -18,6 +18,7 @@ from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.latest import open_latest
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
+from nn_handler.checkpoint.remote.folder import is_checkpoint_url
 from nn_handler.checkpoint.run_identity import (
     RUN,
     differences,
@@ -35,7 +36,7 @@ from nn_handler.checkpoint.sharded import (
 )
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened, open_checkpoint
-from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.checkpoint_format import (
@@ -89,12 +90,11 @@ class TrainerCheckpoints:
         self.config = config
         self.run_config = run_config
         self._group = group
-        self.writer = ShardedWriter(comm, group) if sharded else None
         self.manager = (
-            CheckpointManager(config, comm, sharded=self.writer is not None)
-            if enabled and config.dir
-            else None
+            CheckpointManager(config, comm, sharded=sharded) if enabled and config.dir else None
         )
+        remote = self.manager.remote if self.manager is not None else None
+        self.writer = ShardedWriter(comm, group, remote) if sharded else None
         self.hook: Any = None
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
@@ -305,6 +305,7 @@ class TrainerCheckpoints:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
         preemption) never leaves it writing in the background. Every rank must call this."""
         manager = self.require_manager("save_periodic")
+        manager.flush()  # one upload in the background at most
         state = self.position.state
         epoch, step = state.epoch, state.global_step
         if self.writer is None:
@@ -319,11 +320,14 @@ class TrainerCheckpoints:
         manager.remember(path, epoch, step)
         return path
 
-    def finish(self) -> None:
-        """Wait for a checkpoint still being written in the background and commit it. Every
-        rank must call this (the end of fit does)."""
+    def finish(self, uploads: bool = True) -> None:
+        """Wait for a checkpoint still being written in the background and commit it, and
+        (``uploads``) for the uploads to an object store still running. Every rank must call
+        this (the end of fit does)."""
         if self.writer is not None:
             self.writer.wait()
+        if uploads and self.manager is not None:
+            self.manager.flush()
 
     # ----------------------------------------------------------------- resuming
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
@@ -362,17 +366,20 @@ class TrainerCheckpoints:
         """The one place that decides what ``path`` is: 'latest' or a folder of checkpoints
         (the newest verified one, chosen automatically: True), else one checkpoint (a file
         or a sharded folder: open_checkpoint decides which)."""
+        options = self.config.storage_options
         if str(path) == "latest":
             manager = self.require_manager("resume('latest')")
-        elif Path(path).is_dir() and not is_sharded(path):
-            folder = CheckpointConfig(dir=str(path))
+        elif (Path(path).is_dir() and not is_sharded(path)) or (
+            is_url(path) and not is_checkpoint_url(str(path), options)
+        ):
+            folder = CheckpointConfig(dir=str(path), storage_options=options)
             manager = CheckpointManager(
                 folder, self.comm, clean=False, sharded=self.writer is not None
             )
         else:
             opened, problem = None, None
             try:
-                opened = open_checkpoint(path, self.device)
+                opened = open_checkpoint(path, self.device, options)
             except Exception as error:
                 problem = error
             agree_on(self.comm, problem, f"loading checkpoint {path}")

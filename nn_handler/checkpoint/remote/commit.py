@@ -1,0 +1,260 @@
+"""The commit protocol of checkpoints on an object store, where nothing renames atomically.
+
+A checkpoint is the object ``ckpt-e0003-s00000120.pt`` (a single file) or the objects under
+``ckpt-e0003-s00000120/`` (a sharded folder), and it is trusted only when its manifest
+``<name>.manifest.json`` exists and every object it lists has the size and CRC-32 recorded
+there:
+
+1. every object is uploaded (each rank its own shards, several at once);
+2. then, once every rank's uploads finished, rank 0 writes the manifest: one PUT, so it is
+   there whole or not at all;
+3. then the ``latest.json`` pointer.
+
+A kill at any moment leaves no manifest (the objects are an incomplete checkpoint: never
+trusted, and deleted at the next start) or a complete checkpoint. Deleting removes the manifest
+first, so a half-deleted checkpoint is never trusted either. Downloads are checked against the
+manifest: a changed or missing object is a CheckpointError naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nn_handler.checkpoint.remote.store import RemoteStore, file_crc32
+from nn_handler.errors import CheckpointError
+
+SUFFIX = ".manifest.json"
+_FORMAT = "nn_handler.remote-manifest"
+_VERSION = 1
+
+#: An object's record in a manifest: {"size": bytes, "crc32": checksum}.
+Entry = dict[str, int]
+
+
+def manifest_name(name: str) -> str:
+    return f"{name}{SUFFIX}"
+
+
+@dataclass
+class Manifest:
+    """A committed checkpoint: its name, its objects (by key relative to the run's folder,
+    with their size and CRC-32) and the run that wrote it."""
+
+    name: str
+    objects: dict[str, Entry]
+    run: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        data = {"format": _FORMAT, "version": _VERSION, "checkpoint": self.name,
+                "run": self.run, "objects": self.objects, **self.extra}  # fmt: skip
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        try:
+            loaded = json.loads(data)
+            objects = loaded["objects"]
+            ok = loaded.get("format") == _FORMAT and isinstance(objects, dict)
+            entries = {str(k): {"size": int(v["size"]), "crc32": int(v["crc32"])}
+                       for k, v in objects.items()} if ok else {}  # fmt: skip
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"{where} is not a readable checkpoint manifest: {error}"
+            ) from None
+        if not ok:
+            raise CheckpointError(f"{where} is not an nn_handler checkpoint manifest.")
+        if int(loaded.get("version", 0)) > _VERSION:
+            raise CheckpointError(f"{where} has a newer format; upgrade nn_handler to read it.")
+        name, run = loaded.get("checkpoint"), loaded.get("run")
+        _check_keys(name, entries, where)
+        return cls(str(name), entries, run if isinstance(run, str) else None)
+
+
+def _plain(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and (name not in (".", ".."))
+    )
+
+
+def _check_keys(name: object, objects: Mapping[str, Entry], where: str) -> None:
+    """Every key of a manifest must be its checkpoint's name or a plain file name under it:
+    a download never writes outside the checkpoint's own local copy."""
+    bad = [] if _plain(name) else [str(name)]
+    for key in objects:
+        rest = key[len(str(name)) :]
+        if key != name and not (rest.startswith("/") and _plain(rest[1:])):
+            bad.append(key)
+    if bad:
+        raise CheckpointError(
+            f"{where} names {bad[0]!r}, which is not its checkpoint or a plain file in it: it "
+            f"was refused (a download never writes outside the checkpoint's folder)."
+        )
+
+
+def local_objects(local: Path, files: list[Path] | None = None) -> dict[str, Path]:
+    """The objects of the local checkpoint ``local`` (a file, or a folder's files; ``files``:
+    only these of the folder), by key relative to the run's folder."""
+    if local.is_file():
+        return {local.name: local}
+    chosen = files if files is not None else sorted(p for p in local.iterdir() if p.is_file())
+    return {f"{local.name}/{path.name}": path for path in chosen}
+
+
+def upload(store: RemoteStore, objects: Mapping[str, Path], workers: int) -> dict[str, Entry]:
+    """Upload ``objects`` (key -> local file), ``workers`` at a time; returns each one's size
+    and CRC-32 (of the local bytes it sent). Raises the first failure as a CheckpointError."""
+
+    def one(key: str, path: Path) -> tuple[str, Entry]:
+        entry = {"size": path.stat().st_size, "crc32": file_crc32(path)}
+        store.put(path, key)
+        return key, entry
+
+    if not objects:
+        return {}
+    with ThreadPoolExecutor(max(1, min(workers, len(objects))), "nn_handler-put") as pool:
+        done = [pool.submit(one, key, path) for key, path in objects.items()]
+        return dict(future.result() for future in done)
+
+
+def commit(store: RemoteStore, manifest: Manifest) -> None:
+    """Write ``manifest``: from now on its checkpoint is trusted."""
+    store.write(manifest_name(manifest.name), manifest.to_bytes())
+
+
+def read_manifests(
+    store: RemoteStore, warn: Callable[[str], None] | None = None
+) -> tuple[dict[str, Manifest], dict[str, int]]:
+    """Every committed checkpoint of the folder (a manifest that cannot be read is skipped,
+    with ``warn``), and the folder's listing (key -> size)."""
+    listing = store.listing()
+    found: dict[str, Manifest] = {}
+    for key in sorted(listing):
+        if "/" in key or not key.endswith(SUFFIX):
+            continue
+        name = key[: -len(SUFFIX)]
+        data = store.read(key)
+        if data is None:  # deleted since the listing
+            continue
+        try:
+            found[name] = Manifest.from_bytes(data, store.url_of(key))
+        except CheckpointError as error:
+            if warn is not None:
+                warn(f"{error}; its checkpoint is not trusted")
+    return found, listing
+
+
+def incomplete(
+    listing: Mapping[str, int],
+    committed: Mapping[str, Manifest],
+    is_checkpoint: Callable[[str], bool],
+) -> list[str]:
+    """Objects of checkpoints that have no manifest (an upload killed before its commit), or
+    that their checkpoint's manifest does not list (a replaced folder's leftovers)."""
+    listed = {key for manifest in committed.values() for key in manifest.objects}
+    stale = []
+    for key in sorted(listing):
+        top = key.split("/", 1)[0]
+        if key.endswith(SUFFIX) or not is_checkpoint(top) or key in listed:
+            continue
+        stale.append(key)
+    return stale
+
+
+def remove(store: RemoteStore, manifest: Manifest) -> None:
+    """Delete a checkpoint: its manifest first (it is no longer trusted), then its objects."""
+    store.remove(manifest_name(manifest.name))
+    for key in manifest.objects:
+        store.remove(key)
+
+
+def copy(store: RemoteStore, source: Manifest, target: str) -> Manifest:
+    """Make ``target`` a committed copy of the checkpoint ``source`` (the objects copied by
+    the store, then the new manifest); an older ``target`` is deleted first."""
+    old = store.read(manifest_name(target))
+    if old is not None:
+        remove(store, Manifest.from_bytes(old, store.url_of(manifest_name(target))))
+    objects: dict[str, Entry] = {}
+    for key, entry in source.objects.items():
+        renamed = target + key[len(source.name) :]
+        store.copy(key, renamed)
+        objects[renamed] = entry
+    copied = Manifest(target, objects, source.run)
+    commit(store, copied)
+    return copied
+
+
+def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int) -> Path:
+    """The checkpoint of ``manifest`` in ``local_root``: every object already there with the
+    manifest's size and CRC-32 is kept, the others are downloaded and checked. Raises
+    CheckpointError naming the object that is missing or whose bytes changed."""
+
+    def one(key: str, entry: Entry) -> None:
+        path = local_root / key
+        if _matches(path, entry):
+            return
+        partial = path.with_name(f".{path.name}.tmp-fetch-{os.getpid()}")
+        try:
+            try:
+                store.get(key, partial)
+            except CheckpointError as error:
+                if "does not exist" not in str(error) or "bucket" in str(error):
+                    raise
+                raise CheckpointError(
+                    f"checkpoint {store.url_of(manifest.name)} is incomplete: the object {key} "
+                    f"is missing (its manifest lists it); use an earlier checkpoint."
+                ) from None
+            size, crc = partial.stat().st_size, file_crc32(partial)
+            if size != entry["size"] or crc != entry["crc32"]:
+                raise CheckpointError(
+                    f"checkpoint {store.url_of(manifest.name)} is corrupt: the object {key} has "
+                    f"{size} bytes with CRC-32 {crc:08x}, its manifest records {entry['size']} "
+                    f"bytes with {entry['crc32']:08x}. Its bytes changed after it was written; "
+                    f"use an earlier checkpoint."
+                )
+            os.replace(partial, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+
+    local_root.mkdir(parents=True, exist_ok=True)
+    if not manifest.objects:
+        raise CheckpointError(f"checkpoint {store.url_of(manifest.name)} lists no objects.")
+    with ThreadPoolExecutor(max(1, min(workers, len(manifest.objects))), "nn_handler-get") as pool:
+        for future in [pool.submit(one, k, e) for k, e in sorted(manifest.objects.items())]:
+            future.result()
+    return local_root / manifest.name
+
+
+def _matches(path: Path, entry: Entry) -> bool:
+    try:
+        return path.stat().st_size == entry["size"] and file_crc32(path) == entry["crc32"]
+    except FileNotFoundError:
+        return False
+
+
+__all__ = [
+    "SUFFIX",
+    "Entry",
+    "Manifest",
+    "commit",
+    "copy",
+    "fetch",
+    "incomplete",
+    "local_objects",
+    "manifest_name",
+    "read_manifests",
+    "remove",
+    "upload",
+]

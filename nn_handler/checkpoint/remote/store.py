@@ -1,0 +1,208 @@
+"""RemoteStore: one folder of an object store (an fsspec URL: ``s3://``, ``gs://``, ``az://``,
+``memory://``, ``file://``) with the few operations checkpoints need.
+
+Every operation is retried on transient errors (connection resets, timeouts, throttling) with
+exponential backoff and jitter by tenacity; errors that retrying cannot fix (a missing bucket,
+refused credentials, a missing object) fail at once as a CheckpointError naming the object and
+the fix. Credentials come only from where the filesystem library looks (environment variables,
+its config files, the instance's role) or ``storage_options``; neither is ever logged.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tenacity
+
+from nn_handler.config.checkpoint import is_url
+from nn_handler.errors import CheckpointError, ConfigError
+
+T = TypeVar("T")
+
+#: Errors no retry can fix: they are raised at the first attempt.
+_PERMANENT = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    CheckpointError,
+)
+_CHUNK = 8 << 20
+
+
+def transient(error: BaseException) -> bool:
+    """An error worth retrying: a connection or I/O failure that is not a permanent one."""
+    if isinstance(error, _PERMANENT):
+        return False
+    if isinstance(error, (OSError, ConnectionError, TimeoutError)):
+        return True
+    name = type(error).__name__
+    return any(word in name for word in ("Connection", "Timeout", "Throttl", "ClientPayload"))
+
+
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of a file's bytes (read in chunks; zlib releases the GIL)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc & 0xFFFFFFFF
+
+
+class RemoteStore:
+    """The folder ``url`` of an object store.
+
+    Args:
+        url: the folder's URL.
+        storage_options: passed to the fsspec filesystem (an endpoint, a profile...).
+        attempts: tries per operation before a transient error is final.
+        max_wait_s: the longest backoff between two tries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        attempts: int = 5,
+        max_wait_s: float = 8.0,
+    ) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        try:
+            # A filesystem of its own: a cached one would keep credentials the environment
+            # no longer has, and its listings.
+            options = {"skip_instance_cache": True, **dict(storage_options or {})}
+            self.fs, root = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as error:
+            raise ConfigError(
+                f"checkpoint.dir {self.url}: {error}. Install the filesystem for this scheme "
+                f"(s3://: pip install s3fs; gs://: gcsfs; az://: adlfs)."
+            ) from None
+        except ValueError as error:
+            raise ConfigError(f"checkpoint.dir {self.url}: {error}") from None
+        self.root = str(root).rstrip("/")
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(attempts),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=max_wait_s),
+            retry=tenacity.retry_if_exception(transient),
+            reraise=True,
+        )
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _call(self, what: str, name: str, action: Callable[[], T]) -> T:
+        found = self._maybe(what, name, action, missing_ok=False)
+        return found  # type: ignore[return-value]  # None only with missing_ok
+
+    def _maybe(self, what: str, name: str, action: Callable[[], T], missing_ok: bool) -> T | None:
+        """``action()`` retried on transient errors; None when the object does not exist and
+        ``missing_ok`` (a missing bucket is always an error)."""
+        try:
+            return self._retrying(action)
+        except FileNotFoundError as error:
+            if missing_ok and not _names_bucket(error):
+                return None
+            raise CheckpointError(self._missing(what, name, error)) from None
+        except PermissionError as error:
+            raise CheckpointError(self._denied(what, name, error)) from None
+        except CheckpointError:
+            raise
+        except Exception as error:
+            if "Credential" in type(error).__name__:  # none found, or only some of them
+                raise CheckpointError(self._denied(what, name, error)) from None
+            raise CheckpointError(
+                f"cannot {what} {self.url_of(name)}: {type(error).__name__}: {_first(error)} "
+                f"(after retrying)."
+            ) from error
+
+    def _missing(self, what: str, name: str, error: BaseException) -> str:
+        text = _first(error)
+        if _names_bucket(error):
+            return (
+                f"cannot {what} {self.url_of(name)}: the bucket of {self.url} does not exist "
+                f"({text}). Create it (e.g. aws s3 mb), or fix checkpoint.dir."
+            )
+        return f"cannot {what} {self.url_of(name)}: it does not exist ({text})."
+
+    def _denied(self, what: str, name: str, error: BaseException) -> str:
+        return (
+            f"cannot {what} {self.url_of(name)}: access denied ({_first(error)}). The "
+            f"credentials come from the standard places: environment variables (e.g. "
+            f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, "
+            f"GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*), the library's config files, "
+            f"the machine's role, or checkpoint.storage_options; check them and the bucket's "
+            f"policy."
+        )
+
+    # ----------------------------------------------------------------- objects
+    def put(self, local: Path, name: str) -> None:
+        """Upload the file ``local`` as the object ``name``."""
+        self._call("upload", name, lambda: self.fs.put_file(str(local), self._key(name)))
+
+    def get(self, name: str, local: Path) -> None:
+        """Download the object ``name`` into the file ``local``."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._call("download", name, lambda: self.fs.get_file(self._key(name), str(local)))
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of the object ``name``; None when it does not exist."""
+        return self._maybe("read", name, lambda: bytes(self.fs.cat_file(self._key(name))), True)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write ``data`` as the object ``name`` (one PUT: readers see all of it or nothing)."""
+        self._call("write", name, lambda: self.fs.pipe_file(self._key(name), data))
+
+    def copy(self, source: str, target: str) -> None:
+        """Copy the object ``source`` to ``target`` (server-side where the store can)."""
+        self._call("copy", source, lambda: self.fs.copy(self._key(source), self._key(target)))
+
+    def remove(self, name: str) -> None:
+        """Delete the object ``name`` (missing is fine)."""
+        self._maybe("delete", name, lambda: self.fs.rm_file(self._key(name)), True)
+
+    def listing(self) -> dict[str, int]:
+        """Every object under the folder: its name relative to the folder, and its size."""
+
+        def walk() -> dict[str, int]:
+            self.fs.invalidate_cache()
+            if not self.fs.exists(self.root):
+                return {}
+            found = self.fs.find(self.root, detail=True)
+            prefix = f"{self.root}/"
+            return {
+                str(key)[len(prefix) :]: int(info.get("size") or 0)
+                for key, info in found.items()
+                if str(key).startswith(prefix) and info.get("type", "file") == "file"
+            }
+
+        return self._call("list", "", walk)
+
+    def check(self) -> None:
+        """Fail now, with the cause and the fix, when the folder cannot be written (a missing
+        bucket, refused credentials): a small object is written and deleted."""
+        probe = f".nn_handler-probe-{os.getpid()}"
+        self.write(probe, b"probe")
+        self.remove(probe)
+
+
+def _names_bucket(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "bucket" in text or "container" in text
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+__all__ = ["RemoteStore", "file_crc32", "is_url", "transient"]

@@ -1,0 +1,171 @@
+"""Checkpoints on an object store, in one process, against a real S3 server (moto on
+127.0.0.1, through s3fs): save and exact resume from a fresh machine, the commit protocol's
+guarantees, and each failure named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import HandlerConfig, NNHandler, TrainingPreempted
+from nn_handler.checkpoint.remote.commit import SUFFIX, Manifest
+from nn_handler.errors import CheckpointError
+from tests import resume_helpers as rh
+from tests.object_store import Bucket, s3, s3_server
+from tests.training_helpers import regression_data
+
+__all__ = ["s3", "s3_server"]  # fixtures
+
+
+def machine(base: Path, name: str) -> str:
+    """A machine's local working copy: a new name is a fresh machine with no local state."""
+    return str(base / name)
+
+
+def run(url: str, staging: str, epochs: int, **kw: Any) -> dict[str, Any]:
+    hooks = kw.pop("hooks", ())
+    with NNHandler(
+        rh.model(),
+        rh.adam,
+        nn.CrossEntropyLoss(),
+        rh.step_lr,
+        config=rh.config(url, 1, False, staging_dir=staging, **kw),  # type: ignore[arg-type]
+        hooks=hooks,
+    ) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=epochs)
+        return rh.outcome(h)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    with rh.handler(tmp_path_factory.mktemp("plain"), 1, False, None) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=rh.EPOCHS)
+        return rh.outcome(h)
+
+
+def objects(bucket: Bucket, prefix: str = "run") -> dict[str, int]:
+    fs = bucket.fs()
+    found = fs.find(f"{bucket.name}/{prefix}", detail=True)
+    return {key.split(f"{prefix}/", 1)[1]: info["size"] for key, info in found.items()}
+
+
+def test_resume_on_a_fresh_machine_is_bit_exact(
+    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=1)
+    stored = objects(s3)
+    assert "latest.json" in stored
+    committed = sorted(k for k in stored if k.endswith(SUFFIX))
+    assert committed == ["ckpt-e0001-s00000005.pt" + SUFFIX]  # keep_last=1 rotated the rest
+    latest = json.loads(s3.fs().cat(f"{s3.name}/run/latest.json"))
+    assert latest["checkpoint"] == "ckpt-e0001-s00000005.pt"
+    fresh = tmp_path / "second"
+    resumed = run(url, str(fresh), epochs=rh.EPOCHS, resume="auto")
+    assert rh.same(resumed, uninterrupted)
+    assert (fresh / "ckpt-e0003-s00000015.pt").is_file()
+
+
+def test_a_preempted_run_resumes_from_the_store(
+    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    url = f"{s3.url}/run"
+    with pytest.raises(TrainingPreempted) as stop:
+        run(url, machine(tmp_path, "spot"), rh.EPOCHS, hooks=[rh.SigtermAt(7)])
+    assert stop.value.global_step == 7
+    latest = json.loads(s3.fs().cat(f"{s3.name}/run/latest.json"))
+    assert (latest["checkpoint"], latest["reason"]) == ("ckpt-e0001-s00000007.pt", "preempted")
+    resumed = run(url, machine(tmp_path, "next"), rh.EPOCHS, resume="auto")
+    assert rh.same(resumed, uninterrupted)
+
+
+def test_a_corrupted_object_is_named_and_resume_falls_back(
+    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=2, keep_last=2)
+    fs = s3.fs()
+    newest = f"{s3.name}/run/ckpt-e0002-s00000010.pt"
+    data = bytearray(fs.cat(newest))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe(newest, bytes(data))
+    with pytest.raises(CheckpointError, match=r"the object ckpt-e0002-s00000010\.pt has"):
+        NNHandler.load(f"{url}/ckpt-e0002-s00000010.pt", rh.model())
+    resumed = run(url, machine(tmp_path, "second"), rh.EPOCHS, resume="auto", keep_last=2)
+    assert rh.same(resumed, uninterrupted)  # from epoch 1's checkpoint, the same end
+
+
+def test_a_missing_object_or_manifest_is_never_trusted(s3: Bucket, tmp_path: Path) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=2, keep_last=2)
+    fs = s3.fs()
+    fs.rm(f"{s3.name}/run/ckpt-e0002-s00000010.pt")
+    with pytest.raises(CheckpointError, match=r"incomplete: the object ckpt-e0002-s00000010\.pt"):
+        NNHandler.load(f"{url}/ckpt-e0002-s00000010.pt", rh.model())
+    earlier = [k[: -len(SUFFIX)] for k in objects(s3) if k.endswith(SUFFIX) and "e0002" not in k]
+    assert earlier == ["ckpt-e0001-s00000010.pt"]
+    fs.rm(f"{s3.name}/run/{earlier[0]}{SUFFIX}")  # as if its upload was killed before the commit
+    with NNHandler(
+        rh.model(), rh.adam, nn.CrossEntropyLoss(),
+        config=rh.config(url, 1, False, staging_dir=machine(tmp_path, "third")),  # type: ignore[arg-type]
+    ) as h:  # fmt: skip
+        assert h.trainer.resume(missing_ok=True) is None  # neither is trusted: nothing to resume
+    assert earlier[0] not in objects(s3)  # the uncommitted one was cleaned at the start
+
+
+def test_a_missing_bucket_fails_before_training(s3: Bucket, tmp_path: Path) -> None:
+    config = rh.config(f"s3://no-such-{s3.name}/run", 1, False, staging_dir=str(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(
+        CheckpointError, match=r"the bucket of s3://no-such-run-\w+/run does not exist"
+    ):
+        NNHandler(rh.model(), rh.adam, nn.CrossEntropyLoss(), config=config)
+
+
+def test_wrong_credentials_fail_before_training_and_are_not_shown(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    config = rh.config(f"{s3.url}/run", 1, False, staging_dir=str(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="access denied") as failure:
+        NNHandler(rh.model(), rh.adam, nn.CrossEntropyLoss(), config=config)
+    assert "AWS_ACCESS_KEY_ID" in str(failure.value)  # where credentials come from
+    assert "not-the-secret" not in str(failure.value)
+
+
+def test_storage_options_are_never_stored_in_a_checkpoint(s3: Bucket, tmp_path: Path) -> None:
+    secret = s3.server.secret
+    options = {"key": s3.server.key, "secret": secret}
+    config = HandlerConfig.from_dict(
+        {
+            "checkpoint": {
+                "dir": f"{s3.url}/run",
+                "staging_dir": str(tmp_path),
+                "storage_options": options,
+            }
+        }
+    )
+    assert secret not in repr(config) and secret not in json.dumps(config.model_dump(mode="json"))
+    run(f"{s3.url}/run", machine(tmp_path, "m"), epochs=1, storage_options=options)
+    for key in objects(s3):
+        assert secret.encode() not in s3.fs().cat(f"{s3.name}/run/{key}")
+
+
+def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused() -> None:
+    forged = Manifest("ckpt-e0001-s00000005.pt", {"../../.bashrc": {"size": 1, "crc32": 0}})
+    with pytest.raises(CheckpointError, match="not its checkpoint or a plain file in it"):
+        Manifest.from_bytes(forged.to_bytes(), "s3://b/run/x.manifest.json")
+
+
+def test_the_weights_of_a_remote_checkpoint_load_with_nnhandler_load(
+    s3: Bucket, tmp_path: Path
+) -> None:
+    url = f"{s3.url}/run"
+    trained = run(url, machine(tmp_path, "m"), epochs=1)
+    loaded = NNHandler.load(f"{url}/ckpt-e0001-s00000005.pt", rh.model())
+    for key, value in loaded.model.state_dict().items():
+        assert torch.equal(value, trained["model"][key])
