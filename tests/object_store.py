@@ -84,13 +84,14 @@ def s3_server() -> Iterator[S3Server]:
             aws_secret_access_key="bootstrap",
             region_name="us-east-1",
         )
-        iam.create_user(UserName="trainer")
-        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        user = f"trainer-{uuid.uuid4().hex[:8]}"  # moto's state outlives a server
+        iam.create_user(UserName=user)
+        key = iam.create_access_key(UserName=user)["AccessKey"]
         policy = {
             "Version": "2012-10-17",
             "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
         }
-        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(policy))
         yield S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
     finally:
         server.stop()
