@@ -11,6 +11,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nn_handler.config.checkpoint import is_url
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -165,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print what a checkpoint file (read weights-only, memory-mapped) or a "
         "sharded checkpoint folder (its index, not its shards) holds.",
     )
-    inspect.add_argument("path", help="a checkpoint file or sharded checkpoint folder")
+    inspect.add_argument(
+        "path", help="a checkpoint file or sharded checkpoint folder (or its URL, s3://...)"
+    )
     consolidate = tools.add_parser(
         "consolidate",
         help="write a sharded checkpoint folder as one weights-only file",
@@ -173,9 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
         "model and EMA and the small parts, without the optimizers' states; NNHandler.load "
         "restores it in one process.",
     )
-    consolidate.add_argument("folder", metavar="DIR", help="a sharded checkpoint folder")
+    consolidate.add_argument(
+        "folder", metavar="DIR", help="a sharded checkpoint folder (or its URL, s3://...)"
+    )
     consolidate.add_argument("out", metavar="OUT", help="the file to write (e.g. model.pt)")
     return parser
+
+
+def _local(path: str) -> str:
+    """``path``, or for a URL the committed checkpoint there (or the latest of a folder of
+    them), downloaded into the local working copy and checked against its manifest."""
+    if not is_url(path):
+        return path
+    from nn_handler.checkpoint.remote.folder import fetch_url
+
+    return str(fetch_url(path))
 
 
 def run_inspect(path: str) -> int:
@@ -184,7 +200,7 @@ def run_inspect(path: str) -> int:
     from nn_handler.errors import CheckpointError
 
     try:
-        print(describe_checkpoint(path))
+        print(describe_checkpoint(_local(path)))
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint inspect: {error}", file=sys.stderr)
         return 1
@@ -197,7 +213,9 @@ def run_consolidate(folder: str, out: str) -> int:
     from nn_handler.errors import CheckpointError
 
     try:
-        written = consolidate(folder, out)
+        if is_url(out):
+            raise CheckpointError(f"consolidate writes a local file; {out} is a URL.")
+        written = consolidate(_local(folder), out)
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint consolidate: {error}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ Nothing leaves 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import urllib.request
@@ -57,8 +58,10 @@ class Bucket:
         )
 
 
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[S3Server]:
+@contextlib.contextmanager
+def serving() -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1 (a free port) with one IAM user whose keys are the only
+    ones it accepts, for as long as the context lasts (the campaign script uses it too)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -97,6 +100,12 @@ def s3_server() -> Iterator[S3Server]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    with serving() as server:
+        yield server
+
+
 @pytest.fixture
 def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Bucket:
     """A fresh, empty bucket, with the server's credentials exported in the environment."""
@@ -109,4 +118,4 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Bucket:
     return bucket
 
 
-__all__ = ["Bucket", "S3Server", "s3", "s3_server"]
+__all__ = ["Bucket", "S3Server", "s3", "s3_server", "serving"]

@@ -177,3 +177,69 @@ def test_the_weights_of_a_remote_checkpoint_load_with_nnhandler_load(
     loaded = NNHandler.load(f"{url}/ckpt-e0001-s00000005.pt", rh.model())
     for key, value in loaded.model.state_dict().items():
         assert torch.equal(value, trained["model"][key])
+
+
+def test_inspect_and_consolidate_take_urls(
+    s3: Bucket, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nn_handler.cli import main
+
+    url = f"{s3.url}/run"
+    trained = run(url, machine(tmp_path, "m"), epochs=1, format="sharded")
+    assert main(["checkpoint", "inspect", f"{url}/ckpt-e0001-s00000005"]) == 0
+    shown = capsys.readouterr().out
+    assert "epochs done 1" in shown and "sharded parts" in shown
+    out = tmp_path / "model.pt"
+    assert main(["checkpoint", "consolidate", url, str(out)]) == 0  # a folder: its latest
+    loaded = NNHandler.load(out, model(3))
+    for key, value in loaded.model.state_dict().items():
+        assert torch.equal(value, trained["model"][key])
+    assert main(["checkpoint", "inspect", f"{url}/ckpt-e0009-s00000099"]) == 1
+    assert "no committed checkpoint at" in capsys.readouterr().err
+
+
+def test_transient_errors_are_retried_and_permanent_ones_are_not(
+    s3: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nn_handler.checkpoint.remote.store import RemoteStore
+
+    store = RemoteStore(f"{s3.url}/run", max_wait_s=0.05)
+    real, calls = store.fs.pipe_file, []
+
+    def flaky(path: str, data: bytes, **kw: Any) -> Any:
+        calls.append(path)
+        if len(calls) < 3:
+            raise ConnectionResetError("connection reset by peer")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(store.fs, "pipe_file", flaky)
+    store.write("object", b"1")
+    assert len(calls) == 3 and store.read("object") == b"1"
+    refused: list[str] = []
+
+    def refuse(path: str, data: bytes, **kw: Any) -> Any:
+        refused.append(path)
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(store.fs, "pipe_file", refuse)
+    with pytest.raises(CheckpointError, match="access denied"):
+        store.write("other", b"1")
+    assert len(refused) == 1  # retrying cannot fix refused credentials
+
+
+def test_a_failed_background_upload_fails_the_next_save_and_keeps_latest(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nn_handler.checkpoint.remote.store import RemoteStore
+
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "m"), epochs=1, async_save=True)
+    before = s3.fs().cat(f"{s3.name}/run/latest.json")
+
+    def refuse(self: RemoteStore, local: Path, name: str) -> None:
+        raise CheckpointError(f"cannot upload {self.url_of(name)}: access denied (test)")
+
+    monkeypatch.setattr(RemoteStore, "put", refuse)
+    with pytest.raises(CheckpointError, match=r"uploading checkpoints to s3://run-\w+/run failed"):
+        run(url, machine(tmp_path, "m"), epochs=3, async_save=True, resume="auto")
+    assert s3.fs().cat(f"{s3.name}/run/latest.json") == before

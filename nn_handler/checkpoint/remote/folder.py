@@ -63,6 +63,7 @@ class RemoteFolder:
         self._known: dict[str, Manifest] = {}
         self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
         self._pending: list[Future[None]] = []
+        self._failure: BaseException | None = None
 
     # ----------------------------------------------------------------- the store's state
     def start(self, is_checkpoint: Callable[[str], bool]) -> list[str]:
@@ -168,22 +169,35 @@ class RemoteFolder:
         self._submit(task)
 
     def _submit(self, task: Callable[[], None]) -> None:
-        future = self._thread.submit(task)
+        """Run ``task`` after the changes before it; once one failed, the later ones are
+        dropped until ``flush`` reports it (``latest.json`` never names a failed upload)."""
+
+        def guarded() -> None:
+            if self._failure is not None:
+                return
+            try:
+                task()
+            except BaseException as error:
+                self._failure = error
+                raise
+
+        future = self._thread.submit(guarded)
         if self.background:
             self._pending.append(future)
-        else:
+            return
+        try:
             future.result()
+        finally:
+            self._failure = None  # raised here, to the caller: nothing left to report
 
     def flush(self) -> None:
         """Wait for the changes still running in the background; raise the first failure."""
         pending, self._pending = self._pending, []
-        first: BaseException | None = None
         for future in pending:
-            error = future.exception()
-            if error is not None and first is None:
-                first = error
-        if first is not None:
-            raise first
+            future.exception()  # waits
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     @property
     def busy(self) -> bool:
