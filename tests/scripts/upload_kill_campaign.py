@@ -59,7 +59,7 @@ def child(url: str, staging: str, background: bool, ready: str) -> None:
                 "resume": "auto",
                 "async_save": background,
             },
-        }  # fmt: skip
+        }
     )
     with NNHandler(
         model, lambda p: torch.optim.Adam(p, lr=1e-3), nn.CrossEntropyLoss(), config=config,
@@ -147,9 +147,13 @@ def campaign(kills: int, seed: int, max_delay: float) -> int:
             print(json.dumps(seen), file=sys.stderr)
     loadable = sum(1 for r in results if r["latest"] is not None)
     broken = sum(len(r["broken"]) for r in results)
-    summary = {"kills": len(results), "latest_loadable": loadable, "committed_checked":
-               sum(r["committed"] for r in results), "committed_broken": broken,
-               "incomplete_left_by_kills": sum(1 for r in results if r["incomplete"] > 0)}  # fmt: skip
+    summary = {
+        "kills": len(results),
+        "latest_loadable": loadable,
+        "committed_checked": sum(r["committed"] for r in results),
+        "committed_broken": broken,
+        "incomplete_left_by_kills": sum(1 for r in results if r["incomplete"] > 0),
+    }
     print(json.dumps(summary))
     return 0 if loadable == len(results) and broken == 0 else 1
 
