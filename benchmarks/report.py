@@ -23,6 +23,7 @@ ORDER = [
     "loader_cache",
     "ema_update",
     "checkpoint_io",
+    "object_store_checkpoints",
     "scaling",
     "fsdp_sharding",
     "realistic",
@@ -274,6 +275,20 @@ def checkpoint_io(data: dict[str, Any]) -> Table:
     ]
 
 
+def object_store_checkpoints(data: dict[str, Any]) -> Table:
+    rows = _ratio_rows(
+        data["results"],
+        lambda row: [f"{row['seconds_median']:.3f}", f"{row['mb_per_s']:.0f}"],
+        "ratio_to_torch_median",
+    )
+    return [
+        f"A {data['state_dict_mb']:.0f} MB checkpoint, local disk vs a local S3 server (moto "
+        f"on 127.0.0.1, through s3fs; {data['repeats']} repetitions):",
+        "",
+        *_table(["variant", "median s", "MB/s", "ratio to torch.save", "spread"], rows),
+    ]
+
+
 def scaling(data: dict[str, Any]) -> Table:
     cpu = data["cpu_small_cnn"]
     rows = [
@@ -469,6 +484,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "loader_cache": loader_cache,
     "ema_update": ema_update,
     "checkpoint_io": checkpoint_io,
+    "object_store_checkpoints": object_store_checkpoints,
     "scaling": scaling,
     "fsdp_sharding": fsdp_sharding,
     "realistic": realistic,

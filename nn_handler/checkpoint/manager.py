@@ -14,7 +14,7 @@ Layout of ``config.dir``::
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
 With a URL ``config.dir`` (an object store) this is the layout of the local working copy, and
-every change is mirrored to the store by a RemoteFolder (checkpoint/remote/folder.py): a
+every change is mirrored to the store (checkpoint/location.py, CheckpointFolder): a
 checkpoint is uploaded and committed by its manifest, then latest.json moves; the committed
 checkpoints and latest.json on the store are the ones trusted.
 
@@ -25,9 +25,7 @@ believing a checkpoint exists.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,27 +36,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from loguru import logger
 
-from nn_handler.checkpoint import folder_lock
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.io import (
-    atomic_link,
-    atomic_write_json,
-    load_file,
-    remove_orphans,
-)
+from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.location import LATEST, CheckpointFolder, is_checkpoint
 from nn_handler.checkpoint.run_identity import run_of
-from nn_handler.checkpoint.sharded import REST, is_sharded, link_tree, remove_tree
+from nn_handler.checkpoint.sharded import REST
 from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.checkpoint.source import Opened
 from nn_handler.checkpoint.top_k import TopK, top_name
-
-if TYPE_CHECKING:
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
-from nn_handler.config.checkpoint import CheckpointConfig, is_url
+from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
-LATEST = "latest.json"
+if TYPE_CHECKING:
+    from nn_handler.checkpoint.remote.folder import RemoteFolder
+
 BEST = "best.pt"
 BEST_SHARDED = "best"
 _PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)(?:-r[0-9a-f]+)?(\.pt)?$")
@@ -69,11 +61,6 @@ def periodic_name(epoch: int, step: int, sharded: bool = False) -> str:
     """The name of the periodic checkpoint after ``epoch`` epochs and ``step`` steps (a
     folder's, without ``.pt``, when ``sharded``)."""
     return f"ckpt-e{epoch:04d}-s{step:08d}{'' if sharded else '.pt'}"
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A complete checkpoint: a file, or a committed sharded folder."""
-    return path.is_file() or is_sharded(path)
 
 
 def restart_count(env: Mapping[str, str]) -> int:
@@ -114,10 +101,10 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
         self.config = config
         self.comm = communicator
-        #: The object store's folder when ``config.dir`` is a URL (``dir`` is then its local
-        #: working copy); None for a plain folder.
-        self.remote = _remote_folder(config) if is_url(config.dir) else None
-        self.dir = self.remote.local if self.remote is not None else Path(config.dir)
+        #: Where the checkpoints live (a folder, or an object store through ``dir``, its
+        #: local working copy).
+        self.folder = CheckpointFolder(config)
+        self.dir = self.folder.dir
         self.sharded = sharded
         self.best_value: float | None = None
         #: The save_top_k best checkpoints kept as top-*.pt (unused when save_top_k is 1).
@@ -128,55 +115,30 @@ class CheckpointManager:
         #: The run whose checkpoints rotation may delete (None: every periodic checkpoint).
         self.run_id: str | None = None
         self._owners: dict[Path, str | None] = {}
-        self._locked = False
         if not clean:
             return
-        error: CheckpointError | None = None
-        if self.comm.rank == 0:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                folder_lock.acquire(self.dir, os.environ)
-                self._locked = True
-            except CheckpointError as caught:
-                error = caught
-            else:  # only once the folder is ours: another job's save may be in flight
-                for orphan in remove_orphans(self.dir):
-                    logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
-                error = self._start_remote()
+        error = self.folder.start(_is_checkpoint_name) if self.comm.rank == 0 else None
         if self.comm.world_size > 1:
             agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:
             raise error
-        if self.remote is not None and self.comm.rank != 0:
-            self.remote.refresh()  # what rank 0 kept: every rank names checkpoints alike
+        if self.comm.rank != 0:
+            self.folder.refresh()  # what rank 0 kept: every rank names checkpoints alike
 
     @property
     def where(self) -> str:
         """The folder as the user named it (a URL for an object store)."""
-        return self.remote.url if self.remote is not None else str(self.dir)
+        return self.folder.where
 
-    def _start_remote(self) -> CheckpointError | None:
-        """Rank 0: check the object store can be written and delete incomplete uploads."""
-        if self.remote is None:
-            return None
-        try:
-            for stale in self.remote.start(_is_checkpoint_name):
-                logger.bind(rank=0).warning(
-                    "removed {} (an upload interrupted before its commit)",
-                    self.remote.store.url_of(stale),
-                )
-        except CheckpointError as caught:
-            return caught
-        return None
+    @property
+    def remote(self) -> RemoteFolder | None:
+        """The object store's RemoteFolder when ``config.dir`` is a URL; None for a folder."""
+        return self.folder.remote
 
     def release(self) -> None:
         """Give up the folder's lock (rank 0; the handler's close does) and wait for uploads
         still running. Idempotent."""
-        if self.remote is not None:
-            self.remote.close()
-        if self._locked:
-            folder_lock.release(self.dir)
-            self._locked = False
+        self.folder.release()
 
     # ----------------------------------------------------------------- writing
     def write(
@@ -198,7 +160,7 @@ class CheckpointManager:
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                self.remote.publish(path, self.run_id)
+                self.folder.upload(path, self.run_id)
             except CheckpointError as caught:
                 error = str(caught)
         with self.comm.patient():  # the others wait while rank 0 uploads
@@ -211,11 +173,11 @@ class CheckpointManager:
             return
         error: str | None = None
         try:
-            self.remote.flush()
+            self.folder.flush()
         except CheckpointError as caught:
             error = str(caught)
         with self.comm.patient():
-            agree_on(self.comm, error, f"uploading checkpoints to {self.remote.url}")
+            agree_on(self.comm, error, f"uploading checkpoints to {self.where}")
 
     def _agree(self, error: str | None, target: Path) -> Path:
         agree_on(self.comm, error, f"writing checkpoint {target}")
@@ -245,7 +207,7 @@ class CheckpointManager:
         the name with this run's id (``ckpt-e0002-s00000010-r<id>.pt``), so it is never
         replaced."""
         plain = self.dir / periodic_name(epoch, step, self.sharded)
-        owner = self._owner(plain) if self._exists(plain) else None
+        owner = self._owner(plain) if self.folder.exists(plain) else None
         if owner is None or self.run_id is None or owner == self.run_id:
             return plain
         return plain.with_name(plain.name.replace(f"-s{step:08d}", f"-s{step:08d}-r{self.run_id}"))
@@ -277,8 +239,7 @@ class CheckpointManager:
             epoch, step = (int(match.group(1)), int(match.group(2))) if match else (None, None)
         try:
             self._point_latest(path, epoch, step, reason)
-            if self.remote is not None:
-                self.remote.flush()  # the process exits next: the emergency upload lands first
+            self.folder.flush()  # the process exits next: the emergency upload lands first
         except (OSError, CheckpointError) as error:
             logger.bind(rank=0).error(
                 "could not mark {} as {}: {}", self.dir / LATEST, reason, error
@@ -294,9 +255,7 @@ class CheckpointManager:
             "reason": reason,
             "time": time.time(),
         }
-        atomic_write_json(pointer, self.dir / LATEST)
-        if self.remote is not None:
-            self.remote.point_latest(pointer)
+        self.folder.write_latest(pointer)
 
     @property
     def best_path(self) -> Path:
@@ -337,7 +296,7 @@ class CheckpointManager:
         if self.comm.rank == 0:
             try:
                 for name in ranking.dropped:
-                    self._remove(self.dir / name)
+                    self.folder.remove(self.dir / name)
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
@@ -368,12 +327,7 @@ class CheckpointManager:
         error: str | None = None
         if self.comm.rank == 0:
             try:
-                if source.is_dir():
-                    link_tree(source, target)
-                elif source.exists() or self.remote is None:
-                    atomic_link(source, target)
-                if self.remote is not None:
-                    self.remote.copy(source.name, target.name)
+                self.folder.link(source, target)
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
@@ -392,26 +346,15 @@ class CheckpointManager:
             periodic = [p for p in periodic if self._owner(p) == self.run_id]
         for old in periodic[self.config.keep_last :]:
             if old != keep:
-                self._remove(old)
+                self.folder.remove(old)
                 self._owners.pop(old, None)
-
-    def _remove(self, path: Path) -> None:
-        """Delete a checkpoint (on the store too: its manifest first)."""
-        remove_tree(path)
-        if self.remote is not None:
-            self.remote.remove(path.name)
-
-    def _exists(self, path: Path) -> bool:
-        """Whether ``path`` is a complete checkpoint (on a store: a committed one)."""
-        if self.remote is not None:
-            return path.name in self.remote.names()
-        return is_checkpoint(path)
 
     def _owner(self, path: Path) -> str | None:
         """The run id stored in the checkpoint at ``path`` (read once, memory-mapped; on a
         store, its manifest's)."""
-        if self.remote is not None and path.name in self.remote.names():
-            return self.remote.owner(path.name)
+        known, owner = self.folder.owner(path)
+        if known:
+            return owner
         if path not in self._owners:
             try:
                 source = path / REST if path.is_dir() else path
@@ -422,16 +365,11 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:
-        if self.remote is not None:
-            return [self.dir / n for n in self.remote.names() if _PERIODIC.match(n)]
-        if not self.dir.is_dir():
-            return []
-        return [p for p in self.dir.iterdir() if _PERIODIC.match(p.name) and is_checkpoint(p)]
+        return [path for path in self.folder.entries() if _PERIODIC.match(path.name)]
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
-        if self.remote is not None:
-            self.remote.refresh()
+        self.folder.refresh_entries()
         ordered = sorted(self.periodic(), key=_order, reverse=True)
         pointed = self._pointed()
         if pointed is not None:
@@ -439,26 +377,20 @@ class CheckpointManager:
         return ordered
 
     def _pointed(self) -> Path | None:
-        pointer = self.dir / LATEST
         try:
-            data = self.remote.latest() if self.remote else json.loads(pointer.read_text())
-            name = data["checkpoint"]
+            data = self.folder.read_latest()
+            name = None if data is None else data["checkpoint"]
             if name is None:
                 return None
-        except FileNotFoundError:
-            return None
         except (OSError, ValueError, KeyError, TypeError) as error:
-            logger.warning("ignoring unreadable {}: {}", pointer, error)
+            logger.warning("ignoring unreadable {}: {}", f"{self.where}/{LATEST}", error)
             return None
         target = self.dir / str(name)
-        return target if self._exists(target) else None
+        return target if self.folder.exists(target) else None
 
     def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        """Read the checkpoint at ``path`` (on a store: the committed one of that name,
-        downloaded into the working copy where missing or changed, every object checked)."""
-        if self.remote is not None:
-            path = self.remote.fetch(Path(path).name)
-        return open_checkpoint(path, map_location)
+        """Read the checkpoint at ``path`` (see CheckpointFolder.open). Any rank."""
+        return self.folder.open(path, map_location)
 
     def load_latest(
         self, map_location: torch.device | str | None = None, skip: Iterable[Path] = ()
@@ -480,19 +412,6 @@ class CheckpointManager:
 def _is_checkpoint_name(name: str) -> bool:
     """A name the manager gives checkpoints (periodic, best, top-k)."""
     return bool(_PERIODIC.match(name)) or name in (BEST, BEST_SHARDED) or name.startswith("top-")
-
-
-def _remote_folder(config: CheckpointConfig) -> RemoteFolder:
-    from nn_handler.checkpoint.remote.folder import RemoteFolder, working_copy
-
-    url = str(config.dir)
-    return RemoteFolder(
-        url,
-        working_copy(url, config.staging_dir),
-        config.storage_options,
-        workers=config.upload_workers,
-        background=config.async_save,
-    )
 
 
 def _order(path: Path) -> tuple[int, int]:
