@@ -107,8 +107,10 @@ def s3_server() -> Iterator[S3Server]:
 
 
 @pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Bucket:
-    """A fresh, empty bucket, with the server's credentials exported in the environment."""
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Bucket:
+    """A fresh, empty bucket, with the server's credentials exported in the environment (and
+    the default working copies of URLs under the test's own folder, not ~/.cache)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE"):

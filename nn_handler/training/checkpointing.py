@@ -18,7 +18,7 @@ from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.latest import open_latest
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
-from nn_handler.checkpoint.remote.folder import is_checkpoint_url
+from nn_handler.checkpoint.remote.folder import is_checkpoint_url, save_to_store
 from nn_handler.checkpoint.run_identity import (
     RUN,
     differences,
@@ -283,10 +283,28 @@ class TrainerCheckpoints:
         return self.manager
 
     def save(self, path: str | Path, budget_s: float | None = None) -> Path:
-        """Write the checkpoint to ``path`` (a folder when sharded). Every rank must call this."""
+        """Write the checkpoint to ``path`` (a folder when sharded; a URL: a single file,
+        uploaded and committed there). Every rank must call this."""
+        if is_url(path):
+            return self._save_to_store(str(path), budget_s)
         if self.writer is None:
             return write_together(self.comm, self.state_dict(), path, budget_s)
         return self._save_sharded(self.writer, Path(path))
+
+    def _save_to_store(self, url: str, budget_s: float | None) -> Path:
+        if self.writer is not None:
+            raise ConfigError(
+                f"save({url!r}): a sharded checkpoint reaches an object store as a periodic "
+                f"one (checkpoint.dir={url.rpartition('/')[0]!r}); save(url) writes single "
+                f"files. Or save to a local folder."
+            )
+        return save_to_store(
+            self.comm,
+            url,
+            lambda local: write_together(self.comm, self.state_dict(), local, budget_s),
+            self.run_id,
+            self.config.storage_options,
+        )
 
     def _save_sharded(
         self,

@@ -14,7 +14,7 @@ from torch import nn
 
 from nn_handler import HandlerConfig, NNHandler, TrainingPreempted
 from nn_handler.checkpoint.remote.commit import SUFFIX, Manifest
-from nn_handler.errors import CheckpointError
+from nn_handler.errors import CheckpointError, ConfigError
 from tests import resume_helpers as rh
 from tests.object_store import Bucket, s3, s3_server
 from tests.training_helpers import regression_data
@@ -243,3 +243,36 @@ def test_a_failed_background_upload_fails_the_next_save_and_keeps_latest(
     with pytest.raises(CheckpointError, match=r"uploading checkpoints to s3://run-\w+/run failed"):
         run(url, machine(tmp_path, "m"), epochs=3, async_save=True, resume="auto")
     assert s3.fs().cat(f"{s3.name}/run/latest.json") == before
+
+
+def test_best_and_top_k_are_committed_copies_and_dropped_ones_leave_the_store(
+    s3: Bucket, tmp_path: Path
+) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "m"), epochs=4, save_best=True, save_top_k=2, every_n_steps=None)
+    stored = objects(s3)
+    committed = sorted(k[: -len(SUFFIX)] for k in stored if k.endswith(SUFFIX))
+    tops = [name for name in committed if name.startswith("top-")]
+    assert "best.pt" in committed and len(tops) == 2, committed
+    assert sorted(k for k in stored if k.startswith("top-") and not k.endswith(SUFFIX)) == tops
+    best = json.loads(s3.fs().cat(f"{s3.name}/run/best.pt{SUFFIX}"))
+    assert best["checkpoint"] == "best.pt" and list(best["objects"]) == ["best.pt"]
+    loaded = NNHandler.load(f"{url}/best.pt", model(3))
+    assert loaded.trainer.state.epoch >= 1
+
+
+def test_save_to_a_url_uploads_and_commits_one_file(s3: Bucket, tmp_path: Path) -> None:
+    with NNHandler(model(0), rh.adam, nn.CrossEntropyLoss()) as h:
+        h.train(regression_data(), epochs=1)
+        h.save(f"{s3.url}/exports/epoch1.pt")
+        weights = {k: v.clone() for k, v in h.model.state_dict().items()}
+    assert sorted(objects(s3, "exports")) == ["epoch1.pt", f"epoch1.pt{SUFFIX}"]
+    loaded = NNHandler.load(f"{s3.url}/exports/epoch1.pt", model(3))
+    for key, value in loaded.model.state_dict().items():
+        assert torch.equal(value, weights[key])
+    sharded = HandlerConfig.from_dict({"checkpoint": {"format": "sharded"}})
+    with (
+        NNHandler(model(0), rh.adam, nn.CrossEntropyLoss(), config=sharded) as h,
+        pytest.raises(ConfigError, match="a sharded checkpoint reaches an object store"),
+    ):
+        h.save(f"{s3.url}/exports/sharded")

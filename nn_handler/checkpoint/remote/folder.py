@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -25,6 +25,9 @@ from nn_handler.checkpoint.remote import commit as protocol
 from nn_handler.checkpoint.remote.commit import Entry, Manifest
 from nn_handler.checkpoint.remote.store import RemoteStore
 from nn_handler.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from nn_handler.distributed.communicator import Communicator
 
 LATEST = "latest.json"
 
@@ -271,6 +274,38 @@ def fetch_url(
 SUFFIX_HINT = f"<name>{protocol.SUFFIX}"
 
 
+def save_to_store(
+    comm: Communicator,
+    url: str,
+    write: Callable[[Path], Path],
+    run_id: str | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a single-file checkpoint with ``write(local path)`` (every rank calls it; rank 0
+    writes) into the working copy of ``url``'s folder, then upload and commit it as ``url``
+    (rank 0). Every rank must call this; all raise the same CheckpointError on a failure.
+    Returns the local copy."""
+    from nn_handler.checkpoint.agreement import agree_on
+
+    parent, name = split_url(url)
+    if "://" not in parent or parent.endswith(":/") or not name:
+        raise CheckpointError(f"{url} names no checkpoint inside a folder (s3://bucket/run/x.pt).")
+    folder = RemoteFolder(parent, working_copy(parent, None), storage_options)
+    try:
+        local = write(folder.local / name)
+        error: CheckpointError | None = None
+        if comm.rank == 0:
+            try:
+                folder.publish(local, run_id)
+            except CheckpointError as caught:
+                error = caught
+        with comm.patient():
+            agree_on(comm, error, f"uploading checkpoint {url}")
+    finally:
+        folder.close()
+    return local
+
+
 def _warn(text: str) -> None:
     logger.warning(text)
 
@@ -284,6 +319,7 @@ __all__ = [
     "RemoteFolder",
     "default_working_copy",
     "fetch_url",
+    "save_to_store",
     "is_checkpoint_url",
     "split_url",
     "working_copy",
