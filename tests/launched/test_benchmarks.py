@@ -96,6 +96,22 @@ def test_checkpoint_io_quick_mode_writes_its_fields(quick_run: Path) -> None:
     assert len(results["targets_met"]) == 2
 
 
+def test_object_store_checkpoints_quick_mode_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("object_store_checkpoints.py", quick_run)
+    assert results["state_dict_mb"] == 10
+    assert list(results["results"]) == [
+        "torch.save",
+        "save_periodic, local folder",
+        "save_periodic, s3:// (upload waited for)",
+        "save_periodic, s3:// async_save: the loop's stall",
+        "save_periodic, s3:// async_save: background upload done",
+    ]
+    for row in results["results"].values():
+        low, high = row["ratio_spread"]
+        assert low <= row["ratio_to_torch_median"] <= high and row["mb_per_s"] > 0
+    assert len(results["targets_met"]) == 1
+
+
 def test_object_collectives_quick_mode_writes_its_fields(quick_run: Path) -> None:
     results = run_quick("object_collectives.py", quick_run)
     assert list(results["objects"]) == [

@@ -276,3 +276,15 @@ def test_save_to_a_url_uploads_and_commits_one_file(s3: Bucket, tmp_path: Path) 
         pytest.raises(ConfigError, match="a sharded checkpoint reaches an object store"),
     ):
         h.save(f"{s3.url}/exports/sharded")
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_any_fsspec_url_works_the_same(
+    scheme: str, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    url = f"file://{tmp_path}/store/run" if scheme == "file" else f"memory://{tmp_path.name}/run"
+    run(url, machine(tmp_path, "first"), epochs=1)
+    resumed = run(url, machine(tmp_path, "second"), rh.EPOCHS, resume="auto")
+    assert rh.same(resumed, uninterrupted)
+    if scheme == "file":
+        assert (tmp_path / "store" / "run" / f"ckpt-e0003-s00000015.pt{SUFFIX}").is_file()

@@ -78,6 +78,8 @@ class RemoteStore:
             # A filesystem of its own: a cached one would keep credentials the environment
             # no longer has, and its listings.
             options = {"skip_instance_cache": True, **dict(storage_options or {})}
+            if self.url.startswith(("file://", "local://")):  # folders appear as objects do
+                options.setdefault("auto_mkdir", True)
             self.fs, root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as error:
             raise ConfigError(
