@@ -72,6 +72,10 @@ class CheckpointFolder:
                     )
         except CheckpointError as caught:
             return caught
+        except OSError as caught:
+            return CheckpointError(
+                f"cannot use the checkpoint folder {self.dir}: {caught.strerror or caught}."
+            )
         return None
 
     def refresh(self) -> None:

@@ -117,13 +117,18 @@ class CheckpointManager:
         self._owners: dict[Path, str | None] = {}
         if not clean:
             return
-        error = self.folder.start(_is_checkpoint_name) if self.comm.rank == 0 else None
+        error: CheckpointError | None = None
+        if self.comm.rank == 0:
+            error = self.folder.start(_is_checkpoint_name)
+        else:  # what the store holds: every rank names checkpoints alike
+            try:
+                self.folder.refresh()
+            except CheckpointError as caught:
+                error = caught
         if self.comm.world_size > 1:
             agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:
             raise error
-        if self.comm.rank != 0:
-            self.folder.refresh()  # what rank 0 kept: every rank names checkpoints alike
 
     @property
     def where(self) -> str:
@@ -161,8 +166,8 @@ class CheckpointManager:
         if self.comm.rank == 0:
             try:
                 self.folder.upload(path, self.run_id)
-            except CheckpointError as caught:
-                error = str(caught)
+            except Exception as caught:  # never skip the agreement: the others wait in it
+                error = f"{type(caught).__name__}: {caught}"
         with self.comm.patient():  # the others wait while rank 0 uploads
             self._agree(error, path)
 
@@ -174,8 +179,8 @@ class CheckpointManager:
         error: str | None = None
         try:
             self.folder.flush()
-        except CheckpointError as caught:
-            error = str(caught)
+        except Exception as caught:  # a background failure of any kind; agreed below
+            error = f"{type(caught).__name__}: {caught}"
         with self.comm.patient():
             agree_on(self.comm, error, f"uploading checkpoints to {self.where}")
 

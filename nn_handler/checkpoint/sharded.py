@@ -211,8 +211,8 @@ class ShardedWriter:
         if error is None and self.remote is not None:
             try:
                 objects = self._upload(writer, staging, target, None)
-            except CheckpointError as caught:
-                error = str(caught)
+            except Exception as caught:  # never skip the agreement below: the others wait in it
+                error = f"{type(caught).__name__}: {caught}"
         self._finish(staging, target, then, error, objects, run, f"writing checkpoint {target}")
         return target
 

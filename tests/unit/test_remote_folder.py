@@ -1,0 +1,96 @@
+"""The object-store commit protocol's error paths, on fsspec's in-memory store (no server):
+manifests that are not trusted, names that do not match, URLs that name no checkpoint, schemes
+nobody installed."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from nn_handler.checkpoint.remote import commit as protocol
+from nn_handler.checkpoint.remote.commit import SUFFIX, Manifest
+from nn_handler.checkpoint.remote.folder import RemoteFolder, fetch_url, save_to_store
+from nn_handler.checkpoint.remote.store import RemoteStore
+from nn_handler.cli import main
+from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.errors import CheckpointError, ConfigError
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> RemoteFolder:
+    """A folder on the in-memory store holding one committed checkpoint, ckpt.pt."""
+    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
+    local = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(3)}, local)
+    remote.publish(local, run="r1")
+    return remote
+
+
+def test_a_committed_checkpoint_is_listed_with_its_run_and_fetched(
+    folder: RemoteFolder, tmp_path: Path
+) -> None:
+    assert folder.refresh().keys() == {"ckpt.pt"} and folder.owner("ckpt.pt") == "r1"
+    assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.ones(3))
+
+
+def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: RemoteFolder) -> None:
+    from loguru import logger
+
+    messages: list[str] = []
+    logger.enable("nn_handler")  # the library's lines are off unless logging is enabled
+    sink = logger.add(messages.append, level="WARNING", format="{message}")
+    try:
+        folder.store.write(f"torn.pt{SUFFIX}", b'{"format": "nn_handler.remote-man')
+        folder.store.write(f"other.pt{SUFFIX}", b'{"format": "something else", "objects": {}}')
+        newer = Manifest("newer.pt", {"newer.pt": {"size": 1, "crc32": 0}}).to_bytes()
+        folder.store.write(f"newer.pt{SUFFIX}", newer.replace(b'"version": 1', b'"version": 9'))
+        assert sorted(folder.refresh()) == ["ckpt.pt"]
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    text = "".join(messages)
+    assert "torn.pt.manifest.json is not a readable checkpoint manifest" in text
+    assert "other.pt.manifest.json is not an nn_handler checkpoint manifest" in text
+    assert "newer.pt.manifest.json has a newer format; upgrade nn_handler" in text
+
+
+def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: RemoteFolder) -> None:
+    data = folder.store.read(f"ckpt.pt{SUFFIX}")
+    assert data is not None
+    folder.store.write(f"copy.pt{SUFFIX}", data)
+    with pytest.raises(CheckpointError, match=r"describes 'ckpt\.pt', not 'copy\.pt'"):
+        folder.fetch("copy.pt")
+
+
+def test_an_uncommitted_checkpoint_is_not_fetched(folder: RemoteFolder) -> None:
+    folder.store.write("half.pt", b"bytes of an upload killed before its manifest")
+    with pytest.raises(CheckpointError, match=r"half\.pt is not committed"):
+        folder.fetch("half.pt")
+    assert protocol.incomplete(
+        folder.store.listing(), folder.refresh(), lambda n: n.endswith(".pt")
+    ) == ["half.pt"]
+
+
+def test_urls_that_name_no_checkpoint_are_clear_errors(folder: RemoteFolder) -> None:
+    with pytest.raises(CheckpointError, match="no committed checkpoint at"):
+        fetch_url(f"{folder.url}/missing.pt")
+    with pytest.raises(CheckpointError, match="names no checkpoint inside a folder"):
+        save_to_store(NullCommunicator(), "memory://", lambda path: path, None)
+    assert main(["checkpoint", "consolidate", f"{folder.url}/ckpt.pt", "s3://b/x.pt"]) == 1
+
+
+def test_a_scheme_without_its_filesystem_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir nosuchscheme://bucket/run"):
+        RemoteStore("nosuchscheme://bucket/run")
+
+
+def test_a_deleted_checkpoint_loses_its_manifest_first(folder: RemoteFolder) -> None:
+    order: list[str] = []
+    real = folder.store.remove
+    folder.store.remove = lambda name: (order.append(name), real(name))[1]  # type: ignore[method-assign]
+    folder.remove("ckpt.pt")
+    assert order == [f"ckpt.pt{SUFFIX}", "ckpt.pt"]
+    assert folder.store.listing() == {}
