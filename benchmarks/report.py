@@ -261,32 +261,30 @@ def ema_update(data: dict[str, Any]) -> Table:
     ]
 
 
-def checkpoint_io(data: dict[str, Any]) -> Table:
+def _save_table(data: dict[str, Any], heading: str) -> Table:
+    """A table of save (or load) times in seconds and MB/s, with ratios to torch's call."""
     rows = _ratio_rows(
         data["results"],
         lambda row: [f"{row['seconds_median']:.3f}", f"{row['mb_per_s']:.0f}"],
         "ratio_to_torch_median",
     )
-    return [
+    return [heading, "", *_table(["variant", "median s", "MB/s", "ratio to torch", "spread"], rows)]
+
+
+def checkpoint_io(data: dict[str, Any]) -> Table:
+    return _save_table(
+        data,
         f"A {data['state_dict_mb']:.0f} MB state dict in {data['tensors']} tensors "
         f"({data['repeats']} repetitions):",
-        "",
-        *_table(["variant", "median s", "MB/s", "ratio to torch", "spread"], rows),
-    ]
+    )
 
 
 def object_store_checkpoints(data: dict[str, Any]) -> Table:
-    rows = _ratio_rows(
-        data["results"],
-        lambda row: [f"{row['seconds_median']:.3f}", f"{row['mb_per_s']:.0f}"],
-        "ratio_to_torch_median",
-    )
-    return [
+    return _save_table(
+        data,
         f"A {data['state_dict_mb']:.0f} MB checkpoint, local disk vs a local S3 server (moto "
         f"on 127.0.0.1, through s3fs; {data['repeats']} repetitions):",
-        "",
-        *_table(["variant", "median s", "MB/s", "ratio to torch.save", "spread"], rows),
-    ]
+    )
 
 
 def scaling(data: dict[str, Any]) -> Table:
