@@ -85,8 +85,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> dict[str, 
     import os
 
     base = tmp_path_factory.mktemp("object-store")
-    saved = {name: os.environ.get(name) for name in s3_server.env()}
-    os.environ.update(s3_server.env())  # the children's credentials, the standard way
+    env = {**s3_server.env(), "XDG_CACHE_HOME": str(base / "cache")}  # not ~/.cache
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the children's credentials, the standard way
     try:
         bucket = Bucket(s3_server, f"two-ranks-{uuid.uuid4().hex[:8]}")
         bucket.fs().mkdir(bucket.name)
