@@ -94,3 +94,15 @@ def test_a_deleted_checkpoint_loses_its_manifest_first(folder: RemoteFolder) -> 
     folder.remove("ckpt.pt")
     assert order == [f"ckpt.pt{SUFFIX}", "ckpt.pt"]
     assert folder.store.listing() == {}
+
+
+def test_the_default_working_copy_stays_inside_the_cache() -> None:
+    from nn_handler.checkpoint.remote.folder import default_working_copy
+
+    cache = Path("/cache")
+    root = cache / "nn_handler" / "checkpoints"
+    assert default_working_copy("s3://bucket/run", {"XDG_CACHE_HOME": "/cache"}) == (
+        root / "s3_" / "bucket" / "run"
+    )
+    tricky = default_working_copy("s3://bucket/../../../etc", {"XDG_CACHE_HOME": "/cache"})
+    assert tricky == root / "s3_" / "bucket" / "_" / "_" / "_" / "etc"

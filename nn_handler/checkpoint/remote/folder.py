@@ -36,7 +36,9 @@ def default_working_copy(url: str, env: Mapping[str, str]) -> Path:
     """Where the working copy of ``url`` goes unless ``checkpoint.staging_dir`` says: under
     ``$XDG_CACHE_HOME`` (``~/.cache``) / nn_handler / checkpoints / the URL as a path."""
     cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "nn_handler" / "checkpoints" / re.sub(r"[^A-Za-z0-9._/-]+", "_", url)
+    parts = [re.sub(r"[^A-Za-z0-9._-]+", "_", part) for part in url.split("/") if part]
+    safe = [part if part.strip(".") else "_" for part in parts]  # never '.' or '..'
+    return Path(cache, "nn_handler", "checkpoints", *safe)
 
 
 class RemoteFolder:
