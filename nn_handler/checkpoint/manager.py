@@ -26,7 +26,6 @@ believing a checkpoint exists.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,15 @@ from loguru import logger
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.location import LATEST, CheckpointFolder, is_checkpoint
+from nn_handler.checkpoint.naming import (
+    BEST,
+    BEST_SHARDED,
+    PERIODIC,
+    is_checkpoint_name,
+    order,
+    periodic_name,
+    restart_count,
+)
 from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.sharded import REST
 from nn_handler.checkpoint.single_file import write_together
@@ -50,27 +58,6 @@ from nn_handler.errors import CheckpointError
 
 if TYPE_CHECKING:
     from nn_handler.checkpoint.remote.folder import RemoteFolder
-
-BEST = "best.pt"
-BEST_SHARDED = "best"
-_PERIODIC = re.compile(r"^ckpt-e(\d+)-s(\d+)(?:-r[0-9a-f]+)?(\.pt)?$")
-_COUNT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() accepts '¹', int() does not
-
-
-def periodic_name(epoch: int, step: int, sharded: bool = False) -> str:
-    """The name of the periodic checkpoint after ``epoch`` epochs and ``step`` steps (a
-    folder's, without ``.pt``, when ``sharded``)."""
-    return f"ckpt-e{epoch:04d}-s{step:08d}{'' if sharded else '.pt'}"
-
-
-def restart_count(env: Mapping[str, str]) -> int:
-    """How many times torchrun (TORCHELASTIC_RESTART_COUNT) or SLURM (SLURM_RESTART_COUNT) has
-    restarted this job; 0 for a first start. Unparseable values count as 0."""
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = env.get(name, "").strip()
-        if _COUNT.fullmatch(value) and int(value) > 0:
-            return int(value)
-    return 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +106,7 @@ class CheckpointManager:
             return
         error: CheckpointError | None = None
         if self.comm.rank == 0:
-            error = self.folder.start(_is_checkpoint_name)
+            error = self.folder.start(is_checkpoint_name)
         else:  # what the store holds: every rank names checkpoints alike
             try:
                 self.folder.refresh()
@@ -240,7 +227,7 @@ class CheckpointManager:
         path = self.last_saved_path or self._pointed()
         epoch, step = self.last_saved_epoch, self.last_saved_step
         if path is not None and (epoch is None or step is None):
-            match = _PERIODIC.match(path.name)
+            match = PERIODIC.match(path.name)
             epoch, step = (int(match.group(1)), int(match.group(2))) if match else (None, None)
         try:
             self._point_latest(path, epoch, step, reason)
@@ -346,7 +333,7 @@ class CheckpointManager:
         """Delete this run's periodic checkpoints beyond ``keep_last`` (never another run's:
         two runs sharing a folder by mistake lose nothing to each other)."""
         self._owners[keep] = self.run_id
-        periodic = sorted(self.periodic(), key=_order, reverse=True)
+        periodic = sorted(self.periodic(), key=order, reverse=True)
         if self.run_id is not None:
             periodic = [p for p in periodic if self._owner(p) == self.run_id]
         for old in periodic[self.config.keep_last :]:
@@ -370,12 +357,12 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:
-        return [path for path in self.folder.entries() if _PERIODIC.match(path.name)]
+        return [path for path in self.folder.entries() if PERIODIC.match(path.name)]
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
         self.folder.refresh_entries()
-        ordered = sorted(self.periodic(), key=_order, reverse=True)
+        ordered = sorted(self.periodic(), key=order, reverse=True)
         pointed = self._pointed()
         if pointed is not None:
             ordered = [pointed] + [p for p in ordered if p != pointed]
@@ -412,16 +399,6 @@ class CheckpointManager:
             except CheckpointError as error:
                 logger.warning("{}; trying the previous checkpoint", error)
         return None
-
-
-def _is_checkpoint_name(name: str) -> bool:
-    """A name the manager gives checkpoints (periodic, best, top-k)."""
-    return bool(_PERIODIC.match(name)) or name in (BEST, BEST_SHARDED) or name.startswith("top-")
-
-
-def _order(path: Path) -> tuple[int, int]:
-    match = _PERIODIC.match(path.name)
-    return (int(match.group(2)), int(match.group(1))) if match else (-1, -1)
 
 
 __all__ = [
