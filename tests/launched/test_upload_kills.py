@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).parents[2] / "tests" / "scripts" / "upload_kill_campaign
 
 
 def test_kills_during_uploads_always_leave_a_loadable_latest() -> None:
-    command = [sys.executable, str(SCRIPT), "--kills", "3", "--seed", "7", "--max-delay", "1.5"]
+    command = [sys.executable, str(SCRIPT), "--kills", "3", "--seed", "7", "--max-delay", "1.0"]
     code, output = run_command(command, timeout=300)
     assert code == 0, output
     line = next(x for x in reversed(output.splitlines()) if '"latest_loadable"' in x)
