@@ -106,3 +106,53 @@ def test_the_default_working_copy_stays_inside_the_cache() -> None:
     )
     tricky = default_working_copy("s3://bucket/../../../etc", {"XDG_CACHE_HOME": "/cache"})
     assert tricky == root / "s3_" / "bucket" / "_" / "_" / "_" / "etc"
+
+
+def test_a_copy_of_an_uncommitted_checkpoint_is_an_error(folder: RemoteFolder) -> None:
+    with pytest.raises(CheckpointError, match=r"cannot copy memory://\w+/run/missing\.pt"):
+        folder.copy("missing.pt", "best.pt")
+    folder.copy("ckpt.pt", "best.pt")  # the folder goes on after a failure it reported
+    assert sorted(folder.refresh()) == ["best.pt", "ckpt.pt"]
+
+
+def test_a_transient_error_that_lasts_fails_after_the_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", attempts=3, max_wait_s=0.01)
+    calls: list[str] = []
+
+    def reset(path: str, data: bytes, **kw: object) -> None:
+        calls.append(path)
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(store.fs, "pipe_file", reset)
+    with pytest.raises(CheckpointError, match=r"ConnectionResetError: .* \(after retrying\)"):
+        store.write("object", b"1")
+    assert len(calls) == 3
+
+
+def test_missing_credentials_are_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoCredentialsError(Exception):
+        """What botocore raises when it finds no credentials anywhere."""
+
+    store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", max_wait_s=0.01)
+    calls: list[str] = []
+
+    def none(path: str, data: bytes, **kw: object) -> None:
+        calls.append(path)
+        raise NoCredentialsError("Unable to locate credentials")
+
+    monkeypatch.setattr(store.fs, "pipe_file", none)
+    with pytest.raises(CheckpointError, match=r"access denied .*standard places"):
+        store.write("object", b"1")
+    assert len(calls) == 1  # not a transient error
+
+
+def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path: Path) -> None:
+    from nn_handler.checkpoint.manager import CheckpointManager
+    from nn_handler.config import CheckpointConfig
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="cannot use the checkpoint folder"):
+        CheckpointManager(CheckpointConfig(dir=str(taken / "run")), NullCommunicator())
