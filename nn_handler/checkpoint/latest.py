@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -9,8 +10,10 @@ from loguru import logger
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manager import CheckpointManager
-from nn_handler.checkpoint.sharded import verify_sharded
-from nn_handler.checkpoint.source import Opened
+from nn_handler.checkpoint.remote.folder import is_checkpoint_url
+from nn_handler.checkpoint.sharded import is_sharded, verify_sharded
+from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -41,6 +44,41 @@ def open_latest(
         return opened
 
 
+def open_for_resume(
+    path: str | Path,
+    missing_ok: bool,
+    comm: Communicator,
+    device: torch.device,
+    config: CheckpointConfig,
+    run_manager: Callable[[], CheckpointManager],
+    sharded: bool,
+) -> tuple[Opened | None, bool]:
+    """The one place that decides what a resume's ``path`` is: 'latest' (``run_manager()``'s
+    folder) or a folder of checkpoints (a URL: one on an object store), whose newest verified
+    checkpoint is chosen automatically (True); else one checkpoint, a file or a sharded
+    folder (a URL: a committed one). Every rank must call this."""
+    options = config.storage_options
+    if str(path) == "latest":
+        manager = run_manager()
+    elif (Path(path).is_dir() and not is_sharded(path)) or (
+        is_url(path) and not is_checkpoint_url(str(path), options)
+    ):
+        own = str(path) == config.dir  # this run's folder: its own working copy
+        folder = CheckpointConfig(
+            dir=str(path), storage_options=options, staging_dir=config.staging_dir if own else None
+        )
+        manager = CheckpointManager(folder, comm, clean=False, sharded=sharded)
+    else:
+        opened, problem = None, None
+        try:
+            opened = open_checkpoint(path, device, options)
+        except Exception as error:
+            problem = error
+        agree_on(comm, problem, f"loading checkpoint {path}")
+        return opened, False
+    return open_latest(manager, comm, device, missing_ok), True
+
+
 def _pick(
     manager: CheckpointManager, comm: Communicator, device: torch.device, skipped: list[Path]
 ) -> Opened | None:
@@ -64,4 +102,4 @@ def _pick(
     return opened
 
 
-__all__ = ["open_latest"]
+__all__ = ["open_for_resume", "open_latest"]

@@ -14,11 +14,10 @@ import torch
 from loguru import logger
 from torch.distributed import ProcessGroup
 
-from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.latest import open_latest
+from nn_handler.checkpoint.latest import open_for_resume
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
-from nn_handler.checkpoint.remote.folder import is_checkpoint_url, save_to_store
+from nn_handler.checkpoint.remote.folder import save_to_store
 from nn_handler.checkpoint.run_identity import (
     RUN,
     differences,
@@ -30,12 +29,10 @@ from nn_handler.checkpoint.sharded import (
     META,
     SHARDED,
     ShardedWriter,
-    is_sharded,
     load_shards,
     verify_sharded,
 )
 from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -367,7 +364,15 @@ class TrainerCheckpoints:
         """Load ``path`` (a file, a sharded folder, a folder of checkpoints or 'latest') on
         every rank; see ``Trainer.resume``."""
         self.finish()
-        opened, latest = self._open(path, missing_ok)
+        opened, latest = open_for_resume(
+            path,
+            missing_ok,
+            self.comm,
+            self.device,
+            self.config,
+            lambda: self.require_manager("resume('latest')"),
+            sharded=self.writer is not None,
+        )
         if opened is None:
             return None
         self.load(
@@ -379,30 +384,6 @@ class TrainerCheckpoints:
             automatic=latest,
         )
         return opened.path
-
-    def _open(self, path: str | Path, missing_ok: bool) -> tuple[Opened | None, bool]:
-        """The one place that decides what ``path`` is: 'latest' or a folder of checkpoints
-        (the newest verified one, chosen automatically: True), else one checkpoint (a file
-        or a sharded folder: open_checkpoint decides which)."""
-        options = self.config.storage_options
-        if str(path) == "latest":
-            manager = self.require_manager("resume('latest')")
-        elif (Path(path).is_dir() and not is_sharded(path)) or (
-            is_url(path) and not is_checkpoint_url(str(path), options)
-        ):
-            folder = CheckpointConfig(dir=str(path), storage_options=options)
-            manager = CheckpointManager(
-                folder, self.comm, clean=False, sharded=self.writer is not None
-            )
-        else:
-            opened, problem = None, None
-            try:
-                opened = open_checkpoint(path, self.device, options)
-            except Exception as error:
-                problem = error
-            agree_on(self.comm, problem, f"loading checkpoint {path}")
-            return opened, False
-        return open_latest(manager, self.comm, self.device, missing_ok), True
 
     def _auto_resume(self) -> None:
         first, self._first_fit = self._first_fit, False
