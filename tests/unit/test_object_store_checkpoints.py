@@ -288,3 +288,13 @@ def test_any_fsspec_url_works_the_same(
     assert rh.same(resumed, uninterrupted)
     if scheme == "file":
         assert (tmp_path / "store" / "run" / f"ckpt-e0003-s00000015.pt{SUFFIX}").is_file()
+
+
+def test_resume_takes_a_folder_url_and_picks_its_latest(s3: Bucket, tmp_path: Path) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "m"), epochs=2)
+    elsewhere = rh.config(tmp_path / "local", 1, False)  # the same run settings, another dir
+    with NNHandler(model(3), rh.adam, nn.CrossEntropyLoss(), config=elsewhere) as h:
+        resumed = h.resume(url)
+        assert resumed is not None and resumed.name == "ckpt-e0002-s00000010.pt"
+        assert h.trainer.state.epoch == 2 and h.trainer.state.global_step == 10
