@@ -54,7 +54,7 @@ from nn_handler.checkpoint.source import Opened
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import CheckpointError
+from nn_handler.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from nn_handler.checkpoint.remote.folder import RemoteFolder
@@ -86,6 +86,12 @@ class CheckpointManager:
     ) -> None:
         if config.dir is None:
             raise CheckpointError("CheckpointManager needs CheckpointConfig(dir=...).")
+        if str(config.dir).startswith("memory://") and communicator.world_size > 1:
+            raise ConfigError(
+                f"checkpoint.dir {config.dir}: memory:// is one process's memory, which "
+                f"{communicator.world_size} ranks cannot share; use an object store (s3://...) "
+                f"or a folder every rank sees."
+            )
         self.config = config
         self.comm = communicator
         #: Where the checkpoints live (a folder, or an object store through ``dir``, its

@@ -156,3 +156,14 @@ def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path: Path) -> N
     taken.write_text("not a folder")
     with pytest.raises(CheckpointError, match="cannot use the checkpoint folder"):
         CheckpointManager(CheckpointConfig(dir=str(taken / "run")), NullCommunicator())
+
+
+def test_a_memory_url_shared_by_several_ranks_is_a_config_error() -> None:
+    from types import SimpleNamespace
+
+    from nn_handler.checkpoint.manager import CheckpointManager
+    from nn_handler.config import CheckpointConfig
+
+    two_ranks = SimpleNamespace(rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="memory:// is one process's memory"):
+        CheckpointManager(CheckpointConfig(dir="memory://bucket/run"), two_ranks)  # type: ignore[arg-type]
