@@ -65,6 +65,9 @@ class RemoteFolder:
         self.local = local
         self.workers = workers
         self.background = background
+        # The committed checkpoints as this process knows them. Only this thread adds or
+        # removes names; the store's thread replaces the entry of a name already there (so
+        # ``names`` never sees the dict change size while it iterates).
         self._known: dict[str, Manifest] = {}
         self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
         self._pending: list[Future[None]] = []
@@ -138,7 +141,8 @@ class RemoteFolder:
 
     def _commit(self, manifest: Manifest) -> None:
         protocol.commit(self.store, manifest)
-        self._known[manifest.name] = manifest
+        if manifest.name in self._known:  # (see __init__: never adds a name)
+            self._known[manifest.name] = manifest
 
     def point_latest(self, data: Mapping[str, Any]) -> None:
         """Write ``latest.json`` once the changes before it have landed."""
@@ -167,9 +171,9 @@ class RemoteFolder:
             if data is None:
                 raise CheckpointError(f"cannot copy {self.store.url_of(source)}: not committed.")
             where = self.store.url_of(protocol.manifest_name(source))
-            self._known[target] = protocol.copy(
-                self.store, Manifest.from_bytes(data, where), target
-            )
+            copied = protocol.copy(self.store, Manifest.from_bytes(data, where), target)
+            if target in self._known:  # (see __init__: never adds a name)
+                self._known[target] = copied
 
         self._submit(task)
 
