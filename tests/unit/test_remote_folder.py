@@ -115,37 +115,33 @@ def test_a_copy_of_an_uncommitted_checkpoint_is_an_error(folder: RemoteFolder) -
     assert sorted(folder.refresh()) == ["best.pt", "ckpt.pt"]
 
 
-def test_a_transient_error_that_lasts_fails_after_the_retries(
-    monkeypatch: pytest.MonkeyPatch,
+class NoCredentialsError(Exception):
+    """What botocore raises when it finds no credentials anywhere."""
+
+
+@pytest.mark.parametrize(
+    ("error", "tries", "says"),
+    [
+        # A transient error that lasts fails once the retries are spent.
+        (ConnectionResetError("connection reset by peer"), 3, r"Reset.*\(after retrying\)"),
+        # Missing credentials are named as such, at once: retrying cannot find them.
+        (NoCredentialsError("Unable to locate credentials"), 1, r"access denied .*standard"),
+    ],
+)
+def test_store_errors_are_retried_only_when_retrying_can_help(
+    error: Exception, tries: int, says: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", attempts=3, max_wait_s=0.01)
     calls: list[str] = []
 
-    def reset(path: str, data: bytes, **kw: object) -> None:
+    def failing(path: str, data: bytes, **kw: object) -> None:
         calls.append(path)
-        raise ConnectionResetError("connection reset by peer")
+        raise error
 
-    monkeypatch.setattr(store.fs, "pipe_file", reset)
-    with pytest.raises(CheckpointError, match=r"ConnectionResetError: .* \(after retrying\)"):
+    monkeypatch.setattr(store.fs, "pipe_file", failing)
+    with pytest.raises(CheckpointError, match=says):
         store.write("object", b"1")
-    assert len(calls) == 3
-
-
-def test_missing_credentials_are_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
-    class NoCredentialsError(Exception):
-        """What botocore raises when it finds no credentials anywhere."""
-
-    store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", max_wait_s=0.01)
-    calls: list[str] = []
-
-    def none(path: str, data: bytes, **kw: object) -> None:
-        calls.append(path)
-        raise NoCredentialsError("Unable to locate credentials")
-
-    monkeypatch.setattr(store.fs, "pipe_file", none)
-    with pytest.raises(CheckpointError, match=r"access denied .*standard places"):
-        store.write("object", b"1")
-    assert len(calls) == 1  # not a transient error
+    assert len(calls) == tries
 
 
 def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path: Path) -> None:
