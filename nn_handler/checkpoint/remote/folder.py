@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from nn_handler.distributed.communicator import Communicator
 
 LATEST = "latest.json"
+SUFFIX_HINT = f"<name>{protocol.SUFFIX}"
 
 
 def default_working_copy(url: str, env: Mapping[str, str]) -> Path:
@@ -275,9 +276,6 @@ def fetch_url(
             f"latest.json under it)."
         )
     return folder.fetch(latest)
-
-
-SUFFIX_HINT = f"<name>{protocol.SUFFIX}"
 
 
 def save_to_store(
