@@ -115,7 +115,7 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> B
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
-    bucket = Bucket(s3_server, f"run-{uuid.uuid4().hex[:12]}")
+    bucket = Bucket(s3_server, f"my-bucket-{uuid.uuid4().hex[:12]}")  # "bucket" in a name
     bucket.fs().mkdir(bucket.name)
     return bucket
 

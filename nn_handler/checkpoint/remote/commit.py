@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nn_handler.checkpoint.remote.store import RemoteStore, file_crc32
+from nn_handler.checkpoint.remote.store import MissingObject, RemoteStore, file_crc32
 from nn_handler.errors import CheckpointError
 
 SUFFIX = ".manifest.json"
@@ -208,9 +208,7 @@ def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int
         try:
             try:
                 store.get(key, partial)
-            except CheckpointError as error:
-                if "does not exist" not in str(error) or "bucket" in str(error):
-                    raise
+            except MissingObject:
                 raise CheckpointError(
                     f"checkpoint {store.url_of(manifest.name)} is incomplete: the object {key} "
                     f"is missing (its manifest lists it); use an earlier checkpoint."

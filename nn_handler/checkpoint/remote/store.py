@@ -54,6 +54,10 @@ def file_crc32(path: Path) -> int:
     return crc & 0xFFFFFFFF
 
 
+class MissingObject(CheckpointError):
+    """The object asked for does not exist (its bucket does)."""
+
+
 class RemoteStore:
     """The folder ``url`` of an object store.
 
@@ -103,18 +107,13 @@ class RemoteStore:
         return f"{self.root}/{name}"
 
     def _call(self, what: str, name: str, action: Callable[[], T]) -> T:
-        found = self._maybe(what, name, action, missing_ok=False)
-        return found  # type: ignore[return-value]  # None only with missing_ok
-
-    def _maybe(self, what: str, name: str, action: Callable[[], T], missing_ok: bool) -> T | None:
-        """``action()`` retried on transient errors; None when the object does not exist and
-        ``missing_ok`` (a missing bucket is always an error)."""
+        """``action()`` retried on transient errors; any failure a CheckpointError naming the
+        object, the cause and the fix."""
         try:
             return self._retrying(action)
         except FileNotFoundError as error:
-            if missing_ok and not _names_bucket(error):
-                return None
-            raise CheckpointError(self._missing(what, name, error)) from None
+            gone = CheckpointError if _names_bucket(error) else MissingObject
+            raise gone(self._missing(what, name, error)) from None
         except PermissionError as error:
             raise CheckpointError(self._denied(what, name, error)) from None
         except CheckpointError:
@@ -126,6 +125,20 @@ class RemoteStore:
                 f"cannot {what} {self.url_of(name)}: {type(error).__name__}: {_first(error)} "
                 f"(after retrying)."
             ) from error
+
+    def _maybe(self, what: str, name: str, action: Callable[[], T]) -> T | None:
+        """As ``_call``, with None when the object does not exist (a missing bucket is still
+        an error)."""
+
+        def missing_is_none() -> T | None:
+            try:
+                return action()
+            except FileNotFoundError as error:
+                if _names_bucket(error):
+                    raise
+                return None
+
+        return self._call(what, name, missing_is_none)
 
     def _missing(self, what: str, name: str, error: BaseException) -> str:
         text = _first(error)
@@ -158,7 +171,7 @@ class RemoteStore:
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the object ``name``; None when it does not exist."""
-        return self._maybe("read", name, lambda: bytes(self.fs.cat_file(self._key(name))), True)
+        return self._maybe("read", name, lambda: bytes(self.fs.cat_file(self._key(name))))
 
     def write(self, name: str, data: bytes) -> None:
         """Write ``data`` as the object ``name`` (one PUT: readers see all of it or nothing)."""
@@ -170,7 +183,7 @@ class RemoteStore:
 
     def remove(self, name: str) -> None:
         """Delete the object ``name`` (missing is fine)."""
-        self._maybe("delete", name, lambda: self.fs.rm_file(self._key(name)), True)
+        self._maybe("delete", name, lambda: self.fs.rm_file(self._key(name)))
 
     def listing(self) -> dict[str, int]:
         """Every object under the folder: its name relative to the folder, and its size."""
@@ -197,9 +210,16 @@ class RemoteStore:
         self.remove(probe)
 
 
+#: How the stores say that the bucket (container) itself is missing. A missing object's
+#: error names its path, which may well contain "bucket" (s3://my-bucket/...): the words
+#: must be the store's own.
+_NO_BUCKET = ("bucket does not exist", "nosuchbucket", "container does not exist",
+              "containernotfound", "bucket not found")  # fmt: skip
+
+
 def _names_bucket(error: BaseException) -> bool:
     text = str(error).lower()
-    return "bucket" in text or "container" in text
+    return any(phrase in text for phrase in _NO_BUCKET)
 
 
 def _first(error: BaseException) -> str:
@@ -207,4 +227,4 @@ def _first(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-__all__ = ["RemoteStore", "file_crc32", "is_url", "transient"]
+__all__ = ["MissingObject", "RemoteStore", "file_crc32", "is_url", "transient"]
