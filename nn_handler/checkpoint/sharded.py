@@ -211,8 +211,8 @@ class ShardedWriter:
         elif error is None and self.comm.rank == 0:
             error = _commit(staging, target, then)
         agree_on(self.comm, error, what)
-        if self.comm.rank != 0 and staging.exists():  # another machine's copy: uploaded
-            shutil.rmtree(staging, ignore_errors=True)
+        if remote is not None and self.comm.rank != 0:
+            _drop_own(staging, objects)
 
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and commit it; returns its folder.
@@ -236,6 +236,17 @@ class ShardedWriter:
             pending.staging, pending.target, pending.then, error, objects, pending.run, what
         )
         return pending.target
+
+
+def _drop_own(staging: Path, objects: Mapping[str, Any]) -> None:
+    """A rank on another machine than rank 0's: its uploaded files' local copies (and the
+    staging folder once empty). Only its own files: on rank 0's machine the folder is already
+    committed, and a later save may be staging under the same name."""
+    for key in objects:
+        with contextlib.suppress(FileNotFoundError):
+            (staging / key.split("/", 1)[1]).unlink()
+    with contextlib.suppress(OSError):
+        staging.rmdir()
 
 
 def _run_of(rest: Mapping[str, Any] | None) -> str | None:
