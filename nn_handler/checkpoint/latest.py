@@ -61,7 +61,7 @@ def open_for_resume(
     if str(path) == "latest":
         manager = run_manager()
     elif (Path(path).is_dir() and not is_sharded(path)) or (
-        is_url(path) and not is_checkpoint_url(str(path), options)
+        is_url(path) and not _names_one_checkpoint(str(path), config, comm)
     ):
         own = str(path) == config.dir  # this run's folder: its own working copy
         folder = CheckpointConfig(
@@ -77,6 +77,20 @@ def open_for_resume(
         agree_on(comm, problem, f"loading checkpoint {path}")
         return opened, False
     return open_latest(manager, comm, device, missing_ok), True
+
+
+def _names_one_checkpoint(url: str, config: CheckpointConfig, comm: Communicator) -> bool:
+    """Whether ``url`` is one committed checkpoint (else a folder of them), as rank 0 reads
+    it on the store; every rank gets its answer or its error. Every rank must call this."""
+    answer: bool | None = None
+    problem: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            answer = is_checkpoint_url(url, config.storage_options)
+        except Exception as error:
+            problem = error
+    agree_on(comm, problem, f"reading {url}")
+    return bool(comm.broadcast_object(answer) if comm.world_size > 1 else answer)
 
 
 def _pick(

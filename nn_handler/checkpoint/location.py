@@ -79,8 +79,8 @@ class CheckpointFolder:
         return None
 
     def refresh(self) -> None:
-        """Every rank but 0, after its start: learn what the store holds, so that every rank
-        names checkpoints alike."""
+        """Read again what the store holds (a plain folder is always read afresh). Every rank
+        but 0 does at the start, so that every rank names checkpoints alike."""
         if self.remote is not None:
             self.remote.refresh()
 
@@ -106,11 +106,6 @@ class CheckpointFolder:
         if not self.dir.is_dir():
             return []
         return [path for path in self.dir.iterdir() if is_checkpoint(path)]
-
-    def refresh_entries(self) -> None:
-        """Read again what the store holds (a plain folder is always read afresh)."""
-        if self.remote is not None:
-            self.remote.refresh()
 
     def read_latest(self) -> Any:
         """latest.json's contents (None: there is none); raises OSError or ValueError when it

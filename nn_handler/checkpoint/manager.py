@@ -238,7 +238,7 @@ class CheckpointManager:
         try:
             self._point_latest(path, epoch, step, reason)
             self.folder.flush()  # the process exits next: the emergency upload lands first
-        except (OSError, CheckpointError) as error:
+        except Exception as error:  # best effort: the run is stopping either way
             logger.bind(rank=0).error(
                 "could not mark {} as {}: {}", self.dir / LATEST, reason, error
             )
@@ -367,7 +367,7 @@ class CheckpointManager:
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
-        self.folder.refresh_entries()
+        self.folder.refresh()
         ordered = sorted(self.periodic(), key=order, reverse=True)
         pointed = self._pointed()
         if pointed is not None:

@@ -309,3 +309,11 @@ def test_a_missing_object_in_a_bucket_named_bucket_is_just_missing(s3: Bucket) -
     store = RemoteStore(f"{s3.url}/run")
     assert store.read("latest.json") is None
     store.remove("never-written")  # missing is fine
+
+
+def test_resume_from_a_url_whose_bucket_is_missing_names_it(s3: Bucket, tmp_path: Path) -> None:
+    with (
+        NNHandler(model(3), rh.adam, nn.CrossEntropyLoss()) as h,
+        pytest.raises(CheckpointError, match=r"the bucket of s3://no-such-\S+ does not exist"),
+    ):
+        h.resume(f"s3://no-such-{s3.name}/run")
