@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from nn_handler.config.checkpoint import is_url
 from nn_handler.errors import CheckpointError, ConfigError
 
 T = TypeVar("T")
@@ -227,4 +226,4 @@ def _first(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-__all__ = ["MissingObject", "RemoteStore", "file_crc32", "is_url", "transient"]
+__all__ = ["MissingObject", "RemoteStore", "file_crc32", "transient"]
