@@ -397,7 +397,10 @@ class TrainerCheckpoints:
             if found is None:
                 self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
             else:
-                self.log.info("resume={!r}: resumed from {}", policy, found)
+                where = (
+                    found if self.manager.remote is None else f"{self.manager.where}/{found.name}"
+                )
+                self.log.info("resume={!r}: resumed from {}", policy, where)
             return
         existing = self.manager.periodic()
         if existing and self.comm.rank == 0:
