@@ -140,8 +140,8 @@ class ShardedWriter:
         self.wait()
         target = Path(target)
         staging = staging_path(target)
-        error = _prepare(staging, rest) if self.comm.rank == 0 else None
-        agree_on(self.comm, error, f"writing checkpoint {target}")
+        error = _prepare(staging, rest, self.remote, target.name) if self.comm.rank == 0 else None
+        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank uploads
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
         writer = _writer(staging)
@@ -337,11 +337,16 @@ def _writer(staging: Path) -> Any:
     return ChecksummingWriter(str(staging), sync_files=True)
 
 
-def _prepare(staging: Path, rest: Mapping[str, Any] | None) -> str | None:
-    """Rank 0: an empty staging folder holding the REST file."""
+def _prepare(
+    staging: Path, rest: Mapping[str, Any] | None, remote: RemoteFolder | None, name: str
+) -> str | None:
+    """Rank 0: an empty staging folder holding the REST file; on a store, no manifest left
+    for ``name`` (RemoteFolder.invalidate)."""
     if rest is None:
         return "no checkpoint contents were given on rank 0"
     try:
+        if remote is not None:
+            remote.invalidate(name)
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)

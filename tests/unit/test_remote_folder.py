@@ -163,3 +163,43 @@ def test_a_memory_url_shared_by_several_ranks_is_a_config_error() -> None:
     two_ranks = SimpleNamespace(rank=0, world_size=2)
     with pytest.raises(ConfigError, match="memory:// is one process's memory"):
         CheckpointManager(CheckpointConfig(dir="memory://bucket/run"), two_ranks)  # type: ignore[arg-type]
+
+
+def _killed_before_the_commit(store: RemoteStore, manifest: Manifest) -> None:
+    raise CheckpointError("killed between the upload and the commit")
+
+
+def test_a_checkpoint_written_again_loses_its_old_manifest_before_its_objects(
+    folder: RemoteFolder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run resumed before a checkpoint that its killed predecessor committed writes that
+    name anew (other bytes); killed between its upload and its commit, the old manifest must
+    not vouch for the new object (the upload-kill campaign found one that did)."""
+    again = tmp_path / "again" / "ckpt.pt"
+    again.parent.mkdir()
+    torch.save({"w": torch.zeros(3)}, again)
+    monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
+    with pytest.raises(CheckpointError, match="killed between"):
+        folder.publish(again, run="r1")
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt is not committed"):
+        folder.fetch("ckpt.pt")
+    monkeypatch.undo()
+    folder.publish(again, run="r1")  # the next save commits it
+    assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.zeros(3))
+
+
+def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nn_handler.checkpoint.sharded import ShardedWriter
+
+    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
+    writer = ShardedWriter(NullCommunicator(), lambda: None, remote)
+    target = remote.local / "ckpt-e0000-s00000008"
+    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target)
+    assert remote.refresh().keys() == {target.name}
+    monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
+    with pytest.raises(CheckpointError, match="killed between"):
+        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target)
+    assert remote.refresh() == {}  # never trusted with the new shards under the old manifest
+    remote.close()

@@ -11,7 +11,9 @@ there:
 3. then the ``latest.json`` pointer.
 
 A kill at any moment leaves no manifest (the objects are an incomplete checkpoint: never
-trusted, and deleted at the next start) or a complete checkpoint. Deleting removes the manifest
+trusted, and deleted at the next start) or a complete checkpoint. A checkpoint written again
+under a committed name (a run resumed before a checkpoint its killed predecessor committed)
+loses its old manifest before any object is replaced. Deleting removes the manifest
 first, so a half-deleted checkpoint is never trusted either. Downloads are checked against the
 manifest: a changed or missing object is a CheckpointError naming it.
 """

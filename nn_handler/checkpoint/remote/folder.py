@@ -129,10 +129,20 @@ class RemoteFolder:
         self._known[name] = Manifest(name, {}, run)
 
         def task() -> None:
+            self.store.remove(protocol.manifest_name(name))  # see ``invalidate``
             objects = self.upload(local)
             self._commit(Manifest(name, objects, run))
 
         self._submit(task)
+
+    def invalidate(self, name: str) -> None:
+        """Before the checkpoint ``name`` is uploaded again (a run resumed before a
+        checkpoint that its killed predecessor committed writes that name anew): remove its
+        manifest, once the changes before it have landed, so that an old manifest never
+        describes new objects. Waits for it; raises the first failure (``flush``)."""
+        self._known.pop(name, None)
+        self.flush()
+        self.store.remove(protocol.manifest_name(name))
 
     def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
         """Commit the checkpoint ``name`` whose ``objects`` every rank has uploaded."""
