@@ -14,6 +14,7 @@ from nn_handler.config import (
     LoaderConfig,
     LoggingConfig,
     PrecisionConfig,
+    ReproducibleConfig,
     TrainerConfig,
 )
 from nn_handler.data import LoaderFactory
@@ -117,6 +118,7 @@ __all__ = [
     "UnevenDataError",
     "TorchCommunicator",
     "Trainer",
+    "ReproducibleConfig",
     "TrainerConfig",
     "WandbLogger",
     "WorkerFailedError",

@@ -230,10 +230,19 @@ class NNHandler:
 
     # ----------------------------------------------------------------- work
     def _train_loader(self, data: Any) -> Iterable[Any]:
-        return data if isinstance(data, DataLoader) else self.loaders.train_loader(_dataset(data))
+        if isinstance(data, DataLoader):
+            return data
+        reproducible = self.config.trainer.reproducible
+        if reproducible is not None:
+            return self.loaders.reproducible_train_loader(_dataset(data), reproducible)
+        return self.loaders.train_loader(_dataset(data))
 
     def _eval_loader(self, data: Any) -> Iterable[Any]:
-        return data if isinstance(data, DataLoader) else self.loaders.eval_loader(_dataset(data))
+        if isinstance(data, DataLoader):
+            return data
+        if self.config.trainer.reproducible is not None:
+            return self.loaders.reproducible_eval_loader(_dataset(data))
+        return self.loaders.eval_loader(_dataset(data))
 
     def train(self, train_data: Any, val_data: Any = None, epochs: int | None = None) -> History:
         """Train on a dataset (loaders built by the LoaderFactory) or a ready DataLoader, until

@@ -13,6 +13,7 @@ from nn_handler.config.training import (
     FsdpConfig,
     PrecisionConfig,
     PrecisionName,
+    ReproducibleConfig,
     TrainerConfig,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "LoggingConfig",
     "PrecisionConfig",
     "PrecisionName",
+    "ReproducibleConfig",
     "ResumePolicy",
     "TrainerConfig",
 ]

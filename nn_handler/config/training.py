@@ -107,6 +107,40 @@ class FsdpConfig(ConfigModel):
     mixed_precision: bool = True
 
 
+class ReproducibleConfig(ConfigModel):
+    """Bit-identical training at any world size (docs/reproducible.md): the same weights,
+    optimizer state, buffers and History from 1, 2, 3 or more ranks, and through a resume at
+    another world size.
+
+    Attributes:
+        global_batch_size: samples per optimizer step, whatever the number of ranks.
+        micro_batch_size: samples per forward and backward: the unit a rank owns (micro-batch
+            ``j`` of a step runs on rank ``j % world_size``). ``global_batch_size`` must be a
+            multiple of it.
+        seed: the seed of every micro-batch's random stream (dropout), drawn from (seed,
+            optimizer step, micro-batch index), never from the rank.
+    """
+
+    global_batch_size: int = Field(ge=1, strict=True)
+    micro_batch_size: int = Field(ge=1, strict=True)
+    seed: int = Field(default=0, ge=0, strict=True)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> ReproducibleConfig:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size={self.micro_batch_size}; every optimizer step is cut into "
+                f"whole micro-batches"
+            )
+        return self
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.global_batch_size // self.micro_batch_size
+
+
 class TrainerConfig(ConfigModel):
     """How the Trainer runs the loop.
 
@@ -156,6 +190,8 @@ class TrainerConfig(ConfigModel):
         non_blocking: copy batches to the device asynchronously (with pinned memory).
         profile: profile a few training steps with torch.profiler (ProfileConfig: Chrome
             traces per rank, a table of the top operators); None: off.
+        reproducible: bit-identical training at any world size (ReproducibleConfig); None:
+            off (the normal mode, a floating-point all_reduce of the gradients).
     """
 
     epochs: int = Field(default=1, ge=1, strict=True)
@@ -197,6 +233,36 @@ class TrainerConfig(ConfigModel):
     progress_bar: bool = True
     non_blocking: bool = True
     profile: ProfileConfig | None = None
+    reproducible: ReproducibleConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_reproducible(self) -> TrainerConfig:
+        if self.reproducible is None:
+            return self
+        refused = {
+            "accumulate_grad_batches": (
+                self.accumulate_grad_batches != 1,
+                "the mode cuts each step into micro-batches itself (global_batch_size / "
+                "micro_batch_size); leave accumulate_grad_batches at 1",
+            ),
+            "strategy": (
+                self.strategy in ("fsdp", "single"),
+                f"strategy {self.strategy!r} is not supported: the mode replicates the model "
+                f"on every rank and reduces gradients exactly itself; use 'auto' or 'ddp' "
+                f"(FSDP2's reduce-scatter is a floating-point sum: docs/reproducible.md says "
+                f"what an exact one would take)",
+            ),
+            "sync_batchnorm": (
+                self.sync_batchnorm,
+                "SyncBatchNorm averages statistics over ranks in floating point and needs as "
+                "many forwards on every rank; the mode keeps BatchNorm statistics exact per "
+                "micro-batch instead: set sync_batchnorm=False",
+            ),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"reproducible: {name}: {why}")
+        return self
 
     @model_validator(mode="after")
     def _check_val_interval(self) -> TrainerConfig:
@@ -218,6 +284,7 @@ __all__ = [
     "NonFinitePolicy",
     "PrecisionConfig",
     "PrecisionName",
+    "ReproducibleConfig",
     "StrategyName",
     "TrainerConfig",
 ]

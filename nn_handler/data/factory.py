@@ -11,7 +11,8 @@ from loguru import logger
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from nn_handler.config import LoaderConfig
+from nn_handler.config import LoaderConfig, ReproducibleConfig
+from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader
 from nn_handler.data.loader import EpochDataLoader
 from nn_handler.data.rank_cached import RankCachedDataset
 from nn_handler.data.samplers import ExactEvalSampler, ShardBatchSampler, derive_seed
@@ -202,6 +203,55 @@ class LoaderFactory:
             collate_fn=collate_fn,
             **self._worker_kwargs(),
         )
+
+    def reproducible_train_loader(
+        self,
+        dataset: Dataset[Any],
+        reproducible: ReproducibleConfig,
+        collate_fn: CollateFn | None = None,
+    ) -> FixedBatchLoader:
+        """This rank's training loader for TrainerConfig.reproducible: one StepBatch per
+        optimizer step, the step's samples fixed at any world size (data/fixed_batches.py).
+        The loader's seed, shuffle, drop_last and worker settings apply."""
+        c = self._reproducible_config()
+        self._log_once()
+        return FixedBatchLoader(
+            dataset,
+            global_batch_size=reproducible.global_batch_size,
+            micro_batch_size=reproducible.micro_batch_size,
+            seed=c.seed,
+            shuffle=c.shuffle,
+            drop_last=c.drop_last,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            collate_fn=collate_fn,
+            **self._worker_kwargs(),
+        )
+
+    def reproducible_eval_loader(
+        self, dataset: Dataset[Any], collate_fn: CollateFn | None = None
+    ) -> FixedEvalLoader:
+        """This rank's evaluation loader for TrainerConfig.reproducible: batches of
+        ``batch_size`` in dataset order, batch j on rank j % W."""
+        c = self._reproducible_config()
+        self._log_once()
+        return FixedEvalLoader(
+            dataset,
+            batch_size=c.batch_size,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            collate_fn=collate_fn,
+            **self._worker_kwargs(),
+        )
+
+    def _reproducible_config(self) -> LoaderConfig:
+        if self.config.mode == "rank_cached":
+            raise ConfigError(
+                "reproducible: loader mode 'rank_cached' gives each rank a shard of its own, "
+                "while the mode's steps take fixed samples at any world size; use mode "
+                "'distributed'."
+            )
+        return self.config
 
     def _cached_loader(
         self, cached: RankCachedDataset, sampler: ShardBatchSampler, indices: list[int] | None

@@ -12,6 +12,7 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy
 from nn_handler.strategies.ddp import DDPStrategy
+from nn_handler.strategies.replicated import ReplicatedStrategy
 from nn_handler.strategies.single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
@@ -24,6 +25,8 @@ def select_strategy(
     rank and a process group, one device otherwise (a test double of several ranks without a
     group trains its one replica as it is). ``precision`` is the run's resolved precision
     ('32', 'bf16', 'fp16'), which a sharded strategy applies to its communication."""
+    if config.reproducible is not None:  # its exact reduction replaces DDP's (config refuses fsdp)
+        return ReplicatedStrategy(comm, device, config, precision)
     name = config.strategy
     if name == "auto":
         import torch.distributed as dist
@@ -55,6 +58,7 @@ __all__ = [
     "STRATEGIES",
     "DDPStrategy",
     "FSDP2Strategy",
+    "ReplicatedStrategy",
     "SingleDeviceStrategy",
     "Strategy",
     "select_strategy",

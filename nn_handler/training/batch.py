@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from nn_handler.data.fixed_batches import StepBatch
+
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``batch`` with every tensor (in nested tuples, lists and dicts) on ``device``; a flat
@@ -42,7 +44,10 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in ``batch``: dim 0 of its first tensor (1 when it holds none, or a scalar)."""
+    """Samples in ``batch``: dim 0 of its first tensor (1 when it holds none, or a scalar);
+    a reproducible step's (StepBatch): the samples of the whole step."""
+    if isinstance(batch, StepBatch):
+        return batch.samples
     if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor:
         tensor: torch.Tensor | None = batch[0]
     else:

@@ -12,6 +12,7 @@ import torch
 
 from nn_handler.checkpoint.rng import restore_rng
 from nn_handler.config.training import TrainerConfig
+from nn_handler.data.fixed_batches import FixedBatchLoader
 from nn_handler.data.reshard import rest_of_epoch
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError, UnevenDataError
@@ -92,6 +93,14 @@ def epoch_batches(
     RNG streams continue exactly) and the partial loss and RNG state restored; a position
     written by another number of ranks continues with the epoch's unvisited samples
     re-sharded over this run's ranks (data/reshard.py)."""
+    if isinstance(loader, FixedBatchLoader):  # fixed steps at any world size: start there
+        done = point.batches_done if point is not None else 0
+        loader.start_at(done)
+        if point is not None and done:
+            if point.running is not None:
+                running.load_state_dict(point.running, device)
+            state.skipped_steps = point.skipped_steps
+        return iter(loader), done
     if point is not None and point.batches_done and point.saved_world is not None:
         rest = rest_of_epoch(
             loader,

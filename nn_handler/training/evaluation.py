@@ -14,6 +14,7 @@ from torch import nn
 
 from nn_handler.config.training import TrainerConfig
 from nn_handler.data.exact import gather_in_dataset_order
+from nn_handler.data.fixed_batches import FixedEvalLoader
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy
@@ -23,6 +24,7 @@ from nn_handler.training.limits import limited
 from nn_handler.training.metrics import MetricFn, StatefulMetric, compute_stateful
 from nn_handler.training.optimization import Optimization
 from nn_handler.training.precision import Precision
+from nn_handler.training.reproducible.exact_means import ExactMeans
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
 
@@ -94,7 +96,9 @@ class Evaluator:
         and the agreement on a failed validation step), then the after_validation hooks: what
         they raised on this rank is returned, for the caller to agree on. Every rank must
         call this."""
-        means = WeightedMeans()
+        means: WeightedMeans | ExactMeans = WeightedMeans()
+        if isinstance(loader, FixedEvalLoader):  # the reproducible mode's fixed batches
+            means = ExactMeans(loader.batch_ids, loader.total_batches)
         limit = self.config.fast_dev_run or self.config.limit_val_batches
         count = limited(loader_length(loader), limit)
         self._metric_updates = 0
@@ -117,7 +121,7 @@ class Evaluator:
         if error is not None and self.comm.world_size == 1:
             raise error
         # A failed rank sends nothing of its own, so the reduction has one shape everywhere.
-        reduced = means if error is None else WeightedMeans()
+        reduced = means if error is None else _emptied(means)
         failed = [float(error is not None)]
         results, (failures,) = reduced.reduce(self.comm, self.device, self._keys, failed)
         if failures:
@@ -221,6 +225,13 @@ class Evaluator:
         else:
             # The plain module, never the DDP wrapper: ranks may see different batch counts.
             yield ema.module if ema is not None else self.module
+
+
+def _emptied(means: WeightedMeans | ExactMeans) -> WeightedMeans | ExactMeans:
+    """The same kind of means without this rank's values (what a failed rank reduces)."""
+    if isinstance(means, ExactMeans):
+        return ExactMeans(means.batch_ids, means.total_batches)
+    return WeightedMeans()
 
 
 __all__ = ["Evaluator", "Metric"]

@@ -79,8 +79,9 @@ class LoopPosition:
         resume: what a restored checkpoint still has to restore (None: nothing).
     """
 
-    def __init__(self, state: TrainerState) -> None:
+    def __init__(self, state: TrainerState, replicated: bool = False) -> None:
         self.state = state
+        self.replicated = replicated  # the running loss is the same on every rank
         self.batches_done = 0
         self.epoch_rng: dict[str, Any] | None = None
         self.data: dict[str, Any] = {}
@@ -132,6 +133,7 @@ class LoopPosition:
                 self._load_running,
                 per_rank=True,
                 missing="ignore",
+                on_resize="rank0" if self.replicated else "keep",
             ),
         ]
 

@@ -20,7 +20,12 @@ from torch import nn
 
 from nn_handler.checkpoint.registry import part_of
 from nn_handler.config.checkpoint import CheckpointConfig
-from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
+from nn_handler.config.training import (
+    EmaConfig,
+    PrecisionConfig,
+    ReproducibleConfig,
+    TrainerConfig,
+)
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.distributed.faults.failure import failing_together
 from nn_handler.errors import ConfigError
@@ -49,6 +54,7 @@ from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.profiling import ProfilerHook
 from nn_handler.training.progress import ProgressBar
+from nn_handler.training.reproducible.mode import ReproducibleMode
 from nn_handler.training.run_settings import run_config_of, run_fingerprint
 from nn_handler.training.schedules import train_limit
 from nn_handler.training.state import TrainerState
@@ -95,7 +101,7 @@ class Trainer(TrainerFacade):
         self.module, self.model = self.strategy.setup(model)
         self.history = History()
         self.state = TrainerState()
-        self.position = LoopPosition(self.state)
+        self.position = LoopPosition(self.state, replicated=config.reproducible is not None)
         self.early_stopping = (
             EarlyStopping(config.early_stopping) if config.early_stopping else None
         )
@@ -134,6 +140,8 @@ class Trainer(TrainerFacade):
         self._step_region = f"training step ({type(self.strategy).__name__}: forward, backward)"
         built = self.configure_optimizers(optimizer, scheduler)
         self.optimization.adopt(built, self.module, self.automatic_optimization)
+        #: TrainerConfig.reproducible's part (None: the normal mode).
+        self.reproducible = reproducible_mode(self, config.reproducible)
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
         if self.early_stopping is not None:
             parts.append(part_of("early_stopping", self.early_stopping))
@@ -227,6 +235,8 @@ class Trainer(TrainerFacade):
         check_trainer_monitors(type(self), Trainer, self.metrics, val_loader is not None, watched)
         mid_epoch = {"val_loader": val_loader} if self.config.val_check_interval else {}
         hooks, state, failed = self.hooks, self.state, True
+        if self.reproducible is not None:
+            self.reproducible.check_loaders(train_loader, val_loader)
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
@@ -312,7 +322,8 @@ class Trainer(TrainerFacade):
             bar.close()
             position.running = state.batch = None
         keys, skipped = self._train_keys, state.skipped_steps
-        record = epoch_record(running, self.comm, self.device, keys, started, skipped)
+        comm = self.comm if self.reproducible is None else NullCommunicator()  # replicated
+        record = epoch_record(running, comm, self.device, keys, started, skipped)
         if not self.automatic_optimization and math.isnan(record["train_loss"]):
             del record["train_loss"]  # a manual training_step that returned no "loss"
         return record
@@ -321,8 +332,13 @@ class Trainer(TrainerFacade):
         """One micro-batch: forward and backward, then the optimizer step when ``sync`` (the
         window's last). ``window`` micro-batches make one step: the loss is divided by it so
         the gradient is the window's mean. Returns the detached loss."""
-        batch = move_to_device(batch, self.device, self._non_blocking)
         optimization = self.optimization
+        if self.reproducible is not None:  # one whole step, reduced exactly
+            optimization.open_window()
+            loss = self.reproducible.step(batch, self.training_step, self.state.global_step)
+            self.optimizer_step()
+            return loss
+        batch = move_to_device(batch, self.device, self._non_blocking)
         if not self.automatic_optimization:  # training_step steps the optimizers itself
             with self.precision.autocast():
                 output = self.training_step(batch)
@@ -400,6 +416,20 @@ class Trainer(TrainerFacade):
 
 
 _NO_REGION = contextlib.nullcontext()
+
+
+def reproducible_mode(
+    trainer: Trainer, config: ReproducibleConfig | None
+) -> ReproducibleMode | None:
+    """The trainer's reproducible mode (its checks run now, before the first step)."""
+    if config is None:
+        return None
+    mode = ReproducibleMode(
+        config, trainer.module, trainer.comm, trainer.device, trainer.optimization.precision
+    )
+    params = [p for p in trainer.module.parameters() if p.requires_grad]
+    mode.adopt(params, trainer.automatic_optimization, trainer.metrics)
+    return mode
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

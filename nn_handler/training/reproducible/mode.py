@@ -1,0 +1,116 @@
+"""ReproducibleMode: the Trainer's part for TrainerConfig.reproducible. It refuses, before the
+first step, what it cannot keep identical at any world size, and runs each step's micro-batches
+through ExactStep (exact_step.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler.config.training import ReproducibleConfig
+from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, StepBatch
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError
+from nn_handler.training.batch import is_scalar, move_to_device
+from nn_handler.training.metrics import StatefulMetric
+from nn_handler.training.precision import Precision
+from nn_handler.training.reproducible.exact_step import ExactStep
+from nn_handler.training.step_output import loss_of
+
+_LOADER_FIX = (
+    "pass the dataset (NNHandler.train builds the mode's loaders) or build them with "
+    "LoaderFactory.reproducible_train_loader / reproducible_eval_loader"
+)
+
+
+class ReproducibleMode:
+    """One Trainer's reproducible mode over its plain ``module``."""
+
+    def __init__(
+        self,
+        config: ReproducibleConfig,
+        module: nn.Module,
+        comm: Communicator,
+        device: torch.device,
+        precision: Precision,
+    ) -> None:
+        if precision.scaler is not None:
+            raise ConfigError(
+                "reproducible: fp16 with a dynamic GradScaler skips steps and rescales on "
+                "overflows, which the mode cannot keep identical; use precision 'bf16' or '32'."
+            )
+        self.config = config
+        self.precision = precision
+        self.device = device
+        self.exact = ExactStep(config, module, comm, device)
+
+    def adopt(
+        self, params: list[nn.Parameter], automatic: bool, metrics: Mapping[str, Any]
+    ) -> None:
+        """After ``configure_optimizers``: the parameters that train; manual optimization and
+        metrics that reduce themselves are refused."""
+        if not automatic:
+            raise ConfigError(
+                "reproducible: manual optimization (automatic_optimization = False) is not "
+                "supported: the mode runs the step's backward and reduction itself."
+            )
+        stateful = [name for name, metric in metrics.items() if isinstance(metric, StatefulMetric)]
+        if stateful:
+            raise ConfigError(
+                f"reproducible: metrics {stateful} keep their own state and synchronise it "
+                f"themselves (not exactly); pass functions of (outputs, targets) that return "
+                f"per-batch means."
+            )
+        self.exact.adopt(params)
+
+    @staticmethod
+    def check_loaders(train: Iterable[Any], val: Iterable[Any] | None) -> None:
+        """Before the first step: the loaders must be the mode's (fixed batches)."""
+        if not isinstance(train, FixedBatchLoader):
+            raise ConfigError(
+                f"reproducible: the training loader is a {type(train).__name__}, whose batches "
+                f"depend on the number of ranks; {_LOADER_FIX}."
+            )
+        if val is not None and not isinstance(val, FixedEvalLoader):
+            raise ConfigError(
+                f"reproducible: the validation loader is a {type(val).__name__}, whose batches "
+                f"depend on the number of ranks; {_LOADER_FIX}."
+            )
+
+    def step(
+        self, batch: Any, training_step: Callable[[Any], Any], global_step: int
+    ) -> torch.Tensor:
+        """The whole optimizer step's forward, backward and exact reduction (``.grad`` set on
+        every rank alike); returns the step's loss. Every rank must call this."""
+        if not isinstance(batch, StepBatch):
+            raise ConfigError(
+                f"reproducible: a training batch is a {type(batch).__name__}, not a StepBatch; "
+                f"{_LOADER_FIX}."
+            )
+
+        def forward_backward(micro: Any) -> torch.Tensor:
+            micro = move_to_device(micro, self.device)
+            with self.precision.autocast():
+                output = training_step(micro)
+                loss = loss_of(output)
+            if isinstance(output, Mapping):
+                extra = sorted(k for k, v in output.items() if k != "loss" and is_scalar(v))
+                if extra:
+                    raise ConfigError(
+                        f"reproducible: training_step returned {extra} besides the loss; the "
+                        f"mode records the loss only (return the loss alone)."
+                    )
+            loss.backward()  # type: ignore[no-untyped-call]
+            return loss.detach()
+
+        return self.exact.run(batch, forward_backward, global_step)
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.exact.bytes_per_step
+
+
+__all__ = ["ReproducibleMode"]
