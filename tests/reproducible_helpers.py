@@ -63,8 +63,8 @@ WORKLOADS: dict[str, Any] = {
 
 def config(name: str, folder: Path | None = None, **trainer: Any) -> dict[str, Any]:
     _, _, _, global_batch, micro = WORKLOADS[name]
-    checkpoint = {"dir": str(folder), "every_n_steps": 3, "keep_last": 10,
-                  "allow_world_size_change": True}  # fmt: skip
+    # No allow_world_size_change: the mode resumes at any world size exactly.
+    checkpoint = {"dir": str(folder), "every_n_steps": 3, "keep_last": 10}
     return {
         "loader": {"batch_size": 8, "seed": 3},
         "trainer": {

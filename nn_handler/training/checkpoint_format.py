@@ -89,12 +89,33 @@ def check_world_change(source: str, saved_world: int, world: int, allowed: bool)
     )
 
 
+def world_change_note(
+    source: str, saved_world: int, world: int, batches_done: int, allowed: bool, exact: bool
+) -> str:
+    """What a resume at another world size says (after ``check_world_change``, skipped for
+    the reproducible mode: ``exact``, whose steps are the same at any world size)."""
+    if exact:
+        return (
+            f"resuming {source} (written by {saved_world} ranks) with {world} ranks: the "
+            f"reproducible mode's steps do not depend on the world size, so the run continues "
+            f"bit-identical to an uninterrupted one"
+        )
+    check_world_change(source, saved_world, world, allowed)
+    rest = " (the rest of the interrupted epoch visits each of its remaining samples once)"
+    return (
+        f"resuming {source} (written by {saved_world} ranks) with {world} ranks: the data is "
+        f"re-sharded, so the order differs from an uninterrupted run from here on"
+        f"{rest if batches_done else ''}"
+    )
+
+
 __all__ = [
     "FORMAT",
     "VERSION",
     "check_checkpoint",
     "check_world_change",
     "plain_config",
+    "world_change_note",
     "rank_parts",
     "sharded_checkpoints",
 ]

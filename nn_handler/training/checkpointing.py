@@ -40,9 +40,9 @@ from nn_handler.training.checkpoint_format import (
     FORMAT,
     VERSION,
     check_checkpoint,
-    check_world_change,
     plain_config,
     rank_parts,
+    world_change_note,
 )
 from nn_handler.training.position import LoopPosition, check_data
 
@@ -207,16 +207,10 @@ class TrainerCheckpoints:
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
         self._world_note = None
         if saved_world != world:
-            check_world_change(source, saved_world, world, allow_world_size_change)
-            self._world_note = (
-                f"resuming {source} (written by {saved_world} ranks) with {world} ranks: the "
-                f"data is re-sharded, so the order differs from an uninterrupted run from here on"
-                + (
-                    " (the rest of the interrupted epoch visits each of its remaining samples once)"
-                    if batches_done
-                    else ""
-                )
-            )
+            self._world_note = world_change_note(
+                source, saved_world, world, batches_done, allow_world_size_change,
+                exact=self.position.replicated,
+            )  # fmt: skip
             if not for_inference:
                 self.log.warning(self._world_note)
                 self._world_note = None

@@ -143,6 +143,8 @@ class Trainer(TrainerFacade):
         #: TrainerConfig.reproducible's part (None: the normal mode).
         self.reproducible = reproducible_mode(self, config.reproducible)
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
+        if self.reproducible is not None:
+            parts.append(self.reproducible.part())
         if self.early_stopping is not None:
             parts.append(part_of("early_stopping", self.early_stopping))
         parts += [part_of("history", self.history, missing="error"), *self.position.parts()]

@@ -44,7 +44,10 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             h.trainer.reproducible.exact.comm = counting  # type: ignore[union-attr,assignment]
             train(h, name)
             out[name] = digest(h)
-            out[f"{name}_collectives"] = len(counting.calls), h.trainer.state.global_step
+            exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
+            out[f"{name}_collectives"] = (
+                len(counting.calls), h.trainer.state.global_step, exact.rescaled_steps
+            )
             out[f"{name}_bytes"] = h.trainer.reproducible.bytes_per_step  # type: ignore[union-attr]
         saved = Path(folder) / name
         if world_size == 2:  # stopped mid-epoch (step 9 of 12: epoch 2, step 3 of 6)
@@ -83,13 +86,18 @@ def test_a_run_stopped_at_w2_and_resumed_at_w3_ends_with_the_same_hash(
     assert resumed == {runs[1][0][name]}
 
 
-def test_each_step_makes_two_collectives_of_its_own(
+def test_a_step_makes_one_collective_of_its_own(
     runs: dict[int, list[dict[str, Any]]],
 ) -> None:
-    for w, group in runs.items():
-        for result in group:
-            for name in WORKLOADS:
-                calls, steps = result[f"{name}_collectives"]
-                assert steps == 6 * EPOCHS and calls == 2 * steps, (w, name, calls, steps)
-    # The bytes a step sends: an int64 per parameter, the slots, the maxima; the same at any W.
+    """One int64 sum per step; one more on the first step (the scales' first agreement) and
+    on each step whose gradients outgrew their scale, the same steps at every world size."""
+    for name in WORKLOADS:
+        seen = {(w, rank): r[f"{name}_collectives"] for w, g in runs.items()
+                for rank, r in enumerate(g)}  # fmt: skip
+        rescaled = {rescales for _, _, rescales in seen.values()}
+        assert len(rescaled) == 1, seen
+        for calls, steps, rescales in seen.values():
+            assert steps == 6 * EPOCHS and calls == steps + 1 + rescales, seen
+            assert rescales <= steps // 4, seen
+    # The bytes a step sends: an int64 per parameter and the slots; the same at any W.
     assert len({r["cnn_bytes"] for g in runs.values() for r in g}) == 1

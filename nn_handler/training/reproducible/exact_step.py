@@ -44,8 +44,9 @@ class ExactStep:
     """The reproducible mode's step for ``module`` (the plain module the optimizer trains).
 
     Attributes:
-        bytes_per_step: what the step's reductions send per rank (the int64 sum and the max),
-            known after the first step.
+        bytes_per_step: what a step's int64 sum sends per rank (gradients and slots).
+        collectives: the collectives made: one per step, two on a run's first step and on a
+            step whose gradients outgrew their scale (``rescaled_steps``).
     """
 
     def __init__(
@@ -59,14 +60,23 @@ class ExactStep:
         self.norms = NormStatistics(module)
         self.params: list[nn.Parameter] = []
         self.bytes_per_step = 0
+        #: Collectives made (one per step, two on the first and on a rescale) and rescales.
+        self.collectives = 0
+        self.rescaled_steps = 0
+        self.scale = fixed_point.Scale(config.micro_batches, device)
         self._checked = False
         self._numels = torch.zeros(0, dtype=torch.int64)
         self._dtype = torch.float32
+        self._maxima = _HEAD + self.norms.width  # where a row's per-tensor maxima start
+        self._work = _Workspace(device)
+        self._width = self._maxima
 
     def adopt(self, params: list[nn.Parameter]) -> None:
         """The parameters that train (after ``configure_optimizers``)."""
         self.params = params
         self._numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        self._width = self._maxima + len(params)
+        self.scale.numels = self._numels
         dtypes = {p.dtype for p in params}
         if any(not d.is_floating_point for d in dtypes):
             raise ConfigError("the reproducible mode trains floating-point parameters only.")
@@ -81,12 +91,9 @@ class ExactStep:
         Every rank must call this for every step, with or without micro-batches."""
         params, total = self.params, int(self._numels.sum())
         rows = torch.zeros(
-            (self.config.micro_batches, _HEAD + self.norms.width),
-            dtype=torch.float64,
-            device=self.device,
+            (self.config.micro_batches, self._width), dtype=torch.float64, device=self.device
         )
-        grads = torch.empty((len(step.micro), total), dtype=self._dtype, device=self.device)
-        maxima = torch.zeros(len(params), dtype=torch.float64, device=self.device)
+        grads = self._work.get("grads", (max(len(step.micro), 1), total), self._dtype)
         others = None if self._checked else _other_buffers(self.module, self.norms)
         self.norms.begin_step()
         try:
@@ -96,54 +103,94 @@ class ExactStep:
                 with _seeded(self.device, micro_seed(self.config.seed, global_step, micro.index)):
                     loss = forward_backward(micro.batch)
                 parts = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                row = rows[micro.index]
                 if parts:
                     torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=grads[i])
-                    largest = torch.stack(torch._foreach_norm(parts, math.inf)).double()
-                    maxima = torch.maximum(maxima, largest * micro.size)
-                row = rows[micro.index]
+                    largest = torch.stack([g.abs().amax() for g in parts]).double()
+                    row[self._maxima :] = largest * micro.size
                 row[0] = micro.size
                 row[1] = loss.detach().double().reshape(())
-                row[_HEAD:] = self.norms.after_micro().to(self.device)
+                row[_HEAD : self._maxima] = self.norms.after_micro().to(self.device)
         except BaseException:
-            self.norms.end_step(torch.zeros_like(rows))  # hooks off, statistics back
+            self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
             raise
         if others is not None:
             _check_unchanged(self.module, others)
             self._checked = True
-        return self._reduce(step, grads, maxima, rows)
+        return self._reduce(step, grads, rows)
 
-    def _reduce(
-        self, step: StepBatch, grads: torch.Tensor, maxima: torch.Tensor, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """The two collectives, then the gradients, statistics and loss from their sums."""
-        comm, params = self.comm, self.params
-        finite = bool(torch.isfinite(maxima).all())
-        head = torch.cat([torch.where(torch.isfinite(maxima), maxima, 0.0),
-                          maxima.new_tensor([0.0 if finite else 1.0])])  # fmt: skip
-        comm.all_reduce_(head, "max")
-        nonfinite = bool(head[-1] > 0)
-        scale = fixed_point.scales(head[:-1], self.config.micro_batches)
-        per_element = torch.repeat_interleave(scale, self._numels.to(scale.device))
-        summed = torch.zeros(per_element.numel(), dtype=torch.int64, device=self.device)
-        if not nonfinite:
-            for i, micro in enumerate(step.micro):
-                summed += fixed_point.quantize(grads[i], micro.size, per_element)
-        buffer = torch.cat([summed, fixed_point.as_slots(rows).reshape(-1)])
-        comm.all_reduce_(buffer, "sum")
-        self.bytes_per_step = head.numel() * 8 + buffer.numel() * 8
-        rows = fixed_point.from_slots(buffer[summed.numel() :]).reshape(rows.shape)
+    def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),
+        then the gradients, statistics and loss from it, the same on every rank."""
+        local = rows[:, self._maxima :].amax(0) if len(step.micro) else rows.new_zeros(0)
+        if self.scale.exponents is None:  # the first step: agree on the maxima first
+            agreed = self._agreed_maxima(local)
+            if agreed is not None:
+                self.scale.recenter(agreed)
+        size = grads.shape[1]
+        buffer = self._work.get("sum", (size + rows.numel(),), torch.int64)
+        self._quantized(step, grads, local, buffer[:size])
+        buffer[size:] = fixed_point.as_slots(rows).reshape(-1)
+        self.comm.all_reduce_(buffer, "sum")
+        self.collectives += 1
+        rows = fixed_point.from_slots(buffer[size:]).reshape(rows.shape)
         samples = [int(n) for n in rows[:, 0].tolist()]
         count = sum(samples)
-        if not nonfinite:
-            gradient = fixed_point.dequantize(buffer[: summed.numel()], per_element, count)
-        else:  # a non-finite gradient on some rank: every rank's step sees NaN (and skips)
-            gradient = torch.full_like(per_element, math.nan)
-        for p, piece in zip(params, _pieces(gradient, self._numels), strict=True):
-            p.grad = piece.view_as(p).to(p.dtype)
-        self.norms.end_step(rows[:, _HEAD:])
+        present = rows[[j for j, n in enumerate(samples) if n], self._maxima :]
+        maxima = present.amax(0) if len(present) else rows.new_zeros(len(self.params))
+        total = buffer[:size]
+        gradient = self._work.get("float64", (size,), torch.float64)
+        if not bool(torch.isfinite(maxima).all()):  # NaN/inf somewhere: the step skips
+            gradient.fill_(math.nan)
+        else:
+            if not self.scale.holds(maxima):  # a gradient outgrew its scale: sum again
+                self.scale.recenter(maxima)
+                self.rescaled_steps += 1
+                self._quantized(step, grads, local, total)
+                self.comm.all_reduce_(total, "sum")
+                self.collectives += 1
+            fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
+        self.bytes_per_step = buffer.numel() * 8
+        flat = self._work.get("gradient", (size,), self._dtype)
+        flat.copy_(gradient)  # the parameters' gradients are views of it until the next step
+        for p, piece in zip(self.params, _pieces(flat, self._numels), strict=True):
+            p.grad = piece.view_as(p) if p.dtype == flat.dtype else piece.view_as(p).to(p.dtype)
+        self.norms.end_step(rows[:, _HEAD : self._maxima])
         losses = rows[:, 1].tolist()
         loss = math.fsum(n * losses[j] for j, n in enumerate(samples) if n) / max(count, 1)
         return torch.tensor(loss, dtype=torch.float64, device=self.device)
+
+    def _agreed_maxima(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's largest magnitude per tensor (None: some are not finite)."""
+        if not len(local):
+            local = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
+        finite = bool(torch.isfinite(local).all())
+        head = torch.cat([torch.where(torch.isfinite(local), local, 0.0),
+                          local.new_tensor([0.0 if finite else 1.0])])  # fmt: skip
+        self.comm.all_reduce_(head, "max")
+        self.collectives += 1
+        return None if bool(head[-1] > 0) else head[:-1]
+
+    def _quantized(
+        self, step: StepBatch, grads: torch.Tensor, local: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """This rank's micro-batches' gradients in fixed point, summed into ``out`` (zeros
+        when one would not fit the scale: the agreed maxima then say so on every rank)."""
+        if not len(step.micro) or not self.scale.fits(local):
+            out.zero_()
+            return
+        scale, work = self.scale.per_element, self._work.get("float64", out.shape, torch.float64)
+        out.copy_(fixed_point.scaled(grads[0], step.micro[0].size, scale, work))  # exact
+        for i, micro in enumerate(step.micro[1:], start=1):
+            out.add_(fixed_point.scaled(grads[i], micro.size, scale, work).to(torch.int64))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fixed-point scales (the next step's depend on them: a resume keeps them)."""
+        return {"exponents": self.scale.exponents}
+
+    def load_state_dict(self, state: Any, _source: str = "") -> None:
+        exponents = (state or {}).get("exponents")
+        self.scale.set(None if exponents is None else exponents.to(self.device))
 
 
 @contextlib.contextmanager
@@ -154,6 +201,24 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=cuda, device_type=device.type):
         torch.manual_seed(seed)
         yield
+
+
+class _Workspace:
+    """Buffers kept from step to step: a fresh multi-megabyte allocation per step costs
+    thousands of page faults (see optimization.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` (its first dimension may be larger: a prefix is returned)."""
+        kept = self._kept.get(name)
+        fits = kept is not None and kept.dtype == dtype and kept.shape[1:] == shape[1:]
+        if kept is None or not fits or kept.shape[0] < shape[0]:
+            kept = torch.empty(shape, dtype=dtype, device=self.device)
+            self._kept[name] = kept
+        return kept[: shape[0]]
 
 
 def _pieces(flat: torch.Tensor, numels: torch.Tensor) -> list[torch.Tensor]:

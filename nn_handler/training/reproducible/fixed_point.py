@@ -2,17 +2,17 @@
 
 A floating-point sum rounds after every addition, so its result depends on the order of the
 terms (and so on how many ranks summed them, and in which tree). An int64 sum is exact, in any
-order. A gradient becomes integers with a scale chosen per tensor from the largest magnitude
-any term has (agreed over ranks): ``q = round(g * n * 2**e)``, where ``n`` weighs the term
-(its samples) and ``e`` is the largest exponent for which ``terms`` such integers cannot
+order. A gradient becomes integers with a power-of-two scale per tensor (``Scale``), chosen
+from the largest magnitude any term has, as every rank agreed on it: ``q = round(g * n *
+2**e)``, where ``n`` weighs the term (its samples), and ``terms`` such integers cannot
 overflow 62 bits. The sum of the ``q`` is exact; it is turned back into a float once.
 
-What it keeps: each term's elements are rounded to a multiple of ``2**-e``, which is
-``2**-(62 - ceil(log2(terms)))`` of the tensor's largest term element (59 bits for 8 terms):
-every element within 2**-35 of the largest keeps all its float32 bits, and no element is off
-by more than half a unit of that last place. Exact transport of other values (losses,
-statistics): float64 bit patterns viewed as int64 in slots only one rank fills, so the sum
-across ranks adds zeros to them and keeps every bit.
+What it keeps: each term's elements are rounded to a multiple of ``2**-e``. The scale gives a
+tensor's largest term between 35 and 51 bits (with 8 terms; ``Scale``), so every element
+within 2**-11 of the largest keeps all its float32 bits, and none is off by more than half a
+unit of that last place: the rounding is far below float32's own in practice. Exact transport
+of other values (losses, statistics, maxima): float64 bit patterns viewed as int64 in slots
+only one rank fills, so the sum across ranks adds zeros to them and keeps every bit.
 """
 
 from __future__ import annotations
@@ -30,26 +30,87 @@ def headroom(terms: int) -> int:
     return _BITS - max(0, math.ceil(math.log2(max(terms, 1))))
 
 
-def scales(maxima: torch.Tensor, terms: int) -> torch.Tensor:
-    """The power-of-two scale of each tensor (float64): ``2**e`` with ``maxima * 2**e <
-    2**headroom(terms)``; 1 for a tensor whose terms are all zero (or not finite)."""
-    maxima = maxima.to(torch.float64)
-    usable = torch.isfinite(maxima) & (maxima > 0)
-    _, exponent = torch.frexp(torch.where(usable, maxima, torch.ones_like(maxima)))
-    shift = torch.where(usable, headroom(terms) - exponent, torch.zeros_like(exponent))
-    return torch.ldexp(torch.ones_like(maxima), shift)
+def scaled(
+    values: torch.Tensor, weight: int, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``round(values * weight * scale)`` in float64 (into ``out``), an exact integer value
+    (``scale``: per element, powers of two). Exact up to the rounding: a float32 times an
+    integer below 2**29 times a power of two fits a float64's 53 bits."""
+    if out is None:
+        out = torch.empty(values.shape, dtype=torch.float64, device=values.device)
+    torch.mul(values, scale, out=out)
+    if weight != 1:
+        out.mul_(weight)
+    return out.round_()
 
 
 def quantize(values: torch.Tensor, weight: int, scale: torch.Tensor) -> torch.Tensor:
-    """``round(values * weight * scale)`` as int64 (``scale`` per element, float64). Exact up
-    to the rounding: a float32 times an integer below 2**29 times a power of two fits a
-    float64's 53 bits."""
-    return torch.round(values.to(torch.float64) * (scale * weight)).to(torch.int64)
+    """``scaled`` as int64."""
+    return scaled(values, weight, scale).to(torch.int64)
 
 
-def dequantize(total: torch.Tensor, scale: torch.Tensor, divisor: int) -> torch.Tensor:
-    """The float64 value of the fixed-point ``total``, divided by ``divisor``."""
-    return total.to(torch.float64) / scale / divisor
+def dequantize(
+    total: torch.Tensor, inverse: torch.Tensor, divisor: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float64 value of the fixed-point ``total`` (``inverse``: the scales' inverses, per
+    element, exact powers of two), divided by ``divisor`` (into ``out``)."""
+    if out is None:
+        out = torch.empty(total.shape, dtype=torch.float64, device=total.device)
+    return torch.mul(total, inverse, out=out).div_(divisor)
+
+
+class Scale:
+    """Each tensor's fixed-point exponent ``e`` (its scale ``2**e``), kept from step to step.
+
+    Set from a tensor's largest term (the maxima every rank agreed on, so every rank and every
+    world size makes the same choice), it leaves ``MARGIN`` bits of room above that term. It
+    ``holds`` for a later step while that step's largest term fits (below
+    ``2**headroom(terms)``) and keeps at least ``headroom - 3 * MARGIN`` bits (51 and 35 with
+    8 terms); otherwise the step is summed again with the scale set anew. A step summed with a
+    kept scale needs no exchange of maxima first: one collective per step.
+    """
+
+    MARGIN = 8
+
+    def __init__(self, terms: int, device: torch.device) -> None:
+        self.bits = headroom(terms)
+        self.device = device
+        self.numels = torch.zeros(0, dtype=torch.int64)
+        self.exponents: torch.Tensor | None = None
+        self.per_element = torch.zeros(0, dtype=torch.float64)
+        self.inverse = torch.zeros(0, dtype=torch.float64)
+
+    def set(self, exponents: torch.Tensor | None) -> None:
+        self.exponents = exponents
+        if exponents is not None:
+            one = torch.ones(len(exponents), dtype=torch.float64, device=self.device)
+            scale = torch.ldexp(one, exponents.to(self.device))
+            self.per_element = torch.repeat_interleave(scale, self.numels.to(self.device))
+            self.inverse = torch.reciprocal(self.per_element)  # powers of two: exact
+
+    def recenter(self, maxima: torch.Tensor) -> None:
+        """Scales that leave ``MARGIN`` bits above each tensor's largest term (a tensor whose
+        terms are all zero gets 1)."""
+        maxima = maxima.to(torch.float64)
+        usable = torch.isfinite(maxima) & (maxima > 0)
+        _, exponent = torch.frexp(torch.where(usable, maxima, torch.ones_like(maxima)))
+        shift = self.bits - self.MARGIN - exponent.to(torch.int64)
+        self.set(torch.where(usable, shift, torch.zeros_like(shift)))
+
+    def fits(self, maxima: torch.Tensor) -> bool:
+        """Whether terms up to ``maxima`` fit in fixed point at these scales."""
+        if self.exponents is None or not bool(torch.isfinite(maxima).all()):
+            return False
+        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
+        return bool((scaled < 2.0**self.bits).all())
+
+    def holds(self, maxima: torch.Tensor) -> bool:
+        """Whether these scales fit the agreed ``maxima`` and keep enough bits of them."""
+        if not self.fits(maxima) or self.exponents is None:
+            return False
+        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
+        coarse = (maxima > 0) & (scaled < 2.0 ** (self.bits - 3 * self.MARGIN))
+        return not bool(coarse.any())
 
 
 def as_slots(values: torch.Tensor) -> torch.Tensor:
@@ -62,4 +123,4 @@ def from_slots(slots: torch.Tensor) -> torch.Tensor:
     return slots.contiguous().view(torch.float64)
 
 
-__all__ = ["as_slots", "dequantize", "from_slots", "headroom", "quantize", "scales"]
+__all__ = ["Scale", "as_slots", "dequantize", "from_slots", "headroom", "quantize", "scaled"]

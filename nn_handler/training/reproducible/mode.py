@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, StepBatch
 from nn_handler.distributed.communicator import Communicator
@@ -107,6 +108,12 @@ class ReproducibleMode:
             return loss.detach()
 
         return self.exact.run(batch, forward_backward, global_step)
+
+    def part(self) -> Part:
+        """The fixed-point scales in checkpoints (the same on every rank)."""
+        return Part(
+            "reproducible", self.exact.state_dict, self.exact.load_state_dict, missing="ignore"
+        )
 
     @property
     def bytes_per_step(self) -> int:

@@ -1,0 +1,140 @@
+"""The reproducible mode's cost (TrainerConfig.reproducible) against the normal mode, 2 ranks.
+
+    python benchmarks/reproducible.py [--quick] [--out results.json]
+
+Two gloo ranks on 127.0.0.1, one thread each. For each workload, the normal mode (DDP, batch
+``b`` per rank) and the reproducible mode (global batch ``2b``, micro-batches of ``b``: one per
+rank, the same samples per step) train epochs in alternation (one warm-up epoch excluded); the
+step cost is the median ratio of their epoch times. Workloads: ResNet-8 with BatchNorm on
+3x16x16 images (batch 32 per rank) and two TransformerEncoderLayers (d_model 128, 64 tokens,
+batch 8 per rank), as in realistic.py. Also reported: the bytes a step sends per rank (the
+mode's int64 sum, its slots and maxima, against DDP's float32 gradients), and the digits CNN
+(BatchNorm) trained 12 epochs in each mode: the final validation accuracy, to show that the
+fixed-point reduction trains like the floating-point one.
+
+Target: the mode's step at most 1.25x the normal mode's on both workloads.
+
+``--quick``: one timed epoch of a small dataset and one digits epoch (a smoke test).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import models
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nn_handler import DistributedContext, NNHandler
+from nn_handler.digits import DigitsCNN, digits_datasets
+from nn_handler.training.metrics import accuracy
+
+CASES: dict[str, Any] = {
+    "resnet8": (models.resnet8, lambda n: models.dataset((3, 16, 16), n), 32),
+    "transformer": (models.transformer, lambda n: models.token_dataset(64, n), 8),
+}
+
+
+def _handler(build: Any, batch: int, reproducible: bool, **trainer: Any) -> NNHandler:
+    torch.manual_seed(0)
+    mode = {"global_batch_size": 2 * batch, "micro_batch_size": batch} if reproducible else None
+    return NNHandler(
+        build(),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        nn.functional.cross_entropy,
+        config={
+            "loader": {"batch_size": batch},
+            "trainer": {"progress_bar": False, "reproducible": mode, **trainer},
+            "logging": {"level": "WARNING"},
+        },
+        metrics={"accuracy": accuracy},
+        context=DistributedContext(),
+    )
+
+
+def _timed(case: str, samples: int, repeats: int) -> dict[str, Any]:
+    build, make, batch = CASES[case]
+    data = make(samples)
+    handlers = {
+        "normal": _handler(build, batch, False),
+        "reproducible": _handler(build, batch, True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in handlers}
+    for index in range(repeats + 1):
+        for name, handler in handlers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            handler.train(data, epochs=index + 1)
+            dist.barrier()
+            if index:  # epoch 0 warms the allocator and the caches
+                times[name].append(time.perf_counter() - start)
+    mode = handlers["reproducible"].trainer.reproducible
+    params = sum(p.numel() for p in handlers["normal"].model.parameters())
+    steps = -(-samples // (2 * batch))
+    for handler in handlers.values():
+        handler.close()
+    ratios = [a / b for a, b in zip(times["reproducible"], times["normal"], strict=True)]
+    return {
+        "parameters": params,
+        "steps_per_epoch": steps,
+        "epoch_seconds_normal": statistics.median(times["normal"]),
+        "epoch_seconds_reproducible": statistics.median(times["reproducible"]),
+        "ratio_median": statistics.median(ratios),
+        "ratio_spread": [min(ratios), max(ratios)],
+        "bytes_per_step_reproducible": mode.bytes_per_step if mode is not None else None,
+        "bytes_per_step_ddp": params * 4,
+    }
+
+
+def _digits(epochs: int) -> dict[str, float]:
+    train, val = digits_datasets()
+    found = {}
+    for reproducible in (False, True):
+        handler = _handler(lambda: DigitsCNN(batchnorm=True), 32, reproducible)
+        history = handler.train(train, val, epochs=epochs)
+        found["reproducible" if reproducible else "normal"] = history.last["val_accuracy"]
+        handler.close()
+    return found
+
+
+def worker(rank: int, port: int, quick: bool, queue: Any) -> None:
+    common.join_as_launcher(rank, port, 2, timeout_s=600)
+    samples, repeats = (128, 1) if quick else (1024, 5)
+    results = {case: _timed(case, samples, repeats) for case in CASES}
+    digits = _digits(1 if quick else 12)
+    if rank == 0:
+        queue.put({"results": results, "digits_val_accuracy": digits})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = common.parse_args(__doc__ or "")
+    found = common.run_two_ranks(worker, args.quick, timeout=1200)
+    results = found["results"]
+    common.report(
+        {
+            "benchmark": "reproducible",
+            "world_size": 2,
+            "results": results,
+            "digits_val_accuracy": found["digits_val_accuracy"],
+            "targets_met": {
+                f"{case}: the mode's step within 1.25x of the normal mode's": (
+                    results[case]["ratio_median"] <= 1.25
+                )
+                for case in CASES
+            },
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
