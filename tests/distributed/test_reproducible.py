@@ -46,7 +46,9 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             out[name] = digest(h)
             exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
             out[f"{name}_collectives"] = (
-                len(counting.calls), h.trainer.state.global_step, exact.rescaled_steps
+                len(counting.calls),
+                h.trainer.state.global_step,
+                exact.rescaled_steps,
             )
             out[f"{name}_bytes"] = h.trainer.reproducible.bytes_per_step  # type: ignore[union-attr]
         saved = Path(folder) / name

@@ -1,0 +1,227 @@
+"""The reproducible mode in one process: what it refuses before the first step (each error
+names the culprit and the way out), how it treats BatchNorm, buffers and non-finite steps,
+and that it trains like the normal mode (the same gradient up to the fixed-point rounding)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from nn_handler import ConfigError, NNHandler, Trainer, TrainerConfig
+from nn_handler.data.fixed_batches import FixedBatchLoader
+from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.training.reproducible.mode import ReproducibleMode
+from tests.reproducible_helpers import cnn, images
+
+MODE = {"global_batch_size": 16, "micro_batch_size": 4}
+
+
+def _handler(model: nn.Module | None = None, **trainer: Any) -> NNHandler:
+    config = {
+        "loader": {"batch_size": 8, "seed": 3},
+        "trainer": {"progress_bar": False, "reproducible": MODE, **trainer},
+    }
+    return NNHandler(
+        model if model is not None else cnn(),
+        lambda p: torch.optim.Adam(p, lr=3e-3),
+        nn.CrossEntropyLoss(),
+        config=config,
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"reproducible": {"global_batch_size": 10, "micro_batch_size": 4}}, "not a multiple"),
+        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches: the mode cuts"),
+        ({"strategy": "fsdp"}, "strategy 'fsdp' is not supported"),
+        ({"strategy": "single"}, "strategy 'single' is not supported"),
+        ({"sync_batchnorm": True}, "sync_batchnorm: SyncBatchNorm averages"),
+    ],
+)
+def test_configs_it_cannot_keep_identical_are_config_errors(
+    settings: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        TrainerConfig.model_validate({"reproducible": MODE, **settings})
+
+
+@pytest.mark.parametrize(
+    ("layer", "says"),
+    [
+        (nn.SyncBatchNorm(4), r"layer '1' is a SyncBatchNorm"),
+        (nn.InstanceNorm2d(4, track_running_stats=True), r"layer '1' \(InstanceNorm2d\) keeps"),
+    ],
+)
+def test_layers_it_cannot_keep_identical_are_named(layer: nn.Module, says: str) -> None:
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), layer, nn.Flatten(), nn.Linear(144, 3))
+    with pytest.raises(ConfigError, match=says):
+        _handler(model)
+
+
+def test_fp16_with_a_dynamic_scaler_is_refused() -> None:
+    precision: Any = SimpleNamespace(scaler=object())
+    config = TrainerConfig.model_validate({"reproducible": MODE}).reproducible
+    assert config is not None
+    with pytest.raises(ConfigError, match=r"fp16 with a dynamic GradScaler .* 'bf16' or '32'"):
+        ReproducibleMode(config, cnn(), NullCommunicator(), torch.device("cpu"), precision)
+
+
+def test_manual_optimization_and_stateful_metrics_are_refused() -> None:
+    class Manual(Trainer):
+        automatic_optimization = False
+
+    config = TrainerConfig(progress_bar=False, reproducible=MODE)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="manual optimization"):
+        Manual(cnn(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(), config=config)
+
+    class Counter:  # a torchmetrics-style metric: it keeps state and syncs it itself
+        def update(self, *args: Any) -> None: ...
+        def compute(self) -> float:
+            return 0.0
+
+        def reset(self) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"metrics \['count'\] keep their own state"):
+        Trainer(cnn(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                config=config, metrics={"count": Counter()})  # fmt: skip
+
+
+def test_a_loader_of_ones_own_is_refused_before_the_first_step() -> None:
+    with _handler() as h:
+        before = [p.detach().clone() for p in h.model.parameters()]
+        with pytest.raises(ConfigError, match="training loader is a DataLoader, whose batches"):
+            h.train(DataLoader(images(32, 0), batch_size=8), epochs=1)
+        good = h.loaders.reproducible_train_loader(images(32, 0), h.config.trainer.reproducible)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="validation loader is a DataLoader"):
+            h.trainer.fit(good, DataLoader(images(8, 1), batch_size=8), epochs=1)
+        assert all(torch.equal(a, b) for a, b in zip(before, h.model.parameters(), strict=True))
+
+
+def test_a_rank_cached_loader_is_refused() -> None:
+    config = {
+        "loader": {"batch_size": 8, "mode": "rank_cached"},
+        "trainer": {"progress_bar": False, "reproducible": MODE},
+    }
+    handler = NNHandler(cnn(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                        config=config)  # fmt: skip
+    with handler as h, pytest.raises(ConfigError, match="loader mode 'rank_cached' gives each"):
+        h.train(images(32, 0), epochs=1)
+
+
+class _Counting(nn.Module):
+    """A layer with a buffer that its forward changes (a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return x
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.norm(x.flatten(1)[:, :6])))
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        (nn.Sequential(_Counting(), cnn()), r"the buffer '0\.seen' changed in a training forward"),
+        (_Twice(), r"BatchNorm layer 'norm' ran 2 times in one forward"),
+    ],
+)
+def test_a_forward_it_cannot_keep_identical_fails_the_first_step(
+    model: nn.Module, says: str
+) -> None:
+    with _handler(model) as h, pytest.raises(ConfigError, match=says):
+        h.train(images(32, 0), epochs=1)
+
+
+def test_a_training_step_that_returns_more_than_the_loss_is_refused() -> None:
+    class Extras(Trainer):
+        def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+            loss = super().training_step(batch)
+            assert isinstance(loss, torch.Tensor)
+            return {"loss": loss, "twice": 2 * loss.detach()}
+
+    config = TrainerConfig(progress_bar=False, reproducible=MODE)  # type: ignore[arg-type]
+    trainer = Extras(cnn(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                     config=config)  # fmt: skip
+    loader = FixedBatchLoader(images(32, 0), global_batch_size=16, micro_batch_size=4, seed=0,
+                              shuffle=False, drop_last=False, rank=0, world_size=1)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"training_step returned \['twice'\] besides the loss"):
+        trainer.fit(loader, epochs=1)
+
+
+def test_batchnorm_statistics_are_those_of_the_whole_global_batch() -> None:
+    """Each micro-batch normalises with its own statistics; the running ones move once per
+    step, by the statistics of the whole global batch (as one forward over it would)."""
+    torch.manual_seed(0)
+    data = images(16, 0)
+    with _handler(nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(64, 3))) as h:
+        h.train(data, epochs=1)  # one step of 16 samples in 4 micro-batches
+        norm = h.model[0]
+        x = data.tensors[0]
+        assert int(norm.num_batches_tracked) == 1
+        expected_mean = 0.9 * 0 + 0.1 * x.mean(dtype=torch.float64)
+        expected_var = 0.9 * 1 + 0.1 * x.double().var(unbiased=True)
+        assert math.isclose(float(norm.running_mean), float(expected_mean), rel_tol=1e-6)
+        assert math.isclose(float(norm.running_var), float(expected_var), rel_tol=1e-6)
+
+
+def test_a_non_finite_loss_skips_the_step_on_every_rank_alike() -> None:
+    class Poisoned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = cnn()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            out: torch.Tensor = self.inner(x)
+            return out * math.nan if self.calls == 2 else out  # the 2nd micro-batch
+
+    with _handler(Poisoned()) as h:
+        before = {k: v.clone() for k, v in h.model.state_dict().items()}
+        h.train(images(16, 0), epochs=1)
+        assert h.trainer.state.skipped_steps == 1
+        after = h.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # weights and BN stats
+
+
+def test_it_trains_like_the_normal_mode() -> None:
+    """With one micro-batch per step and no dropout, the mode's gradient is the normal
+    mode's up to the fixed-point rounding: after 12 Adam steps the weights agree to float32
+    rounding noise."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(144, 3))  # fmt: skip
+
+    runs = []
+    for mode in (None, {"global_batch_size": 16, "micro_batch_size": 16}):
+        config = {"loader": {"batch_size": 16, "seed": 3, "shuffle": False},
+                  "trainer": {"progress_bar": False, "reproducible": mode}}  # fmt: skip
+        with NNHandler(model(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                       config=config) as h:  # fmt: skip
+            h.train(images(96, 0), epochs=2)
+            runs.append({k: v.clone() for k, v in h.model.state_dict().items()})
+    normal, exact = runs
+    for key in normal:
+        if normal[key].is_floating_point():
+            assert torch.allclose(normal[key], exact[key], rtol=1e-4, atol=1e-5), key
