@@ -107,7 +107,7 @@ def _digits(epochs: int) -> dict[str, float]:
 
 def worker(rank: int, port: int, quick: bool, queue: Any) -> None:
     common.join_as_launcher(rank, port, 2, timeout_s=600)
-    samples, repeats = (128, 1) if quick else (1024, 5)
+    samples, repeats = (128, 1) if quick else (1024, 9)
     results = {case: _timed(case, samples, repeats) for case in CASES}
     digits = _digits(1 if quick else 12)
     if rank == 0:

@@ -252,6 +252,11 @@ class TrainerConfig(ConfigModel):
                 f"(FSDP2's reduce-scatter is a floating-point sum: docs/reproducible.md says "
                 f"what an exact one would take)",
             ),
+            "limit_val_batches": (
+                self.limit_val_batches is not None,
+                "it limits each rank's share of the validation batches, so which batches count "
+                "would depend on the world size; leave it unset",
+            ),
             "sync_batchnorm": (
                 self.sync_batchnorm,
                 "SyncBatchNorm averages statistics over ranks in floating point and needs as "

@@ -238,3 +238,22 @@ def test_every_example_has_a_smoke_test() -> None:
     untested = [p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sbatch")]
     untested = [name for name in untested if f'"{name}"' not in tests]
     assert not untested, f"examples without a smoke test: {untested}"
+
+
+@pytest.mark.distributed
+def test_reproducible_example_prints_the_same_hash_alone_and_on_three_ranks() -> None:
+    """docs/reproducible.md's promise, as a user runs it: one process and torchrun with 3
+    ranks (which do not divide the step's 4 micro-batches) end with the same SHA-256, at the
+    accuracy the page states."""
+    pytest.importorskip("sklearn")
+    script = str(EXAMPLES / "reproducible_training.py")
+    found = []
+    for command in ([sys.executable, script], torchrun_command(script, nproc=3)):
+        code, output = run_command(command, timeout=180)
+        assert code == 0, output
+        line = re.search(r"world size (\d): val_accuracy=([\d.]+) sha256=(\w+)", output)
+        assert line is not None, output
+        found.append(line.groups())
+    (w1, accuracy, digest), (w3, accuracy3, digest3) = found
+    assert (w1, w3) == ("1", "3") and digest == digest3 and accuracy == accuracy3
+    assert float(accuracy) > 0.97, found

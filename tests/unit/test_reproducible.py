@@ -43,6 +43,7 @@ def _handler(model: nn.Module | None = None, **trainer: Any) -> NNHandler:
         ({"strategy": "fsdp"}, "strategy 'fsdp' is not supported"),
         ({"strategy": "single"}, "strategy 'single' is not supported"),
         ({"sync_batchnorm": True}, "sync_batchnorm: SyncBatchNorm averages"),
+        ({"limit_val_batches": 2}, "limit_val_batches: it limits each rank's share"),
     ],
 )
 def test_configs_it_cannot_keep_identical_are_config_errors(
