@@ -74,6 +74,14 @@ def test_fp16_with_a_dynamic_scaler_is_refused() -> None:
         ReproducibleMode(config, cnn(), NullCommunicator(), torch.device("cpu"), precision)
 
 
+def test_cuda_without_deterministic_algorithms_is_refused() -> None:
+    precision: Any = SimpleNamespace(scaler=None)
+    config = TrainerConfig.model_validate({"reproducible": MODE}).reproducible
+    assert config is not None and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ConfigError, match=r"use_deterministic_algorithms\(True\)"):
+        ReproducibleMode(config, cnn(), NullCommunicator(), torch.device("cuda"), precision)
+
+
 def test_manual_optimization_and_stateful_metrics_are_refused() -> None:
     class Manual(Trainer):
         automatic_optimization = False

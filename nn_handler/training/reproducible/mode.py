@@ -43,6 +43,13 @@ class ReproducibleMode:
                 "reproducible: fp16 with a dynamic GradScaler skips steps and rescales on "
                 "overflows, which the mode cannot keep identical; use precision 'bf16' or '32'."
             )
+        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+            raise ConfigError(
+                "reproducible on CUDA needs deterministic kernels (some backward kernels sum "
+                "with atomics, in a different order each run): call "
+                "torch.use_deterministic_algorithms(True) and set "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8 before building the handler."
+            )
         self.config = config
         self.precision = precision
         self.device = device

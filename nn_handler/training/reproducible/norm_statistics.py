@@ -129,6 +129,8 @@ class NormStatistics:
         if not present:  # the layer never ran in training mode this step: unchanged
             running_mean.copy_(mean0)
             running_var.copy_(var0)
+            if tracked0 is not None and layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.copy_(tracked0)
             return
         total = sum(counts[j] for j in present)
         mean = torch.zeros(c, dtype=torch.float64, device=block.device)
