@@ -20,12 +20,7 @@ from torch import nn
 
 from nn_handler.checkpoint.registry import part_of
 from nn_handler.config.checkpoint import CheckpointConfig
-from nn_handler.config.training import (
-    EmaConfig,
-    PrecisionConfig,
-    ReproducibleConfig,
-    TrainerConfig,
-)
+from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.distributed.faults.failure import failing_together
 from nn_handler.errors import ConfigError
@@ -141,7 +136,10 @@ class Trainer(TrainerFacade):
         built = self.configure_optimizers(optimizer, scheduler)
         self.optimization.adopt(built, self.module, self.automatic_optimization)
         #: TrainerConfig.reproducible's part (None: the normal mode).
-        self.reproducible = reproducible_mode(self, config.reproducible)
+        self.reproducible = ReproducibleMode.build(
+            config.reproducible, self.module, comm, self.device, self.precision,
+            self.automatic_optimization, self.metrics,
+        )  # fmt: skip
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
         if self.reproducible is not None:
             parts.append(self.reproducible.part())
@@ -418,20 +416,6 @@ class Trainer(TrainerFacade):
 
 
 _NO_REGION = contextlib.nullcontext()
-
-
-def reproducible_mode(
-    trainer: Trainer, config: ReproducibleConfig | None
-) -> ReproducibleMode | None:
-    """The trainer's reproducible mode (its checks run now, before the first step)."""
-    if config is None:
-        return None
-    mode = ReproducibleMode(
-        config, trainer.module, trainer.comm, trainer.device, trainer.optimization.precision
-    )
-    params = [p for p in trainer.module.parameters() if p.requires_grad]
-    mode.adopt(params, trainer.automatic_optimization, trainer.metrics)
-    return mode
 
 
 __all__ = ["Metric", "OptimizerFactory", "SchedulerFactory", "Trainer", "TrainerState"]

@@ -55,6 +55,25 @@ class ReproducibleMode:
         self.device = device
         self.exact = ExactStep(config, module, comm, device)
 
+    @classmethod
+    def build(
+        cls,
+        config: ReproducibleConfig | None,
+        module: nn.Module,
+        comm: Communicator,
+        device: torch.device,
+        precision: Precision,
+        automatic: bool,
+        metrics: Mapping[str, Any],
+    ) -> ReproducibleMode | None:
+        """A Trainer's mode (None: ``config`` is None), its checks made now, before the first
+        step; after ``configure_optimizers`` (the parameters that train)."""
+        if config is None:
+            return None
+        mode = cls(config, module, comm, device, precision)
+        mode.adopt([p for p in module.parameters() if p.requires_grad], automatic, metrics)
+        return mode
+
     def adopt(
         self, params: list[nn.Parameter], automatic: bool, metrics: Mapping[str, Any]
     ) -> None:
@@ -111,7 +130,7 @@ class ReproducibleMode:
                         f"reproducible: training_step returned {extra} besides the loss; the "
                         f"mode records the loss only (return the loss alone)."
                     )
-            loss.backward()  # type: ignore[no-untyped-call]
+            torch.autograd.backward(loss)
             return loss.detach()
 
         return self.exact.run(batch, forward_backward, global_step)
