@@ -263,3 +263,13 @@ def test_the_committed_results_page_matches_the_committed_results() -> None:
     )
     for data in results.values():
         assert not data["command"].endswith("--quick"), "committed results are full runs"
+
+
+def test_reproducible_quick_mode_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("reproducible.py", quick_run)
+    for case in ("resnet8", "transformer"):
+        found = results["results"][case]
+        # int64 per parameter against DDP's float32, plus the slots
+        assert found["bytes_per_step_reproducible"] > 2 * found["bytes_per_step_ddp"] > 0
+        assert found["ratio_median"] > 0 and found["steps_per_epoch"] >= 1
+    assert set(results["digits_val_accuracy"]) == {"normal", "reproducible"}
