@@ -234,3 +234,45 @@ def test_it_trains_like_the_normal_mode() -> None:
     for key in normal:
         if normal[key].is_floating_point():
             assert torch.allclose(normal[key], exact[key], rtol=1e-4, atol=1e-5), key
+
+
+def test_the_modes_loaders_and_means_name_what_they_cannot_do() -> None:
+    from torch.utils.data import IterableDataset
+
+    from nn_handler.data.fixed_batches import FixedEvalLoader
+    from nn_handler.training.reproducible.exact_means import ExactMeans
+
+    kw: dict[str, Any] = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1}
+    with pytest.raises(ConfigError, match="fewer than global_batch_size=16 with drop_last"):
+        FixedBatchLoader(images(10, 0), global_batch_size=16, micro_batch_size=4,
+                         drop_last=True, **kw)  # fmt: skip
+
+    class Stream(IterableDataset[Any]):
+        def __iter__(self) -> Any:
+            return iter([])
+
+    with pytest.raises(ConfigError, match="needs a map-style dataset with __len__"):
+        FixedEvalLoader(Stream(), batch_size=4, rank=0, world_size=1)
+    loader = FixedBatchLoader(images(32, 0), global_batch_size=16, micro_batch_size=4,
+                              drop_last=False, **kw)  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot start at step 3: an epoch of this loader has 2"):
+        loader.start_at(3)
+    means = ExactMeans([0], total_batches=2)
+    means.update({"loss": torch.tensor(1.0)}, 4)
+    with pytest.raises(ConfigError, match="gave more than its 1 batches"):
+        means.update({"loss": torch.tensor(1.0)}, 4)
+    shaped = ExactMeans([0], total_batches=1)
+    shaped.update({"scores": torch.ones(3)}, 4)
+    with pytest.raises(ConfigError, match=r"'scores' has shape \(3,\); return per-batch means"):
+        shaped.fold()
+
+
+def test_the_step_refuses_what_it_cannot_reduce() -> None:
+    config = TrainerConfig.model_validate({"reproducible": MODE}).reproducible
+    assert config is not None
+    precision: Any = SimpleNamespace(scaler=None)
+    mode = ReproducibleMode(config, cnn(), NullCommunicator(), torch.device("cpu"), precision)
+    with pytest.raises(ConfigError, match="floating-point parameters only"):
+        mode.exact.adopt([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
+    with pytest.raises(ConfigError, match="a training batch is a tuple, not a StepBatch"):
+        mode.step((torch.zeros(2, 1, 8, 8), torch.zeros(2)), lambda b: torch.zeros(()), 0)
