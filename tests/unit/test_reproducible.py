@@ -276,3 +276,17 @@ def test_the_step_refuses_what_it_cannot_reduce() -> None:
         mode.exact.adopt([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
     with pytest.raises(ConfigError, match="a training batch is a tuple, not a StepBatch"):
         mode.step((torch.zeros(2, 1, 8, 8), torch.zeros(2)), lambda b: torch.zeros(()), 0)
+
+
+def test_evaluate_and_predict_run_on_the_fixed_evaluation_batches() -> None:
+    data = images(20, 1)
+    with _handler() as h:
+        h.train(images(32, 0), epochs=1)
+        metrics = h.evaluate(data)
+        outputs = h.predict(data)
+        h.model.eval()
+        with torch.no_grad():
+            expected = h.model(data.tensors[0])
+        loss = float(nn.functional.cross_entropy(expected, data.tensors[1]))
+    assert outputs.shape == (20, 3) and torch.allclose(outputs, expected, atol=1e-6)
+    assert math.isclose(metrics["loss"], loss, rel_tol=1e-5)  # batches of 8, 8 and 4
