@@ -214,6 +214,16 @@ class LoaderFactory:
         optimizer step, the step's samples fixed at any world size (data/fixed_batches.py).
         The loader's seed, shuffle, drop_last and worker settings apply."""
         c = self._reproducible_config()
+        if not self._logged:  # the line says the step's sizes, which do not follow the world
+            rest = dict(self.settings)
+            self.settings = {
+                "mode": rest.pop("mode"),
+                "global_batch_size": reproducible.global_batch_size,
+                "micro_batch_size": reproducible.micro_batch_size,
+                "evaluation_batch_size": rest.pop("batch_size"),
+            }
+            rest.pop("effective_batch_size", None)
+            self.settings.update(rest)
         self._log_once()
         return FixedBatchLoader(
             dataset,

@@ -289,4 +289,9 @@ def test_evaluate_and_predict_run_on_the_fixed_evaluation_batches() -> None:
             expected = h.model(data.tensors[0])
         loss = float(nn.functional.cross_entropy(expected, data.tensors[1]))
     assert outputs.shape == (20, 3) and torch.allclose(outputs, expected, atol=1e-6)
+    # The loaders' line states the step's sizes (not batch_size x world size).
+    assert {"global_batch_size": 16, "micro_batch_size": 4, "evaluation_batch_size": 8}.items() <= (
+        h.loaders.settings.items()
+    )
+    assert "effective_batch_size" not in h.loaders.settings
     assert math.isclose(metrics["loss"], loss, rel_tol=1e-5)  # batches of 8, 8 and 4
