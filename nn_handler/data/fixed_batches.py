@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from nn_handler.data.samplers import derive_seed
 from nn_handler.errors import ConfigError
 
-#: A stream of the seed that no rank's own uses (ranks are >= 0).
-_ORDER_STREAM = -7
+#: The stream of the seed the epochs' orders use (beyond any rank's own stream).
+_ORDER_STREAM = 2**31 - 7
 
 
 def steps_per_epoch(n: int, global_batch_size: int, drop_last: bool) -> int:
@@ -44,7 +44,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """The epoch's order of all ``n`` samples: the same on every rank and every world size."""
     if not shuffle:
         return list(range(n))
-    generator = torch.Generator().manual_seed(derive_seed(seed, 2**31 + _ORDER_STREAM, epoch))
+    generator = torch.Generator().manual_seed(derive_seed(seed, _ORDER_STREAM, epoch))
     return torch.randperm(n, generator=generator).tolist()
 
 

@@ -7,15 +7,18 @@ same hash; each step makes exactly two collectives of its own."""
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
-from nn_handler import DistributedContext
+from nn_handler import DistributedContext, NNHandler
 from nn_handler.distributed.communicator import Communicator
 from tests.harness import run_group
-from tests.reproducible_helpers import EPOCHS, WORKLOADS, digest, handler, train
+from tests.reproducible_helpers import EPOCHS, WORKLOADS, cnn, digest, handler, images, train
 
 pytestmark = pytest.mark.distributed
 
@@ -61,7 +64,42 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 h.resume(saved / "ckpt-e0001-s00000009.pt")  # mid-epoch, by 2 ranks
                 train(h, name)
                 out[f"{name}_resumed"] = digest(h)
+    if world_size == 2:  # last: a failure on the one rank that owns the step's micro-batch
+        out["one_rank_fails"] = _one_rank_fails(context)
     return out
+
+
+class _Counting(nn.Module):
+    """A layer whose forward changes its buffer: refused by the mode at the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return x
+
+
+def _one_rank_fails(context: DistributedContext) -> str:
+    """One micro-batch per step, so rank 1 owns none and goes straight to the step's sum
+    while rank 0 raises: rank 1 must not hang there."""
+    config = {
+        "loader": {"batch_size": 4},
+        "trainer": {
+            "progress_bar": False,
+            "reproducible": {"global_batch_size": 4, "micro_batch_size": 4},
+        },
+    }
+    model = nn.Sequential(_Counting(), cnn())
+    started = time.monotonic()
+    try:
+        with NNHandler(model, lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                       config=config, context=context) as h:  # fmt: skip
+            h.train(images(16, 0), epochs=1)
+    except Exception as error:
+        return f"{type(error).__name__} after {time.monotonic() - started:.0f} s: {error}"
+    return "trained"
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +141,12 @@ def test_a_step_makes_one_collective_of_its_own(
             assert rescales <= steps // 4, seen
     # The bytes a step sends: an int64 per parameter and the slots; the same at any W.
     assert len({r["cnn_bytes"] for g in runs.values() for r in g}) == 1
+
+
+def test_a_failure_on_the_rank_that_owns_the_step_stops_the_other_promptly(
+    runs: dict[int, list[dict[str, Any]]],
+) -> None:
+    first, second = (r["one_rank_fails"] for r in runs[2])
+    assert first.startswith("ConfigError") and "the buffer '0.seen' changed" in first, first
+    assert second.startswith("RankFailedError") and "rank(s) [0]" in second, second
+    assert int(second.split(" after ")[1].split(" s")[0]) < 30, second

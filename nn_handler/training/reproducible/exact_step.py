@@ -3,13 +3,15 @@
 For each micro-batch this rank owns (data/fixed_batches.py), in order: the random streams are
 seeded from (seed, optimizer step, micro-batch index), never from the rank; forward and
 backward run alone (fresh gradients); the gradients are kept, with each tensor's largest
-magnitude (times the micro-batch's samples). Then two collectives, on every rank whatever it
-owns: a max of those magnitudes (and of a non-finite flag) fixes each tensor's fixed-point
-scale; one int64 sum carries the quantised gradients (fixed_point.py) and, in slots only the
-owner fills, each micro-batch's samples, loss and BatchNorm statistics. Every rank then holds
-the same gradient (the sample-weighted mean over the global batch), loss and statistics, and
-the optimizer steps as usual (Optimization.step). Other buffers must not change in a training
-forward: the first step checks it.
+magnitude (times the micro-batch's samples). Then one int64 sum, on every rank whatever it
+owns, carries the gradients in fixed point (at the scales of ``fixed_point.Scale``) and, in
+slots only the owner fills, each micro-batch's samples, loss, BatchNorm statistics and maxima.
+A run's first step agrees on the maxima first (a max all_reduce) to set the scales; a step
+whose agreed maxima no longer fit them is summed again at new scales (every rank decides it
+from the same agreed values). Every rank then holds the same gradient (the sample-weighted
+mean over the global batch), loss and statistics, and the optimizer steps as usual
+(Optimization.step). Other buffers must not change in a training forward: the first step
+checks it.
 """
 
 from __future__ import annotations
