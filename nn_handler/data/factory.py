@@ -214,7 +214,7 @@ class LoaderFactory:
         optimizer step, the step's samples fixed at any world size (data/fixed_batches.py).
         The loader's seed, shuffle, drop_last and worker settings apply."""
         c = self._reproducible_config()
-        if not self._logged:  # the line says the step's sizes, which do not follow the world
+        if "global_batch_size" not in self.settings:  # the step's sizes (they ignore W)
             rest = dict(self.settings)
             self.settings = {
                 "mode": rest.pop("mode"),

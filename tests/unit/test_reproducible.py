@@ -295,3 +295,20 @@ def test_evaluate_and_predict_run_on_the_fixed_evaluation_batches() -> None:
     )
     assert "effective_batch_size" not in h.loaders.settings
     assert math.isclose(metrics["loss"], loss, rel_tol=1e-5)  # batches of 8, 8 and 4
+
+
+def test_a_factory_builds_the_modes_loaders_again_on_any_rank() -> None:
+    """Every fit builds its loader: the second build on a rank that logs nothing (rank 1) once
+    failed on the settings the first build had rewritten."""
+    from nn_handler.config import LoaderConfig, ReproducibleConfig
+    from nn_handler.data import LoaderFactory
+    from nn_handler.distributed.env import DistributedInfo
+
+    mode = ReproducibleConfig(**MODE)  # type: ignore[arg-type]
+    for rank in (0, 1):
+        factory = LoaderFactory(LoaderConfig(batch_size=8), DistributedInfo(rank, rank, 2, 2),
+                                torch.device("cpu"))  # fmt: skip
+        loaders = [factory.reproducible_train_loader(images(32, 0), mode) for _ in range(2)]
+        assert [len(loader) for loader in loaders] == [2, 2]
+        assert factory.settings["global_batch_size"] == 16
+        assert factory.settings["evaluation_batch_size"] == 8
