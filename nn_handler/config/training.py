@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 from nn_handler.config.observability import ProfileConfig
@@ -13,6 +13,8 @@ PrecisionName = Literal["32", "bf16", "fp16", "amp"]
 Interval = Literal["epoch", "step"]
 StrategyName = Literal["auto", "single", "ddp", "fsdp"]
 NonFinitePolicy = Literal["skip", "raise", "off"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+MeshSize = int | Literal["auto"]
 Mode = Literal["min", "max"]
 
 
@@ -97,6 +99,18 @@ class FsdpConfig(ConfigModel):
             parameters are bf16 for forward and backward (half the all-gather bytes), the
             gradients are reduced in fp32, and the shards, gradients and optimizer state stay
             fp32. False: fp32 parameters under autocast, as under DDP.
+        replicate: HSDP's replica count: the ranks form a ``replicate x shard`` device mesh;
+            each group of ``shard`` ranks holds one sharded copy of the model (parameters
+            all-gathered and gradients reduce-scattered inside it), and the copies average
+            their gradients across groups. 1 (the default): plain FSDP over every rank.
+            'auto': the number of machines (with ``shard: auto``) or world / shard.
+        shard: the ranks one copy is sharded over; 'auto' (the default): world / replicate,
+            or, with ``replicate: auto``, the ranks of one machine.
+        activation_checkpointing: recompute each block's activations in backward instead of
+            keeping them ('full': keep only each block's input; 'selective': keep the
+            outputs of matrix multiplications and attention, recompute the cheap operators);
+            'none': keep everything. It applies under every strategy, to the blocks that
+            ``blocks`` (or ``min_params``) chooses; the gradients are the same.
     """
 
     blocks: list[str] = Field(default_factory=list)
@@ -105,6 +119,16 @@ class FsdpConfig(ConfigModel):
     cpu_offload: bool = False
     reduce_every_micro_batch: bool = False
     mixed_precision: bool = True
+    replicate: MeshSize = 1
+    shard: MeshSize = "auto"
+    activation_checkpointing: ActivationCheckpointing = "none"
+
+    @field_validator("replicate", "shard", mode="before")
+    @classmethod
+    def _check_mesh_size(cls, value: object) -> object:
+        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+            raise ValueError(f"a mesh size is a number of ranks >= 1 or 'auto', got {value!r}")
+        return value
 
 
 class ReproducibleConfig(ConfigModel):
@@ -160,7 +184,22 @@ class TrainerConfig(ConfigModel):
             when the run has more than one rank and a process group, 'single' otherwise.
         fsdp: the sharding of ``strategy: fsdp`` (FsdpConfig).
         sync_batchnorm: convert BatchNorm layers to synchronised ones when world size > 1.
-        compile: wrap the model with torch.compile (``compile_kwargs`` are passed through).
+        compile: wrap the model with torch.compile (``compile_kwargs`` are passed through);
+            'blocks': compile each block (``fsdp.blocks``, or by ``fsdp.min_params``) on its
+            own, under every strategy: one small graph compiled once and reused per block,
+            composed with FSDP2 and activation checkpointing.
+        init_weights: a file or sharded checkpoint folder whose weights the model starts from
+            (a state dict saved with torch.save, a checkpoint file or a sharded checkpoint
+            folder: its ``model``), loaded into each rank's shards without the whole model
+            on any rank (a file is memory-mapped). None: a model built on the meta device is
+            initialised by each module's ``reset_parameters``, seeded by ``init_seed`` and
+            the module's name (the same weights under every strategy and world size); any
+            other model keeps the weights it was built with.
+        init_seed: the seed of that initialisation.
+        memory_budget: the memory one rank may use ("40GiB", "512MB" or bytes); the memory
+            plan printed at the start is checked against it (ConfigError naming a layout
+            that would fit). None: the device's memory (a GPU's total, or on the CPU the
+            machine's memory divided by its ranks).
         find_unused_parameters: passed to DistributedDataParallel.
         nonfinite: what to do when any rank's loss or gradients are NaN/inf before a step:
             'skip' the step on every rank (and log it), 'raise' on every rank, or 'off'.
@@ -203,8 +242,11 @@ class TrainerConfig(ConfigModel):
     strategy: StrategyName = "auto"
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     sync_batchnorm: bool = False
-    compile: bool = False
+    compile: bool | Literal["blocks"] = False
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
+    init_weights: str | None = None
+    init_seed: int = Field(default=0, ge=0, lt=2**63, strict=True)
+    memory_budget: ByteSize | None = None
     find_unused_parameters: bool = False
     nonfinite: NonFinitePolicy = "skip"
     max_consecutive_skipped_steps: int | None = Field(default=10, ge=1, strict=True)
@@ -281,6 +323,7 @@ class TrainerConfig(ConfigModel):
 
 
 __all__ = [
+    "ActivationCheckpointing",
     "EarlyStoppingConfig",
     "EmaConfig",
     "FsdpConfig",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,9 +22,14 @@ from torch import nn
 from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
 from nn_handler.checkpoint.optimizer_state import is_named, to_indexed
 from nn_handler.checkpoint.registry import Part
+from nn_handler.checkpoint.sharded import is_sharded, load_shards, read_rest, verify_sharded
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.strategies.activation_checkpointing import checkpoint_blocks
+from nn_handler.strategies.activation_estimate import meta_twin
+from nn_handler.strategies.blocks import blocks_of
+from nn_handler.strategies.meta_init import load_weights_file, materialize, on_meta
 from nn_handler.strategies.reduction_timer import ReductionTimer
 
 
@@ -57,6 +63,14 @@ class Strategy(ABC):
         self.precision = precision
         self.module: nn.Module | None = None
         self.model: nn.Module | None = None
+        #: The blocks sharded, recomputed or compiled one by one, and their names (after
+        #: ``setup``).
+        self.blocks: list[nn.Module] = []
+        self.block_names: list[str] = []
+        #: The model as given, on the meta device (for the memory plan's activation estimate;
+        #: None when it cannot be copied), and whether it was built there.
+        self.twin: nn.Module | None = None
+        self.built_on_meta = False
         self._checkpoint_group: dist.ProcessGroup | None = None
 
     def setup(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -69,12 +83,64 @@ class Strategy(ABC):
                 "pass the plain model, not a DistributedDataParallel wrapper: the strategy wraps "
                 "it itself when world size > 1."
             )
-        self.module = self.prepare(model.to(self.device))
-        wrapped = self.wrap(self.module)
-        if self.config.compile:
+        meta = self.built_on_meta = on_meta(model)
+        planned = meta or self.name == "fsdp" or self.config.memory_budget is not None
+        self.twin = meta_twin(model) if planned else None
+        module = model if meta else model.to(self.device)
+        self.blocks = self.transform_blocks(module)
+        module = self.prepare(module)
+        if meta or self.config.init_weights is not None:
+            self.initialize(module, meta)
+        self.module = module
+        wrapped = self.wrap(module)
+        if self.config.compile is True:
             wrapped = torch.compile(wrapped, **self.config.compile_kwargs)  # type: ignore[assignment]
         self.model = wrapped
         return self.module, wrapped
+
+    def transform_blocks(self, module: nn.Module) -> list[nn.Module]:
+        """The model's blocks (see strategies/blocks.py), with activation checkpointing and
+        ``compile: blocks`` applied to each, before the strategy shards or wraps them."""
+        settings = self.config.fsdp
+        blocks = blocks_of(module, settings, "the units to shard, recompute or compile")
+        names = {id(m): name for name, m in module.named_modules()}
+        self.block_names = [names[id(block)] for block in blocks]
+        checkpoint_blocks(blocks, settings.activation_checkpointing)
+        if self.config.compile == "blocks":
+            if not blocks:
+                raise ConfigError(
+                    "compile: 'blocks' compiles each block, and the model has none: name them "
+                    "in fsdp.blocks (for example the transformer layer's class) or lower "
+                    "fsdp.min_params; compile: true compiles the whole model."
+                )
+            for block in blocks:
+                block.compile(**self.config.compile_kwargs)
+        return blocks
+
+    def initialize(self, module: nn.Module, meta: bool) -> None:
+        """Give a meta-device ``module`` its storage on this rank (its shards only) and its
+        initial weights: from ``init_weights`` when set, else from each module's
+        ``reset_parameters`` (strategies/meta_init.py). Every rank must call this."""
+        path = self.config.init_weights
+        if meta and path is None:
+            materialize(module, self.device, self.config.init_seed)
+            return
+        if meta:
+            module.to_empty(device=self.device)
+        if path is not None and is_sharded(path):
+            self.load_sharded_weights(module, Path(path))
+        elif path is not None:
+            load_weights_file(module, path)
+
+    def load_sharded_weights(self, module: nn.Module, folder: Path) -> None:
+        """Fill ``module`` from the ``model`` of the sharded checkpoint ``folder``, each rank
+        reading its own pieces (verified first). Every rank must call this."""
+        group = self.checkpoint_group()
+        comm = self.comm if group is not None else None
+        verify_sharded(folder, comm, read_rest(folder))
+        template = {"model": self.model_shards(module)}
+        load_shards(folder, template, group)
+        self.load_model_shards(module, template["model"], str(folder))
 
     def prepare(self, module: nn.Module) -> nn.Module:
         """The plain module, ready for this strategy (default: unchanged)."""

@@ -11,6 +11,7 @@ group, plus, in the checkpoint views, those of ``torch.distributed.checkpoint.st
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -35,8 +35,11 @@ from torch.distributed.fsdp import (
 
 from nn_handler.checkpoint.optimizer_state import is_named, to_named
 from nn_handler.checkpoint.registry import Part
+from nn_handler.distributed.env import parse_distributed_env
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy, check_loaded
+from nn_handler.strategies.blocks import shard_blocks
+from nn_handler.strategies.mesh import build_mesh, mesh_shape
 from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 
 #: Full (unsharded) state, on rank 0 only: what a single-file checkpoint holds.
@@ -45,35 +48,14 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LOAD_FULL = StateDictOptions(full_state_dict=True)
 
 
-def shard_blocks(module: nn.Module, blocks: Iterable[str], min_params: int) -> list[nn.Module]:
-    """The submodules to shard one by one, bottom-up (children before parents), never the
-    root: those whose class name is in ``blocks``, or, when ``blocks`` is empty, the innermost
-    modules of at least ``min_params`` parameters (a module holding one is not taken)."""
-    names = set(blocks)
-    chosen: list[nn.Module] = []
-
-    def visit(current: nn.Module) -> bool:  # whether a block lies at or under ``current``
-        below = [visit(child) for child in current.children()]
-        if current is module:
-            return any(below)
-        if names:
-            take = type(current).__name__ in names
-        else:
-            own = sum(p.numel() for p in current.parameters())
-            take = own >= min_params and not any(below)
-        if take:
-            chosen.append(current)
-        return take or any(below)
-
-    visit(module)
-    return chosen
-
-
 class FSDP2Strategy(Strategy):
     """FSDP2 over every rank of the run (a 1-D device mesh on torch.distributed's default
-    group); each rank holds 1/world of the parameters, gradients and optimizer state."""
+    group; each rank holds 1/world of the parameters, gradients and optimizer state), or HSDP
+    with ``fsdp.replicate`` > 1: a ``replicate x shard`` mesh, each rank 1/shard of them."""
 
     name = "fsdp"
+    #: (replicate, shard): the mesh's sizes, after ``setup``.
+    mesh_shape: tuple[int, int] = (1, 1)
     #: Checkpoint views of the model and optimizers are collectives (every rank saves).
     collective_state = True
 
@@ -105,17 +87,13 @@ class FSDP2Strategy(Strategy):
         if self.config.sync_batchnorm and self.comm.world_size > 1:
             module = convert_sync_batchnorm(module, self.device)
         settings = self.config.fsdp
-        mesh = init_device_mesh(self.device.type, (self.comm.world_size,))
+        self.mesh_shape = mesh_shape(
+            self.comm.world_size, _local_world_size(), settings.replicate, settings.shard
+        )
+        mesh = build_mesh(self.device.type, *self.mesh_shape)
         offload: OffloadPolicy = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
         mixed = self.mixed_precision()
-        blocks = shard_blocks(module, settings.blocks, settings.min_params)
-        if settings.blocks and not blocks:
-            present = sorted({type(m).__name__ for m in module.modules()})
-            raise ConfigError(
-                f"fsdp.blocks names {settings.blocks}, and the model has no such module; its "
-                f"module classes are {present}."
-            )
-        for block in blocks:
+        for block in self.blocks:
             fully_shard(
                 block,
                 mesh=mesh,
@@ -124,7 +102,6 @@ class FSDP2Strategy(Strategy):
                 mp_policy=mixed,
             )
         fully_shard(module, mesh=mesh, offload_policy=offload, mp_policy=mixed)
-        self.blocks = len(blocks)
         return module
 
     def mixed_precision(self) -> MixedPrecisionPolicy:
@@ -235,6 +212,11 @@ class FSDP2Strategy(Strategy):
         if not isinstance(module, FSDPModule):
             raise ConfigError("FSDP2Strategy.setup(model) has not been called.")
         return module
+
+
+def _local_world_size() -> int:
+    """The ranks on this machine, as the launcher's environment says (for ``auto`` sizes)."""
+    return parse_distributed_env(os.environ).local_world_size
 
 
 __all__ = ["FSDP2Strategy", "shard_blocks"]

@@ -12,20 +12,17 @@ from nn_handler.strategies.base import Strategy
 
 class ReplicatedStrategy(Strategy):
     """The model on every rank as it is; its parameters and buffers start as rank 0's (one
-    broadcast at setup, as DDP makes them)."""
+    broadcast at setup, after initialisation, as DDP makes them)."""
 
     name = "replicated"
 
-    def prepare(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module) -> nn.Module:
         if self.comm.world_size > 1:
             tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
             received = self.comm.broadcast(tensors, src=0)
             with torch.no_grad():
                 for mine, first in zip(tensors, received, strict=True):
                     mine.copy_(first)
-        return module
-
-    def wrap(self, module: nn.Module) -> nn.Module:
         return module
 
 

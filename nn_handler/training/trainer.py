@@ -43,6 +43,7 @@ from nn_handler.training.facade import TrainerFacade, refuse_taken_names
 from nn_handler.training.history import History, Record
 from nn_handler.training.hooks import Hook, HookList
 from nn_handler.training.limits import limited, window
+from nn_handler.training.memory_planning import MemoryPlanner
 from nn_handler.training.metrics import MetricKeys, RunningLoss
 from nn_handler.training.optimization import Optimization, OptimizerFactory
 from nn_handler.training.position import LoopPosition
@@ -135,6 +136,9 @@ class Trainer(TrainerFacade):
         self._step_region = f"training step ({type(self.strategy).__name__}: forward, backward)"
         built = self.configure_optimizers(optimizer, scheduler)
         self.optimization.adopt(built, self.module, self.automatic_optimization)
+        #: The memory plan (printed, checked against the budget here and at the first step).
+        self.memory = MemoryPlanner(self.strategy, config, self.device)
+        self.memory.at_start(self.optimization.optimizers)
         #: TrainerConfig.reproducible's part (None: the normal mode).
         self.reproducible = ReproducibleMode.build(
             config.reproducible, self.module, comm, self.device, self.precision,
@@ -339,6 +343,7 @@ class Trainer(TrainerFacade):
             self.optimizer_step()
             return loss
         batch = move_to_device(batch, self.device, self._non_blocking)
+        self.memory.before_first_step(lambda: self.split_batch(batch)[0])
         if not self.automatic_optimization:  # training_step steps the optimizers itself
             with self.precision.autocast():
                 output = self.training_step(batch)

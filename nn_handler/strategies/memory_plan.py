@@ -1,0 +1,276 @@
+"""The memory plan: what one rank holds for a layout (strategy, shards, activation
+checkpointing), item by item, computed from the model's shapes before anything is allocated,
+and checked against a budget with a layout that would fit when it does not.
+
+The items (bytes per rank): the parameters (and buffers), the gradients, the optimizer state,
+the optimizer step's workspace, the communication buffers (FSDP2: the gathered parameters and
+unsharded gradients of the blocks in flight; DDP: its gradient buckets) and the activations
+kept for backward (estimated by running the model on the meta device:
+activation_estimate.py). The total is their sum, the gradients and the activations counted as
+the larger of the two (measured on CPU ranks within 15%: benchmarks/memory_plan.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from nn_handler.errors import ConfigError
+
+#: How many blocks FSDP2 holds gathered at once (the one computing and the one prefetched),
+#: for their parameters in forward and again for their unsharded gradients in backward.
+BLOCKS_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The model's sizes in bytes, whatever its layout (global shapes).
+
+    Attributes:
+        parameters: every parameter.
+        trainable: the parameters that require gradients.
+        buffers: every buffer (never sharded).
+        largest_block: the parameters of the largest block (FSDP2's unit).
+        outside_blocks: the parameters in no block (the root's unit under FSDP2).
+        largest_tensor: the largest single parameter.
+    """
+
+    parameters: int
+    trainable: int
+    buffers: int
+    largest_block: int
+    outside_blocks: int
+    largest_tensor: int
+
+    @classmethod
+    def of(cls, module: nn.Module, blocks: Sequence[nn.Module]) -> ModelSizes:
+        """The sizes of ``module`` (on any device, meta included) with these ``blocks``."""
+        params = list(module.parameters())
+        per_block = [sum(_bytes(p) for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        return cls(
+            parameters=sum(_bytes(p) for p in params),
+            trainable=sum(_bytes(p) for p in params if p.requires_grad),
+            buffers=sum(_bytes(b) for b in module.buffers()),
+            largest_block=max(per_block, default=0),
+            outside_blocks=sum(_bytes(p) for p in params if id(p) not in in_blocks),
+            largest_tensor=max((_bytes(p) for p in params), default=0),
+        )
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is laid out over the ranks.
+
+    Attributes:
+        strategy: 'single', 'ddp', 'replicated' or 'fsdp'.
+        shard: the ranks one copy is sharded over (1 unless FSDP2).
+        replicate: the copies (HSDP), or the world under DDP.
+        activation_checkpointing: 'none', 'full' or 'selective'.
+        gathered_dtype_bytes: bytes per gathered parameter element over a parameter's (0.5
+            with FSDP2's bf16 mixed precision on fp32 parameters).
+        foreach: whether the optimizer steps every tensor at once (CUDA; the CPU steps them
+            one by one).
+    """
+
+    strategy: str
+    shard: int = 1
+    replicate: int = 1
+    activation_checkpointing: str = "none"
+    gathered_dtype_bytes: float = 1.0
+    foreach: bool = False
+
+    def describe(self) -> str:
+        if self.strategy != "fsdp":
+            text = f"{self.strategy} over {self.replicate} rank(s)"
+        elif self.replicate > 1:
+            text = f"fsdp (HSDP {self.replicate} x {self.shard}: replicate x shard)"
+        else:
+            text = f"fsdp over {self.shard} rank(s)"
+        if self.activation_checkpointing != "none":
+            text += f", {self.activation_checkpointing} activation checkpointing"
+        return text
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activations kept for backward by one micro-batch (bytes), per checkpointing mode."""
+
+    none: int
+    full: int
+    selective: int
+
+    def under(self, mode: str) -> int:
+        return {"none": self.none, "full": self.full, "selective": self.selective}[mode]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's planned memory, item by item (name, bytes, how it was counted)."""
+
+    layout: Layout
+    items: tuple[tuple[str, int, str], ...]
+
+    @property
+    def total(self) -> int:
+        """The peak: every item, with the gradients and the activations counted as the
+        larger of the two (backward frees a block's activations as it makes its gradients;
+        both peak at different moments)."""
+        sizes = {name: size for name, size, _ in self.items}
+        overlap = min(sizes.get("gradients", 0), sizes.get("activations", 0))
+        return sum(sizes.values()) - overlap
+
+    def lines(self, budget: int | None) -> list[str]:
+        """One log line per item, then the total (against ``budget`` when known)."""
+        lines = [f"memory plan ({self.layout.describe()}), per rank:"]
+        lines += [f"  {name}: {gib(size)} ({how})" for name, size, how in self.items]
+        against = f" of a budget of {gib(budget)}" if budget is not None else ""
+        lines.append(f"  total: {gib(self.total)}{against}")
+        return lines
+
+
+def gib(size: float) -> str:
+    """A byte count for people: MiB below a GiB, GiB above."""
+    if size >= 2**30:
+        return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**20:.1f} MiB"
+
+
+def optimizer_slots(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, str]:
+    """Optimizer state elements per trainable parameter element (the largest over the
+    optimizers), and the optimizer's name: Adam-like 2 (3 with amsgrad), SGD 1 with
+    momentum else 0, RMSprop 1 (+1 momentum, +1 centered), Adagrad 1; others assumed 2."""
+    best, name = 0.0, "no optimizer"
+    for optimizer in optimizers:
+        options = optimizer.defaults
+        kind = type(optimizer).__name__
+        if kind in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+            slots = 3.0 if options.get("amsgrad") else 2.0
+        elif kind == "SGD":
+            slots = 1.0 if options.get("momentum") else 0.0
+        elif kind == "RMSprop":
+            slots = 1.0 + bool(options.get("momentum")) + bool(options.get("centered"))
+        elif kind in ("Adagrad", "Adadelta"):
+            slots = 1.0 if kind == "Adagrad" else 2.0
+        else:
+            slots, kind = 2.0, f"{kind} (assumed 2 slots)"
+        if slots >= best:
+            best, name = slots, kind
+    return best, name
+
+
+def plan_memory(
+    sizes: ModelSizes,
+    layout: Layout,
+    slots: float,
+    optimizer: str,
+    activations: Activations | None,
+) -> MemoryPlan:
+    """The plan of ``layout`` for a model of ``sizes`` trained with ``slots`` optimizer
+    state elements per parameter element; activations left out when not yet estimated."""
+    shard = layout.shard
+    items: list[tuple[str, int, str]] = [
+        ("parameters", sizes.parameters // shard + sizes.buffers, _split(shard) + ", buffers"),
+        ("gradients", sizes.trainable // shard, _split(shard)),
+        (
+            "optimizer state",
+            int(slots * sizes.trainable) // shard,
+            f"{optimizer}, {slots:g} per parameter, {_split(shard)}",
+        ),
+    ]
+    workspace = sizes.trainable // shard if layout.foreach else 2 * sizes.largest_tensor // shard
+    items.append(("optimizer step workspace", workspace, _workspace_note(layout.foreach)))
+    if layout.strategy == "fsdp":
+        gathered = int(layout.gathered_dtype_bytes * sizes.largest_block)
+        flight = BLOCKS_IN_FLIGHT * (gathered + sizes.largest_block) + 2 * sizes.outside_blocks
+        items.append(
+            (
+                "communication buffers",
+                flight,
+                f"{BLOCKS_IN_FLIGHT} blocks' gathered parameters and unsharded gradients, and "
+                f"the root's",
+            )
+        )
+    elif layout.strategy == "ddp" and layout.replicate > 1:
+        items.append(("communication buffers", sizes.trainable, "DDP's gradient buckets"))
+    if activations is not None:
+        kept = activations.under(layout.activation_checkpointing)
+        how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
+        items.append(("activations", kept, how))
+    return MemoryPlan(layout, tuple(items))
+
+
+def _split(shard: int) -> str:
+    return f"1/{shard} of the model's" if shard > 1 else "the whole model's"
+
+
+def _workspace_note(foreach: bool) -> str:
+    return "foreach step: one temporary per parameter" if foreach else "per-tensor step"
+
+
+def fitting_layout(
+    sizes: ModelSizes,
+    layout: Layout,
+    slots: float,
+    optimizer: str,
+    activations: Activations | None,
+    world: int,
+    budget: int,
+) -> str:
+    """What would fit ``budget``: full activation checkpointing, sharding over every rank,
+    both, or the number of ranks FSDP2 with full checkpointing needs."""
+    candidates = []
+    if layout.activation_checkpointing != "full" and activations is not None:
+        recomputed = replace(layout, activation_checkpointing="full")
+        candidates.append((recomputed, "fsdp.activation_checkpointing: full"))
+    sharded = replace(layout, strategy="fsdp", shard=world, replicate=1)
+    if layout.shard < world and world > 1:
+        candidates.append((sharded, f"strategy: fsdp over all {world} ranks (fsdp.replicate: 1)"))
+        if activations is not None:
+            both = replace(sharded, activation_checkpointing="full")
+            candidates.append((both, "strategy: fsdp over every rank with full checkpointing"))
+    for candidate, how in candidates:
+        total = plan_memory(sizes, candidate, slots, optimizer, activations).total
+        if total <= budget:
+            return f"{how} would fit ({gib(total)} per rank)"
+    checkpointing = "full" if activations is not None else layout.activation_checkpointing
+    for ranks in (2**k for k in range(1, 21)):
+        candidate = replace(sharded, shard=ranks, activation_checkpointing=checkpointing)
+        total = plan_memory(sizes, candidate, slots, optimizer, activations).total
+        if total <= budget:
+            return (
+                f"strategy: fsdp over at least {ranks} ranks with {checkpointing} activation "
+                f"checkpointing would fit ({gib(total)} per rank)"
+            )
+    return "no layout of this model fits: a smaller model, micro-batch or optimizer state"
+
+
+def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) -> None:
+    """ConfigError when ``plan`` exceeds ``budget`` (``source``: where the budget comes from)."""
+    if plan.total <= budget:
+        return
+    largest = max(plan.items, key=lambda item: item[1])
+    raise ConfigError(
+        f"the memory plan ({plan.layout.describe()}) needs {gib(plan.total)} per rank, more "
+        f"than the budget of {gib(budget)} ({source}); the largest item is {largest[0]} "
+        f"({gib(largest[1])}). {suggestion[0].upper()}{suggestion[1:]}."
+    )
+
+
+__all__ = [
+    "Activations",
+    "Layout",
+    "MemoryPlan",
+    "ModelSizes",
+    "check_budget",
+    "fitting_layout",
+    "gib",
+    "optimizer_slots",
+    "plan_memory",
+]
