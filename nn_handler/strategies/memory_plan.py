@@ -136,10 +136,12 @@ class MemoryPlan:
 
 
 def gib(size: float) -> str:
-    """A byte count for people: MiB below a GiB, GiB above."""
+    """A byte count for people: KiB below a MiB, MiB below a GiB, GiB above."""
     if size >= 2**30:
         return f"{size / 2**30:.2f} GiB"
-    return f"{size / 2**20:.1f} MiB"
+    if size >= 2**20:
+        return f"{size / 2**20:.1f} MiB"
+    return f"{size / 2**10:.1f} KiB"
 
 
 def optimizer_slots(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, str]:
@@ -223,8 +225,9 @@ def fitting_layout(
     world: int,
     budget: int,
 ) -> str:
-    """What would fit ``budget``: full activation checkpointing, sharding over every rank,
-    both, or the number of ranks FSDP2 with full checkpointing needs."""
+    """A layout that would fit ``budget`` (for the error's "What would fit: ..."): full
+    activation checkpointing, sharding over every rank, both, or the number of ranks FSDP2
+    with full checkpointing needs."""
     candidates = []
     if layout.activation_checkpointing != "full" and activations is not None:
         recomputed = replace(layout, activation_checkpointing="full")
@@ -238,17 +241,19 @@ def fitting_layout(
     for candidate, how in candidates:
         total = plan_memory(sizes, candidate, slots, optimizer, activations).total
         if total <= budget:
-            return f"{how} would fit ({gib(total)} per rank)"
+            return f"{how} ({gib(total)} per rank)"
     checkpointing = "full" if activations is not None else layout.activation_checkpointing
     for ranks in (2**k for k in range(1, 21)):
         candidate = replace(sharded, shard=ranks, activation_checkpointing=checkpointing)
         total = plan_memory(sizes, candidate, slots, optimizer, activations).total
         if total <= budget:
-            return (
-                f"strategy: fsdp over at least {ranks} ranks with {checkpointing} activation "
-                f"checkpointing would fit ({gib(total)} per rank)"
+            recompute = (
+                f" with fsdp.activation_checkpointing: {checkpointing}"
+                if checkpointing != "none"
+                else ""
             )
-    return "no layout of this model fits: a smaller model, micro-batch or optimizer state"
+            return f"strategy: fsdp over at least {ranks} ranks{recompute} ({gib(total)} per rank)"
+    return "no layout of this model; a smaller model, micro-batch or optimizer state"
 
 
 def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) -> None:
@@ -259,7 +264,7 @@ def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) ->
     raise ConfigError(
         f"the memory plan ({plan.layout.describe()}) needs {gib(plan.total)} per rank, more "
         f"than the budget of {gib(budget)} ({source}); the largest item is {largest[0]} "
-        f"({gib(largest[1])}). {suggestion[0].upper()}{suggestion[1:]}."
+        f"({gib(largest[1])}). What would fit: {suggestion}."
     )
 
 

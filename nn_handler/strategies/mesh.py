@@ -26,17 +26,15 @@ def mesh_shape(
                 f"ranks, which does not divide the world of {world}; give the sizes."
             )
         return replicate, shard
-    if replicate == "auto":
-        replicate = world // int(shard)
-    elif shard == "auto":
-        shard = world // replicate
-    if int(replicate) * int(shard) != world:
+    copies = world // int(shard) if replicate == "auto" else int(replicate)
+    ranks = world // int(replicate) if shard == "auto" else int(shard)
+    if copies * ranks != world:
         raise ConfigError(
             f"fsdp.replicate={replicate} x fsdp.shard={shard} must equal the world size "
             f"{world} (every rank holds one shard of one copy); choose sizes whose product is "
             f"{world}, or leave one of them 'auto'."
         )
-    return int(replicate), int(shard)
+    return copies, ranks
 
 
 def build_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh:

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint  # noqa: F401  (imported before the baseline)
-import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.checkpoint  # imported before the baseline, with the next
+import torch.distributed.fsdp
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import nn_handler.strategies.fsdp  # noqa: F401
+import nn_handler.strategies.fsdp
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.config import DistributedConfig
 
