@@ -23,7 +23,7 @@ import torch.distributed.fsdp
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import nn_handler.strategies.fsdp
+import nn_handler.strategies.fsdp  # noqa: F401  (its imports too, before the baseline)
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.config import DistributedConfig
 
