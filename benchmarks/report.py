@@ -27,6 +27,7 @@ ORDER = [
     "scaling",
     "fsdp_sharding",
     "reproducible",
+    "memory_plan",
     "realistic",
 ]
 Table = list[str]
@@ -321,6 +322,39 @@ def scaling(data: dict[str, Any]) -> Table:
     ]
 
 
+def memory_plan(data: dict[str, Any]) -> Table:
+    mib = 2**20
+    rows = [
+        (
+            case,
+            r["ranks"],
+            f"{r['model_state_bytes'] / mib:.0f}",
+            f"{r['setup_peak_bytes'] / mib:.1f}",
+            f"{r['peak_bytes'] / mib:.1f}",
+            f"{r['plan_bytes'] / mib:.1f}",
+            f"{r['plan_over_peak']:.3f}",
+        )
+        for case, r in data["results"].items()
+    ]
+    return [
+        f"The memory plan against each rank's measured peak (model: `{data['model']}`, built on "
+        "the meta device, Adam, 3 steps; the largest rank's VmHWM over its baseline; MiB):",
+        "",
+        *_table(
+            [
+                "layout",
+                "ranks",
+                "whole model + Adam",
+                "setup peak",
+                "training peak",
+                "plan",
+                "plan / peak",
+            ],
+            rows,
+        ),
+    ]
+
+
 def reproducible(data: dict[str, Any]) -> Table:
     rows = [
         (
@@ -524,6 +558,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "scaling": scaling,
     "fsdp_sharding": fsdp_sharding,
     "reproducible": reproducible,
+    "memory_plan": memory_plan,
     "realistic": realistic,
 }
 

@@ -273,3 +273,11 @@ def test_reproducible_quick_mode_writes_its_fields(quick_run: Path) -> None:
         assert found["bytes_per_step_reproducible"] > 2 * found["bytes_per_step_ddp"] > 0
         assert found["ratio_median"] > 0 and found["steps_per_epoch"] >= 1
     assert set(results["digits_val_accuracy"]) == {"normal", "reproducible"}
+
+
+def test_memory_plan_quick_mode_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("memory_plan.py", quick_run)
+    for found in results["results"].values():
+        assert found["peak_bytes"] > 0 and found["plan_bytes"] > 0
+        assert found["plan_over_peak"] == found["plan_bytes"] / found["peak_bytes"]
+        assert set(found["items_bytes"]) >= {"parameters", "gradients", "activations"}

@@ -257,3 +257,17 @@ def test_reproducible_example_prints_the_same_hash_alone_and_on_three_ranks() ->
     (w1, accuracy, digest), (w3, accuracy3, digest3) = found
     assert (w1, w3) == ("1", "3") and digest == digest3 and accuracy == accuracy3
     assert float(accuracy) > 0.97, found
+
+
+@pytest.mark.distributed
+def test_large_model_example_trains_a_model_over_the_budget_within_its_plan() -> None:
+    code, output = run_command(torchrun_command(EXAMPLES / "large_model.py"), timeout=240)
+    assert code == 0, output
+    finals = [line for line in output.splitlines() if line.startswith("final: ")]
+    assert len(finals) == 1, output
+    numbers = re.findall(r"[\d.]+", finals[0].split("val_accuracy=")[1])
+    accuracy, whole, plan, budget = (float(n.rstrip(".")) for n in numbers[:4])
+    assert accuracy >= 0.95, output
+    assert whole > budget >= plan, output  # the whole model does not fit; each rank's shard does
+    for item in ("parameters", "gradients", "optimizer state", "activations", "total"):
+        assert sum(f"|   {item}: " in line for line in output.splitlines()) == 1, output
