@@ -87,8 +87,10 @@ class FSDP2Strategy(Strategy):
         if self.config.sync_batchnorm and self.comm.world_size > 1:
             module = convert_sync_batchnorm(module, self.device)
         settings = self.config.fsdp
+        both_auto = settings.replicate == settings.shard == "auto"
+        local = _local_world_size() if both_auto else 1  # read only when it decides
         self.mesh_shape = mesh_shape(
-            self.comm.world_size, _local_world_size(), settings.replicate, settings.shard
+            self.comm.world_size, local, settings.replicate, settings.shard
         )
         mesh = build_mesh(self.device.type, *self.mesh_shape)
         offload: OffloadPolicy = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()

@@ -1,7 +1,7 @@
 """Large-model features in real gloo groups: a model built on the meta device trains to the
 same loss curve under DDP over 4 ranks, FSDP2 over 4 and HSDP 2 x 2 (the same initial weights
-under every layout); FSDP2 with full activation checkpointing and per-block compile trains as
-without; pretrained weights load into each rank's shards from a file and from a sharded
+under every layout); FSDP2 with full activation checkpointing and per-block compile, and DDP
+with checkpointing, train as without; pretrained weights load into each rank's shards from a file and from a sharded
 folder; the HSDP checkpoint resumes on FSDP2 over 2 ranks. One 4-rank group, one 2-rank group.
 """
 
@@ -60,6 +60,7 @@ def _four(rank: int, world: int, folder: str) -> dict[str, Any]:
     _, out["fsdp_ac_compiled"], _, strategy = _train(
         world, strategy="fsdp", fsdp=recomputed, **compiled
     )
+    _, out["ddp_ac"], _, _ = _train(world, strategy="ddp", fsdp=recomputed)
     out["compiled_blocks"] = sum(
         getattr(b, "_compiled_call_impl", None) is not None for b in strategy.blocks
     )
@@ -134,6 +135,7 @@ def test_activation_checkpointing_and_block_compile_train_as_without(
     for seen in four:
         assert seen["compiled_blocks"] == 3
         assert seen["fsdp_ac_compiled"] == pytest.approx(seen["fsdp"], rel=1e-5)
+        assert seen["ddp_ac"] == pytest.approx(seen["ddp"], rel=1e-6)  # under DDP too
 
 
 def test_pretrained_weights_load_into_the_shards_from_a_file_and_a_folder(
