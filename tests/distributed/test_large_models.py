@@ -1,8 +1,9 @@
 """Large-model features in real gloo groups: a model built on the meta device trains to the
 same loss curve under DDP over 4 ranks, FSDP2 over 4 and HSDP 2 x 2 (the same initial weights
 under every layout); FSDP2 with full activation checkpointing and per-block compile, and DDP
-with checkpointing, train as without; pretrained weights load into each rank's shards from a file and from a sharded
-folder; the HSDP checkpoint resumes on FSDP2 over 2 ranks. One 4-rank group, one 2-rank group.
+with checkpointing, train as without; pretrained weights load into each rank's shards from a
+file and from a sharded folder; the HSDP checkpoint resumes on FSDP2 over 2 ranks. One 4-rank
+group, one 2-rank group.
 """
 
 from __future__ import annotations
