@@ -34,10 +34,14 @@ def marker_data(n: int, seed: int) -> TensorDataset:
 
 
 class MarkerClassifier(nn.Module):
-    def __init__(self, width: int = 64, layers: int = 2) -> None:
+    def __init__(
+        self, width: int = 64, layers: int = 2, feedforward: int = 128, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
-        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=128, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=feedforward, dropout=dropout, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, MARKERS)
 

@@ -19,43 +19,16 @@ from __future__ import annotations
 import os
 
 import torch
+from fsdp_transformer import MarkerClassifier, marker_data  # the task and model, larger here
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from nn_handler import NNHandler, accuracy
-
-VOCAB, LENGTH, MARKERS = 32, 12, 4
-
-
-def marker_data(n: int, seed: int) -> TensorDataset:
-    """Sequences of tokens in [MARKERS, VOCAB) with one marker token in [0, MARKERS)."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(MARKERS, VOCAB, (n, LENGTH), generator=generator)
-    labels = torch.randint(0, MARKERS, (n,), generator=generator)
-    where = torch.randint(0, LENGTH, (n,), generator=generator)
-    tokens[torch.arange(n), where] = labels
-    return TensorDataset(tokens, labels)
-
-
-class MarkerClassifier(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        layer = nn.TransformerEncoderLayer(
-            width, nhead=4, dim_feedforward=512, dropout=0.0, batch_first=True
-        )
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(width, MARKERS)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(self.embed(tokens))
-        return self.head(hidden.mean(dim=1))
 
 
 def main() -> None:
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     with torch.device("meta"):  # shapes only: each rank allocates its own shards later
-        model = MarkerClassifier()
+        model = MarkerClassifier(width=128, layers=4, feedforward=512, dropout=0.0)
     config = {
         "loader": {"batch_size": 32, "seed": 0},
         "trainer": {

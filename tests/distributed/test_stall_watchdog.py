@@ -17,7 +17,10 @@ import pytest
 
 from tests.harness import free_port, run_commands, torchrun_command
 
-pytestmark = pytest.mark.distributed
+# The module fixture runs two batches of jobs, each bounded at 120 s by run_commands (which
+# kills them and reports every rank): pytest's own bound, which the first test's setup shares,
+# must exceed both, or it fires first and the ranks' reports are lost.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_scenarios.py"
 ROOT = SCRIPT.parents[2]
