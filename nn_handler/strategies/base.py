@@ -29,7 +29,12 @@ from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.strategies.activation_checkpointing import checkpoint_blocks
 from nn_handler.strategies.activation_estimate import meta_twin
 from nn_handler.strategies.blocks import blocks_of
-from nn_handler.strategies.meta_init import load_weights_file, materialize, on_meta
+from nn_handler.strategies.meta_init import (
+    load_weights_file,
+    materialize,
+    on_meta,
+    transient_buffers,
+)
 from nn_handler.strategies.reduction_timer import ReductionTimer
 
 
@@ -125,7 +130,9 @@ class Strategy(ABC):
         if meta and path is None:
             materialize(module, self.device, self.config.init_seed)
             return
-        if meta:
+        if meta and transient_buffers(module):  # the file cannot give them: reset first
+            materialize(module, self.device, self.config.init_seed)
+        elif meta:
             module.to_empty(device=self.device)
         if path is not None and is_sharded(path):
             self.load_sharded_weights(module, Path(path))

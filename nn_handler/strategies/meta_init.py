@@ -162,6 +162,13 @@ def _model_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def transient_buffers(module: nn.Module) -> list[str]:
+    """The buffers no state dict holds (``persistent=False``, such as a rotary table): a file
+    cannot give them, so a meta-device model that has them is initialised before loading."""
+    kept = set(module.state_dict(keep_vars=True))
+    return [name for name, _ in module.named_buffers() if name not in kept]
+
+
 def load_weights_file(module: nn.Module, path: str | Path) -> None:
     """Fill ``module`` (plain or sharded) from the state dict file at ``path``: torch.save's
     dict of tensors, or a checkpoint file (its ``model``), read ``weights_only`` and
@@ -191,4 +198,4 @@ def load_weights_file(module: nn.Module, path: str | Path) -> None:
             _copy_piece(target, weights[key], key)
 
 
-__all__ = ["load_weights_file", "local_piece", "materialize", "on_meta"]
+__all__ = ["load_weights_file", "local_piece", "materialize", "on_meta", "transient_buffers"]

@@ -112,6 +112,35 @@ def test_weights_load_from_a_checkpoint_file_and_with_wrapper_prefixes(tmp_path:
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+class WithTable(nn.Module):
+    """A layer with a buffer no state dict holds, computed by its reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.register_buffer("table", torch.empty(3), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.table.copy_(torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.table
+
+
+def test_buffers_a_file_cannot_give_are_initialised_before_loading(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    state = WithTable().state_dict()
+    assert "table" not in state
+    torch.save(state, tmp_path / "table.pt")
+    with torch.device("meta"):
+        model = WithTable()
+    loaded = _setup(model, init_weights=str(tmp_path / "table.pt"))
+    assert torch.equal(loaded.table, torch.arange(3.0))
+    assert torch.equal(loaded.linear.weight, state["linear.weight"])
+
+
 def test_weights_that_do_not_match_name_the_keys(tmp_path: Path) -> None:
     state, _ = _reference(tmp_path)
     del state["1.linear.bias"]
