@@ -126,13 +126,9 @@ class MemoryPlan:
         overlap = min(sizes.get("gradients", 0), sizes.get("activations", 0))
         return sum(sizes.values()) - overlap
 
-    def lines(self, budget: int | None) -> list[str]:
-        """One log line per item, then the total (against ``budget`` when known)."""
-        lines = [f"memory plan ({self.layout.describe()}), per rank:"]
-        lines += [f"  {name}: {gib(size)} ({how})" for name, size, how in self.items]
-        against = f" of a budget of {gib(budget)}" if budget is not None else ""
-        lines.append(f"  total: {gib(self.total)}{against}")
-        return lines
+    def heading(self) -> str:
+        """The line above the items."""
+        return f"memory plan ({self.layout.describe()}), per rank:"
 
 
 def gib(size: float) -> str:

@@ -92,19 +92,30 @@ class MemoryPlanner:
                 inputs = inputs_of()
                 activations = estimate_activations(twin, self.strategy.block_names, inputs)
         except Exception as error:  # a forward the meta device cannot run (data-dependent)
-            self.log.debug("activations not estimated: {}", error)
+            total = _gib(self.plan.total) if self.plan is not None else "unknown"
+            self.log.log(
+                self._level,
+                "  activations: not estimated (the model's forward does not run on the meta "
+                "device: {}); total without them: {}",
+                error,
+                total,
+            )
             return
         self._check(activations)
+
+    @property
+    def _level(self) -> str:
+        return "INFO" if self.loud else "DEBUG"
 
     def _check(self, activations: Activations | None) -> None:
         if self.sizes is None:
             return
         plan = plan_memory(self.sizes, self.layout, self.slots, self.optimizer, activations)
         self.plan = plan
-        level = "INFO" if self.loud else "DEBUG"
+        level = self._level
         shown = plan.items if activations is None else plan.items[-1:]
         if activations is None:
-            self.log.log(level, plan.lines(self.budget)[0])
+            self.log.log(level, plan.heading())
         for name, size, how in shown:
             self.log.log(level, "  {}: {} ({})", name, _gib(size), how)
         if activations is not None:
@@ -116,7 +127,7 @@ class MemoryPlanner:
                 total,
                 budget,
             )
-        if self.budget is None:
+        if self.budget is None or plan.total <= self.budget:
             return
         world = self.strategy.comm.world_size
         suggestion = fitting_layout(

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from torch import nn
 
 from nn_handler import CheckpointError, ConfigError, NNHandler
@@ -313,3 +314,43 @@ def test_the_activation_estimate_orders_the_modes() -> None:
     per_block_input = 64 * 16 * 4
     assert estimate.full >= 4 * per_block_input
     assert isinstance(model[1], Block)
+
+
+@pytest.fixture
+def lines() -> Any:
+    seen: list[str] = []
+    logger.enable("nn_handler")  # the library's lines are off unless logging is enabled
+    handle = logger.add(
+        lambda m: seen.append(str(m).rstrip("\n")), level="INFO", format="{message}"
+    )
+    yield seen
+    logger.remove(handle)
+    logger.disable("nn_handler")
+
+
+class DataDependent(nn.Module):
+    """A forward the meta device cannot run (it reads a value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (2.0 if x.sum().item() > 0 else 1.0)
+
+
+def test_the_plan_is_printed_once_per_item_and_says_when_activations_are_unknown(
+    lines: list[str],
+) -> None:
+    with torch.device("meta"):
+        model = DataDependent()
+    with NNHandler(model, adam, nn.CrossEntropyLoss(), config={"trainer": {"epochs": 1}}) as h:
+        h.train(blocks_data(n=16), epochs=1)
+    plan = [line for line in lines if line.startswith(("memory plan", "  "))]
+    names = [line.split(":")[0].strip() for line in plan[1:]]
+    assert plan[0] == "memory plan (single over 1 rank(s)), per rank:"
+    assert names == [
+        "parameters", "gradients", "optimizer state", "optimizer step workspace", "activations",
+    ]  # fmt: skip
+    assert "not estimated (the model's forward does not run on the meta device" in plan[-1]
+    assert "total without them: " in plan[-1]
