@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from loguru import logger
 
 from nn_handler.distributed.local_groups import LOCAL_GROUPS
 from tests.timeouts import SCALE, scaled
@@ -73,3 +74,17 @@ def _single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests start in a clean single-process environment whatever the shell exported."""
     for name in DISTRIBUTED_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def lines() -> Iterator[list[str]]:
+    """The library's log messages at INFO and above, one string per line, while the test runs
+    (the library's lines are off unless logging is enabled)."""
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    handle = logger.add(
+        lambda m: seen.append(str(m).rstrip("\n")), level="INFO", format="{message}"
+    )
+    yield seen
+    logger.remove(handle)
+    logger.disable("nn_handler")

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from loguru import logger
 from torch import nn
 
 from nn_handler import CheckpointError, HandlerConfig, Hook, NNHandler
@@ -34,18 +33,6 @@ class Box:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = state["value"]
-
-
-@pytest.fixture
-def lines() -> Any:
-    seen: list[str] = []
-    logger.enable("nn_handler")  # the library's lines are off unless logging is enabled
-    handle = logger.add(
-        lambda m: seen.append(str(m).rstrip("\n")), level="INFO", format="{message}"
-    )
-    yield seen
-    logger.remove(handle)
-    logger.disable("nn_handler")
 
 
 def test_shared_and_per_rank_parts_round_trip_in_one_process() -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from loguru import logger
 from torch import nn
 
 from nn_handler import CheckpointError, ConfigError, NNHandler
@@ -314,18 +313,6 @@ def test_the_activation_estimate_orders_the_modes() -> None:
     per_block_input = 64 * 16 * 4
     assert estimate.full >= 4 * per_block_input
     assert isinstance(model[1], Block)
-
-
-@pytest.fixture
-def lines() -> Any:
-    seen: list[str] = []
-    logger.enable("nn_handler")  # the library's lines are off unless logging is enabled
-    handle = logger.add(
-        lambda m: seen.append(str(m).rstrip("\n")), level="INFO", format="{message}"
-    )
-    yield seen
-    logger.remove(handle)
-    logger.disable("nn_handler")
 
 
 class DataDependent(nn.Module):
