@@ -61,6 +61,19 @@ WORKLOADS: dict[str, Any] = {
 }
 
 
+class StepCounter(nn.Module):
+    """A layer whose forward changes its buffer (a step counter): the mode refuses it at the
+    first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return x
+
+
 def config(name: str, folder: Path | None = None, **trainer: Any) -> dict[str, Any]:
     _, _, _, global_batch, micro = WORKLOADS[name]
     # No allow_world_size_change: the mode resumes at any world size exactly.

@@ -55,9 +55,11 @@ def _initializer(module: nn.Module) -> Any:
 
 
 def _own(module: nn.Module) -> dict[str, torch.Tensor]:
-    parameters = {n: p for n, p in module._parameters.items() if p is not None}
-    buffers = {n: b for n, b in module._buffers.items() if b is not None}
-    return {**parameters, **buffers}
+    """The parameters and buffers ``module`` holds itself (not its children's), by name."""
+    return {
+        **dict(module.named_parameters(recurse=False)),
+        **dict(module.named_buffers(recurse=False)),
+    }
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
@@ -88,29 +90,27 @@ def _initialised_whole(
 ) -> dict[str, torch.Tensor]:
     """``sub``'s own tensors built whole on ``device``, initialised by ``reset`` (the module's
     tensors swapped for the whole ones during the call, and back after)."""
-    parameters, buffers = dict(sub._parameters), dict(sub._buffers)
-    whole = {
-        key: torch.empty(tuple(t.shape), dtype=t.dtype, device=device) for key, t in own.items()
-    }
+    parameters = dict(sub.named_parameters(recurse=False))
     try:
-        for key, param in parameters.items():
-            if param is not None:
-                sub._parameters[key] = nn.Parameter(whole[key], param.requires_grad)
-        for key, buffer in buffers.items():
-            if buffer is not None:
-                sub._buffers[key] = whole[key]
+        for key, tensor in own.items():
+            whole = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
+            swapped = nn.Parameter(whole, tensor.requires_grad) if key in parameters else whole
+            setattr(sub, key, swapped)
         with _seeded(device, seed), torch.no_grad():
             reset()
         result: dict[str, torch.Tensor] = {}
         for key in own:
-            value = sub._parameters[key] if key in parameters else sub._buffers[key]
-            if value is None:
-                raise ConfigError(f"{type(sub).__name__}.reset_parameters() set {key!r} to None.")
+            value = getattr(sub, key)
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(
+                    f"{type(sub).__name__}.reset_parameters() left {key!r} as {value!r}, not a "
+                    f"tensor; it must initialise its tensors in place."
+                )
             result[key] = value.detach()
         return result
     finally:
-        sub._parameters.update(parameters)
-        sub._buffers.update(buffers)
+        for key, tensor in own.items():
+            setattr(sub, key, tensor)
 
 
 @contextlib.contextmanager
@@ -145,13 +145,7 @@ def _copy_piece(target: torch.Tensor, full: torch.Tensor, key: str) -> None:
             f"weight {key!r} has shape {tuple(full.shape)}, the model's is {tuple(target.shape)}."
         )
     local = target.to_local() if isinstance(target, DTensor) else target
-    piece = local_piece(full, target)
-    if piece.shape != local.shape:
-        raise CheckpointError(
-            f"weight {key!r}: this rank's piece {tuple(piece.shape)} does not match its shard "
-            f"{tuple(local.shape)} (an uneven sharding this loader does not know)."
-        )
-    local.copy_(piece)
+    local.copy_(local_piece(full, target))
 
 
 def _model_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

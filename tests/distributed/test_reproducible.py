@@ -18,7 +18,16 @@ from torch import nn
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.distributed.communicator import Communicator
 from tests.harness import run_group
-from tests.reproducible_helpers import EPOCHS, WORKLOADS, cnn, digest, handler, images, train
+from tests.reproducible_helpers import (
+    EPOCHS,
+    WORKLOADS,
+    StepCounter,
+    cnn,
+    digest,
+    handler,
+    images,
+    train,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -69,18 +78,6 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return out
 
 
-class _Counting(nn.Module):
-    """A layer whose forward changes its buffer: refused by the mode at the first step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
-        return x
-
-
 def _one_rank_fails(context: DistributedContext) -> str:
     """One micro-batch per step, so rank 1 owns none and goes straight to the step's sum
     while rank 0 raises: rank 1 must not hang there."""
@@ -91,7 +88,7 @@ def _one_rank_fails(context: DistributedContext) -> str:
             "reproducible": {"global_batch_size": 4, "micro_batch_size": 4},
         },
     }
-    model = nn.Sequential(_Counting(), cnn())
+    model = nn.Sequential(StepCounter(), cnn())
     started = time.monotonic()
     try:
         with NNHandler(model, lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),

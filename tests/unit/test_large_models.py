@@ -26,7 +26,7 @@ from nn_handler.strategies.memory_plan import (
     plan_memory,
 )
 from nn_handler.strategies.mesh import mesh_shape
-from tests.large_model_helpers import Block, adam, blocks_data, blocks_model
+from tests.large_model_helpers import adam, blocks_data, blocks_model
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -73,6 +73,24 @@ def test_a_meta_module_without_reset_parameters_is_named() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), Scale())
     with pytest.raises(ConfigError, match=r"module '1' \(Scale\).*\['gain'\].*reset_parameters"):
+        _setup(model)
+
+
+class Dropped(nn.Module):
+    """A reset_parameters that replaces its weight with None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def reset_parameters(self) -> None:
+        self.weight = None  # type: ignore[assignment]
+
+
+def test_a_reset_parameters_that_drops_its_tensor_is_named() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(Dropped())
+    with pytest.raises(ConfigError, match=r"Dropped.reset_parameters\(\) left 'weight' as None"):
         _setup(model)
 
 
@@ -312,7 +330,6 @@ def test_the_activation_estimate_orders_the_modes() -> None:
     assert estimate.none > estimate.selective > estimate.full > 0
     per_block_input = 64 * 16 * 4
     assert estimate.full >= 4 * per_block_input
-    assert isinstance(model[1], Block)
 
 
 class DataDependent(nn.Module):

@@ -17,7 +17,7 @@ from nn_handler import ConfigError, NNHandler, Trainer, TrainerConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.training.reproducible.mode import ReproducibleMode
-from tests.reproducible_helpers import cnn, images
+from tests.reproducible_helpers import StepCounter, cnn, images
 
 MODE = {"global_batch_size": 16, "micro_batch_size": 4}
 
@@ -124,18 +124,6 @@ def test_a_rank_cached_loader_is_refused() -> None:
         h.train(images(32, 0), epochs=1)
 
 
-class _Counting(nn.Module):
-    """A layer with a buffer that its forward changes (a step counter)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
-        return x
-
-
 class _Twice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -149,7 +137,10 @@ class _Twice(nn.Module):
 @pytest.mark.parametrize(
     ("model", "says"),
     [
-        (nn.Sequential(_Counting(), cnn()), r"the buffer '0\.seen' changed in a training forward"),
+        (
+            nn.Sequential(StepCounter(), cnn()),
+            r"the buffer '0\.seen' changed in a training forward",
+        ),
         (_Twice(), r"BatchNorm layer 'norm' ran 2 times in one forward"),
     ],
 )
