@@ -36,6 +36,7 @@ from nn_handler.checkpoint.single_file import write_together
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.training.checkpoint_events import CheckpointEvents
 from nn_handler.training.checkpoint_format import (
     FORMAT,
     VERSION,
@@ -65,6 +66,8 @@ class TrainerCheckpoints:
             way a sharded checkpoint can be loaded; ``group`` gives the process group of its
             collectives (the strategy's ``checkpoint_group``).
         hook: the CheckpointHook of the policy (set by the Trainer when there is a folder).
+        events: the hooks told of committed checkpoints and asked where to resume
+            (training/checkpoint_events.py).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TrainerCheckpoints:
         remote = self.manager.remote if self.manager is not None else None
         self.writer = ShardedWriter(comm, group, remote) if sharded else None
         self.hook: Any = None
+        self.events = CheckpointEvents()
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
         self._fingerprint = fingerprint
@@ -104,7 +108,8 @@ class TrainerCheckpoints:
 
     def adopt(self, parts: Iterable[Part], hooks: Sequence[Any] = ()) -> None:
         """Add the parts that hold the run's state; hooks with ``state_dict`` and
-        ``load_state_dict`` are tracked by themselves, as ``hook.<ClassName>``."""
+        ``load_state_dict`` are tracked by themselves, as ``hook.<ClassName>``; hooks with
+        ``checkpoint_committed`` or ``checkpoint_to_resume`` join ``events``."""
         for part in parts:
             self.registry.add(part)
         if self.hook is not None:  # the best value and top-k that save_best compares with
@@ -115,6 +120,7 @@ class TrainerCheckpoints:
                 name = f"hook.{type(hook).__name__}"
                 taken = name in self._tracked
                 self.track(f"{name}.{len(self._tracked)}" if taken else name, hook)
+        self.events.adopt(hooks)
 
     def track(self, name: str, obj: Stateful) -> None:
         """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
@@ -280,6 +286,7 @@ class TrainerCheckpoints:
             return self._save_to_store(str(path), budget_s)
         if self.writer is None:
             return write_together(self.comm, self.state_dict(), path, budget_s)
+        self._wait_writer()
         return self._save_sharded(self.writer, Path(path))
 
     def _save_to_store(self, url: str, budget_s: float | None) -> Path:
@@ -318,25 +325,36 @@ class TrainerCheckpoints:
         state = self.position.state
         epoch, step = state.epoch, state.global_step
         if self.writer is None:
-            return manager.save_periodic(self.state_dict(), epoch, step, budget_s)
+            path = manager.save_periodic(self.state_dict(), epoch, step, budget_s)
+            self.events.committed(path, epoch, step)
+            return path
+        self._wait_writer()  # the one in the background is committed (and told) first
         path = manager.periodic_path(epoch, step)
+        asynchronous = self.config.async_save and not final
         self._save_sharded(
             self.writer,
             path,
-            asynchronous=self.config.async_save and not final,
+            asynchronous=asynchronous,
             then=lambda done: manager.publish(done, epoch, step),
         )
         manager.remember(path, epoch, step)
+        if asynchronous:
+            self.events.writing(path, epoch, step)
+        else:
+            self.events.committed(path, epoch, step)
         return path
 
     def finish(self, uploads: bool = True) -> None:
         """Wait for a checkpoint still being written in the background and commit it, and
         (``uploads``) for the uploads to an object store still running. Every rank must call
         this (the end of fit does)."""
-        if self.writer is not None:
-            self.writer.wait()
+        self._wait_writer()
         if uploads and self.manager is not None:
             self.manager.flush()
+
+    def _wait_writer(self) -> None:
+        if self.writer is not None:
+            self.events.waited(self.writer.wait())
 
     # ----------------------------------------------------------------- resuming
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
@@ -382,7 +400,15 @@ class TrainerCheckpoints:
     def _auto_resume(self) -> None:
         first, self._first_fit = self._first_fit, False
         policy = self.config.resume
-        if not first or self.position.resume is not None or self.manager is None:
+        if not first or self.position.resume is not None:
+            return
+        named = self.events.resume_point()
+        if named is not None:  # a hook's checkpoint (Ray's after a restart) comes first
+            path, source = named
+            self.resume(path, allow_world_size_change=None, missing_ok=False)
+            self.log.info("resumed from {} (given by {})", path, source)
+            return
+        if self.manager is None:
             return
         if policy in ("auto", "force") or (
             policy == "on_restart" and restart_count(os.environ) > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -271,3 +272,22 @@ def test_large_model_example_trains_a_model_over_the_budget_within_its_plan() ->
     assert whole > budget >= plan, output  # the whole model does not fit; each rank's shard does
     for item in ("parameters", "gradients", "optimizer state", "activations", "total"):
         assert sum(f"|   {item}: " in line for line in output.splitlines()) == 1, output
+
+
+@pytest.mark.distributed
+def test_ray_train_example_trains_on_a_local_ray_cluster(tmp_path: Path) -> None:
+    # Ray's processes (and so the gloo group) on 127.0.0.1, as in tests/distributed/test_ray_train
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage", str(tmp_path)]
+    code, output = run_command(command, timeout=300, env=env)
+    assert code == 0, output
+    finals = [line for line in output.splitlines() if line.startswith("final: ")]
+    assert len(finals) == 1, output
+    assert float(finals[0].split("val_accuracy=")[1].split()[0]) >= 0.95, output
+    assert "after 6 epochs" in finals[0], output
+    # Each epoch's line once (rank 0's); of the six checkpoints reported, Ray kept the best
+    # two by val_accuracy and the latest (which it always keeps, to restore from).
+    for epoch in range(1, 7):
+        assert sum(f"epoch {epoch}/6:" in line for line in output.splitlines()) == 1, output
+    kept = [p.name for p in (tmp_path / "digits").glob("checkpoint_2*/ckpt-e*-s*.pt")]
+    assert len(kept) == 3 and "ckpt-e0006-s00000138.pt" in kept, kept

@@ -140,7 +140,9 @@ class PreemptionWatch:
         else:
             logger.bind(rank=self.comm.rank).warning(
                 "training runs outside the main thread: SIGTERM cannot be caught, so a "
-                "preemption will not write an emergency checkpoint"
+                "preemption will not write an emergency checkpoint (where the launcher "
+                "restarts from its own latest checkpoint, as Ray Train does, set "
+                "checkpoint.handle_sigterm=False)"
             )
         return self
 

@@ -1,0 +1,157 @@
+"""Ray Train on a real local Ray cluster (2 CPUs, started once for the module), gloo on
+127.0.0.1: NNHandler trains unchanged inside TorchTrainer's workers, RayTrainReport reports
+committed checkpoints, a killed worker's group is restarted by Ray and resumes from Ray's
+checkpoint bit for bit, and a worker's error reaches the driver with its rank and traceback.
+
+Ray puts its processes, and the process group's MASTER_ADDR, on the node's address; with
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (set before Ray is imported) that address is the
+loopback one, which the fixture checks before any group is made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_command, torchrun_command
+from tests.resume_helpers import TIMING_KEYS
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ROOT / "tests" / "ray_helpers.py"
+#: Ray's processes stay on 127.0.0.1; reports are drained every 0.2 s instead of 2 s.
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray cluster for the module's tests, on the loopback address."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in RAY_ENV.items():
+            patch.setenv(name, value)
+        assert "ray" not in sys.modules, "Ray was imported before its address was set"
+        import ray
+
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        )
+        try:
+            assert ray.util.get_node_ip_address() == "127.0.0.1"
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def fit(ray: Any, tmp: Path, name: str, fault: dict[str, Any] | None = None) -> Any:
+    """TorchTrainer over 2 CPU workers running tests/ray_helpers.py's train_loop; Ray may
+    restart the group once. Returns (Ray's Result, what rank 0 saved)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tests.ray_helpers import train_loop
+
+    settings = {"dir": str(tmp / name / "local"), "out": str(tmp / name / "out.pt")}
+    if fault is not None:
+        settings["fault"] = {**fault, "marker": str(tmp / name / "fault-done")}
+    (tmp / name).mkdir()
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=settings,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(
+            storage_path=str(tmp / name / "storage"),
+            name=name,
+            failure_config=FailureConfig(max_failures=1 if fault else 0),
+        ),
+    )
+    result = trainer.fit()
+    return result, torch.load(settings["out"], weights_only=True)
+
+
+def without_timings(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same train_loop under torchrun, 2 ranks: the reference run."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    settings = {"dir": str(tmp / "local"), "out": str(tmp / "out.pt")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    code, output = run_command(
+        torchrun_command(HELPERS, json.dumps(settings)), timeout=180, env=env
+    )
+    assert code == 0, output
+    saved: dict[str, Any] = torch.load(settings["out"], weights_only=True)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return fit(ray_cluster, tmp_path_factory.mktemp("ray"), "plain")
+
+
+def test_ray_train_gives_the_same_history_and_weights_as_torchrun(
+    uninterrupted: Any, under_torchrun: dict[str, Any]
+) -> None:
+    result, saved = uninterrupted
+    assert len(saved["history"]) == 3
+    assert without_timings(saved["history"]) == without_timings(under_torchrun["history"])
+    for key, value in under_torchrun["weights"].items():
+        assert torch.equal(saved["weights"][key], value), key
+    # Every committed checkpoint reached Ray: the last one is the fit's end (3 epochs x 5
+    # steps), with its metrics; in it, the nn_handler checkpoint of step 15.
+    assert result.metrics["global_step"] == 15 and result.metrics["epoch"] == 3
+    assert result.metrics["train_loss"] == saved["history"][-1]["train_loss"]
+    assert [p.name for p in Path(result.checkpoint.path).iterdir()] == ["ckpt-e0003-s00000015.pt"]
+    # Each checkpoint nn_handler committed (every 2 steps, and each epoch's end; at step 10
+    # both the step's and epoch 2's), one per report, in order (named by epochs done).
+    reported = [
+        entry.name
+        for checkpoint, _ in result.best_checkpoints
+        for entry in Path(checkpoint.path).iterdir()
+    ]
+    done_steps = [(0, 2), (0, 4), (1, 5), (1, 6), (1, 8), (1, 10), (2, 10), (2, 12), (2, 14)]
+    expected = [f"ckpt-e{e:04d}-s{s:08d}.pt" for e, s in [*done_steps, (3, 15)]]
+    assert reported == expected
+
+
+def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_bit_identical(
+    ray_cluster: Any, tmp_path: Path, uninterrupted: Any
+) -> None:
+    # SIGKILL rank 1 after step 7 (mid-epoch 2; the last checkpoints: step 6, or 5 when Ray
+    # had not registered step 6's report yet).
+    result, saved = fit(ray_cluster, tmp_path, "killed", {"step": 7, "rank": 1, "kind": "kill"})
+    assert (tmp_path / "killed" / "fault-done").is_file()  # the kill happened
+    _, reference = uninterrupted
+    assert without_timings(saved["history"]) == without_timings(reference["history"])
+    for key, value in reference["weights"].items():
+        assert torch.equal(saved["weights"][key], value), key
+    assert result.metrics["global_step"] == 15
+
+
+def test_an_error_on_one_worker_reaches_the_driver_with_its_rank_and_traceback(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    from ray.train import TrainingFailedError
+
+    with pytest.raises(TrainingFailedError) as caught:
+        fit(ray_cluster, tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"})
+    text = str(caught.value)
+    assert "Rank 1" in text, text
+    assert "ValueError: a bad batch on rank 1 at step 3" in text, text
+    assert "ray_helpers.py" in text and "after_optimizer_step" in text, text  # its traceback

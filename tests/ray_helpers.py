@@ -1,0 +1,79 @@
+"""One training function for Ray Train workers and torchrun ranks (tests/distributed/
+test_ray_train.py): resume_helpers' small run, with the RayTrainReport bridge, optional faults
+and a bound on its own run time.
+
+Under torchrun: ``python -m torch.distributed.run ... tests/ray_helpers.py '<json settings>'``
+(with the repository on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler import Hook, NNHandler
+from nn_handler.ray_train import RayTrainReport
+from tests.resume_helpers import EPOCHS, adam, config, model
+from tests.training_helpers import regression_data
+
+#: Seconds after which a worker prints every thread's stack and exits (a hang fails the test
+#: with each rank's traceback instead of waiting for pytest's bound).
+HANG_BOUND_S = 150
+
+
+class FaultAt(Hook):
+    """After optimizer step ``step`` on rank ``rank``: SIGKILL this process (once per
+    ``marker`` file: the restarted group goes on), or raise ValueError."""
+
+    def __init__(self, step: int, rank: int, kind: str, marker: str | None = None) -> None:
+        super().__init__()
+        self.step, self.rank, self.kind, self.marker = step, rank, kind, marker
+
+    def after_optimizer_step(self) -> None:
+        trainer = self.trainer
+        if trainer.state.global_step != self.step or trainer.comm.rank != self.rank:
+            return
+        if self.kind == "raise":
+            raise ValueError(f"a bad batch on rank {self.rank} at step {self.step}")
+        marker = Path(str(self.marker))
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_loop(settings: dict[str, Any]) -> None:
+    """Train resume_helpers' model for EPOCHS epochs with checkpoints every 2 steps in
+    ``settings['dir']``; rank 0 saves the History and weights to ``settings['out']``.
+    ``settings['fault']``: {'step', 'rank', 'kind': 'kill' | 'raise', 'marker'}."""
+    faulthandler.dump_traceback_later(HANG_BOUND_S, exit=True)
+    try:
+        torch.set_num_threads(1)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        hooks: list[Hook] = [RayTrainReport()]
+        if settings.get("fault"):
+            hooks.append(FaultAt(**settings["fault"]))
+        with NNHandler(
+            model(),
+            adam,
+            nn.CrossEntropyLoss(),
+            config=config(Path(settings["dir"]), world, features=False),
+            hooks=hooks,
+        ) as handler:
+            history = handler.train(regression_data(), epochs=EPOCHS)
+            if handler.is_main_process:
+                weights = {k: v.detach().clone() for k, v in handler.model.state_dict().items()}
+                torch.save({"history": history.records, "weights": weights}, settings["out"])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    train_loop(json.loads(sys.argv[1]))
