@@ -25,13 +25,12 @@ Outside a Ray Train worker the hook does nothing, so one script runs under torch
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from nn_handler.checkpoint.io import TMP_MARKER
+from nn_handler.checkpoint.io import TMP_MARKER, atomic_link
 from nn_handler.checkpoint.naming import PERIODIC
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.hooks import Hook
@@ -142,9 +141,9 @@ def _report_folder(path: Path) -> Any:
     folder.mkdir()
     try:
         if path.is_dir():
-            shutil.copytree(path, folder / path.name, copy_function=_link_or_copy)
+            shutil.copytree(path, folder / path.name, copy_function=atomic_link)
         elif path.is_file():
-            _link_or_copy(str(path), str(folder / path.name))
+            atomic_link(path, folder / path.name)
         else:
             raise ConfigError(
                 f"RayTrainReport reports local checkpoints, but {path} is not on this machine: "
@@ -154,14 +153,6 @@ def _report_folder(path: Path) -> Any:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _link_or_copy(source: str, target: str) -> str:
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-    return target
 
 
 __all__ = ["RayTrainReport", "in_ray_train_worker"]

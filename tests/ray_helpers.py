@@ -21,6 +21,9 @@ from torch import nn
 
 from nn_handler import Hook, NNHandler
 from nn_handler.ray_train import RayTrainReport
+from tests.reproducible_helpers import EPOCHS as REPRODUCIBLE_EPOCHS
+from tests.reproducible_helpers import WORKLOADS, digest
+from tests.reproducible_helpers import config as reproducible_config
 from tests.resume_helpers import EPOCHS, adam, config, model
 from tests.training_helpers import regression_data
 
@@ -52,7 +55,8 @@ class FaultAt(Hook):
 def train_loop(settings: dict[str, Any]) -> None:
     """Train resume_helpers' model for EPOCHS epochs with checkpoints every 2 steps in
     ``settings['dir']``; rank 0 saves the History and weights to ``settings['out']``.
-    ``settings['fault']``: {'step', 'rank', 'kind': 'kill' | 'raise', 'marker'}."""
+    ``settings['fault']``: {'step', 'rank', 'kind': 'kill' | 'raise', 'marker'};
+    ``settings['reproducible']``: reproducible_helpers' CNN in the reproducible mode instead."""
     faulthandler.dump_traceback_later(HANG_BOUND_S, exit=True)
     try:
         torch.set_num_threads(1)
@@ -60,6 +64,9 @@ def train_loop(settings: dict[str, Any]) -> None:
         hooks: list[Hook] = [RayTrainReport()]
         if settings.get("fault"):
             hooks.append(FaultAt(**settings["fault"]))
+        if settings.get("reproducible"):
+            reproducible_run(settings, hooks)
+            return
         with NNHandler(
             model(),
             adam,
@@ -75,5 +82,32 @@ def train_loop(settings: dict[str, Any]) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
+def reproducible_run(settings: dict[str, Any], hooks: list[Hook]) -> None:
+    """reproducible_helpers' CNN in the reproducible mode (checkpoints every 3 of its 12
+    steps); rank 0 saves the run's digest to ``settings['out']``."""
+    cnn, data, samples, _, _ = WORKLOADS["cnn"]
+    with NNHandler(
+        cnn(),
+        lambda p: torch.optim.Adam(p, lr=3e-3),
+        nn.CrossEntropyLoss(),
+        config=reproducible_config("cnn", Path(settings["dir"])),
+        hooks=hooks,
+    ) as handler:
+        handler.train(data(samples, 0), data(40, 1), epochs=REPRODUCIBLE_EPOCHS)
+        done = digest(handler)  # every rank
+        if handler.is_main_process:
+            torch.save({"digest": done, "world_size": handler.world_size}, settings["out"])
+
+
 if __name__ == "__main__":
     train_loop(json.loads(sys.argv[1]))
+
+
+def report_foreign(settings: dict[str, Any]) -> None:
+    """Report a checkpoint nn_handler did not write (``settings['foreign']``, a folder), then
+    fail: the run's next start is given that checkpoint."""
+    import ray.train
+
+    checkpoint = ray.train.Checkpoint.from_directory(settings["foreign"])
+    ray.train.report({"epoch": 0}, checkpoint=checkpoint)
+    raise RuntimeError("stopped after reporting a foreign checkpoint")

@@ -56,26 +56,42 @@ def ray_cluster() -> Iterator[Any]:
             ray.shutdown()
 
 
-def fit(ray: Any, tmp: Path, name: str, fault: dict[str, Any] | None = None) -> Any:
-    """TorchTrainer over 2 CPU workers running tests/ray_helpers.py's train_loop; Ray may
-    restart the group once. Returns (Ray's Result, what rank 0 saved)."""
+def fit(
+    tmp: Path,
+    name: str,
+    fault: dict[str, Any] | None = None,
+    *,
+    workers: int = 2,
+    restarts: int | None = None,
+    reproducible: bool = False,
+    run: str | None = None,
+    loop: str = "train_loop",
+) -> tuple[Any, dict[str, Any]]:
+    """TorchTrainer over ``workers`` CPU workers running tests/ray_helpers.py's ``loop``
+    (Ray restarts the group once when there is a fault, unless ``restarts`` says otherwise),
+    as Ray run ``run`` (default ``name``: a run already in storage is continued from its latest
+    checkpoint). Returns (Ray's Result, what rank 0 saved)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from tests.ray_helpers import train_loop
+    from tests import ray_helpers
 
-    settings = {"dir": str(tmp / name / "local"), "out": str(tmp / name / "out.pt")}
+    here = tmp / name
+    here.mkdir()
+    settings: dict[str, Any] = {"dir": str(here / "local"), "out": str(here / "out")}
+    settings.update(reproducible=reproducible, foreign=str(tmp / "foreign"))
     if fault is not None:
-        settings["fault"] = {**fault, "marker": str(tmp / name / "fault-done")}
-    (tmp / name).mkdir()
+        settings["fault"] = {**fault, "marker": str(here / "fault-done")}
+    if restarts is None:
+        restarts = 1 if fault else 0
     trainer = TorchTrainer(
-        train_loop,
+        getattr(ray_helpers, loop),
         train_loop_config=settings,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
         run_config=RunConfig(
-            storage_path=str(tmp / name / "storage"),
-            name=name,
-            failure_config=FailureConfig(max_failures=1 if fault else 0),
+            storage_path=str(tmp / "storage"),
+            name=run or name,
+            failure_config=FailureConfig(max_failures=restarts),
         ),
     )
     result = trainer.fit()
@@ -102,7 +118,7 @@ def under_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return fit(ray_cluster, tmp_path_factory.mktemp("ray"), "plain")
+    return fit(tmp_path_factory.mktemp("ray"), "plain")
 
 
 def test_ray_train_gives_the_same_history_and_weights_as_torchrun(
@@ -135,7 +151,7 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_bit_identical(
 ) -> None:
     # SIGKILL rank 1 after step 7 (mid-epoch 2; the last checkpoints: step 6, or 5 when Ray
     # had not registered step 6's report yet).
-    result, saved = fit(ray_cluster, tmp_path, "killed", {"step": 7, "rank": 1, "kind": "kill"})
+    result, saved = fit(tmp_path, "killed", {"step": 7, "rank": 1, "kind": "kill"})
     assert (tmp_path / "killed" / "fault-done").is_file()  # the kill happened
     _, reference = uninterrupted
     assert without_timings(saved["history"]) == without_timings(reference["history"])
@@ -150,8 +166,45 @@ def test_an_error_on_one_worker_reaches_the_driver_with_its_rank_and_traceback(
     from ray.train import TrainingFailedError
 
     with pytest.raises(TrainingFailedError) as caught:
-        fit(ray_cluster, tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"})
+        fit(tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"})
     text = str(caught.value)
     assert "Rank 1" in text, text
     assert "ValueError: a bad batch on rank 1 at step 3" in text, text
     assert "ray_helpers.py" in text and "after_optimizer_step" in text, text  # its traceback
+
+
+def test_a_group_restarted_with_fewer_workers_ends_bit_identical_in_the_reproducible_mode(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """What Ray's elastic mode does after losing a node: the run goes on with fewer workers
+    from Ray's latest checkpoint. Here: 2 workers, rank 1 killed after step 7 of 12 with no
+    restart left; the same Ray run started again on 1 worker (Ray hands it the run's latest
+    checkpoint, as to a restarted elastic group of 1) ends with the digest of an
+    uninterrupted single-process run."""
+    from ray.train import TrainingFailedError
+
+    from tests.reproducible_helpers import digest, handler, train
+
+    with pytest.raises(TrainingFailedError):
+        fit(tmp_path, "two", {"step": 7, "rank": 1, "kind": "kill"}, restarts=0, reproducible=True)
+    result, saved = fit(tmp_path, "one", workers=1, reproducible=True, run="two")
+    assert saved["world_size"] == 1
+    assert result.metrics["global_step"] == 12
+    with handler("cnn", None, folder=tmp_path / "alone") as alone:
+        train(alone, "cnn")
+        assert saved["digest"] == digest(alone)
+
+
+def test_a_ray_checkpoint_that_is_not_nn_handlers_is_refused_by_name(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    from ray.train import TrainingFailedError
+
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "model.pt").write_bytes(b"not ours")
+    with pytest.raises(TrainingFailedError, match="foreign checkpoint"):
+        fit(tmp_path, "reporting", workers=1, loop="report_foreign")
+    with pytest.raises(TrainingFailedError) as caught:
+        fit(tmp_path, "resuming", workers=1, run="reporting")
+    text = str(caught.value)
+    assert "should hold one nn_handler checkpoint (ckpt-e*-s*[.pt]) but holds ['model.pt']" in text
