@@ -166,7 +166,7 @@ def test_an_error_on_one_worker_reaches_the_driver_with_its_rank_and_traceback(
     from ray.train import TrainingFailedError
 
     with pytest.raises(TrainingFailedError) as caught:
-        fit(tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"})
+        fit(tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"}, restarts=0)
     text = str(caught.value)
     assert "Rank 1" in text, text
     assert "ValueError: a bad batch on rank 1 at step 3" in text, text
