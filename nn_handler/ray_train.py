@@ -59,9 +59,14 @@ class RayTrainReport(Hook):
     order = 1001  # after the CheckpointHook, whose commits it reports
 
     def __init__(self) -> None:
-        self.active = in_ray_train_worker()
         self._opened: contextlib.ExitStack | None = None
         self._reported_step: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this process is a Ray Train worker (asked each time: a hook made in the
+        driver and shipped to the workers acts there)."""
+        return in_ray_train_worker()
 
     # ----------------------------------------------------------------- resuming
     def checkpoint_to_resume(self) -> Path | None:
@@ -94,7 +99,15 @@ class RayTrainReport(Hook):
             opened.close()
 
     def before_train(self) -> None:
-        self.close()  # the resume has read it
+        """Gives back Ray's checkpoint directory (the resume has read it); warns once when no
+        checkpoint folder is set (each fit), so nothing reaches Ray and a restart starts afresh."""
+        self.close()
+        trainer = self.trainer
+        if self.active and trainer.checkpointing.manager is None and trainer.is_main_process:
+            trainer.log.warning(
+                "RayTrainReport: no checkpoint folder, so no checkpoint reaches Ray and a group "
+                "Ray restarts starts afresh; set checkpoint.dir (a local folder) to report them"
+            )
 
     def after_train(self) -> None:
         self.close()

@@ -136,6 +136,25 @@ def test_ray_train_report_is_a_no_op_outside_a_ray_train_worker(tmp_path: Path) 
         assert h.trainer.state.global_step == 5
 
 
+def test_ray_train_report_without_a_checkpoint_folder_warns_in_a_ray_worker(
+    monkeypatch: pytest.MonkeyPatch, lines: list[str]
+) -> None:
+    report = RayTrainReport()
+    config = HandlerConfig.from_dict({"trainer": {"progress_bar": False}})
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[report]):
+        report.before_train()  # outside Ray: nothing to say
+        assert not [line for line in lines if "RayTrainReport" in line]
+        # As in a Ray Train worker (the reporting itself is tested in a real Ray cluster).
+        monkeypatch.setattr("nn_handler.ray_train.in_ray_train_worker", lambda: True)
+        assert report.active
+        report.before_train()
+    warned = [line for line in lines if "RayTrainReport" in line]
+    assert warned == [
+        "RayTrainReport: no checkpoint folder, so no checkpoint reaches Ray and a group Ray "
+        "restarts starts afresh; set checkpoint.dir (a local folder) to report them"
+    ]
+
+
 def test_the_folder_reported_to_ray_links_the_checkpoint_and_is_removed(tmp_path: Path) -> None:
     single = tmp_path / "ckpt-e0001-s00000005.pt"
     single.write_bytes(b"weights")
