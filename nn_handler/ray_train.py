@@ -14,7 +14,7 @@ for checkpoints::
   (the loop position included, so every batch is still trained exactly once);
 - at each epoch's end without a checkpoint, the epoch's metrics alone are reported.
 
-Retention has one owner, Ray (``RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=K))``):
+Retention has one owner, Ray (``ray.train.CheckpointConfig(num_to_keep=K)`` in its RunConfig):
 Ray resumes from and returns (``Result.checkpoint``, ``best_checkpoints``) the checkpoints it
 registered, so nothing else may delete them. ``checkpoint.dir`` is each worker's local staging
 folder, where ``keep_last`` (default 1) rotates the local copies as usual.
