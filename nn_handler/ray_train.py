@@ -123,7 +123,7 @@ class RayTrainReport(Hook):
         if self.trainer.comm.rank != 0:
             ray.train.report(metrics, checkpoint=None)
         else:
-            with _report_folder(path) as folder:
+            with report_folder(path) as folder:
                 checkpoint = ray.train.Checkpoint.from_directory(str(folder))
                 ray.train.report(metrics, checkpoint=checkpoint)
         self._reported_step = step
@@ -146,7 +146,7 @@ class RayTrainReport(Hook):
 
 
 @contextlib.contextmanager
-def _report_folder(path: Path) -> Any:
+def report_folder(path: Path) -> Any:
     """A folder holding only the checkpoint ``path`` (a file or a sharded folder), as hard
     links beside it (copies where links fail), removed afterwards."""
     folder = path.with_name(f".{path.name}{TMP_MARKER}ray")  # swept like other leftovers
@@ -168,4 +168,4 @@ def _report_folder(path: Path) -> Any:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["RayTrainReport", "in_ray_train_worker"]
+__all__ = ["RayTrainReport", "in_ray_train_worker", "report_folder"]

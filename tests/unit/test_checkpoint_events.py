@@ -20,7 +20,7 @@ from nn_handler import ConfigError, HandlerConfig, Hook, NNHandler
 from nn_handler.checkpoint.io import TMP_MARKER, remove_orphans
 from nn_handler.checkpoint.manager import LATEST
 from nn_handler.checkpoint.sharded import is_sharded
-from nn_handler.ray_train import RayTrainReport, _report_folder, in_ray_train_worker
+from nn_handler.ray_train import RayTrainReport, in_ray_train_worker, report_folder
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of
 
 DATA = regression_data()  # 40 samples, batches of 8: 5 steps an epoch
@@ -163,7 +163,7 @@ def test_the_folder_reported_to_ray_links_the_checkpoint_and_is_removed(tmp_path
     (sharded / "a.distcp").write_bytes(b"shard")
     (sharded / "manifest.json").write_text("{}")
     for path in (single, sharded):
-        with _report_folder(path) as folder:
+        with report_folder(path) as folder:
             assert TMP_MARKER in folder.name and folder.parent == tmp_path
             assert [p.name for p in folder.iterdir()] == [path.name]
             pairs = (
@@ -186,7 +186,7 @@ def test_reporting_a_checkpoint_that_is_not_on_this_machine_is_a_config_error(
 ) -> None:
     with (
         pytest.raises(ConfigError, match=r"set checkpoint.dir to a local folder"),
-        _report_folder(tmp_path / "ckpt-e0001-s00000005.pt"),
+        report_folder(tmp_path / "ckpt-e0001-s00000005.pt"),
     ):
         pass
     assert list(tmp_path.iterdir()) == []
