@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,8 @@ class RayTrainReport(Hook):
             opened.close()
 
     def before_train(self) -> None:
-        """Gives back Ray's checkpoint directory (the resume has read it); warns once when no
-        checkpoint folder is set (each fit), so nothing reaches Ray and a restart starts afresh."""
+        """Gives back Ray's checkpoint directory (the resume has read it); warns, at each fit,
+        when no checkpoint folder is set: nothing reaches Ray and a restart starts afresh."""
         self.close()
         trainer = self.trainer
         if self.active and trainer.checkpointing.manager is None and trainer.is_main_process:
@@ -146,7 +147,7 @@ class RayTrainReport(Hook):
 
 
 @contextlib.contextmanager
-def report_folder(path: Path) -> Any:
+def report_folder(path: Path) -> Iterator[Path]:
     """A folder holding only the checkpoint ``path`` (a file or a sharded folder), as hard
     links beside it (copies where links fail), removed afterwards."""
     folder = path.with_name(f".{path.name}{TMP_MARKER}ray")  # swept like other leftovers
