@@ -88,3 +88,21 @@ def test_nn_handler_load_that_fails_leaves_no_sink_behind(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match=r"do not match Sequential"):
         NNHandler.load(saved, wider, sgd, nn.CrossEntropyLoss())
     assert nn_log._LEASE.handles == handles_before, "the failed handler was closed"
+
+
+def test_a_local_checkpoint_that_cannot_be_read_is_never_rotated_away(tmp_path: Path) -> None:
+    """The rule of the object store holds for a plain folder: a damaged checkpoint is kept by
+    rotation (its run cannot be read, so it is not known to be this run's to delete)."""
+    with _handler(tmp_path, every_n_steps=5, keep_last=3) as h:
+        h.train(DATA, epochs=2)
+    oldest = min(tmp_path.glob("ckpt-*.pt"))
+    data = oldest.read_bytes()[:-200]  # torn: its zip directory (and its run id) is lost
+    oldest.write_bytes(data)
+    with _handler(tmp_path, every_n_steps=5, keep_last=1, resume="auto") as h:
+        h.train(DATA, epochs=4)
+        assert h.trainer.state.global_step == 20
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == [
+        oldest.name,
+        "ckpt-e0004-s00000020.pt",
+    ]
+    assert oldest.read_bytes() == data

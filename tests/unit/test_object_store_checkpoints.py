@@ -317,3 +317,36 @@ def test_resume_from_a_url_whose_bucket_is_missing_names_it(s3: Bucket, tmp_path
         pytest.raises(CheckpointError, match=r"the bucket of s3://no-such-\S+ does not exist"),
     ):
         h.resume(f"s3://no-such-{s3.name}/run")
+
+
+@pytest.mark.parametrize("damage", ["newer format", "one byte"])
+def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
+    s3: Bucket, tmp_path: Path, damage: str, lines: list[str]
+) -> None:
+    """A rolling upgrade (a newer nn_handler's ``"version": 2`` manifest) or one bit of rot:
+    the next start skips that checkpoint, says so, and deletes none of its objects; only
+    objects that no manifest names at all are an interrupted upload."""
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=2, keep_last=2)
+    fs = s3.fs()
+    key = f"{s3.name}/run/ckpt-e0002-s00000010.pt{SUFFIX}"
+    data = fs.cat(key)
+    if damage == "newer format":
+        data = data.replace(b'"version": 1', b'"version": 2')
+    else:
+        data = data.replace(b'"objects"', b'"objectz"', 1)
+    fs.pipe(key, data)
+    fs.pipe(f"{s3.name}/run/ckpt-e0003-s00000015.pt", b"an upload killed before its commit")
+    before = objects(s3)
+    with NNHandler(
+        rh.model(), rh.adam, nn.CrossEntropyLoss(),
+        config=rh.config(url, 1, False, staging_dir=machine(tmp_path, "second")),  # type: ignore[arg-type]
+    ) as h:  # fmt: skip
+        resumed = h.trainer.resume(missing_ok=True)
+    after = objects(s3)
+    assert "ckpt-e0002-s00000010.pt" in after  # the data of the unreadable one is kept
+    assert "ckpt-e0003-s00000015.pt" not in after  # the object no manifest names is gone
+    assert set(before) - set(after) == {"ckpt-e0003-s00000015.pt"}
+    assert resumed is not None and resumed.name == "ckpt-e0001-s00000010.pt"
+    kept = [line for line in lines if "ckpt-e0002-s00000010.pt" + SUFFIX in line]
+    assert kept and "its objects are kept" in kept[0]

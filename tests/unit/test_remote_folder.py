@@ -203,3 +203,30 @@ def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
         writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target)
     assert remote.refresh() == {}  # never trusted with the new shards under the old manifest
     remote.close()
+
+
+def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
+    tmp_path: Path,
+) -> None:
+    """Only objects that no manifest names at all are an interrupted upload; a folder whose
+    manifest cannot be read (or a replaced folder's leftover beside a readable one) is told
+    apart."""
+    from nn_handler.checkpoint.sharded import ShardedWriter
+
+    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
+    writer = ShardedWriter(NullCommunicator(), lambda: None, remote)
+    for step in (8, 16):
+        target = remote.local / f"ckpt-e0000-s{step:08d}"
+        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target)
+    remote.store.write("ckpt-e0000-s00000008/leftover", b"not in its readable manifest")
+    remote.store.write("ckpt-e0000-s00000024/__0_0.distcp", b"no manifest names it")
+    damaged = f"ckpt-e0000-s00000016{SUFFIX}"
+    data = remote.store.read(damaged)
+    assert data is not None
+    remote.store.write(damaged, data[:-3])  # torn: not JSON any more
+    before = set(remote.store.listing())
+    removed = remote.start(lambda name: name.startswith("ckpt-"))
+    assert removed == ["ckpt-e0000-s00000008/leftover", "ckpt-e0000-s00000024/__0_0.distcp"]
+    assert set(remote.store.listing()) == before - set(removed)
+    assert any(k.startswith("ckpt-e0000-s00000016/") for k in remote.store.listing())
+    remote.close()

@@ -153,7 +153,7 @@ def read_manifests(
             found[name] = Manifest.from_bytes(data, store.url_of(key))
         except CheckpointError as error:
             if warn is not None:
-                warn(f"{error}; its checkpoint is not trusted")
+                warn(f"{error}; its checkpoint is not trusted, and its objects are kept")
     return found, listing
 
 
@@ -162,13 +162,18 @@ def incomplete(
     committed: Mapping[str, Manifest],
     is_checkpoint: Callable[[str], bool],
 ) -> list[str]:
-    """Objects of checkpoints that have no manifest (an upload killed before its commit), or
-    that their checkpoint's manifest does not list (a replaced folder's leftovers)."""
+    """Objects of checkpoints that have no manifest at all (an upload killed before its
+    commit), or that their checkpoint's readable manifest does not list (a replaced folder's
+    leftovers). A checkpoint whose manifest exists but is not in ``committed`` (unreadable: a
+    newer format, damaged bytes, deleted since the listing) keeps every object: nothing is
+    deleted on the strength of a manifest that could not be read."""
     listed = {key for manifest in committed.values() for key in manifest.objects}
+    manifested = {key[: -len(SUFFIX)] for key in listing if "/" not in key and key.endswith(SUFFIX)}
+    unread = manifested - committed.keys()
     stale = []
     for key in sorted(listing):
         top = key.split("/", 1)[0]
-        if key.endswith(SUFFIX) or not is_checkpoint(top) or key in listed:
+        if key.endswith(SUFFIX) or not is_checkpoint(top) or key in listed or top in unread:
             continue
         stale.append(key)
     return stale
