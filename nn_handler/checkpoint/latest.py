@@ -65,13 +65,16 @@ def open_for_resume(
     ):
         own = str(path) == config.dir  # this run's folder: its own working copy
         folder = CheckpointConfig(
-            dir=str(path), storage_options=options, staging_dir=config.staging_dir if own else None
+            dir=str(path),
+            storage_options=options,
+            staging_dir=config.staging_dir if own else None,
+            store_timeout_s=config.store_timeout_s,
         )
         manager = CheckpointManager(folder, comm, clean=False, sharded=sharded)
     else:
         opened, problem = None, None
         try:
-            opened = open_checkpoint(path, device, options)
+            opened = open_checkpoint(path, device, options, config.store_timeout_s)
         except Exception as error:
             problem = error
         agree_on(comm, problem, f"loading checkpoint {path}")
@@ -86,7 +89,7 @@ def _names_one_checkpoint(url: str, config: CheckpointConfig, comm: Communicator
     problem: BaseException | None = None
     if comm.rank == 0:
         try:
-            answer = is_checkpoint_url(url, config.storage_options)
+            answer = is_checkpoint_url(url, config.storage_options, config.store_timeout_s)
         except Exception as error:
             problem = error
     agree_on(comm, problem, f"reading {url}")

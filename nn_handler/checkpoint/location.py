@@ -176,6 +176,7 @@ def _remote_folder(config: CheckpointConfig) -> RemoteFolder:
         config.storage_options,
         workers=config.upload_workers,
         background=config.async_save,
+        timeout_s=config.store_timeout_s,
     )
 
 

@@ -32,14 +32,16 @@ def open_checkpoint(
     path: str | Path,
     map_location: torch.device | str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> Opened:
     """Read the checkpoint at ``path`` (a file, or a committed sharded folder; a URL: one
     committed on an object store, or the latest of a folder there, downloaded and checked
     first); raises CheckpointError when it cannot be read."""
     if is_url(path):
         from nn_handler.checkpoint.remote.folder import fetch_url
+        from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S
 
-        path = fetch_url(str(path), storage_options)
+        path = fetch_url(str(path), storage_options, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
     target = Path(path)
     if is_sharded(target):
         return Opened(target, read_rest(target, map_location), target)

@@ -33,6 +33,11 @@ class CheckpointConfig(ConfigModel):
             profile...). Credentials belong in the standard places (environment, config files,
             the machine's role); whatever is here is never logged nor stored in a checkpoint.
         upload_workers: objects each process uploads or downloads at once.
+        store_timeout_s: the connect and read timeout of every request to an object store
+            (``s3://``: botocore's ``connect_timeout`` and ``read_timeout``; a
+            ``config_kwargs`` in ``storage_options`` overrides them). A store that does not
+            answer fails an operation after 5 attempts, each retry logged; the last failure is
+            a CheckpointError on every rank.
         save_last: write periodic checkpoints (the resumable ones, named by latest.json).
         every_n_epochs: write one after every N-th epoch (None: not per epoch).
         every_n_steps: also write one after every N-th optimizer step (None: not per step).
@@ -88,6 +93,7 @@ class CheckpointConfig(ConfigModel):
     staging_dir: str | None = None
     storage_options: dict[str, Any] | None = Field(default=None, exclude=True, repr=False)
     upload_workers: int = Field(default=8, ge=1, strict=True)
+    store_timeout_s: float = Field(default=120.0, gt=0)
     save_last: bool = True
     every_n_epochs: int | None = Field(default=1, ge=1, strict=True)
     every_n_steps: int | None = Field(default=None, ge=1, strict=True)

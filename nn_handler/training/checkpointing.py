@@ -302,6 +302,7 @@ class TrainerCheckpoints:
             lambda local: write_together(self.comm, self.state_dict(), local, budget_s),
             self.run_id,
             self.config.storage_options,
+            self.config.store_timeout_s,
         )
 
     def _save_sharded(

@@ -5,6 +5,7 @@ guarantees, and each failure named."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -350,3 +351,77 @@ def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     assert resumed is not None and resumed.name == "ckpt-e0001-s00000010.pt"
     kept = [line for line in lines if "ckpt-e0002-s00000010.pt" + SUFFIX in line]
     assert kept and "its objects are kept" in kept[0]
+
+
+def _retry_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("object store: cannot")]
+
+
+def test_an_endpoint_that_never_answers_fails_the_start_after_bounded_retries(
+    tmp_path: Path, lines: list[str]
+) -> None:
+    """A TCP black hole on 127.0.0.1 (connections accepted, never answered): the start probe
+    times out per request, retries 5 times with one warning each, and fails with a
+    CheckpointError naming the URL, instead of blocking NNHandler(...) for half an hour."""
+    from tests.silent_proxy import SilentProxy
+
+    hole = SilentProxy(None)
+    options = {"endpoint_url": hole.endpoint, "key": "k", "secret": "s"}
+    url: Any = "s3://bucket/run"
+    config = rh.config(
+        url, 1, False, staging_dir=str(tmp_path), storage_options=options, store_timeout_s=0.3
+    )
+    probe = r"cannot write s3://bucket/run/\.nn_handler-probe-\d+: .*after 5 attempts"
+    try:
+        with pytest.raises(CheckpointError, match=probe):
+            NNHandler(rh.model(), rh.adam, nn.CrossEntropyLoss(), config=config)
+    finally:
+        hole.close()
+    retries = _retry_lines(lines)
+    assert [line.split(" (attempt ")[1][:6] for line in retries] == [
+        f"{n} of 5" for n in (1, 2, 3, 4)
+    ]
+    assert all("s3://bucket/run/.nn_handler-probe-" in line for line in retries)
+    assert all("Timeout" in line for line in retries)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_store_that_falls_silent_mid_run_fails_the_save_not_the_run_silently(
+    s3: Bucket, tmp_path: Path, lines: list[str], async_save: bool
+) -> None:
+    """The store answers at the start, then falls silent at step 4 (checkpoints every 2
+    steps): a synchronous save fails at step 4 with a CheckpointError after its retries;
+    with async_save the loop goes on, and the failure surfaces when the next save (step 6)
+    must wait for the upload."""
+    from tests.silent_proxy import SilentProxy
+
+    proxy = SilentProxy(int(s3.server.endpoint.rsplit(":", 1)[1]))
+
+    class FallSilent(rh.Hook):
+        def after_step(self) -> None:
+            if self.trainer.state.global_step == 4:
+                proxy.silent = True
+
+    options = {"endpoint_url": proxy.endpoint}
+    url: Any = f"{s3.url}/run"
+    config = rh.config(url, 1, False, staging_dir=str(tmp_path), storage_options=options,
+                       store_timeout_s=0.3, async_save=async_save)  # fmt: skip
+    try:
+        with NNHandler(
+            rh.model(), rh.adam, nn.CrossEntropyLoss(), config=config, hooks=[FallSilent()]
+        ) as h:  # fmt: skip
+            with pytest.raises(CheckpointError, match=r"after 5 attempts") as failed:
+                h.train(regression_data(), epochs=3)
+            reached = h.trainer.state.global_step
+    finally:
+        proxy.close()
+    text = str(failed.value)
+    assert "ReadTimeoutError" in text
+    if async_save:  # step 2's upload may still be running when the store falls silent
+        assert re.search(rf"{s3.url}/run/ckpt-e0000-s0000000[24]\.pt", text)
+        assert reached == (4 if "s00000002" in text else 6)
+    else:
+        assert f"{s3.url}/run/ckpt-e0000-s00000004.pt" in text
+        assert reached == 4
+    retries = _retry_lines(lines)
+    assert len(retries) == 4 and all(f"{s3.url}/run/" in line for line in retries)

@@ -123,7 +123,7 @@ class NoCredentialsError(Exception):
     ("error", "tries", "says"),
     [
         # A transient error that lasts fails once the retries are spent.
-        (ConnectionResetError("connection reset by peer"), 3, r"Reset.*\(after retrying\)"),
+        (ConnectionResetError("connection reset by peer"), 3, r"Reset.*\(after 3 attempts\)"),
         # Missing credentials are named as such, at once: retrying cannot find them.
         (NoCredentialsError("Unable to locate credentials"), 1, r"access denied .*standard"),
     ],

@@ -23,7 +23,7 @@ from loguru import logger
 
 from nn_handler.checkpoint.remote import commit as protocol
 from nn_handler.checkpoint.remote.commit import Entry, Manifest
-from nn_handler.checkpoint.remote.store import RemoteStore
+from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S, RemoteStore
 from nn_handler.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class RemoteFolder:
         storage_options: for the fsspec filesystem (never logged).
         workers: objects uploaded or downloaded at once per process.
         background: changes to the store run in the background (``flush`` waits).
+        timeout_s: the connect and read timeout of every request to the store.
     """
 
     def __init__(
@@ -60,8 +61,9 @@ class RemoteFolder:
         storage_options: Mapping[str, Any] | None = None,
         workers: int = 8,
         background: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.store = RemoteStore(url, storage_options)
+        self.store = RemoteStore(url, storage_options, timeout_s=timeout_s)
         self.url = self.store.url
         self.local = local
         self.workers = workers
@@ -259,25 +261,33 @@ def split_url(url: str) -> tuple[str, str]:
     return parent, name
 
 
-def is_checkpoint_url(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+def is_checkpoint_url(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> bool:
     """Whether ``url`` names one committed checkpoint (not a folder of them)."""
     parent, name = split_url(url)
     if "://" not in parent or parent.endswith(":/"):
         return False  # s3://bucket: a bucket is never a checkpoint
-    store = RemoteStore(parent, storage_options)
+    store = RemoteStore(parent, storage_options, timeout_s=timeout_s)
     return store.read(protocol.manifest_name(name)) is not None
 
 
 def fetch_url(
-    url: str, storage_options: Mapping[str, Any] | None = None, staging_dir: str | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_dir: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Path:
     """The checkpoint at ``url`` (a committed checkpoint, or a folder of them: the one its
     ``latest.json`` names) in a local working copy, every object checked against its
     manifest. Raises CheckpointError when there is none or it does not match."""
-    if is_checkpoint_url(url, storage_options):
+    if is_checkpoint_url(url, storage_options, timeout_s):
         parent, name = split_url(url)
-        return RemoteFolder(parent, working_copy(parent, staging_dir), storage_options).fetch(name)
-    folder = RemoteFolder(url, working_copy(url, staging_dir), storage_options)
+        local = working_copy(parent, staging_dir)
+        return RemoteFolder(parent, local, storage_options, timeout_s=timeout_s).fetch(name)
+    folder = RemoteFolder(url, working_copy(url, staging_dir), storage_options, timeout_s=timeout_s)
     pointer = folder.latest()
     latest = pointer.get("checkpoint") if isinstance(pointer, dict) else None
     if not isinstance(latest, str):
@@ -294,6 +304,7 @@ def save_to_store(
     write: Callable[[Path], Path],
     run_id: str | None,
     storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Path:
     """Write a single-file checkpoint with ``write(local path)`` (every rank calls it; rank 0
     writes) into the working copy of ``url``'s folder, then upload and commit it as ``url``
@@ -304,7 +315,7 @@ def save_to_store(
     parent, name = split_url(url)
     if "://" not in parent or parent.endswith(":/") or not name:
         raise CheckpointError(f"{url} names no checkpoint inside a folder (s3://bucket/run/x.pt).")
-    folder = RemoteFolder(parent, working_copy(parent, None), storage_options)
+    folder = RemoteFolder(parent, working_copy(parent, None), storage_options, timeout_s=timeout_s)
     try:
         local = write(folder.local / name)
         error: CheckpointError | None = None

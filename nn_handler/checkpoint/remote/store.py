@@ -1,11 +1,15 @@
 """RemoteStore: one folder of an object store (an fsspec URL: ``s3://``, ``gs://``, ``az://``,
 ``memory://``, ``file://``) with the few operations checkpoints need.
 
-Every operation is retried on transient errors (connection resets, timeouts, throttling) with
-exponential backoff and jitter by tenacity; errors that retrying cannot fix (a missing bucket,
-refused credentials, a missing object) fail at once as a CheckpointError naming the object and
-the fix. Credentials come only from where the filesystem library looks (environment variables,
-its config files, the instance's role) or ``storage_options``; neither is ever logged.
+Every request has connect and read timeouts (the filesystem library's own settings:
+botocore's for ``s3://``), and every operation is retried on transient errors (connection
+resets, timeouts, throttling) with exponential backoff and jitter by tenacity, the one retry
+layer (the library's own retries are turned off, so that a silent endpoint costs ``attempts``
+timeouts, not their product); each retry logs one warning naming the object and the attempt.
+Errors that retrying cannot fix (a missing bucket, refused credentials, a missing object) fail
+at once as a CheckpointError naming the object and the fix. Credentials come only from where
+the filesystem library looks (environment variables, its config files, the instance's role) or
+``storage_options``; neither is ever logged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import tenacity
+from loguru import logger
 
 from nn_handler.errors import CheckpointError, ConfigError
 
@@ -32,6 +37,8 @@ _PERMANENT = (
     CheckpointError,
 )
 _CHUNK = 8 << 20
+#: The connect and read timeout of every request, unless the configuration says.
+DEFAULT_TIMEOUT_S = 120.0
 
 
 def transient(error: BaseException) -> bool:
@@ -65,6 +72,9 @@ class RemoteStore:
         storage_options: passed to the fsspec filesystem (an endpoint, a profile...).
         attempts: tries per operation before a transient error is final.
         max_wait_s: the longest backoff between two tries.
+        timeout_s: the connect and read timeout of every request (``s3://``: botocore's
+            ``connect_timeout`` and ``read_timeout``, unless ``storage_options``'
+            ``config_kwargs`` set them).
     """
 
     def __init__(
@@ -73,14 +83,17 @@ class RemoteStore:
         storage_options: Mapping[str, Any] | None = None,
         attempts: int = 5,
         max_wait_s: float = 8.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         import fsspec
 
         self.url = url.rstrip("/")
+        self.attempts = attempts
         try:
             # A filesystem of its own: a cached one would keep credentials the environment
             # no longer has, and its listings.
             options = {"skip_instance_cache": True, **dict(storage_options or {})}
+            options = with_timeouts(self.url, options, timeout_s)
             if self.url.startswith(("file://", "local://")):  # folders appear as objects do
                 options.setdefault("auto_mkdir", True)
             self.fs, root = fsspec.core.url_to_fs(self.url, **options)
@@ -92,6 +105,8 @@ class RemoteStore:
         except ValueError as error:
             raise ConfigError(f"checkpoint.dir {self.url}: {error}") from None
         self.root = str(root).rstrip("/")
+        if self.url.startswith(("s3://", "s3a://")):
+            _bound_every_s3_wait(self.fs)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(attempts),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=max_wait_s),
@@ -108,8 +123,18 @@ class RemoteStore:
     def _call(self, what: str, name: str, action: Callable[[], T]) -> T:
         """``action()`` retried on transient errors; any failure a CheckpointError naming the
         object, the cause and the fix."""
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            wait = state.next_action.sleep if state.next_action is not None else 0.0
+            logger.warning(
+                "object store: cannot {} {} (attempt {} of {}: {}: {}); retrying in {:.1f} s",
+                what, self.url_of(name), state.attempt_number, self.attempts,
+                type(error).__name__, _first(error) if error else "", wait,
+            )  # fmt: skip
+
         try:
-            return self._retrying(action)
+            return self._retrying.copy(before_sleep=warn)(action)
         except FileNotFoundError as error:
             gone = CheckpointError if _names_bucket(error) else MissingObject
             raise gone(self._missing(what, name, error)) from None
@@ -122,7 +147,8 @@ class RemoteStore:
                 raise CheckpointError(self._denied(what, name, error)) from None
             raise CheckpointError(
                 f"cannot {what} {self.url_of(name)}: {type(error).__name__}: {_first(error)} "
-                f"(after retrying)."
+                f"(after {self.attempts} attempts). Check that the store answers (its endpoint, "
+                f"the network); checkpoint.store_timeout_s bounds each request."
             ) from error
 
     def _maybe(self, what: str, name: str, action: Callable[[], T]) -> T | None:
@@ -209,6 +235,32 @@ class RemoteStore:
         self.remove(probe)
 
 
+def with_timeouts(url: str, options: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+    """``options`` for the filesystem of ``url`` with connect and read timeouts of
+    ``timeout_s`` and the library's own retries off, where the user's options do not set
+    them (``s3://``: botocore's Config; other schemes: their library's defaults)."""
+    found = dict(options)
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(found.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout_s)
+        config.setdefault("read_timeout", timeout_s)
+        config.setdefault("retries", {"total_max_attempts": 1})
+        found["config_kwargs"] = config
+    return found
+
+
+def _bound_every_s3_wait(fs: Any) -> None:
+    """Make botocore's read timeout bound every wait of s3fs's client: s3fs's own retry loop
+    off (tenacity is the only one), and no ``Expect: 100-continue`` on uploads (aiohttp waits
+    for the interim answer with no timeout at all, so a silent endpoint held a PutObject
+    forever; botocore/botocore#3613, #3755). The client is made now (no request is sent)."""
+    from botocore.handlers import add_expect_header
+
+    fs.retries = 1
+    fs.connect()
+    fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
+
+
 #: How the stores say that the bucket (container) itself is missing. A missing object's
 #: error names its path, which may well contain "bucket" (s3://my-bucket/...): the words
 #: must be the store's own.
@@ -226,4 +278,11 @@ def _first(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-__all__ = ["MissingObject", "RemoteStore", "file_crc32", "transient"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MissingObject",
+    "RemoteStore",
+    "file_crc32",
+    "transient",
+    "with_timeouts",
+]
