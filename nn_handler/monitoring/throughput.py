@@ -148,6 +148,7 @@ class ThroughputMonitor(Hook):
         counting = self._counting
         if counting is not None and self._count_flops:
             counting.__exit__(None, None, None)
+            self._counting = None  # closed once: a step of no FLOPs (an idle rank) leaves None
             self._count_flops = False
             self.flops_per_sample = counting.total / max(batch_size_of(batch), 1) or None
         if self._cuda:
@@ -191,7 +192,7 @@ class ThroughputMonitor(Hook):
             self.trainer.epoch_notes.append(self.last_verdict)
 
     def after_train(self) -> None:
-        if self._counting is not None and self.flops_per_sample is None:
+        if self._counting is not None:
             self._counting.__exit__(None, None, None)  # training raised inside the first step
         self._counting = None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,11 @@ from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 #: Loading a full state that every rank holds: each rank keeps its shard.
 LOAD_FULL = StateDictOptions(full_state_dict=True)
+
+
+#: torch's FSDP2 warning that a wrapped module returned a view tensor (the same on every
+#: rank, raised by each rank's first forward): shown by rank 0 only.
+VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
 class FSDP2Strategy(Strategy):
@@ -104,6 +110,8 @@ class FSDP2Strategy(Strategy):
                 mp_policy=mixed,
             )
         fully_shard(module, mesh=mesh, offload_policy=offload, mp_policy=mixed)
+        if self.comm.rank != 0:  # torch's advice about a view output: rank 0 says it once
+            warnings.filterwarnings("ignore", message=VIEW_WARNING, category=UserWarning)
         return module
 
     def mixed_precision(self) -> MixedPrecisionPolicy:

@@ -21,6 +21,24 @@ class EarlyStopping:
         self.best = math.inf if config.mode == "min" else -math.inf
         self.best_epoch = -1
         self.wait = 0
+        #: The settings of the run whose checkpoint was restored (None: none was, or it did
+        #: not record them).
+        self.restored_settings: dict[str, Any] | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """What decides a stop: the monitored key, its mode, patience and min_delta."""
+        config = self.config
+        return {"monitor": config.monitor, "mode": config.mode, "patience": config.patience,
+                "min_delta": config.min_delta}  # fmt: skip
+
+    def settings_changed(self) -> bool:
+        """Whether a checkpoint was restored whose run stopped with other settings."""
+        restored = self.restored_settings
+        return restored is not None and restored != self.settings()
+
+    def should_stop(self) -> bool:
+        """Whether patience has run out, by this run's settings."""
+        return self.wait >= self.config.patience
 
     def improved(self, value: float) -> bool:
         delta = self.config.min_delta
@@ -51,12 +69,15 @@ class EarlyStopping:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait}
+        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,
+                "settings": self.settings()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = float(state["best"])
         self.best_epoch = int(state["best_epoch"])
         self.wait = int(state["wait"])
+        settings = state.get("settings")
+        self.restored_settings = dict(settings) if isinstance(settings, dict) else None
 
 
 __all__ = ["EarlyStopping"]

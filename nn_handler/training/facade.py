@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,10 @@ from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import scalar_value
 
+if TYPE_CHECKING:
+    from nn_handler.training.memory_planning import MemoryPlanner
+    from nn_handler.training.reproducible.mode import ReproducibleMode
+
 
 class TrainerFacade:
     """Views and delegations over the Trainer's parts. The Trainer's own attributes, set by
@@ -57,6 +61,8 @@ class TrainerFacade:
     optimization: Optimization
     evaluator: Evaluator
     checkpointing: TrainerCheckpoints
+    memory: MemoryPlanner
+    reproducible: ReproducibleMode | None
     training_failed: bool
     epoch_notes: list[str]
 

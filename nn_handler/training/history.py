@@ -12,6 +12,8 @@ from typing import Any
 from nn_handler.errors import ConfigError
 
 Record = dict[str, float]
+#: The key of an epoch's record that max_steps ended inside it: the batches it trained.
+PARTIAL = "partial_batches"
 
 
 class History:
@@ -27,6 +29,12 @@ class History:
         self.records: list[Record] = [dict(r) for r in records or []]
 
     def append(self, record: Record) -> None:
+        """Add an epoch's record. A record replaces the partial one of the same epoch (a fit
+        that max_steps ended inside it: ``partial_batches`` set) when it completes it."""
+        last = self.records[-1] if self.records else {}
+        if PARTIAL in last and last.get("epoch") == record.get("epoch"):
+            self.records[-1] = dict(record)
+            return
         self.records.append(dict(record))
 
     @property
@@ -121,4 +129,4 @@ class History:
         return target
 
 
-__all__ = ["History", "Record"]
+__all__ = ["PARTIAL", "History", "Record"]

@@ -87,6 +87,8 @@ class LoopPosition:
         self.data: dict[str, Any] = {}
         self.running: RunningLoss | None = None
         self.resume: ResumePoint | None = None
+        #: Whether early stopping (not a hook) set ``state.should_stop``.
+        self.stopped_early = False
 
     # ----------------------------------------------------------------- the loop's calls
     def start_epoch(self, loader: Iterable[Any]) -> None:
@@ -98,6 +100,28 @@ class LoopPosition:
 
     def end_epoch(self) -> None:
         self.batches_done = 0
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether an epoch is in progress (between ``train_epoch``s: one that max_steps
+        ended before its last batch)."""
+        return self.running is not None
+
+    def hold(self) -> None:
+        """The epoch in progress stops here and goes on at the next fit, exactly as from a
+        checkpoint written now: the batches done are re-read and skipped, the RNG streams and
+        the partial loss restored."""
+        if self.running is None:
+            return
+        self.resume = ResumePoint(
+            start_rng=self.epoch_rng,
+            step_rng=capture_rng(),
+            batches_done=self.batches_done,
+            running=self.running.state_dict(),
+            skipped_steps=self.state.skipped_steps,
+            data=dict(self.data),
+        )
+        self.running = None
 
     def take_resume(self) -> ResumePoint | None:
         point, self.resume = self.resume, None
@@ -150,6 +174,7 @@ class LoopPosition:
             "skipped_steps": state.skipped_steps,
             "skipped_in_a_row": state.skipped_in_a_row,
             "should_stop": state.should_stop,
+            "stopped_early": self.stopped_early,
         }
 
     def _load_position(self, saved: dict[str, Any], _source: str) -> None:
@@ -157,6 +182,7 @@ class LoopPosition:
         state.epoch = int(saved["epoch"])
         state.global_step = int(saved["global_step"])
         state.should_stop = bool(saved["should_stop"])
+        self.stopped_early = bool(saved.get("stopped_early", False))
         state.skipped_steps = int(saved["skipped_steps"])
         state.skipped_in_a_row = int(saved.get("skipped_in_a_row", 0))
         self.resume = ResumePoint(

@@ -32,9 +32,10 @@ def resolve_precision(precision: PrecisionName, device: torch.device) -> str:
 class Precision:
     """The forward context and the backward/step protocol of one precision.
 
-    ``autocast()`` wraps the forward pass; ``backward(loss)`` scales under fp16;
-    ``unscale(optimizer)`` must precede gradient clipping; ``step(optimizer)`` steps (the fp16
-    scaler skips steps whose gradients overflowed) and ``update()`` follows every step.
+    ``autocast()`` wraps the forward pass; ``scaler`` (fp16 only) scales the loss before its
+    backward (``Optimization.backward``); ``unscale(optimizer)`` must precede gradient
+    clipping; ``step(optimizer)`` steps and updates the scaler (which skips steps whose
+    gradients overflowed).
     """
 
     def __init__(self, config: PrecisionConfig, device: torch.device) -> None:
@@ -54,13 +55,6 @@ class Precision:
         if self.dtype is None:
             return _NOTHING
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
-    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
-        """Backpropagate ``loss`` (scaled under fp16), seeded with ``gradient`` if given."""
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss if gradient is None else loss * gradient)
-            gradient = None
-        loss.backward(gradient)  # type: ignore[no-untyped-call]
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

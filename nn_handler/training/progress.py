@@ -34,7 +34,7 @@ class ProgressBar:
 
     def show(self, **values: float) -> None:
         if self._bar is not None:
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=True)
 
     def show_running(self, running: RunningLoss, started: float) -> None:
         """The epoch's running loss, samples/s and extra scalars (this rank's: a host sync,

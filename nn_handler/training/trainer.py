@@ -40,7 +40,7 @@ from nn_handler.training.epoch import (
 )
 from nn_handler.training.evaluation import Evaluator, Metric
 from nn_handler.training.facade import TrainerFacade, refuse_taken_names
-from nn_handler.training.history import History, Record
+from nn_handler.training.history import PARTIAL, History, Record
 from nn_handler.training.hooks import Hook, HookList
 from nn_handler.training.limits import limited, window
 from nn_handler.training.memory_planning import MemoryPlanner
@@ -229,6 +229,16 @@ class Trainer(TrainerFacade):
         """Train until ``epochs`` epochs are complete in total (default: config.epochs), so a
         resumed trainer continues where it stopped. Every rank must call this. Returns the
         History (losses and metrics the same on every rank, timings each rank's own)."""
+        if (
+            epochs is None
+            and "epochs" not in self.config.model_fields_set
+            and not self.config.fast_dev_run
+        ):
+            self.log.info(
+                "no epochs given: training {} epoch (trainer.epochs' default); pass "
+                "train(..., epochs=N) or set trainer.epochs",
+                self.config.epochs,
+            )
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
@@ -245,6 +255,7 @@ class Trainer(TrainerFacade):
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
+                self._reconsider_early_stop()
                 self.optimization.warn_if_the_schedule_ends_early(train_loader, epochs)
                 state.epochs, state.max_steps = epochs, self.config.max_steps
                 hooks.call_agreed("before_train", self.comm)
@@ -253,12 +264,33 @@ class Trainer(TrainerFacade):
                     self._begin_epoch(train_loader)
                     record: Record = {"epoch": float(state.epoch + 1)}
                     record.update(self.train_epoch(train_loader, epochs, **mid_epoch))
+                    if self.position.mid_epoch:  # max_steps ended this fit inside the epoch
+                        self._end_partial_epoch(record, epochs)
+                        break
                     self._end_epoch(record, val_loader, epochs)
             failed = False
         finally:
             self.training_failed = failed
             hooks.call_after_train(failed, self.log)
         return self.history
+
+    def _reconsider_early_stop(self) -> None:
+        """A resumed stop that early stopping decided stands, unless its settings changed
+        since (another patience, monitor, mode or min_delta, or early stopping turned off):
+        then this run's settings decide again, from the restored counters."""
+        state, stopper = self.state, self.early_stopping
+        if not (state.should_stop and self.position.stopped_early):
+            return
+        if stopper is not None and not stopper.settings_changed():
+            return
+        state.should_stop = stopper is not None and stopper.should_stop()
+        self.position.stopped_early = state.should_stop
+        self.log.info(
+            "early stopping's settings changed since the checkpoint's stop ({} -> {}): {}",
+            None if stopper is None else stopper.restored_settings,
+            None if stopper is None else stopper.settings(),
+            "it still stops" if state.should_stop else "training goes on",
+        )
 
     def _begin_epoch(self, train_loader: Iterable[Any]) -> None:
         self.position.start_epoch(train_loader)
@@ -288,6 +320,7 @@ class Trainer(TrainerFacade):
         bar = ProgressBar(config.progress_bar and self.is_main_process, total, title)
         state.skipped_steps = 0
         started = time.perf_counter()
+        partial = False
         try:
             point = position.take_resume()
             batches, first = epoch_batches(
@@ -312,7 +345,11 @@ class Trainer(TrainerFacade):
                     running.end_window(end - start, state.skipped_in_a_row > 0)
                 hooks.call("after_step")
                 bar.update()
-                if bar.active and (index + 1) % config.log_every_n_steps == 0:
+                if bar.active and (
+                    index == first
+                    or index + 1 == total
+                    or (index + 1) % config.log_every_n_steps == 0
+                ):  # from the first batch on (a short epoch too), then every n and at its end
                     bar.show_running(running, started)
                 if not synced:
                     continue
@@ -320,11 +357,14 @@ class Trainer(TrainerFacade):
                     validate_mid_epoch(self.evaluate, val_loader, state, self.log, total)
                 hooks.call("after_optimizer_step")  # the CheckpointHook last
                 if state.max_steps is not None and state.global_step >= state.max_steps:
-                    state.should_stop = True  # every rank alike: the same steps everywhere
+                    # This fit ends (every rank alike: the same steps everywhere); the run
+                    # does not: a later fit with a larger max_steps finishes the epoch.
+                    partial = total is None or index + 1 < total
                     break
         finally:
             bar.close()
-            position.running = state.batch = None
+            position.running = running if partial else None  # kept: the epoch goes on later
+            state.batch = None
         keys, skipped = self._train_keys, state.skipped_steps
         comm = self.comm if self.reproducible is None else NullCommunicator()  # replicated
         record = epoch_record(running, comm, self.device, keys, started, skipped)
@@ -384,12 +424,14 @@ class Trainer(TrainerFacade):
         state.epoch += 1
         self.position.end_epoch()
 
+        early = [False]
+
         def first() -> None:
             if validation_error is not None:  # this rank's after_validation hooks raised
                 raise validation_error
             stopper = self.early_stopping
             if stopper is not None and stopper.update(self.history.last, state.epoch):
-                state.should_stop = True
+                state.should_stop = early[0] = True
 
         # One agreement for the after_validation and after_epoch hooks and early stopping,
         # carrying rank 0's stop decision (no collective of their own).
@@ -401,11 +443,35 @@ class Trainer(TrainerFacade):
             share=lambda: [int(state.should_stop)],
         )
         state.should_stop = bool(shared[0][0])
+        self.position.stopped_early = state.should_stop and early[0]  # (rank 0's is saved)
         hooks.call("after_epoch", collective=True)
         notes = "".join(f"; {note}" for note in self.epoch_notes)
         self.log.info("epoch {}/{}: {}{}", state.epoch, epochs, summary(self.history.last), notes)
         if state.should_stop and self.early_stopping is not None:
             self.log.info(self.early_stopping.describe())
+
+    def _end_partial_epoch(self, record: Record, epochs: int) -> None:
+        """max_steps ended this fit inside an epoch (Lightning's rule: the fit, not the run).
+        The History records the partial epoch (``partial_batches``: its batches trained),
+        which the fit that completes the epoch replaces; no validation, epoch hooks or early
+        stopping for it; the position is checkpointed (save_last) and kept in memory, so a
+        later fit with a larger max_steps, from here or from the checkpoint, continues
+        exactly where this one stopped."""
+        position = self.position
+        record["lr"] = float(self.optimization.require_optimizer().param_groups[0]["lr"])
+        record[PARTIAL] = float(position.batches_done)
+        self.history.append(record)
+        if self.checkpointing.hook is not None:
+            self.checkpointing.hook.end_fit()
+        position.hold()
+        self.log.info(
+            "epoch {}/{} stopped at max_steps={} after {} batches: {}",
+            self.state.epoch + 1,
+            epochs,
+            self.state.max_steps,
+            position.batches_done,
+            summary(record),
+        )
 
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
         """Exact metrics over ``loader`` (loss and configured metrics); every rank must call

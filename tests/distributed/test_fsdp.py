@@ -109,7 +109,32 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         h.train(regression_data(), epochs=2)
         out["fsdp_to_ddp"] = state_of(h.model)
     out["ema"] = {strategy: _ema(strategy, val, Path(folder)) for strategy in ("fsdp", "ddp")}
+    out["view_warnings"] = _view_warnings(world_size)
     return out
+
+
+class ViewOut(nn.Module):
+    """Returns a view of its output (a slice): torch's FSDP2 warns about in-place ops on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[:, :3]
+
+
+def _view_warnings(world_size: int) -> int:
+    """How many times this rank shows torch's 'returned a view tensor' warning."""
+    import warnings
+
+    config = _config(EQUIVALENCE, world_size, strategy="fsdp")
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        NNHandler(ViewOut(), sgd, nn.CrossEntropyLoss(), config=config) as h,
+    ):
+        h.train(regression_data(n=16), epochs=1)
+    return sum("returned a view tensor" in str(w.message) for w in seen)
 
 
 def _ema(strategy: str, val: Any, folder: Path) -> dict[str, Any]:
@@ -293,3 +318,7 @@ def test_blocks_are_chosen_bottom_up_by_class_or_by_size() -> None:
     assert shard_blocks(model, [], 200) == [model[0]]
     assert shard_blocks(model, [], 100) == [model[0][0], model[0][1]]
     assert shard_blocks(model, [], 10_000) == []
+
+
+def test_torchs_view_output_warning_is_shown_once_in_all(results: list[dict[str, Any]]) -> None:
+    assert [r["view_warnings"] for r in results] == [1, 0]

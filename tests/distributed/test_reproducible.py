@@ -75,7 +75,28 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 out[f"{name}_resumed"] = digest(h)
     if world_size == 2:  # last: a failure on the one rank that owns the step's micro-batch
         out["one_rank_fails"] = _one_rank_fails(context)
+        out["idle_rank"] = _idle_rank_trains(context)
     return out
+
+
+def _idle_rank_trains(context: DistributedContext) -> str:
+    """One micro-batch per step on 2 ranks: rank 1 owns none (documented: it still takes
+    part) and must end as cleanly as rank 0 (its throughput monitor counted a step of no
+    FLOPs and closed the counter twice)."""
+    config = {
+        "loader": {"batch_size": 4},
+        "trainer": {
+            "progress_bar": False,
+            "reproducible": {"global_batch_size": 4, "micro_batch_size": 4},
+        },
+    }
+    try:
+        with NNHandler(cnn(), lambda p: torch.optim.SGD(p, lr=0.1), nn.CrossEntropyLoss(),
+                       config=config, context=context) as h:  # fmt: skip
+            h.train(images(16, 0), epochs=1)
+            return f"trained {h.trainer.state.global_step} steps"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def _one_rank_fails(context: DistributedContext) -> str:
@@ -147,3 +168,9 @@ def test_a_failure_on_the_rank_that_owns_the_step_stops_the_other_promptly(
     assert first.startswith("ConfigError") and "the buffer '0.seen' changed" in first, first
     assert second.startswith("RankFailedError") and "rank(s) [0]" in second, second
     assert int(second.split(" after ")[1].split(" s")[0]) < 30, second
+
+
+def test_a_rank_with_no_micro_batch_in_a_step_ends_cleanly(
+    runs: dict[int, list[dict[str, Any]]],
+) -> None:
+    assert [r["idle_rank"] for r in runs[2]] == ["trained 4 steps"] * 2

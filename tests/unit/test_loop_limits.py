@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nn_handler import ConfigError, Hook, NNHandler
+from nn_handler.training.history import PARTIAL
 from nn_handler.training.limits import limited, optimizer_steps_per_epoch, stepping_batches
+from tests.resume_helpers import TIMING_KEYS
 from tests.training_helpers import mlp, regression_data, sgd
 
 DATA = regression_data()  # 40 samples
@@ -80,6 +82,7 @@ def test_max_steps_stops_in_the_middle_of_an_epoch() -> None:
     handler = _handler(max_steps=13)  # 10 steps per epoch
     history = handler.train(DATA, epochs=5)
     assert handler.trainer.state.global_step == 13 and len(history) == 2
+    assert PARTIAL not in history.records[0] and history.last[PARTIAL] == 3.0
     assert handler.estimated_stepping_batches(DATA, epochs=5) == 13
     handler.train(DATA, epochs=6)  # already there: nothing more to do
     assert handler.trainer.state.global_step == 13
@@ -166,3 +169,88 @@ def test_windows_cover_the_epoch_once_and_step_once_each(total: int, accumulate:
     # Resuming after a step: the window of the next batch starts there.
     for step in steps[:-1]:
         assert window(step + 1, accumulate, total)[0] == step + 1
+
+
+def _extending(folder: Path, reproducible: bool, **trainer: Any) -> NNHandler:
+    if reproducible:
+        trainer["reproducible"] = {"global_batch_size": 4, "micro_batch_size": 2}
+    torch.manual_seed(0)
+    return NNHandler(
+        nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Linear(16, 3)),
+        sgd,
+        nn.CrossEntropyLoss(),
+        lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.8),
+        config={
+            "loader": {"batch_size": 4, "shuffle": True, "seed": 3},
+            "trainer": {"progress_bar": False, **trainer},
+            "checkpoint": {"dir": str(folder), "every_n_steps": 1, "resume": "auto"},
+        },
+    )
+
+
+def _outcome(handler: NNHandler) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    timing = TIMING_KEYS
+    records = [{k: v for k, v in r.items() if k not in timing} for r in handler.history.records]
+    return dict(handler.model.state_dict()), records
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_a_run_stopped_by_max_steps_mid_epoch_is_extended_exactly(
+    tmp_path: Path, reproducible: bool
+) -> None:
+    """Lightning's rule: max_steps ends the fit, not the run. Stopped at step 13 (epoch 2,
+    batch 3 of 10), resumed with max_steps=30 and epochs=3: the rest of epoch 2 is trained,
+    the partial record is replaced by the complete one, and the end is the same (weights and
+    History, bit for bit) as a run that never stopped."""
+    with _extending(tmp_path / "straight", reproducible) as handler:
+        handler.train(DATA, VAL, epochs=3)
+        straight = _outcome(handler)
+    with _extending(tmp_path / "run", reproducible, max_steps=13) as handler:
+        history = handler.train(DATA, VAL, epochs=2)
+        assert handler.trainer.state.global_step == 13
+        assert history.last[PARTIAL] == 3.0 and "val_loss" not in history.last
+    with _extending(tmp_path / "run", reproducible, max_steps=30) as handler:
+        handler.train(DATA, VAL, epochs=3)
+        assert handler.trainer.state.global_step == 30
+        extended = _outcome(handler)
+    assert extended[1] == straight[1] and len(extended[1]) == 3
+    assert all(torch.equal(extended[0][k], v) for k, v in straight[0].items())
+
+
+def test_a_run_stopped_by_max_steps_at_an_epoch_end_goes_on_without_a_limit(
+    tmp_path: Path,
+) -> None:
+    with _extending(tmp_path, False, max_steps=10) as handler:
+        history = handler.train(DATA, VAL, epochs=3)
+        assert handler.trainer.state.global_step == 10 and PARTIAL not in history.last
+    with _extending(tmp_path, False) as handler:  # no max_steps: the epochs decide
+        handler.train(DATA, VAL, epochs=3)
+        assert handler.trainer.state.global_step == 30
+
+
+def _patient(folder: Path, patience: int | None) -> NNHandler:
+    trainer: dict[str, Any] = {"progress_bar": False}
+    if patience is not None:
+        trainer["early_stopping"] = {"monitor": "val_loss", "patience": patience}
+    return NNHandler(
+        mlp(),
+        lambda params: torch.optim.SGD(params, lr=0.0),  # nothing improves
+        nn.CrossEntropyLoss(),
+        config={
+            "loader": {"batch_size": 8},
+            "trainer": trainer,
+            "checkpoint": {"dir": str(folder), "resume": "auto"},
+        },
+    )
+
+
+@pytest.mark.parametrize(("patience", "epochs_done"), [(1, 2), (3, 4), (None, 6)])
+def test_a_resumed_early_stop_stands_unless_its_settings_changed(
+    tmp_path: Path, patience: int | None, epochs_done: int
+) -> None:
+    with _patient(tmp_path, 1) as handler:
+        handler.train(DATA, VAL, epochs=6)
+        assert handler.trainer.state.epoch == 2  # patience 1 ran out after epoch 2
+    with _patient(tmp_path, patience) as handler:
+        handler.train(DATA, VAL, epochs=6)
+        assert handler.trainer.state.epoch == epochs_done

@@ -273,3 +273,24 @@ def test_the_reduction_timer_reports_what_ran_past_the_last_launch(
     exposed, buckets = timer.take()
     assert exposed == pytest.approx(0.5) and buckets == 2  # 2.0 - 1.5
     assert timer.take() == (0.0, 0)  # nothing since: a micro-batch inside a window
+
+
+class NoFlops(nn.Module):
+    """A step of no counted FLOPs (no matmul or convolution), as an idle rank's step in the
+    reproducible mode: FlopCounterMode counts 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :3] * self.scale
+
+
+def test_a_first_step_of_no_flops_closes_the_counter_once() -> None:
+    """The counter closed after the first step is not closed again at the fit's end (it
+    raised 'FlopCounter.__exit__ called but mode is None' on the reproducible mode's idle
+    ranks)."""
+    monitor = ThroughputMonitor()
+    handler = _run(NoFlops(), regression_data(n=16), monitor)
+    assert monitor.flops_per_sample is None and "tflops" not in handler.history.last

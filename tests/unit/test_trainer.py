@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -837,3 +838,30 @@ def test_a_monitor_on_an_extra_training_value_is_accepted() -> None:
     )
     assert len(handler.train(regression_data(), epochs=1)) == 1
     handler.close()
+
+
+def test_the_progress_bar_shows_the_running_loss_from_the_first_batch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short epoch (5 batches, fewer than log_every_n_steps=50) still shows its loss."""
+    from nn_handler.training import progress
+
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: True)
+    config = {"loader": {"batch_size": 8}, "trainer": {"progress_bar": True}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        handler.train(regression_data(), epochs=1)
+    shown = capsys.readouterr().err
+    assert re.search(r"it/s, loss=[0-9.]+, samples_s=", shown), shown  # the bar's postfix
+
+
+def test_training_without_epochs_says_it_trains_one(lines: list[str]) -> None:
+    config = {"loader": {"batch_size": 8}, "trainer": {"progress_bar": False}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
+        handler.train(regression_data())
+        said = [line for line in lines if line.startswith("no epochs given")]
+        assert said == [
+            "no epochs given: training 1 epoch (trainer.epochs' default); pass "
+            "train(..., epochs=N) or set trainer.epochs"
+        ]
+        handler.train(regression_data(), epochs=2)  # given: nothing to say
+        assert len([line for line in lines if line.startswith("no epochs given")]) == 1

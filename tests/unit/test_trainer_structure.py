@@ -168,7 +168,9 @@ def test_a_subclass_with_its_own_ordinary_attributes_trains_and_counts() -> None
         assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("name", ["state", "history", "hooks", "optimization", "model"])
+@pytest.mark.parametrize(
+    "name", ["state", "history", "hooks", "optimization", "model", "memory", "reproducible"]
+)
 def test_assigning_one_of_the_trainers_own_attributes_is_a_clear_error(name: str) -> None:
     trainer = Trainer(mlp(), sgd, nn.CrossEntropyLoss())
     with pytest.raises(ConfigError, match=rf"Trainer\.{name} is the Trainer's own attribute"):
@@ -304,3 +306,13 @@ def test_an_evaluator_needs_a_strategy_that_has_set_up_the_model() -> None:
     )
     with pytest.raises(ConfigError, match="needs a strategy whose setup"):
         Evaluator(config, strategy, optimization, HookList([], None), None, lambda _m: None)
+
+
+def test_every_attribute_the_trainer_sets_is_protected_or_private() -> None:
+    """A new part added to Trainer.__init__ without its annotation on TrainerFacade would be
+    silently replaceable by a subclass (memory and reproducible were)."""
+    from nn_handler.training.facade import OWN_ATTRIBUTES
+
+    trainer = Trainer(mlp(), sgd, nn.CrossEntropyLoss())
+    public = {name for name in vars(trainer) if not name.startswith("_")}
+    assert public - OWN_ATTRIBUTES == {"training_failed"}
