@@ -220,3 +220,20 @@ def test_the_default_budget_fits_kubernetes_grace_period(
     marker = tmp_path / "preempt-now"
     _stopped_at(_handler(tmp_path, str(marker), [NoticeAt(3, marker.touch)]), tmp_path)
     assert budgets[-1] == 25.0  # the emergency save, in a pod
+
+
+def test_the_aws_spot_source_takes_the_sdks_endpoint_override(
+    imdsv2_server: tuple[str, threading.Event, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``preemption_notice: aws-spot`` pointed at a stand-in the way the AWS SDKs are
+    (AWS_EC2_METADATA_SERVICE_ENDPOINT): a user can test their spot handling end to end."""
+    base, noticed, seen = imdsv2_server
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", base + "/")
+    assert notice_from("aws-spot")[1] == f"the AWS spot interruption notice at {base}"
+    assert _stopped_at(_handler(tmp_path, "aws-spot", [NoticeAt(4, noticed.set)]), tmp_path) == 4
+    assert seen and all(line.endswith("token=secret-token") for line in seen)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "169.254.169.254")
+    with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):
+        notice_from("aws-spot")

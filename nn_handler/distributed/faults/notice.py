@@ -7,10 +7,11 @@ checkpoint is written), so polling never blocks a training step.
 
 from __future__ import annotations
 
+import os
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from loguru import logger
@@ -39,6 +40,8 @@ def url_notice(url: str, timeout_s: float = 1.0) -> NoticeSource:
 #: The EC2 instance metadata service, where a spot instance finds its interruption notice.
 AWS_METADATA = "http://169.254.169.254"
 AWS_SPOT_NOTICE = "aws-spot"
+#: Where the AWS SDKs (botocore, the CLI, Java, Go) read another metadata endpoint from.
+AWS_METADATA_ENDPOINT = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 
 
 def aws_spot_notice(base: str = AWS_METADATA, timeout_s: float = 1.0) -> NoticeSource:
@@ -75,9 +78,13 @@ def _answers(request: urllib.request.Request | str, timeout_s: float) -> bool:
         return False
 
 
-def notice_from(spec: str | NoticeSource) -> tuple[NoticeSource, str]:
+def notice_from(
+    spec: str | NoticeSource, env: Mapping[str, str] | None = None
+) -> tuple[NoticeSource, str]:
     """The source ``spec`` names ('aws-spot', an http(s) URL, a file path, or a callable
-    returning True once the notice came) and how to name it in a log line."""
+    returning True once the notice came) and how to name it in a log line. 'aws-spot' asks
+    the metadata service at ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` when ``env`` (default: the
+    environment) sets it, as the AWS SDKs do: a stand-in for tests, a proxy."""
     if callable(spec):
         return spec, getattr(spec, "__name__", type(spec).__name__)
     if not isinstance(spec, str) or not spec:
@@ -85,7 +92,16 @@ def notice_from(spec: str | NoticeSource) -> tuple[NoticeSource, str]:
             f"preemption_notice must be 'aws-spot', a file path or an http(s) URL, got {spec!r}."
         )
     if spec == AWS_SPOT_NOTICE:
-        return aws_spot_notice(), "the AWS spot interruption notice"
+        endpoint = (os.environ if env is None else env).get(AWS_METADATA_ENDPOINT, "")
+        if not endpoint:
+            return aws_spot_notice(), "the AWS spot interruption notice"
+        if not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{AWS_METADATA_ENDPOINT}={endpoint!r} is not an http(s) URL (e.g. "
+                f"http://127.0.0.1:1338); fix it or unset it for the real metadata service."
+            )
+        base = endpoint.rstrip("/")
+        return aws_spot_notice(base), f"the AWS spot interruption notice at {base}"
     if spec.startswith(("http://", "https://")):
         return url_notice(spec), spec
     return file_notice(spec), spec
@@ -132,6 +148,7 @@ class NoticePoller:
 
 
 __all__ = [
+    "AWS_METADATA_ENDPOINT",
     "AWS_METADATA",
     "AWS_SPOT_NOTICE",
     "NoticePoller",
