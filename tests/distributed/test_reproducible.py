@@ -74,8 +74,8 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 train(h, name)
                 out[f"{name}_resumed"] = digest(h)
     if world_size == 2:  # last: a failure on the one rank that owns the step's micro-batch
-        out["one_rank_fails"] = _one_rank_fails(context)
         out["idle_rank"] = _idle_rank_trains(context)
+        out["one_rank_fails"] = _one_rank_fails(context)
     return out
 
 
