@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import torch
 from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
@@ -193,6 +194,8 @@ def _restore(
             )
         return
     try:
+        if load is None and not part.collective:
+            check_like(state, _current(part), f"the {part.name!r} state of {source}")
         (load or part.load)(state, source)
     except CheckpointError:
         raise
@@ -203,4 +206,46 @@ def _restore(
         ) from error
 
 
-__all__ = ["Missing", "Part", "StateRegistry", "Stateful", "part_of", "restore_shards"]
+def _current(part: Part) -> Any:
+    """The part's state now, to compare a saved one with (None where it cannot say: the
+    part's own load then checks what it can)."""
+    try:
+        return part.save()
+    except Exception:  # a part not ready to save yet (nothing built): nothing to compare
+        return None
+
+
+def check_like(saved: Any, expected: Any, where: str, path: str = "") -> None:
+    """Every tensor of ``saved`` with the dtype and shape of the tensor at the same place of
+    ``expected`` (this run's state of the part), where that has one: a CheckpointError naming
+    the entry otherwise (a load_state_dict would cast or copy it silently)."""
+    if isinstance(saved, torch.Tensor) and isinstance(expected, torch.Tensor):
+        if saved.dtype != expected.dtype or tuple(saved.shape) != tuple(expected.shape):
+            raise CheckpointError(
+                f"{where}: {path or 'the value'} is {_describe(saved)} there and "
+                f"{_describe(expected)} in this run: it was written by another model or "
+                f"configuration (or altered). Build them the same way as the run that wrote it."
+            )
+        return
+    if isinstance(saved, Mapping) and isinstance(expected, Mapping):
+        for key, value in saved.items():
+            if key in expected:
+                check_like(value, expected[key], where, f"{path}[{key!r}]")
+    elif isinstance(saved, (list, tuple)) and isinstance(expected, (list, tuple)):
+        for index, (value, other) in enumerate(zip(saved, expected, strict=False)):
+            check_like(value, other, where, f"{path}[{index}]")
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}"
+
+
+__all__ = [
+    "check_like",
+    "Missing",
+    "Part",
+    "StateRegistry",
+    "Stateful",
+    "part_of",
+    "restore_shards",
+]

@@ -79,14 +79,43 @@ def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
                 f"{sorted(own)} and has no reset_parameters() to initialise them: give it one, "
                 f"or load the weights from a file (trainer.init_weights)."
             )
-        whole = _initialised_whole(sub, own, reset, device, _seed_of(seed, name))
+        whole = _initialised_whole(sub, own, reset, device, _seed_of(seed, name), name)
         for key, tensor in own.items():
             with torch.no_grad():
                 _copy_piece(tensor, whole[key], f"{name}.{key}" if name else key)
 
 
+def _integer_sentinel(dtype: torch.dtype) -> int:
+    """The lowest signed value, the highest unsigned one (0 is too common an initial value)."""
+    info = torch.iinfo(dtype)
+    return int(info.min) if info.min < 0 else int(info.max)
+
+
+def _fill_sentinel(tensor: torch.Tensor) -> None:
+    """NaN for floating-point tensors, an extreme value for integers (booleans: none)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(_integer_sentinel(tensor.dtype))
+
+
+def _holds_sentinel(tensor: torch.Tensor) -> bool:
+    """Whether some element of ``tensor`` is still the sentinel (an initialiser that skipped
+    it, or wrote only part of it)."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return bool((tensor == _integer_sentinel(tensor.dtype)).any())
+
+
 def _initialised_whole(
-    sub: nn.Module, own: dict[str, torch.Tensor], reset: Any, device: torch.device, seed: int
+    sub: nn.Module,
+    own: dict[str, torch.Tensor],
+    reset: Any,
+    device: torch.device,
+    seed: int,
+    name: str = "",
 ) -> dict[str, torch.Tensor]:
     """``sub``'s own tensors built whole on ``device``, initialised by ``reset`` (the module's
     tensors swapped for the whole ones during the call, and back after)."""
@@ -94,6 +123,7 @@ def _initialised_whole(
     try:
         for key, tensor in own.items():
             whole = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
+            _fill_sentinel(whole)  # what reset() leaves unwritten is found after it
             swapped = nn.Parameter(whole, tensor.requires_grad) if key in parameters else whole
             setattr(sub, key, swapped)
         with _seeded(device, seed), torch.no_grad():
@@ -105,6 +135,13 @@ def _initialised_whole(
                 raise ConfigError(
                     f"{type(sub).__name__}.reset_parameters() left {key!r} as {value!r}, not a "
                     f"tensor; it must initialise its tensors in place."
+                )
+            if _holds_sentinel(value):
+                raise ConfigError(
+                    f"{type(sub).__name__}.reset_parameters() left {key!r} (of the meta-device "
+                    f"model's module {name or 'at the root'!r}) uninitialised: training would "
+                    f"start from whatever memory held. Initialise every parameter and buffer "
+                    f"in it, or load the weights from a file (trainer.init_weights)."
                 )
             result[key] = value.detach()
         return result

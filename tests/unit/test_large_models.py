@@ -94,6 +94,32 @@ def test_a_reset_parameters_that_drops_its_tensor_is_named() -> None:
         _setup(model)
 
 
+class Forgets(nn.Module):
+    """A reset_parameters that initialises its weight and forgets its gain (or, ``half``,
+    writes only half of it)."""
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__()
+        self.half = half
+        self.weight = nn.Parameter(torch.empty(4))
+        self.gain = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.half:
+            nn.init.ones_(self.gain[:2])
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_a_tensor_that_reset_parameters_leaves_unwritten_is_named(half: bool) -> None:
+    """It trained on uninitialised memory (a gain of 0 to 3e32 per rank's shard)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Forgets(half))
+    says = r"Forgets.reset_parameters\(\) left 'gain' \(of the meta-device model's module '1'\)"
+    with pytest.raises(ConfigError, match=says + " uninitialised"):
+        _setup(model)
+
+
 def test_a_model_partly_on_the_meta_device_is_refused() -> None:
     model = nn.Sequential(nn.Linear(3, 3), blocks_model(depth=1))
     with pytest.raises(ConfigError, match=r"partly on the meta device \('1.0.weight' is"):

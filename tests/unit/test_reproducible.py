@@ -303,3 +303,42 @@ def test_a_factory_builds_the_modes_loaders_again_on_any_rank() -> None:
         assert [len(loader) for loader in loaders] == [2, 2]
         assert factory.settings["global_batch_size"] == 16
         assert factory.settings["evaluation_batch_size"] == 8
+
+
+def _altered(tmp_path: Any, change: Any) -> tuple[Any, Any]:
+    """A reproducible run's checkpoint, rewritten by ``change(checkpoint)`` (a valid file:
+    only its values differ)."""
+    from nn_handler import CheckpointError
+
+    path = tmp_path / "ckpt.pt"
+    with _handler(cnn()) as h:
+        h.train(images(32, 0), epochs=1)
+        h.save(path)
+    saved = torch.load(path, weights_only=True)
+    change(saved)
+    torch.save(saved, path)
+    with _handler(cnn()) as h, pytest.raises(CheckpointError) as error:
+        h.resume(path)
+    return error.value, saved
+
+
+def test_fixed_point_exponents_of_another_dtype_are_refused_by_name(tmp_path: Any) -> None:
+    def to_float(saved: dict[str, Any]) -> None:
+        saved["reproducible"]["exponents"] = saved["reproducible"]["exponents"].float()
+
+    error, _ = _altered(tmp_path, to_float)
+    assert "the 'reproducible' state of" in str(error)
+    assert "fixed-point exponents are float32 of shape" in str(error)
+    assert "this run needs int64" in str(error)
+
+
+def test_a_restored_tensor_of_another_dtype_or_shape_is_refused_by_name(tmp_path: Any) -> None:
+    def widen(saved: dict[str, Any]) -> None:
+        model = saved["model"]
+        key = next(iter(model))
+        model[key] = model[key].double()
+
+    error, saved = _altered(tmp_path, widen)
+    key = next(iter(saved["model"]))
+    assert "the 'model' state of" in str(error) and f"[{key!r}] is float64 of shape" in str(error)
+    assert "float32 of shape" in str(error) and "in this run" in str(error)

@@ -28,7 +28,7 @@ from torch import nn
 from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import StepBatch
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import ConfigError
+from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.reproducible import fixed_point
 from nn_handler.training.reproducible.norm_statistics import NormStatistics
 
@@ -190,8 +190,26 @@ class ExactStep:
         """The fixed-point scales (the next step's depend on them: a resume keeps them)."""
         return {"exponents": self.scale.exponents}
 
-    def load_state_dict(self, state: Any, _source: str = "") -> None:
+    def load_state_dict(self, state: Any, source: str = "the checkpoint") -> None:
+        """The saved scales: an int64 exponent per trained parameter tensor, else a
+        CheckpointError (other values would silently leave the bit-identical path)."""
         exponents = (state or {}).get("exponents")
+        count = len(self.params)
+        if exponents is not None and not (
+            isinstance(exponents, torch.Tensor)
+            and exponents.dtype == torch.int64
+            and tuple(exponents.shape) == (count,)
+        ):
+            found = (
+                f"{str(exponents.dtype).removeprefix('torch.')} of shape {tuple(exponents.shape)}"
+                if isinstance(exponents, torch.Tensor)
+                else type(exponents).__name__
+            )
+            raise CheckpointError(
+                f"the 'reproducible' state of {source}: its fixed-point exponents are {found}, "
+                f"this run needs int64 of shape ({count},) (one per trained parameter tensor); "
+                f"the checkpoint was not written by this model in the reproducible mode."
+            )
         self.scale.set(None if exponents is None else exponents.to(self.device))
 
 
