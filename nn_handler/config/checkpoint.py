@@ -49,8 +49,10 @@ class CheckpointConfig(ConfigModel):
         monitor: the History key save_best watches (e.g. 'val_loss', 'val_accuracy').
         mode: 'min' when lower is better, 'max' when higher is better.
         resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
-            restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0), 'auto'
-            whenever ``dir`` holds one, 'never' starts afresh. Both resume only a checkpoint of
+            restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0) and
+            refuses (ConfigError) a fresh start over committed checkpoints, which would make
+            a shorter run the latest; 'auto' resumes whenever ``dir`` holds one, 'never'
+            starts afresh (keeping what is there). Both resume only a checkpoint of
             the same run configuration (optimizer and initial learning rate, precision, EMA,
             loader seed and shuffle, accumulation, clipping...): one written by a run that
             differs is refused, naming the fields. 'force' resumes the latest whatever wrote

@@ -425,3 +425,22 @@ def test_a_store_that_falls_silent_mid_run_fails_the_save_not_the_run_silently(
         assert reached == 4
     retries = _retry_lines(lines)
     assert len(retries) == 4 and all(f"{s3.url}/run/" in line for line in retries)
+
+
+def test_a_fresh_start_on_restart_never_becomes_the_latest_over_committed_checkpoints(
+    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    """The default resume (on_restart) on a fresh machine, not a restart, over a bucket that
+    holds the run's checkpoints: a ConfigError naming both choices, before any step, and
+    latest.json untouched; resume: never starts a new run over them; resume: auto continues
+    the long run."""
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=2)
+    latest = s3.fs().cat(f"{s3.name}/run/latest.json")
+    with pytest.raises(ConfigError, match=r"resume: auto to continue.*resume: never to start"):
+        run(url, machine(tmp_path, "second"), epochs=1, resume="on_restart")
+    assert s3.fs().cat(f"{s3.name}/run/latest.json") == latest
+    resumed = run(url, machine(tmp_path, "third"), epochs=rh.EPOCHS, resume="auto")
+    assert rh.same(resumed, uninterrupted)
+    fresh = run(url, machine(tmp_path, "fourth"), epochs=1, resume="never")
+    assert fresh["global_step"] == 5  # an explicit choice: a new run over the old one
