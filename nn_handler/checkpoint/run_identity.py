@@ -39,6 +39,9 @@ IDENTITY = (
     "trainer.scheduler_interval",
     "trainer.nonfinite",
     "trainer.sync_batchnorm",
+    "trainer.reproducible.global_batch_size",
+    "trainer.reproducible.micro_batch_size",
+    "trainer.reproducible.seed",
 )
 
 

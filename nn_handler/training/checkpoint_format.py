@@ -89,6 +89,43 @@ def check_world_change(source: str, saved_world: int, world: int, allowed: bool)
     )
 
 
+def _reproducible_of(run_config: Any) -> dict[str, Any] | None:
+    """The reproducible mode's settings in a checkpoint's run configuration (NNHandler's
+    whole config under ``handler``, or a Trainer's sections); None: off."""
+    config = run_config.get("handler", run_config) if isinstance(run_config, Mapping) else {}
+    trainer = config.get("trainer") if isinstance(config, Mapping) else None
+    mode = trainer.get("reproducible") if isinstance(trainer, Mapping) else None
+    return dict(mode) if isinstance(mode, Mapping) else None
+
+
+def check_reproducible(saved_config: Any, run_config: Any, source: str) -> None:
+    """The reproducible mode resumes only a checkpoint written with the same settings: another
+    global or micro batch size re-cuts the steps (samples of the epoch skipped or trained
+    twice), another seed changes every step's randomness, and a checkpoint written with the
+    mode off (or read with it off) has another data order. A ConfigError naming the fields
+    otherwise (also with resume: force: nothing can continue it exactly)."""
+    saved, now = _reproducible_of(saved_config), _reproducible_of(run_config)
+    if saved_config is None or saved == now:
+        return
+    if saved is None or now is None:
+        what = "without" if saved is None else "with"
+        fields = (
+            f"it was written {what} trainer.reproducible, this run has it {'on' if now else 'off'}"
+        )
+    else:
+        fields = "; ".join(
+            f"trainer.reproducible.{key}: {saved.get(key)!r} in the checkpoint, "
+            f"{now.get(key)!r} in this run"
+            for key in sorted(set(saved) | set(now))
+            if saved.get(key) != now.get(key)
+        )
+    raise ConfigError(
+        f"cannot resume {source} in the reproducible mode: {fields}. The steps would be cut "
+        f"otherwise (samples of the epoch skipped or trained twice) and the run would leave "
+        f"the bit-identical path; resume with the checkpoint's settings, or start afresh."
+    )
+
+
 def world_change_note(
     source: str, saved_world: int, world: int, batches_done: int, allowed: bool, exact: bool
 ) -> str:
@@ -113,6 +150,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "check_checkpoint",
+    "check_reproducible",
     "check_world_change",
     "plain_config",
     "world_change_note",

@@ -42,6 +42,7 @@ from nn_handler.training.checkpoint_format import (
     FORMAT,
     VERSION,
     check_checkpoint,
+    check_reproducible,
     plain_config,
     rank_parts,
     world_change_note,
@@ -209,6 +210,8 @@ class TrainerCheckpoints:
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
+        if not for_inference:  # weights to predict with: the steps do not matter
+            check_reproducible(ckpt.get("config"), self.run_config, source)
         saved_run = self._check_run(ckpt, source, automatic)
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))

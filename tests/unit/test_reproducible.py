@@ -342,3 +342,39 @@ def test_a_restored_tensor_of_another_dtype_or_shape_is_refused_by_name(tmp_path
     key = next(iter(saved["model"]))
     assert "the 'model' state of" in str(error) and f"[{key!r}] is float64 of shape" in str(error)
     assert "float32 of shape" in str(error) and "in this run" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("changed", "says"),
+    [
+        ({"global_batch_size": 32}, "global_batch_size: 16 in the checkpoint, 32 in this run"),
+        ({"global_batch_size": 8}, "global_batch_size: 16 in the checkpoint, 8 in this run"),
+        ({"micro_batch_size": 2}, "micro_batch_size: 4 in the checkpoint, 2 in this run"),
+        ({"seed": 7}, "seed: 0 in the checkpoint, 7 in this run"),
+    ],
+)
+def test_a_resume_with_other_reproducible_settings_is_refused_by_field(
+    tmp_path: Any, changed: dict[str, int], says: str
+) -> None:
+    """Another global batch size re-cut the epoch (32 -> 64: half its samples never trained;
+    32 -> 16: some trained twice) under a 'bit-identical' promise; now a ConfigError names
+    the field, explicit resume or not, and the fingerprint holds the settings."""
+    from nn_handler.checkpoint.run_identity import IDENTITY
+
+    path = tmp_path / "ckpt.pt"
+    with _handler(cnn()) as h:
+        h.train(images(64, 0), epochs=1)
+        h.save(path)
+    other = {"global_batch_size": 16, "micro_batch_size": 4, **changed}
+    config = {
+        "loader": {"batch_size": 8, "seed": 3},
+        "trainer": {"progress_bar": False, "reproducible": other},
+    }
+    with NNHandler(cnn(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                   config=config) as h, pytest.raises(ConfigError) as error:  # fmt: skip
+        h.resume(path)
+    assert "cannot resume" in str(error.value) and f"trainer.reproducible.{says}" in str(
+        error.value
+    )
+    assert "skipped or trained twice" in str(error.value)
+    assert {f"trainer.reproducible.{k}" for k in ("global_batch_size", "seed")} <= set(IDENTITY)
