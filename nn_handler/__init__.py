@@ -53,7 +53,7 @@ from nn_handler.errors import (
 )
 from nn_handler.handler import NNHandler
 from nn_handler.log import disable_logging, enable_logging
-from nn_handler.monitoring import ThroughputMonitor
+from nn_handler.monitoring import LearningRateMonitor, ThroughputMonitor
 from nn_handler.tracking import (
     CSVLogger,
     ExperimentLogger,
@@ -111,6 +111,7 @@ __all__ = [
     "NullCommunicator",
     "RankFailedError",
     "TensorBoardLogger",
+    "LearningRateMonitor",
     "ThroughputMonitor",
     "TrackioLogger",
     "TrainingInterrupted",

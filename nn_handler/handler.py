@@ -31,7 +31,7 @@ from nn_handler.distributed.context import DistributedContext
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
 from nn_handler.errors import ConfigError, HandlerClosedError
 from nn_handler.log import disable_logging, enable_logging
-from nn_handler.monitoring import ThroughputMonitor
+from nn_handler.monitoring import LearningRateMonitor, ThroughputMonitor
 from nn_handler.tracking import build_trackers
 from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
@@ -111,7 +111,8 @@ def _remove_log_sinks(sinks: list[int]) -> None:
 
 def observers(config: LoggingConfig, given: Iterable[Hook]) -> list[Hook]:
     """The hooks ``logging`` asks for: a ThroughputMonitor (unless ``monitor`` is off or
-    ``given`` has one) and the trackers of ``trackers``."""
+    ``given`` has one), a LearningRateMonitor (``log_lr: step``) and the trackers of
+    ``trackers``."""
     added: list[Hook] = []
     if config.monitor and not any(isinstance(hook, ThroughputMonitor) for hook in given):
         added.append(
@@ -119,6 +120,8 @@ def observers(config: LoggingConfig, given: Iterable[Hook]) -> list[Hook]:
                 flops_per_sample=config.flops_per_sample, peak_tflops=config.peak_tflops
             )
         )
+    if config.log_lr == "step" and not any(isinstance(h, LearningRateMonitor) for h in given):
+        added.append(LearningRateMonitor())
     added.extend(build_trackers(config.trackers, config.dir))
     return added
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator
@@ -42,6 +42,9 @@ class LoggingConfig(ConfigModel):
         flops_per_sample: the monitor's training FLOPs per sample (None: measured once).
         peak_tflops: the monitor's peak TFLOP/s per device for the MFU (None: looked up for
             known GPUs).
+        log_lr: 'epoch': the learning rate is in each epoch's record (always); 'step': also
+            every optimizer step's, to the trackers (a LearningRateMonitor: ``lr``, or
+            ``lr-<Optimizer>[/pg<i>]`` with several optimizers or parameter groups).
     """
 
     enabled: bool = True
@@ -51,6 +54,7 @@ class LoggingConfig(ConfigModel):
     dir: str = "runs"
     trackers: list[TrackerConfig] = Field(default_factory=list)
     monitor: bool = True
+    log_lr: Literal["epoch", "step"] = "epoch"
     flops_per_sample: float | None = Field(default=None, gt=0)
     peak_tflops: float | None = Field(default=None, gt=0)
 

@@ -294,3 +294,45 @@ def test_a_first_step_of_no_flops_closes_the_counter_once() -> None:
     monitor = ThroughputMonitor()
     handler = _run(NoFlops(), regression_data(n=16), monitor)
     assert monitor.flops_per_sample is None and "tflops" not in handler.history.last
+
+
+class Logged(Hook):
+    """What reaches the experiment trackers (their after_log point)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def after_log(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def test_log_lr_step_writes_every_optimizer_steps_learning_rate() -> None:
+    """Lightning's LearningRateMonitor(logging_interval='step'): a per-step schedule's rate at
+    each step, under 'lr' (one optimizer of one group)."""
+    logged = Logged()
+    config = {
+        "loader": {"batch_size": 8},
+        "trainer": {"progress_bar": False, "scheduler_interval": "step"},
+        "logging": {"log_lr": "step"},
+    }
+    halving = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)  # noqa: E731
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), halving, config=config,
+                   hooks=[logged]) as handler:  # fmt: skip
+        handler.train(regression_data(n=24), epochs=2)  # 3 steps an epoch
+    assert [step for step, _ in logged.rows] == [1, 2, 3, 4, 5, 6]
+    assert [row["lr"] for _, row in logged.rows] == [0.1 * 0.5**k for k in range(1, 7)]
+
+
+def test_learning_rate_names_follow_lightnings() -> None:
+    from nn_handler.monitoring.learning_rate import lr_names
+
+    one = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    layer = nn.Linear(2, 2)
+    groups = torch.optim.Adam([{"params": [layer.weight]}, {"params": [layer.bias]}])
+    assert lr_names([one]) == [["lr"]]
+    assert lr_names([groups, one, one]) == [
+        ["lr-Adam/pg0", "lr-Adam/pg1"],
+        ["lr-SGD"],
+        ["lr-SGD-1"],
+    ]
