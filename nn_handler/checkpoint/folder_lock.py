@@ -2,9 +2,10 @@
 
 Rank 0 takes the lock when its CheckpointManager starts and releases it when the handler
 closes. The lock names its holder (host, pid, the launcher's job id). A lock is stale, and
-taken over with a warning, when its process is gone from this host, or when it was taken by
-an earlier incarnation of this same job (a torchrun restart or a SLURM requeue, which carry
-the job's id); any other holder makes the start fail, naming it.
+taken over with a warning, when its process is gone from this host, or when it was taken on
+another host by an earlier incarnation of this same job (a torchrun restart or a SLURM
+requeue, which carry the job's id); a live process on this host always holds it (two srun
+steps of one allocation share SLURM_JOB_ID); any other holder makes the start fail, naming it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def _why_stale(holder: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
             return "it is this process"
         if not process_running(pid):
             return "its process is gone"
+        # A live process on this host is a live job, whatever ids it shares with this one
+        # (two srun steps of one allocation, a reused --rdzv-id): never a restart.
+        return ""
     if holder.get("job") and holder.get("job") == mine["job"]:
         return "it is an earlier start of this same job (a restart)"
     return ""

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.run_identity import differences, fingerprint, run_of
@@ -101,3 +103,29 @@ def test_a_fingerprint_keeps_what_defines_a_run_and_names_its_differences() -> N
     ]
     assert differences(saved, {"lr": 0.1}) == []  # fields one side lacks are not compared
     assert run_of({"format": "x"}) == (None, {})  # written before runs had identities
+
+
+@pytest.mark.parametrize("job", ["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"])
+def test_a_live_process_on_this_host_holds_the_folder_even_with_this_jobs_id(
+    tmp_path: Path, job: str
+) -> None:
+    """Two srun steps of one allocation (one SLURM_JOB_ID) or a reused --rdzv-id: the second
+    was taken for a restart of the first, deleted its temporary files and trained into its
+    folder. A live pid on this host is never a restart; a dead one's lock is taken over."""
+    from nn_handler.checkpoint import folder_lock
+    from nn_handler.errors import CheckpointError
+
+    env = {job: "4242"}
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = {"host": socket.gethostname(), "pid": live.pid, "job": f"{job}=4242",
+                  "time": 0.0}  # fmt: skip
+        (tmp_path / LOCK).write_text(json.dumps(holder))
+        with pytest.raises(CheckpointError, match=rf"in use by another live job: {job}=4242"):
+            folder_lock.acquire(tmp_path, env)
+    finally:
+        live.kill()
+        live.wait(timeout=30)
+    folder_lock.acquire(tmp_path, env)  # its process is gone: a restart takes it over
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    folder_lock.release(tmp_path)
