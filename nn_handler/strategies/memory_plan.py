@@ -7,7 +7,9 @@ the optimizer step's workspace, the communication buffers (FSDP2: the gathered p
 unsharded gradients of the blocks in flight; DDP: its gradient buckets) and the activations
 kept for backward (estimated by running the model on the meta device:
 activation_estimate.py). The total is their sum, the gradients and the activations counted as
-the larger of the two (measured on CPU ranks within 15%: benchmarks/memory_plan.py)."""
+the larger of the two (measured on CPU ranks within 15%: benchmarks/memory_plan.py); the
+total is the larger of that training peak and the validation peak (the evaluation pass, with
+the gradients still held)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,12 @@ from torch import nn
 
 from nn_handler.errors import ConfigError
 
+#: The plan's item for the evaluation pass, and how it is counted.
+VALIDATION = "validation"
+EVALUATION_NOTE = (
+    "the evaluation pass of one batch, bounded by full checkpointing's activations (its "
+    "forward keeps none for backward), the gradients still held"
+)
 #: How many blocks FSDP2 holds gathered at once (the one computing and the one prefetched),
 #: for their parameters in forward and again for their unsharded gradients in backward.
 BLOCKS_IN_FLIGHT = 2
@@ -119,12 +127,16 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """The peak: every item, with the gradients and the activations counted as the
-        larger of the two (backward frees a block's activations as it makes its gradients;
-        both peak at different moments)."""
+        """The peak: training's or validation's, the larger. Training's is every item but
+        validation, with the gradients and the activations counted as the larger of the two
+        (backward frees a block's activations as it makes its gradients; both peak at
+        different moments); validation's is every item but the activations, plus the
+        evaluation pass's (the gradients are still held then)."""
         sizes = {name: size for name, size, _ in self.items}
+        validation = sizes.pop(VALIDATION, 0)
         overlap = min(sizes.get("gradients", 0), sizes.get("activations", 0))
-        return sum(sizes.values()) - overlap
+        training = sum(sizes.values()) - overlap
+        return max(training, sum(sizes.values()) - sizes.get("activations", 0) + validation)
 
     def heading(self) -> str:
         """The line above the items."""
@@ -201,6 +213,7 @@ def plan_memory(
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
         items.append(("activations", kept, how))
+        items.append((VALIDATION, activations.full, EVALUATION_NOTE))
     return MemoryPlan(layout, tuple(items))
 
 
@@ -265,6 +278,7 @@ def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) ->
 
 
 __all__ = [
+    "VALIDATION",
     "Activations",
     "Layout",
     "MemoryPlan",

@@ -113,7 +113,7 @@ class MemoryPlanner:
         plan = plan_memory(self.sizes, self.layout, self.slots, self.optimizer, activations)
         self.plan = plan
         level = self._level
-        shown = plan.items if activations is None else plan.items[-1:]
+        shown = plan.items if activations is None else plan.items[-2:]
         if activations is None:
             self.log.log(level, plan.heading())
         for name, size, how in shown:
@@ -122,8 +122,9 @@ class MemoryPlanner:
             total, budget = _gib(plan.total), _gib(self.budget)
             self.log.log(
                 level,
-                "  total: {} of a budget of {} (the gradients and the activations "
-                "counted once: backward frees one as it makes the other)",
+                "  total: {} of a budget of {} (the larger of training's peak, the gradients "
+                "and the activations counted once as backward frees one as it makes the "
+                "other, and validation's)",
                 total,
                 budget,
             )

@@ -300,9 +300,25 @@ def test_gradients_and_activations_count_once_in_the_total() -> None:
     small = Activations(none=50 * MiB, full=10 * MiB, selective=20 * MiB)
     large = Activations(none=900 * MiB, full=10 * MiB, selective=20 * MiB)
     without = plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", None).total
-    assert plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", small).total == without
+    # Hidden under the gradients in training; validation holds both (+ full's 10 MiB).
+    assert plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", small).total == (
+        without + 10 * MiB
+    )
     with_large = plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", large).total
     assert with_large == without + (900 - 100) * MiB
+
+
+def test_the_evaluation_pass_is_counted_with_the_gradients_held() -> None:
+    """Under FSDP2 with full activation checkpointing the validation pass measured 30% over
+    a plan that left it out: the plan's total is now the larger of both peaks."""
+    activations = Activations(none=900 * MiB, full=40 * MiB, selective=200 * MiB)
+    layout = Layout("fsdp", shard=4, activation_checkpointing="full")
+    without = plan_memory(SIZES, layout, 2.0, "Adam", None).total
+    plan = plan_memory(SIZES, layout, 2.0, "Adam", activations)
+    assert [name for name, _, _ in plan.items][-2:] == ["activations", "validation"]
+    assert plan.total == without + 40 * MiB  # training alone: 40 MiB hidden under gradients
+    none = plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", activations)
+    assert none.total == without + (900 - 100) * MiB  # training's peak is the larger there
 
 
 def test_a_plan_over_the_budget_names_a_layout_that_fits() -> None:
