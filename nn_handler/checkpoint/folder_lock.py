@@ -29,7 +29,8 @@ LOCK = ".nn_handler.lock"
 _JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
 
-def _job(env: Mapping[str, str]) -> str | None:
+def job_of(env: Mapping[str, str]) -> str | None:
+    """The launcher's id of this job (which its restarts keep), as ``NAME=value``."""
     for name in _JOB_VARIABLES:
         value = env.get(name, "").strip()
         if value and value != "none":
@@ -38,7 +39,12 @@ def _job(env: Mapping[str, str]) -> str | None:
 
 
 def _me(env: Mapping[str, str]) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "job": _job(env), "time": time.time()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": job_of(env),
+        "time": time.time(),
+    }
 
 
 def acquire(folder: Path, env: Mapping[str, str]) -> None:
@@ -56,7 +62,7 @@ def acquire(folder: Path, env: Mapping[str, str]) -> None:
                     logger.bind(rank=0).warning(
                         "{}: taking over the lock of {} (pid {} on {}): {}",
                         folder, holder.get("job") or "a job", holder.get("pid"),
-                        holder.get("host"), _why_stale(holder, mine),
+                        holder.get("host"), why_stale(holder, mine),
                     )  # fmt: skip
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
@@ -98,10 +104,10 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def _stale(holder: Mapping[str, Any], mine: Mapping[str, Any]) -> bool:
-    return _why_stale(holder, mine) != ""
+    return why_stale(holder, mine) != ""
 
 
-def _why_stale(holder: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+def why_stale(holder: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     """Why the holder no longer holds the folder ('' when it does)."""
     pid = holder.get("pid")
     if not isinstance(pid, int):
@@ -119,4 +125,4 @@ def _why_stale(holder: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     return ""
 
 
-__all__ = ["LOCK", "acquire", "release"]
+__all__ = ["LOCK", "acquire", "job_of", "release", "why_stale"]

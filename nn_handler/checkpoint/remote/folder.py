@@ -23,6 +23,7 @@ from loguru import logger
 
 from nn_handler.checkpoint.remote import commit as protocol
 from nn_handler.checkpoint.remote.commit import Entry, Manifest
+from nn_handler.checkpoint.remote.lock import StoreLock
 from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S, RemoteStore
 from nn_handler.errors import CheckpointError
 
@@ -75,13 +76,17 @@ class RemoteFolder:
         self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
+        self._lock: StoreLock | None = None  # rank 0's lease on the folder (``start``)
 
     # ----------------------------------------------------------------- the store's state
     def start(self, is_checkpoint: Callable[[str], bool]) -> list[str]:
         """Check that the folder can be written (a clear error now, before training, for a
-        missing bucket or refused credentials), read its committed checkpoints, and delete
-        the objects of incomplete ones. Rank 0, once, at the start; returns what it deleted."""
+        missing bucket or refused credentials), take its lease (one live job per folder:
+        checkpoint/remote/lock.py), read its committed checkpoints, and delete the objects of
+        incomplete ones. Rank 0, once, at the start; returns what it deleted."""
         self.store.check()
+        self._lock = StoreLock(self.store)
+        self._lock.acquire(os.environ)  # before deleting anything: no other job uploads here
         self._known, listing = protocol.read_manifests(self.store, _warn)
         stale = protocol.incomplete(listing, self._known, is_checkpoint)
         for key in stale:
@@ -253,6 +258,9 @@ class RemoteFolder:
             logger.error("the last checkpoint upload to {} failed: {}", self.url, error)
         finally:
             self._thread.shutdown(wait=True)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
 
 def split_url(url: str) -> tuple[str, str]:

@@ -14,6 +14,7 @@ the filesystem library looks (environment variables, its config files, the insta
 
 from __future__ import annotations
 
+import copy
 import os
 import zlib
 from collections.abc import Callable, Mapping
@@ -114,6 +115,14 @@ class RemoteStore:
             reraise=True,
         )
 
+    def once(self) -> RemoteStore:
+        """This store with one attempt per operation (best-effort cleanup on the way out,
+        where a dead store must not cost ``attempts`` timeouts)."""
+        single = copy.copy(self)
+        single.attempts = 1
+        single._retrying = self._retrying.copy(stop=tenacity.stop_after_attempt(1))
+        return single
+
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
 
@@ -201,6 +210,27 @@ class RemoteStore:
     def write(self, name: str, data: bytes) -> None:
         """Write ``data`` as the object ``name`` (one PUT: readers see all of it or nothing)."""
         self._call("write", name, lambda: self.fs.pipe_file(self._key(name), data))
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write ``data`` as the object ``name`` only if none exists (one conditional PUT:
+        S3's ``If-None-Match: *``); whether it was created. NotImplementedError where the
+        filesystem cannot write conditionally."""
+
+        def attempt() -> bool:
+            try:
+                self.fs.pipe_file(self._key(name), data, mode="create")
+            except FileExistsError:
+                return False
+            except TypeError as error:  # a filesystem whose pipe_file knows no mode
+                raise NotImplementedError(str(error)) from None
+            return True
+
+        try:
+            return self._call("create", name, attempt)
+        except CheckpointError as error:
+            if isinstance(error.__cause__, NotImplementedError):
+                raise error.__cause__ from None
+            raise
 
     def copy(self, source: str, target: str) -> None:
         """Copy the object ``source`` to ``target`` (server-side where the store can)."""
