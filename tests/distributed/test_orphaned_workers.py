@@ -17,8 +17,9 @@ from tests.harness import torchrun_command
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "orphaned_worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-#: How long the workers may take to notice and stop (the watchdog looks every 0.1 s here; the
-#: bound is for a loaded machine, the usual time is well under a second).
+#: How long the workers may take to notice and stop (the training thread looks before each
+#: collective, the watchdog every 2 s here; the bound is for a loaded machine, the usual time
+#: is well under a second).
 STOP_WITHIN_S = 20.0
 
 
@@ -73,6 +74,13 @@ def test_killing_the_agent_stops_its_workers_with_nothing_written_after(tmp_path
         error = (out / f"rank{rank}-error.txt").read_text()
         assert "LauncherGoneError" in error and "the launcher that started this worker" in error
         assert error.count("Traceback") == 1, error  # one clear error, no chain behind it
+    # The training thread checks its parent before every collective: the batch in flight at
+    # the kill may end, no later one (it trained ~6 more, one more checkpoint, when only the
+    # watchdog's thread looked, held up by the agent's dead store).
+    for rank in (0, 1):
+        ends = (out / f"rank{rank}-steps.txt").read_text().split()[1::2]
+        after = [float(t) for t in ends if float(t) > killed_at]
+        assert len(after) <= 1, (rank, len(after))
     # A save in flight when the agent died may finish (within a step); nothing starts later.
     newest = max(p.stat().st_mtime for p in ckpt.glob("ckpt-*"))
     assert newest <= killed_at + 1.0, (newest - killed_at, sorted(p.name for p in ckpt.iterdir()))

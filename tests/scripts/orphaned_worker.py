@@ -3,8 +3,9 @@
 Usage: torchrun --nproc-per-node=2 orphaned_worker.py OUT CKPT_DIR
 
 Trains slowly (0.1 s a batch) for many epochs with a checkpoint every 2 optimizer steps; each
-rank writes OUT/rank<R>.json (its pid) once it trains, and OUT/rank<R>-error.txt with the error
-that stopped it. The test SIGKILLs torchrun's agent and watches the workers.
+rank writes OUT/rank<R>.json (its pid) once it trains, OUT/rank<R>-steps.txt (the time each
+batch ended) and OUT/rank<R>-error.txt with the error that stopped it. The test SIGKILLs
+torchrun's agent and watches the workers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Slow(Hook):
         marker = self.out / f"rank{rank}.json"
         if not marker.exists():
             marker.write_text(json.dumps({"pid": os.getpid()}))
+        with (self.out / f"rank{rank}-steps.txt").open("a") as steps:
+            steps.write(f"{self.trainer.state.batch_index} {time.time()}\n")
         time.sleep(0.1)
 
 
@@ -43,7 +46,7 @@ def main() -> None:
     config = {
         "loader": {"batch_size": 4},
         "trainer": {"progress_bar": False},
-        "distributed": {"stall_timeout": 2.0},
+        "distributed": {"stall_timeout": 60.0},  # the watchdog looks every 2 s (its most)
         "checkpoint": {"dir": str(folder), "every_n_steps": 2, "keep_last": 1000},
     }
     try:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from nn_handler.distributed.faults.watchdog.records import (
     RankState,
@@ -40,6 +40,9 @@ class CollectiveLedger:
         self.incident_raised = False
         #: The thread that issued the latest collective (the training thread).
         self.thread_ident: int | None = None
+        #: Called before each collective: sets ``incident`` when this worker's launcher is
+        #: gone (the watchdog's; a syscall, so an orphan stops at its very next collective).
+        self.launcher_check: Callable[[], object] | None = None
         # (seq, what, site): made into Records (digest, formatted line) by ``snapshot``, off
         # the training thread.
         self._records: deque[tuple[int, str, Site]] = deque(maxlen=HISTORY)
@@ -52,6 +55,8 @@ class CollectiveLedger:
 
     def enter(self, what: str) -> None:
         """Record the next collective; raises the reported incident if there is one."""
+        if self.launcher_check is not None:
+            self.launcher_check()
         if self.incident is not None:
             self.raise_incident()
         site = user_site(sys._getframe(1))

@@ -102,6 +102,9 @@ class StallWatchdog:
         #: The launcher that started this worker (torchrun's agent, its parent process): when
         #: it is gone, the worker is an orphan and stops (``LauncherGoneError``).
         self.launcher_pid = launcher_pid
+        self._orphan_lock = threading.Lock()
+        if launcher_pid is not None:
+            ledger.launcher_check = self._check_launcher
 
     def start(self) -> None:
         self._interrupt.install()
@@ -146,8 +149,7 @@ class StallWatchdog:
     def _run(self) -> None:
         failures = 0
         while not self._stop.wait(self.timing.interval):
-            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
-                self._orphaned()
+            if self._check_launcher():
                 return
             try:
                 if self._acted_at is not None:
@@ -162,9 +164,18 @@ class StallWatchdog:
                 if failures >= 5:
                     return
 
+    def _check_launcher(self) -> bool:
+        """Whether the launcher is gone (this worker was re-parented); then the next
+        collective or training step raises LauncherGoneError, so nothing more is trained or
+        written. From the watchdog's thread and before every collective of the training
+        thread (a store that went with the agent can hold the watchdog's thread for seconds)."""
+        if self.launcher_pid is None or os.getppid() == self.launcher_pid:
+            return False
+        with self._orphan_lock:
+            self._orphaned()
+        return True
+
     def _orphaned(self) -> None:
-        """The launcher is gone (this worker was re-parented): the next collective or training
-        step raises LauncherGoneError, so nothing more is trained or written."""
         if self.ledger.incident is not None:
             return
         self.ledger.incident = LauncherGoneError(
