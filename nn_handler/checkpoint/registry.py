@@ -222,8 +222,8 @@ def check_like(saved: Any, expected: Any, where: str, path: str = "") -> None:
     if isinstance(saved, torch.Tensor) and isinstance(expected, torch.Tensor):
         if saved.dtype != expected.dtype or tuple(saved.shape) != tuple(expected.shape):
             raise CheckpointError(
-                f"{where}: {path or 'the value'} is {_describe(saved)} there and "
-                f"{_describe(expected)} in this run: it was written by another model or "
+                f"{where}: {path or 'the value'} is {describe_tensor(saved)} there and "
+                f"{describe_tensor(expected)} in this run: it was written by another model or "
                 f"configuration (or altered). Build them the same way as the run that wrote it."
             )
         return
@@ -236,12 +236,14 @@ def check_like(saved: Any, expected: Any, where: str, path: str = "") -> None:
             check_like(value, other, where, f"{path}[{index}]")
 
 
-def _describe(tensor: torch.Tensor) -> str:
+def describe_tensor(tensor: torch.Tensor) -> str:
+    """``float32 of shape (3, 4)``: a tensor's dtype and shape, for an error message."""
     return f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}"
 
 
 __all__ = [
     "check_like",
+    "describe_tensor",
     "Missing",
     "Part",
     "StateRegistry",

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nn_handler.checkpoint.registry import describe_tensor
 from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import StepBatch
 from nn_handler.distributed.communicator import Communicator
@@ -201,7 +202,7 @@ class ExactStep:
             and tuple(exponents.shape) == (count,)
         ):
             found = (
-                f"{str(exponents.dtype).removeprefix('torch.')} of shape {tuple(exponents.shape)}"
+                describe_tensor(exponents)
                 if isinstance(exponents, torch.Tensor)
                 else type(exponents).__name__
             )
