@@ -48,6 +48,9 @@ class CheckpointFolder:
         self.remote = _remote_folder(config) if is_url(config.dir) else None
         self.dir = self.remote.local if self.remote is not None else Path(str(config.dir))
         self._locked = False
+        #: latest.json as this process last read or wrote it (rank 0): another job moving it
+        #: since is told from this.
+        self._seen_latest: Any = None
 
     @property
     def where(self) -> str:
@@ -70,6 +73,7 @@ class CheckpointFolder:
                         "removed {} (an upload interrupted before its commit)",
                         self.remote.store.url_of(stale),
                     )
+            self._seen_latest = self._stored_latest()
         except CheckpointError as caught:
             return caught
         except OSError as caught:
@@ -134,9 +138,43 @@ class CheckpointFolder:
 
     # ----------------------------------------------------------------- changing it
     def write_latest(self, pointer: Mapping[str, Any]) -> None:
-        atomic_write_json(dict(pointer), self.dir / LATEST)
+        """Point latest.json at ``pointer`` (rank 0), never backwards over another job's: a
+        pointer that another writer moved since this process last saw it, to a later step
+        than ``pointer``'s, is a CheckpointError (on a store, at the next flush)."""
         if self.remote is not None:
-            self.remote.point_latest(pointer)
+            atomic_write_json(dict(pointer), self.dir / LATEST)  # the working copy's
+            self.remote.point_latest(pointer, lambda current: self._forward(current, pointer))
+            return
+        self._forward(self._stored_latest(), pointer)
+        atomic_write_json(dict(pointer), self.dir / LATEST)
+
+    def _stored_latest(self) -> Any:
+        """latest.json as stored now (None: none, or unreadable)."""
+        try:
+            if self.remote is not None:
+                data = self.remote.store.read(LATEST)
+                return None if data is None else json.loads(data)
+            return json.loads((self.dir / LATEST).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _forward(self, current: Any, pointer: Mapping[str, Any]) -> None:
+        """Raise when ``current`` (latest.json now) was written by another job since this
+        process last saw it and names a later step than ``pointer``; else remember
+        ``pointer``. The pointer moving back by this process's own choice (a resume past a
+        damaged checkpoint, ``resume: never`` over an older run) is allowed: it was seen."""
+        seen, self._seen_latest = self._seen_latest, dict(pointer)
+        if not isinstance(current, dict) or current == seen:
+            return
+        theirs, ours = current.get("global_step"), pointer.get("global_step")
+        if isinstance(theirs, int) and isinstance(ours, int) and theirs > ours:
+            self._seen_latest = seen
+            raise CheckpointError(
+                f"{self.where}/{LATEST} names {current.get('checkpoint')} (step {theirs}), "
+                f"written by another job since this one started; this run's step {ours} would "
+                f"move it backwards. Two jobs are writing into {self.where}: stop one "
+                f"(a checkpoint folder is one job's)."
+            )
 
     def upload(self, path: Path, run_id: str | None) -> None:
         """On a store, upload and commit the single-file checkpoint ``path``."""

@@ -3,6 +3,7 @@ say what to do, and leave nothing behind (no sink, no group) when they fail."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import CheckpointError, HandlerConfig, NNHandler
+from nn_handler import CheckpointError, HandlerConfig, Hook, NNHandler
 from nn_handler import log as nn_log
 from nn_handler.checkpoint import location
 from tests.training_helpers import mlp, regression_data, sgd
@@ -107,3 +108,51 @@ def test_a_local_checkpoint_that_cannot_be_read_is_never_rotated_away(tmp_path: 
         "ckpt-e0004-s00000020.pt",
     ]
     assert oldest.read_bytes() == data
+
+
+class AnotherJobPoints(Hook):
+    """After optimizer step ``step``, 'another job' (same folder, no lock between them: two
+    srun steps of one allocation on two nodes, a store without conditional writes) points
+    latest.json at a later step of its own."""
+
+    def __init__(self, step: int, write: Any) -> None:
+        self.step, self.write = step, write
+
+    def after_optimizer_step(self) -> None:
+        if self.trainer.state.global_step == self.step:
+            pointer = {"checkpoint": "ckpt-e0009-s00000090.pt", "epoch": 9,
+                       "global_step": 90, "reason": "periodic", "time": 1.0}  # fmt: skip
+            self.write(json.dumps(pointer).encode())
+
+
+@pytest.mark.parametrize("where", ["folder", "store"])
+def test_latest_json_never_moves_back_over_another_jobs_pointer(tmp_path: Path, where: str) -> None:
+    import uuid
+
+    from nn_handler.checkpoint.remote.store import RemoteStore
+
+    if where == "folder":
+        folder: str = str(tmp_path / "ckpt")
+
+        def write(data: bytes) -> None:
+            (tmp_path / "ckpt" / "latest.json").write_bytes(data)
+    else:
+        folder = f"memory://{uuid.uuid4().hex}/run"
+
+        def write(data: bytes) -> None:
+            RemoteStore(folder).write("latest.json", data)
+
+    config = HandlerConfig.from_dict(
+        {
+            "loader": {"batch_size": 8},
+            "trainer": {"progress_bar": False},
+            "checkpoint": {"dir": folder, "every_n_steps": 2, "staging_dir": str(tmp_path / "w")},
+        }
+    )
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config,
+                  hooks=[AnotherJobPoints(3, write)]) as h,
+        pytest.raises(CheckpointError, match=r"names ckpt-e0009-s00000090\.pt \(step 90\), "
+                      r"written by another job since this one started; this run's step 4"),
+    ):  # fmt: skip
+        h.train(DATA, epochs=1)

@@ -162,10 +162,24 @@ class RemoteFolder:
         if manifest.name in self._known:  # (see __init__: never adds a name)
             self._known[manifest.name] = manifest
 
-    def point_latest(self, data: Mapping[str, Any]) -> None:
-        """Write ``latest.json`` once the changes before it have landed."""
+    def point_latest(
+        self, data: Mapping[str, Any], check: Callable[[Any], None] | None = None
+    ) -> None:
+        """Write ``latest.json`` once the changes before it have landed; ``check(current)``
+        first, with what the store holds then (it raises to keep the pointer as it is)."""
         body = (json.dumps(dict(data), indent=1) + "\n").encode()
-        self._submit(lambda: self.store.write(LATEST, body))
+
+        def task() -> None:
+            if check is not None:
+                stored = self.store.read(LATEST)
+                try:
+                    current = None if stored is None else json.loads(stored)
+                except ValueError:
+                    current = None
+                check(current)
+            self.store.write(LATEST, body)
+
+        self._submit(task)
 
     def remove(self, name: str) -> None:
         """Delete the committed checkpoint ``name`` (manifest first)."""
