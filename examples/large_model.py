@@ -9,8 +9,9 @@ and Adam state take 12.2 MiB; each rank's budget here is 12 MiB (``memory_budget
 job, left unset, it is the GPU's memory). The plan printed at the start (rank 0, one line per
 item, the validation pass included) says what each rank holds: 11.1 MiB with 2 ranks and full
 activation checkpointing (11.9 MiB with 'selective'; without checkpointing 13.3 MiB, and the
-run stops before its first step with a ConfigError that names the layout that fits). The task is examples/fsdp_transformer.py's (which
-of four marker tokens a sequence holds); it reaches a validation accuracy above 0.95.
+run stops before its first step with a ConfigError that names the layout that fits). The
+task is examples/fsdp_transformer.py's (which of four marker tokens a sequence holds); it
+reaches a validation accuracy above 0.95.
 Alone (one process) the script trains the same model unsharded, without the budget.
 """
 
