@@ -181,9 +181,11 @@ def plan_memory(
     slots: float,
     optimizer: str,
     activations: Activations | None,
+    validation: bool = True,
 ) -> MemoryPlan:
     """The plan of ``layout`` for a model of ``sizes`` trained with ``slots`` optimizer
-    state elements per parameter element; activations left out when not yet estimated."""
+    state elements per parameter element; activations left out when not yet estimated, the
+    validation pass when the run does not validate."""
     shard = layout.shard
     items: list[tuple[str, int, str]] = [
         ("parameters", sizes.parameters // shard + sizes.buffers, _split(shard) + ", buffers"),
@@ -213,7 +215,8 @@ def plan_memory(
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
         items.append(("activations", kept, how))
-        items.append((VALIDATION, activations.full, EVALUATION_NOTE))
+        if validation:
+            items.append((VALIDATION, activations.full, EVALUATION_NOTE))
     return MemoryPlan(layout, tuple(items))
 
 
@@ -233,6 +236,7 @@ def fitting_layout(
     activations: Activations | None,
     world: int,
     budget: int,
+    validation: bool = True,
 ) -> str:
     """A layout that would fit ``budget`` (for the error's "What would fit: ..."): full
     activation checkpointing, sharding over every rank, both, or the number of ranks FSDP2
@@ -248,13 +252,13 @@ def fitting_layout(
             both = replace(sharded, activation_checkpointing="full")
             candidates.append((both, "strategy: fsdp over every rank with full checkpointing"))
     for candidate, how in candidates:
-        total = plan_memory(sizes, candidate, slots, optimizer, activations).total
+        total = plan_memory(sizes, candidate, slots, optimizer, activations, validation).total
         if total <= budget:
             return f"{how} ({gib(total)} per rank)"
     checkpointing = "full" if activations is not None else layout.activation_checkpointing
     for ranks in (2**k for k in range(1, 21)):
         candidate = replace(sharded, shard=ranks, activation_checkpointing=checkpointing)
-        total = plan_memory(sizes, candidate, slots, optimizer, activations).total
+        total = plan_memory(sizes, candidate, slots, optimizer, activations, validation).total
         if total <= budget:
             recompute = (
                 f" with fsdp.activation_checkpointing: {checkpointing}"

@@ -55,6 +55,8 @@ class MemoryPlanner:
     def __init__(self, strategy: Strategy, config: TrainerConfig, device: torch.device) -> None:
         self.strategy = strategy
         self.config = config
+        #: Whether the fit validates (the plan then counts the evaluation pass); set by fit.
+        self.validates = True
         self.log = logger.bind(rank=strategy.comm.rank)
         if config.memory_budget is not None:
             self.budget: int | None = int(config.memory_budget)
@@ -110,7 +112,9 @@ class MemoryPlanner:
     def _check(self, activations: Activations | None) -> None:
         if self.sizes is None:
             return
-        plan = plan_memory(self.sizes, self.layout, self.slots, self.optimizer, activations)
+        plan = plan_memory(
+            self.sizes, self.layout, self.slots, self.optimizer, activations, self.validates
+        )
         self.plan = plan
         level = self._level
         shown = plan.items if activations is None else plan.items[-2:]
@@ -132,8 +136,9 @@ class MemoryPlanner:
             return
         world = self.strategy.comm.world_size
         suggestion = fitting_layout(
-            self.sizes, self.layout, self.slots, self.optimizer, activations, world, self.budget
-        )
+            self.sizes, self.layout, self.slots, self.optimizer, activations, world,
+            self.budget, self.validates,
+        )  # fmt: skip
         check_budget(plan, self.budget, suggestion, self.source)
 
 

@@ -249,6 +249,7 @@ class Trainer(TrainerFacade):
         check_trainer_monitors(type(self), Trainer, self.metrics, val_loader is not None, watched)
         mid_epoch = {"val_loader": val_loader} if self.config.val_check_interval else {}
         hooks, state, failed = self.hooks, self.state, True
+        self.memory.validates = val_loader is not None  # the plan's validation item
         if self.reproducible is not None:
             self.reproducible.check_loaders(train_loader, val_loader)
         try:

@@ -317,6 +317,8 @@ def test_the_evaluation_pass_is_counted_with_the_gradients_held() -> None:
     plan = plan_memory(SIZES, layout, 2.0, "Adam", activations)
     assert [name for name, _, _ in plan.items][-2:] == ["activations", "validation"]
     assert plan.total == without + 40 * MiB  # training alone: 40 MiB hidden under gradients
+    alone = plan_memory(SIZES, layout, 2.0, "Adam", activations, validation=False)
+    assert alone.total == without and "validation" not in [n for n, _, _ in alone.items]
     none = plan_memory(SIZES, Layout("fsdp", shard=4), 2.0, "Adam", activations)
     assert none.total == without + (900 - 100) * MiB  # training's peak is the larger there
 
