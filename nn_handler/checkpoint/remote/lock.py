@@ -62,10 +62,9 @@ class StoreLock:
                 )
                 self._thread.start()
                 return
-            holder = self._read()
-            why = self._why_stale(holder)
+            holder = self._read() or {}  # gone since our try: stale ("it is gone")
+            why = self._why_stale(holder) if holder else "it is gone"
             if not why:
-                assert holder is not None
                 since = time.time() - float(holder.get("time", 0))
                 raise CheckpointError(
                     f"checkpoint folder {self.store.url} is in use by another live job: "
@@ -121,9 +120,7 @@ class StoreLock:
             return {}
         return found if isinstance(found, dict) else {}
 
-    def _why_stale(self, holder: Mapping[str, Any] | None) -> str:
-        if holder is None:
-            return "it is gone"
+    def _why_stale(self, holder: Mapping[str, Any]) -> str:
         renewed, lease = holder.get("time"), holder.get("lease_s", self.lease_s)
         if isinstance(renewed, (int, float)) and isinstance(lease, (int, float)):
             silent = time.time() - renewed
