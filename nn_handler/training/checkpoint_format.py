@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from nn_handler.checkpoint.naming import order
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from nn_handler.distributed.communicator import Communicator
 
 FORMAT = "nn_handler.checkpoint"
 VERSION = 1
@@ -126,6 +131,25 @@ def check_reproducible(saved_config: Any, run_config: Any, source: str) -> None:
     )
 
 
+def refuse_a_shorter_latest(comm: Communicator, existing: list[Path], folder: str) -> None:
+    """``resume: on_restart`` on a fresh start (a new machine, a relaunch by hand) over a
+    folder that holds committed checkpoints (``existing``): starting afresh would make this
+    shorter run the one ``latest.json`` names, and a later ``resume: auto`` would continue it
+    instead of the long one. A ConfigError on every rank (rank 0's listing decides). Every
+    rank must call this."""
+    newest = max(existing, key=order).name if existing else None
+    if comm.world_size > 1:
+        newest = comm.broadcast_object(newest)
+    if newest is None:
+        return
+    raise ConfigError(
+        f"checkpoint.dir {folder} already holds committed checkpoints (the newest: {newest}) "
+        f"and this run starts afresh (resume: on_restart, and this is not a restart): it would "
+        f"become the latest over them. Set resume: auto to continue that run, or resume: never "
+        f"to start a new one over it (its checkpoints are kept), or use another folder."
+    )
+
+
 def world_change_note(
     source: str, saved_world: int, world: int, batches_done: int, allowed: bool, exact: bool
 ) -> str:
@@ -155,5 +179,6 @@ __all__ = [
     "plain_config",
     "world_change_note",
     "rank_parts",
+    "refuse_a_shorter_latest",
     "sharded_checkpoints",
 ]

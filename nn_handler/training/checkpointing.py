@@ -16,7 +16,6 @@ from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.latest import open_for_resume
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
-from nn_handler.checkpoint.naming import order
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
 from nn_handler.checkpoint.remote.folder import save_to_store
 from nn_handler.checkpoint.run_identity import (
@@ -45,6 +44,7 @@ from nn_handler.training.checkpoint_format import (
     check_reproducible,
     plain_config,
     rank_parts,
+    refuse_a_shorter_latest,
     world_change_note,
 )
 from nn_handler.training.position import LoopPosition, check_data
@@ -429,7 +429,7 @@ class TrainerCheckpoints:
             return
         existing = self.manager.periodic()
         if policy == "on_restart":
-            self._refuse_a_shorter_latest(existing)
+            refuse_a_shorter_latest(self.comm, existing, str(self.config.dir))
         if existing and self.comm.rank == 0:
             self.log.warning(
                 "{} already holds {} checkpoint(s) and this run starts afresh (resume={!r}, "
@@ -439,24 +439,6 @@ class TrainerCheckpoints:
                 len(existing),
                 policy,
             )
-
-    def _refuse_a_shorter_latest(self, existing: list[Path]) -> None:
-        """``resume: on_restart`` on a fresh start (a new machine, a relaunch by hand) over a
-        folder that holds committed checkpoints: starting afresh would make this shorter run
-        the one ``latest.json`` names, and a later ``resume: auto`` would continue it instead
-        of the long one. A ConfigError on every rank (rank 0's listing decides): choose."""
-        newest = max(existing, key=order).name if existing else None
-        if self.comm.world_size > 1:
-            newest = self.comm.broadcast_object(newest)
-        if newest is None:
-            return
-        raise ConfigError(
-            f"checkpoint.dir {self.config.dir} already holds committed checkpoints (the "
-            f"newest: {newest}) and this run starts afresh (resume: on_restart, and this is "
-            f"not a restart): it would become the latest over them. Set resume: auto to "
-            f"continue that run, or resume: never to start a new one over it (its "
-            f"checkpoints are kept), or use another folder."
-        )
 
 
 __all__ = ["FORMAT", "META", "VERSION", "TrainerCheckpoints", "check_checkpoint", "plain_config"]

@@ -80,4 +80,18 @@ class EarlyStopping:
         self.restored_settings = dict(settings) if isinstance(settings, dict) else None
 
 
-__all__ = ["EarlyStopping"]
+def reconsidered_stop(stopper: EarlyStopping | None) -> tuple[bool, str]:
+    """A resumed stop that early stopping decided, when its settings changed since (another
+    patience, monitor, mode or min_delta: ``settings_changed``; or early stopping turned off,
+    ``stopper`` None): whether this run's settings stop it, from the restored counters, and
+    the line that says so."""
+    stops = stopper is not None and stopper.should_stop()
+    return stops, (
+        f"early stopping's settings changed since the checkpoint's stop "
+        f"({None if stopper is None else stopper.restored_settings} -> "
+        f"{None if stopper is None else stopper.settings()}): "
+        f"{'it still stops' if stops else 'training goes on'}"
+    )
+
+
+__all__ = ["EarlyStopping", "reconsidered_stop"]

@@ -176,6 +176,17 @@ def validate_mid_epoch(
     )
 
 
+def default_epochs_note(config: TrainerConfig) -> str | None:
+    """What ``fit`` says when no ``epochs`` was given nor configured (one epoch, the
+    default: a new user's script trains less than meant without a word otherwise)."""
+    if "epochs" in config.model_fields_set or config.fast_dev_run:
+        return None
+    return (
+        f"no epochs given: training {config.epochs} epoch (trainer.epochs' default); pass "
+        f"train(..., epochs=N) or set trainer.epochs"
+    )
+
+
 def summary(record: Record) -> str:
     """An epoch record as ``key=value`` pairs (``*_pct`` keys as percentages)."""
     shown = {k: v for k, v in record.items() if k != "epoch" and (k != "skipped_steps" or v)}
@@ -186,6 +197,7 @@ def summary(record: Record) -> str:
 
 __all__ = [
     "check_equal_lengths",
+    "default_epochs_note",
     "epoch_batches",
     "epoch_record",
     "summary",

@@ -29,9 +29,10 @@ from nn_handler.training.batch import batch_size_of, loader_length, move_to_devi
 from nn_handler.training.checkpoint_format import sharded_checkpoints
 from nn_handler.training.checkpoint_hook import CheckpointHook
 from nn_handler.training.checkpointing import TrainerCheckpoints
-from nn_handler.training.early_stopping import EarlyStopping
+from nn_handler.training.early_stopping import EarlyStopping, reconsidered_stop
 from nn_handler.training.epoch import (
     check_equal_lengths,
+    default_epochs_note,
     epoch_batches,
     epoch_record,
     summary,
@@ -229,16 +230,8 @@ class Trainer(TrainerFacade):
         """Train until ``epochs`` epochs are complete in total (default: config.epochs), so a
         resumed trainer continues where it stopped. Every rank must call this. Returns the
         History (losses and metrics the same on every rank, timings each rank's own)."""
-        if (
-            epochs is None
-            and "epochs" not in self.config.model_fields_set
-            and not self.config.fast_dev_run
-        ):
-            self.log.info(
-                "no epochs given: training {} epoch (trainer.epochs' default); pass "
-                "train(..., epochs=N) or set trainer.epochs",
-                self.config.epochs,
-            )
+        if epochs is None and (note := default_epochs_note(self.config)):
+            self.log.info(note)
         epochs = epochs if epochs is not None else self.config.epochs
         if epochs < 1:
             raise ConfigError(f"epochs must be at least 1, got {epochs}.")
@@ -276,22 +269,15 @@ class Trainer(TrainerFacade):
         return self.history
 
     def _reconsider_early_stop(self) -> None:
-        """A resumed stop that early stopping decided stands, unless its settings changed
-        since (another patience, monitor, mode or min_delta, or early stopping turned off):
-        then this run's settings decide again, from the restored counters."""
-        state, stopper = self.state, self.early_stopping
-        if not (state.should_stop and self.position.stopped_early):
+        """A resumed stop that early stopping decided stands, unless its settings changed."""
+        stopper = self.early_stopping
+        if not (self.state.should_stop and self.position.stopped_early) or (
+            stopper is not None and not stopper.settings_changed()
+        ):
             return
-        if stopper is not None and not stopper.settings_changed():
-            return
-        state.should_stop = stopper is not None and stopper.should_stop()
-        self.position.stopped_early = state.should_stop
-        self.log.info(
-            "early stopping's settings changed since the checkpoint's stop ({} -> {}): {}",
-            None if stopper is None else stopper.restored_settings,
-            None if stopper is None else stopper.settings(),
-            "it still stops" if state.should_stop else "training goes on",
-        )
+        self.state.should_stop, line = reconsidered_stop(stopper)
+        self.position.stopped_early = self.state.should_stop
+        self.log.info(line)
 
     def _begin_epoch(self, train_loader: Iterable[Any]) -> None:
         self.position.start_epoch(train_loader)
