@@ -5,6 +5,7 @@ guarantees, and each failure named."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -491,3 +492,8 @@ def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:
     assert json.loads(store.read(".nn_handler.lock") or b"{}")["time"] > first
     held.release()
     assert store.read(".nn_handler.lock") is None
+    store.write(".nn_handler.lock", b"not json")  # no holder can be named: stale
+    taken = StoreLock(store, lease_s=0.4)
+    taken.acquire({})
+    assert json.loads(store.read(".nn_handler.lock") or b"{}")["pid"] == os.getpid()
+    taken.release()

@@ -62,8 +62,10 @@ class StoreLock:
                 )
                 self._thread.start()
                 return
-            holder = self._read() or {}  # gone since our try: stale ("it is gone")
-            why = self._why_stale(holder) if holder else "it is gone"
+            found = self._read()  # None: gone since our try; {}: not a lock of ours
+            holder = found or {}
+            gone = "it is gone" if found is None else "the lock object is unreadable"
+            why = self._why_stale(holder) if holder else gone
             if not why:
                 since = time.time() - float(holder.get("time", 0))
                 raise CheckpointError(
