@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.model_state import strip_wrapper_prefixes
 from nn_handler.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -159,12 +162,22 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor (and sympy,
+    which it imports: 0.4 s of every process's start) when nothing has made one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local_piece(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The part of the whole tensor ``full`` that ``target`` holds on this rank: ``full``
     itself for a plain tensor; for a DTensor, its chunk along each sharded mesh dimension
     (torch.chunk's split, as DTensor's ``Shard``), a view (nothing copied)."""
-    if not isinstance(target, DTensor):
+    if not _is_dtensor(target):
         return full
+    from torch.distributed.tensor import DTensor, Shard
+
+    target = cast(DTensor, target)
     piece = full
     coordinate = list(target.device_mesh.get_coordinate() or ())
     for mesh_dim, placement in enumerate(target.placements):
@@ -181,7 +194,7 @@ def _copy_piece(target: torch.Tensor, full: torch.Tensor, key: str) -> None:
         raise CheckpointError(
             f"weight {key!r} has shape {tuple(full.shape)}, the model's is {tuple(target.shape)}."
         )
-    local = target.to_local() if isinstance(target, DTensor) else target
+    local = cast("DTensor", target).to_local() if _is_dtensor(target) else target
     local.copy_(local_piece(full, target))
 
 

@@ -90,14 +90,16 @@ def test_configure_optimizers_runs_once_the_trainer_parts_exist() -> None:
 
 
 def test_importing_nn_handler_leaves_fsdp_and_dcp_unimported() -> None:
-    """torch.distributed.checkpoint takes about a second to import, in every process a run
-    spawns: it is imported when strategy 'fsdp' is chosen, not with nn_handler."""
+    """torch.distributed.checkpoint takes about a second to import, torch.distributed.tensor
+    (with sympy) 0.4 s, in every process a run spawns: they are imported when strategy 'fsdp'
+    is chosen or a DTensor is met, not with nn_handler."""
     import subprocess
     import sys
 
+    heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy")
     probe = (
         "import sys, nn_handler, nn_handler.strategies as s; "
-        "print(sorted(m for m in ('torch.distributed.checkpoint', 'nn_handler.strategies.fsdp') "
+        f"print(sorted(m for m in {(*heavy, 'nn_handler.strategies.fsdp')!r} "
         "if m in sys.modules)); s.FSDP2Strategy; print('nn_handler.strategies.fsdp' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
