@@ -16,6 +16,7 @@ from nn_handler.utils.ddp_decorators import (
     parallelize_on_gpus,
 )
 from tests.conftest import cuda_only
+from tests.timeouts import scaled
 
 pytestmark = pytest.mark.distributed
 CPUS = ["cpu", "cpu"]
@@ -85,7 +86,8 @@ def test_a_worker_that_raises_names_its_device_index_and_traceback() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         ParallelExecutor(devices=CPUS, timeout=60).run(_second_fails)
-    assert time.monotonic() - start < 20
+    # Below the survivor's 30 s sleep whatever the machine's load: a terminated survivor.
+    assert time.monotonic() - start < min(scaled(20), 28)
     assert info.value.unit == "device" and list(info.value.failed) == [1]
     text = str(info.value)
     assert "failed on device(s) [1]" in text and "simulated failure on the second device" in text
