@@ -21,12 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: How ranks start: fresh interpreters ("spawn") in a measurement; in a --quick smoke run,
+#: whose numbers mean nothing, forks of one server that imported torch and the script once
+#: (a rank then starts in milliseconds instead of 2 s of imports: the test suite runs them all).
+_RANKS_START = {"method": "spawn"}
+
 
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
     parser.add_argument("--out", help="write the results as JSON to this path")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.quick:
+        _RANKS_START["method"] = "forkserver"
+    return args
 
 
 def _version(package: str) -> str | None:
@@ -97,12 +105,18 @@ def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300)
     return run_ranks(2, worker, *args, timeout=timeout)
 
 
-def run_ranks(world_size: int, worker: Callable[..., None], *args: Any, timeout: float) -> Any:
-    """:func:`run_two_ranks` for ``world_size`` fresh processes (1 for a clean single process)."""
+def run_ranks(
+    world_size: int, worker: Callable[..., None], *args: Any, timeout: float, fresh: bool = False
+) -> Any:
+    """:func:`run_two_ranks` for ``world_size`` new processes (1 for a clean single process):
+    fresh interpreters in a measurement or when ``fresh`` (a benchmark of the start itself)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    method = "spawn" if fresh else _RANKS_START["method"]
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", "nn_handler"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(world_size)]
     for proc in procs:

@@ -366,7 +366,7 @@ def _startup_and_memory(steps: int, repeats: int) -> dict[str, Any]:
     peaks: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats):
         for name in variants if repeat % 2 else variants[::-1]:
-            ranks = common.run_ranks(2, _fresh_start, name, steps, timeout=300)
+            ranks = common.run_ranks(2, _fresh_start, name, steps, timeout=300, fresh=True)
             startup[name].append(max(seconds for seconds, _ in ranks))
             peaks[name].append(max(peak for _, peak in ranks))
     return {
