@@ -1,59 +1,31 @@
-"""Ray Train on a real local Ray cluster (2 CPUs, started once for the module), gloo on
+"""Ray Train on a real local Ray cluster (2 CPUs, the session's: tests/conftest.py), gloo on
 127.0.0.1: NNHandler trains unchanged inside TorchTrainer's workers, RayTrainReport reports
 committed checkpoints, a killed worker's group is restarted by Ray and resumes from Ray's
 checkpoint bit for bit, and a worker's error reaches the driver with its rank and traceback.
 
 Ray puts its processes, and the process group's MASTER_ADDR, on the node's address; with
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (set before Ray is imported) that address is the
-loopback one, which the fixture checks before any group is made.
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (set for the session before Ray is imported) that
+address is the loopback one, which the cluster fixture checks before any group is made.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import ray_tests
 from tests.harness import run_command, torchrun_command
 from tests.resume_helpers import TIMING_KEYS
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300), ray_tests]
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "ray_helpers.py"
-#: Ray's processes stay on 127.0.0.1; reports are drained every 0.2 s instead of 2 s.
-RAY_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    """A local Ray cluster for the module's tests, on the loopback address."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in RAY_ENV.items():
-            patch.setenv(name, value)
-        assert "ray" not in sys.modules, "Ray was imported before its address was set"
-        import ray
-
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-        )
-        try:
-            assert ray.util.get_node_ip_address() == "127.0.0.1"
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 def fit(

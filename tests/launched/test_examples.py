@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.conftest import ray_tests
 from tests.harness import run_command, torchrun_command
+
+pytestmark = pytest.mark.spread  # every test starts its own processes: none shares a fixture
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "collectives.py"
 
@@ -275,11 +278,12 @@ def test_large_model_example_trains_a_model_over_the_budget_within_its_plan() ->
 
 
 @pytest.mark.distributed
-def test_ray_train_example_trains_on_a_local_ray_cluster(tmp_path: Path) -> None:
-    # Ray's processes (and so the gloo group) on 127.0.0.1, as in tests/distributed/test_ray_train
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+@ray_tests
+def test_ray_train_example_trains_on_a_ray_cluster(tmp_path: Path, ray_cluster: Any) -> None:
+    """As docs/launching.md runs it on a running cluster (``--address``): the session's."""
+    address = ray_cluster.get_runtime_context().gcs_address
     command = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage", str(tmp_path)]
-    code, output = run_command(command, timeout=300, env=env)
+    code, output = run_command([*command, "--address", address], timeout=300)
     assert code == 0, output
     finals = [line for line in output.splitlines() if line.startswith("final: ")]
     assert len(finals) == 1, output
