@@ -1,10 +1,11 @@
-"""Ray Train on a real local Ray cluster (2 CPUs, the session's: tests/conftest.py), gloo on
-127.0.0.1: NNHandler trains unchanged inside TorchTrainer's workers, RayTrainReport reports
-committed checkpoints, a killed worker's group is restarted by Ray and resumes from Ray's
-checkpoint bit for bit, and a worker's error reaches the driver with its rank and traceback.
+"""Ray Train on a real local Ray cluster (2 CPUs, started once for the module, the suite's only
+one), gloo on 127.0.0.1: NNHandler trains unchanged inside TorchTrainer's workers,
+RayTrainReport reports committed checkpoints, a killed worker's group is restarted by Ray and
+resumes from Ray's checkpoint bit for bit, a worker's error reaches the driver with its rank
+and traceback, and examples/ray_train.py trains on the cluster.
 
 Ray puts its processes, and the process group's MASTER_ADDR, on the node's address; with
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (set for the session before Ray is imported) that
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (tests/conftest.py sets it for the session, before Ray is imported) that
 address is the loopback one, which the cluster fixture checks before any group is made.
 """
 
@@ -12,20 +13,40 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import ray_tests
 from tests.harness import run_command, torchrun_command
 from tests.resume_helpers import TIMING_KEYS
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300), ray_tests]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "ray_helpers.py"
+EXAMPLE = ROOT / "examples" / "ray_train.py"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """One local Ray cluster (2 CPUs, on the loopback address) for the module's tests and the
+    Ray example (the suite's only one: starting one costs about 10 s of both cores)."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+    )
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 def fit(
@@ -180,3 +201,22 @@ def test_a_ray_checkpoint_that_is_not_nn_handlers_is_refused_by_name(
         fit(tmp_path, "resuming", workers=1, run="reporting")
     text = str(caught.value)
     assert "should hold one nn_handler checkpoint (ckpt-e*-s*[.pt]) but holds ['model.pt']" in text
+
+
+def test_ray_train_example_trains_on_a_ray_cluster(tmp_path: Path, ray_cluster: Any) -> None:
+    """examples/ray_train.py as docs/launching.md runs it on a running cluster (``--address``):
+    the module's, which the example shares instead of starting its own."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    command = [sys.executable, str(EXAMPLE), "--storage", str(tmp_path)]
+    code, output = run_command([*command, "--address", address], timeout=300)
+    assert code == 0, output
+    finals = [line for line in output.splitlines() if line.startswith("final: ")]
+    assert len(finals) == 1, output
+    assert float(finals[0].split("val_accuracy=")[1].split()[0]) >= 0.95, output
+    assert "after 6 epochs" in finals[0], output
+    # Each epoch's line once (rank 0's); of the six checkpoints reported, Ray kept the best
+    # two by val_accuracy and the latest (which it always keeps, to restore from).
+    for epoch in range(1, 7):
+        assert sum(f"epoch {epoch}/6:" in line for line in output.splitlines()) == 1, output
+    kept = [p.name for p in (tmp_path / "digits").glob("checkpoint_2*/ckpt-e*-s*.pt")]
+    assert len(kept) == 3 and "ckpt-e0006-s00000138.pt" in kept, kept

@@ -5,14 +5,10 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import ray_tests
 from tests.harness import run_command, torchrun_command
-
-pytestmark = pytest.mark.spread  # every test starts its own processes: none shares a fixture
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "collectives.py"
 
@@ -238,7 +234,8 @@ def test_observability_example_under_torchrun_times_the_exposed_reduction(
 
 def test_every_example_has_a_smoke_test() -> None:
     tests = Path(__file__).read_text()
-    tests += (Path(__file__).parents[1] / "distributed" / "test_torchrun_multinode.py").read_text()
+    for other in ("test_torchrun_multinode.py", "test_ray_train.py"):
+        tests += (Path(__file__).parents[1] / "distributed" / other).read_text()
     untested = [p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sbatch")]
     untested = [name for name in untested if f'"{name}"' not in tests]
     assert not untested, f"examples without a smoke test: {untested}"
@@ -275,23 +272,3 @@ def test_large_model_example_trains_a_model_over_the_budget_within_its_plan() ->
     assert whole > budget >= plan, output  # the whole model does not fit; each rank's shard does
     for item in ("parameters", "gradients", "optimizer state", "activations", "total"):
         assert sum(f"|   {item}: " in line for line in output.splitlines()) == 1, output
-
-
-@pytest.mark.distributed
-@ray_tests
-def test_ray_train_example_trains_on_a_ray_cluster(tmp_path: Path, ray_cluster: Any) -> None:
-    """As docs/launching.md runs it on a running cluster (``--address``): the session's."""
-    address = ray_cluster.get_runtime_context().gcs_address
-    command = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage", str(tmp_path)]
-    code, output = run_command([*command, "--address", address], timeout=300)
-    assert code == 0, output
-    finals = [line for line in output.splitlines() if line.startswith("final: ")]
-    assert len(finals) == 1, output
-    assert float(finals[0].split("val_accuracy=")[1].split()[0]) >= 0.95, output
-    assert "after 6 epochs" in finals[0], output
-    # Each epoch's line once (rank 0's); of the six checkpoints reported, Ray kept the best
-    # two by val_accuracy and the latest (which it always keeps, to restore from).
-    for epoch in range(1, 7):
-        assert sum(f"epoch {epoch}/6:" in line for line in output.splitlines()) == 1, output
-    kept = [p.name for p in (tmp_path / "digits").glob("checkpoint_2*/ckpt-e*-s*.pt")]
-    assert len(kept) == 3 and "ckpt-e0006-s00000138.pt" in kept, kept

@@ -13,8 +13,6 @@ import pytest
 
 from tests.harness import run_command, torchrun_command
 
-pytestmark = pytest.mark.spread  # every test starts its own processes: none shares a fixture
-
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
