@@ -5,8 +5,9 @@ resumes from Ray's checkpoint bit for bit, a worker's error reaches the driver w
 and traceback, and examples/ray_train.py trains on the cluster.
 
 Ray puts its processes, and the process group's MASTER_ADDR, on the node's address; with
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (tests/conftest.py sets it for the session, before Ray is imported) that
-address is the loopback one, which the cluster fixture checks before any group is made.
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (tests/conftest.py sets it for the session, before
+Ray is imported) that address is the loopback one, which the cluster fixture checks before
+any group is made.
 """
 
 from __future__ import annotations
