@@ -49,14 +49,15 @@ test-fast: lint typecheck
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/property
 
 # Lint, types, then every test in one pytest session on both cores: a file's tests stay on one
-# worker (its module fixtures, one process group serving many checks, run once), the heaviest
-# folders first so that the light in-process tests fill the end (tests/README.md). Every part
+# worker (its module fixtures, one process group serving many checks, run once), files in the
+# order given, the heaviest folders first, so that the light in-process tests fill the end
+# (tests/README.md). Every part
 # runs even when an earlier one fails; the exit status says whether any failed.
 test: $(STAMP)
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory typecheck || status=1; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
 		tests/launched tests/distributed tests/unit tests/property || status=1; \
 	if [ $$status -ne 0 ]; then echo "make test: some part failed (see above)"; fi; \
 	exit $$status
