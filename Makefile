@@ -51,8 +51,8 @@ test-fast: lint typecheck
 # Lint, types, then every test in one pytest session on both cores: a file's tests stay on one
 # worker (its module fixtures, one process group serving many checks, run once), files in the
 # order given, the heaviest folders first, so that the light in-process tests fill the end
-# (tests/README.md). Every part
-# runs even when an earlier one fails; the exit status says whether any failed.
+# (tests/README.md). Every part runs even when an earlier one fails; the exit status says
+# whether any failed.
 test: $(STAMP)
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
