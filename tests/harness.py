@@ -15,8 +15,8 @@ Modes:
 Each child gets OMP_NUM_THREADS=1 and GLOO_SOCKET_IFNAME=lo (loopback only).
 
 Ranks fork from one forkserver per test process that has already imported torch and
-nn_handler (``PRELOAD``): a rank starts in milliseconds instead of the 2-3 s of CPU a fresh
-interpreter spends importing them, which was most of the process-group tier's time. Each rank
+nn_handler (``PRELOAD``): a rank starts in milliseconds instead of the 2 s of CPU a fresh
+interpreter spends importing them (65 s of the process-group tier's 670). Each rank
 still starts with the caller's environment as it is at the call (as a spawned one would), and
 the forkserver never runs a collective or starts a thread pool, so nothing a rank inherits is
 mid-operation.
