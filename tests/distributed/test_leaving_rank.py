@@ -5,12 +5,12 @@ left, promptly, instead of a raw gloo "Connection closed by peer" after a wait."
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, run_commands
+from tests.forked import Script, run_scripts
+from tests.harness import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -28,23 +28,22 @@ CASES = [
 ]
 
 
-def _commands(out: Path, mode: str, leaver: int) -> list[list[str]]:
+def _scripts(out: Path, mode: str, leaver: int) -> list[Script]:
+    """Both ranks, started by hand (forked from the preloaded forkserver: tests/forked.py)."""
     port = free_port()
     return [
-        [
-            "env",
-            f"RANK={rank}",
-            "WORLD_SIZE=2",
-            f"LOCAL_RANK={rank}",
-            "LOCAL_WORLD_SIZE=2",
-            "MASTER_ADDR=127.0.0.1",
-            f"MASTER_PORT={port}",
-            sys.executable,
-            str(SCRIPT),
-            str(out),
-            mode,
-            str(leaver),
-        ]
+        Script(
+            SCRIPT,
+            (str(out), mode, str(leaver)),
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
         for rank in (0, 1)
     ]
 
@@ -53,13 +52,13 @@ def _commands(out: Path, mode: str, leaver: int) -> list[list[str]]:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
     base = tmp_path_factory.mktemp("leaving")
     folders = {}
-    commands = []
+    scripts = []
     for mode, leaver, _ in CASES:
         folder = base / f"{mode}-{leaver}"
         folder.mkdir()
         folders[(mode, leaver)] = folder
-        commands += _commands(folder, mode, leaver)
-    results = run_commands(commands, timeout=100, env={"PYTHONPATH": str(ROOT)})
+        scripts += _scripts(folder, mode, leaver)
+    results = run_scripts(scripts, timeout=100, env={"PYTHONPATH": str(ROOT)})
     for folder, index in zip(folders.values(), range(0, len(results), 2), strict=True):
         (folder / "output.txt").write_text(
             "\n".join(f"--- exit {code} ---\n{text}" for code, text in results[index : index + 2])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.forked import Script, run_scripts
 from tests.harness import free_port, run_commands, torchrun_command
 
 # The module fixture runs two batches of jobs, each bounded at 120 s by run_commands (which
@@ -66,23 +66,24 @@ class Outcome:
         return float(json.loads((self.folder / f"{name}.json").read_text())["time"])
 
 
-def _command(out: Path, scenario: str, rank: int, port: int) -> list[str]:
-    env = [f"RANK={rank}", "WORLD_SIZE=2", f"LOCAL_RANK={rank}", "LOCAL_WORLD_SIZE=2"]
-    env += ["MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}"]
-    return ["env", *env, sys.executable, str(SCRIPT), str(out), scenario]
+def _script(out: Path, scenario: str, rank: int, port: int) -> Script:
+    """One rank started by hand (forked from the preloaded forkserver: tests/forked.py)."""
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+    env.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return Script(SCRIPT, (str(out), scenario), env)
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     base = tmp_path_factory.mktemp("stalls")
-    commands, folders = [], {}
+    scripts, folders = [], {}
     for scenario in BY_HAND:
         folders[scenario] = base / scenario
         folders[scenario].mkdir()
         port = free_port()
-        commands += [_command(folders[scenario], scenario, rank, port) for rank in (0, 1)]
+        scripts += [_script(folders[scenario], scenario, rank, port) for rank in (0, 1)]
     env = {"PYTHONPATH": str(ROOT)}
-    results = run_commands(commands, timeout=120, env=env)
+    results = run_scripts(scripts, timeout=120, env=env)
     found = {
         scenario: Outcome(folders[scenario], results[2 * i : 2 * i + 2])
         for i, scenario in enumerate(BY_HAND)
