@@ -27,6 +27,10 @@ import torch.multiprocessing as mp
 _RANKS_START = {"method": "spawn"}
 
 
+#: The peers' packages that the training benchmarks' ranks import (run_ranks' ``preload``).
+PEER_PACKAGES = ("lightning_fabric", "accelerate")
+
+
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
@@ -106,17 +110,26 @@ def run_two_ranks(worker: Callable[..., None], *args: Any, timeout: float = 300)
 
 
 def run_ranks(
-    world_size: int, worker: Callable[..., None], *args: Any, timeout: float, fresh: bool = False
+    world_size: int,
+    worker: Callable[..., None],
+    *args: Any,
+    timeout: float,
+    fresh: bool = False,
+    preload: Sequence[str] = (),
 ) -> Any:
     """:func:`run_two_ranks` for ``world_size`` new processes (1 for a clean single process):
-    fresh interpreters in a measurement or when ``fresh`` (a benchmark of the start itself)."""
+    fresh interpreters in a measurement or when ``fresh`` (a benchmark of the start itself).
+    ``preload``: what the ranks import (the peers' packages), imported once by the smoke mode's
+    server instead of by every rank; a package that is not installed is skipped."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     method = "spawn" if fresh else _RANKS_START["method"]
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", "nn_handler"])
+        ctx.set_forkserver_preload(
+            ["__main__", "torch", "torch.distributed", "nn_handler", *preload]
+        )
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(world_size)]
     for proc in procs:

@@ -492,8 +492,8 @@ def main() -> None:
         ("evaluate", ("resnet8", 2, 640 if quick else 10_000, 1 if quick else eval_reps)),
         ("end", (2, 20, 3 if quick else 31)),
     ]
-    results = common.run_ranks(1, _worker, 1, one, timeout=1200)
-    results += common.run_ranks(2, _worker, 2, two, timeout=1200)
+    results = common.run_ranks(1, _worker, 1, one, timeout=1200, preload=common.PEER_PACKAGES)
+    results += common.run_ranks(2, _worker, 2, two, timeout=1200, preload=common.PEER_PACKAGES)
     results.append(_startup_and_memory(2 if quick else 6, 1 if quick else 2))
     met, evidence = _judge(results)
     common.report(

@@ -385,7 +385,9 @@ def main() -> None:
         }
     results = []
     for world, plan in plans.items():
-        results += common.run_ranks(world, _worker, world, plan, timeout=900)
+        results += common.run_ranks(
+            world, _worker, world, plan, timeout=900, preload=common.PEER_PACKAGES
+        )
     met, evidence = _targets(results)
     common.report(
         {

@@ -154,33 +154,40 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_bit_identical(
     assert result.metrics["global_step"] == 15
 
 
-def test_an_error_on_one_worker_reaches_the_driver_with_its_rank_and_traceback(
-    ray_cluster: Any, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def failed_on_two(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A 2-worker run in the reproducible mode whose rank 1 raises after step 7 of 12, with no
+    restart left: (its folder, the driver's error). Two tests read it: the error's text, and
+    the same run continued on one worker."""
     from ray.train import TrainingFailedError
 
+    tmp = tmp_path_factory.mktemp("failed")
     with pytest.raises(TrainingFailedError) as caught:
-        fit(tmp_path, "failing", {"step": 3, "rank": 1, "kind": "raise"}, restarts=0)
-    text = str(caught.value)
+        fit(tmp, "two", {"step": 7, "rank": 1, "kind": "raise"}, restarts=0, reproducible=True)
+    return tmp, str(caught.value)
+
+
+def test_an_error_on_one_worker_reaches_the_driver_with_its_rank_and_traceback(
+    failed_on_two: tuple[Path, str],
+) -> None:
+    _, text = failed_on_two
     assert "Rank 1" in text, text
-    assert "ValueError: a bad batch on rank 1 at step 3" in text, text
+    assert "ValueError: a bad batch on rank 1 at step 7" in text, text
     assert "ray_helpers.py" in text and "after_optimizer_step" in text, text  # its traceback
 
 
 def test_a_group_restarted_with_fewer_workers_ends_bit_identical_in_the_reproducible_mode(
-    ray_cluster: Any, tmp_path: Path
+    failed_on_two: tuple[Path, str],
 ) -> None:
     """What Ray's elastic mode does after losing a node: the run goes on with fewer workers
-    from Ray's latest checkpoint. Here: 2 workers, rank 1 killed after step 7 of 12 with no
+    from Ray's latest checkpoint. Here: 2 workers, rank 1 failed after step 7 of 12 with no
     restart left; the same Ray run started again on 1 worker (Ray hands it the run's latest
     checkpoint, as to a restarted elastic group of 1) ends with the digest of an
-    uninterrupted single-process run."""
-    from ray.train import TrainingFailedError
-
+    uninterrupted single-process run. (A worker killed outright, the other way to lose one,
+    is the test of Ray's own restart above.)"""
     from tests.reproducible_helpers import digest, handler, train
 
-    with pytest.raises(TrainingFailedError):
-        fit(tmp_path, "two", {"step": 7, "rank": 1, "kind": "kill"}, restarts=0, reproducible=True)
+    tmp_path, _ = failed_on_two
     result, saved = fit(tmp_path, "one", workers=1, reproducible=True, run="two")
     assert saved["world_size"] == 1
     assert result.metrics["global_step"] == 12
