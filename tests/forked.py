@@ -76,13 +76,13 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _run(script: Script, env: dict[str, str], cwd: str | None, output: str) -> None:
+def _run(script: Script, env: dict[str, str], cwd: str | None, output: str, error: str) -> None:
     """The forked child: become ``python script``, then leave as the interpreter would."""
     os.setsid()
-    fd = os.open(output, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for stream, path in ((1, output), (2, error)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, stream)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -120,30 +120,30 @@ def _run(script: Script, env: dict[str, str], cwd: str | None, output: str) -> N
     os._exit(code)
 
 
-def run_scripts(
+def _run_all(
     scripts: Sequence[Script],
-    *,
     timeout: float,
-    env: Mapping[str, str] | None = None,
-    cwd: str | Path | None = None,
-) -> list[tuple[int, str]]:
-    """Run ``scripts`` concurrently, each forked from the preloaded forkserver in its own
-    session, all bounded by ``timeout`` seconds; (exit code, output) for each, as
-    tests.harness.run_commands gives for the same command lines.
-
-    On timeout every session is killed and the test fails with each script's output so far.
-    """
+    env: Mapping[str, str] | None,
+    cwd: str | Path | None,
+    split: bool,
+) -> list[tuple[int, str, str]]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     where = None if cwd is None else str(cwd)
     with tempfile.TemporaryDirectory(prefix="nnh-scripts-") as tmp:
-        outputs = [Path(tmp, f"{i}.out") for i in range(len(scripts))]
+        files = [
+            (Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err" if split else f"{i}.out"))
+            for i in range(len(scripts))
+        ]
         procs = []
-        for script, output in zip(scripts, outputs, strict=True):
+        for script, (output, error) in zip(scripts, files, strict=True):
             output.touch()
+            error.touch()
             child_env = {**base, **script.env}
-            proc = ctx.Process(target=_run, args=(script, child_env, where, str(output)))
+            proc = ctx.Process(
+                target=_run, args=(script, child_env, where, str(output), str(error))
+            )
             proc.start()
             procs.append(proc)
         bound = scaled(timeout)
@@ -155,14 +155,34 @@ def run_scripts(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.join(5)
-            texts = [f"--- {s} ---\n{o.read_text()}" for s, o in zip(scripts, outputs, strict=True)]
+            texts = [
+                f"--- {script} ---\n{output.read_text()}{error.read_text() if split else ''}"
+                for script, (output, error) in zip(scripts, files, strict=True)
+            ]
             raise GroupRunError(
                 f"scripts passed {bound:.0f}s and were killed:\n" + "\n".join(texts)
             )
         return [
-            (int(proc.exitcode or 0), output.read_text())
-            for proc, output in zip(procs, outputs, strict=True)
+            (proc.exitcode or 0, output.read_text(), error.read_text() if split else "")
+            for proc, (output, error) in zip(procs, files, strict=True)
         ]
+
+
+def run_scripts(
+    scripts: Sequence[Script],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> list[tuple[int, str]]:
+    """Run ``scripts`` concurrently, each forked from the preloaded forkserver in its own
+    session, all bounded by ``timeout`` seconds; (exit code, output) for each, as
+    tests.harness.run_commands gives for the same command lines (stdout and stderr
+    interleaved in one output).
+
+    On timeout every session is killed and the test fails with each script's output so far.
+    """
+    return [(code, output) for code, output, _ in _run_all(scripts, timeout, env, cwd, False)]
 
 
 def run_script(
@@ -176,4 +196,16 @@ def run_script(
     return run_scripts([script], timeout=timeout, env=env, cwd=cwd)[0]
 
 
-__all__ = ["Script", "run_script", "run_scripts"]
+def run_script_split(
+    script: Script,
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> tuple[int, str, str]:
+    """One script, as :func:`run_script` runs it, its streams apart: (exit code, stdout,
+    stderr), as ``subprocess.run(..., capture_output=True)`` gives them."""
+    return _run_all([script], timeout, env, cwd, True)[0]
+
+
+__all__ = ["Script", "run_script", "run_script_split", "run_scripts"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked import Script, run_script, run_scripts
+from tests.forked import Script, run_script, run_script_split, run_scripts
 from tests.harness import GroupRunError, run_commands
 
 pytestmark = pytest.mark.distributed
@@ -111,3 +111,15 @@ def test_a_hang_is_killed_at_the_bound_with_the_output_so_far(tmp_path: Path) ->
     )
     with pytest.raises(GroupRunError, match=r"(?s)passed \d+s and were killed.*started"):
         run_script(Script(tmp_path / "hang.py"), timeout=2)
+
+
+def test_the_streams_apart_are_subprocess_runs(probe: Path) -> None:
+    import subprocess
+
+    for mode in ("raise", "message"):
+        fresh = subprocess.run(
+            [sys.executable, str(probe), mode], capture_output=True, text=True, timeout=60
+        )
+        forked = run_script_split(Script(probe, (mode,)), timeout=60)
+        assert forked == (fresh.returncode, fresh.stdout, fresh.stderr), mode
+        assert forked[1] == "out\natexit ran\n" and forked[2].startswith("err\n"), forked

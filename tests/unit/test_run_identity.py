@@ -20,6 +20,7 @@ import pytest
 from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.run_identity import differences, fingerprint, run_of
+from tests.forked import Script, run_script_split
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "shared_folder.py"
 
@@ -29,9 +30,11 @@ def _command(run: Path, lr: float, resume: str, epochs: int, *hold: str) -> list
 
 
 def _launch(run: Path, lr: float, resume: str, epochs: int) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """``python shared_folder.py ...`` (forked from the preloaded forkserver: tests/forked.py)."""
     command = _command(run, lr, resume, epochs)
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    script = Script(SCRIPT, command[2:])
+    code, out, err = run_script_split(script, timeout=180, env={"OMP_NUM_THREADS": "1"})
+    return subprocess.CompletedProcess(command, code, out, err)
 
 
 def _owners(folder: Path) -> dict[str, str | None]:

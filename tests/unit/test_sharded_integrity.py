@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from nn_handler import CheckpointError, HandlerConfig, NNHandler
 from nn_handler.checkpoint.consolidate import consolidate
 from nn_handler.checkpoint.manifest import MANIFEST
 from nn_handler.checkpoint.sharded import CHECKSUMS, REST
+from tests.forked import Script, run_script_split
 from tests.tamper import (
     craft_index,
     craft_value,
@@ -97,8 +97,11 @@ def warnings_seen() -> Iterator[list[str]]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "nn_handler.cli", "checkpoint", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    """``python -m nn_handler.cli checkpoint ...`` (forked from the preloaded forkserver:
+    tests/forked.py)."""
+    script = Script(module="nn_handler.cli", args=("checkpoint", *args))
+    code, out, err = run_script_split(script, timeout=120, cwd=ROOT)
+    return subprocess.CompletedProcess(["python", "-m", "nn_handler.cli", *args], code, out, err)
 
 
 # ----------------------------------------------------------------- 1. code never runs

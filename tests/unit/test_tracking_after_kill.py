@@ -7,15 +7,15 @@ before its first checkpoint is marked KILLED in MLflow when the next run starts.
 from __future__ import annotations
 
 import csv
-import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.forked import Script, run_script_split
 
 pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")
@@ -25,9 +25,11 @@ STEPS = list(range(1, 16))  # 3 epochs of 5 steps, every step logged
 
 
 def _launch(run: Path, when: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(SCRIPT), str(run), when]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    """``python tracked_kill.py RUN WHEN`` (forked from the preloaded forkserver:
+    tests/forked.py)."""
+    script = Script(SCRIPT, (str(run), when))
+    code, out, err = run_script_split(script, timeout=240, env={"OMP_NUM_THREADS": "1"})
+    return subprocess.CompletedProcess(["python", str(SCRIPT), str(run), when], code, out, err)
 
 
 def _client(run: Path) -> Any:
