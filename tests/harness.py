@@ -70,14 +70,26 @@ class GroupRunError(AssertionError):
     """A rank failed, died or hung; the message holds every rank's traceback and stacks."""
 
 
+def _below_ephemeral() -> tuple[int, int]:
+    """The ports below the kernel's ephemeral range (Linux: 32768 by default), from 20000
+    (above Ray's worker ports, 10002-19999)."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    return 20000, max(first, 20001)
+
+
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 now (from [low, high) when given, tried from a random
-    place in it: two suites running at once must not both take the lowest)."""
-    candidates: list[int] = [0]
-    if low is not None and high is not None:
-        start = random.randrange(low, high)
-        candidates = [*range(start, high), *range(low, start)]
-    for port in candidates:
+    """A TCP port free on 127.0.0.1 now, from [low, high) (by default: below the kernel's
+    ephemeral range), tried from a random place in it: two suites running at once must not
+    both take the lowest. Never an ephemeral port: between this call and the rank that binds
+    it, any process's outgoing connection can take one of those (two suites at once: a
+    rendezvous failed on a MASTER_PORT that was free a moment before)."""
+    if low is None or high is None:
+        low, high = _below_ephemeral()
+    start = random.randrange(low, high)
+    for port in [*range(start, high), *range(low, start)]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))

@@ -20,6 +20,7 @@ PROBE = textwrap.dedent(
     """
     import atexit, json, os, signal, sys, threading, time
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also in a background job
     mode = sys.argv[1]
     print("out", flush=True)
     print("err", file=sys.stderr, flush=True)
