@@ -281,3 +281,26 @@ def test_memory_plan_quick_mode_writes_its_fields(quick_run: Path) -> None:
         assert found["peak_bytes"] > 0 and found["plan_bytes"] > 0
         assert found["plan_over_peak"] == found["plan_bytes"] / found["peak_bytes"]
         assert set(found["items_bytes"]) >= {"parameters", "gradients", "activations"}
+
+
+def test_a_forked_smoke_script_reports_its_exit_status_and_traceback(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """run_all's smoke mode runs each script in a process forked from its preloaded server:
+    a failing script's status reaches run_all as the interpreter's would (sys.exit's code, 1
+    and the traceback on stderr for an exception)."""
+    import os
+
+    import run_all
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "exits.py").write_text("import sys\nprint('to devnull')\nsys.exit(3)\n")
+    (tmp_path / "raises.py").write_text("raise ValueError('a broken benchmark')\n")
+    (tmp_path / "passes.py").write_text("import nn_handler\n")
+    codes = [
+        run_all._wait(run_all._start([sys.executable, str(tmp_path / name)], env, forked=True))
+        for name in ("exits.py", "raises.py", "passes.py")
+    ]
+    assert codes == [3, 1, 0]
+    captured = capfd.readouterr()
+    assert "ValueError: a broken benchmark" in captured.err and "to devnull" not in captured.out
