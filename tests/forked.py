@@ -17,7 +17,9 @@ script:
 - the exit status follows the interpreter's rules: ``sys.exit(n)``, 1 with the traceback for
   an uncaught exception (the runner's own frames left out), death by SIGINT for an uncaught
   KeyboardInterrupt, a signal's negative number when killed; non-daemon threads are joined
-  and ``atexit`` functions run before the process leaves.
+  and ``atexit`` functions run before the process leaves;
+- multiprocessing's start method is the interpreter's default, not the forkserver's, so the
+  processes a script starts (DataLoader workers) fork as they would from a fresh interpreter.
 
 What cannot be checked this way stays a fresh interpreter: what a user's first import costs
 or loads (tests/unit/test_strategy.py), memory peaks (the preloaded modules are resident),
@@ -87,6 +89,9 @@ def _run(script: Script, env: dict[str, str], cwd: str | None, output: str, erro
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
+    # A forkserver's child would start its own processes (a DataLoader's workers) through a
+    # forkserver of its own, a fresh interpreter each; the script's start as the interpreter's.
+    mp.set_start_method(None, force=True)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

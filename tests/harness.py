@@ -111,6 +111,10 @@ def _worker(
     global _STACKS_FILE
     os.environ.clear()  # the caller's environment at the call, not the forkserver's at its start
     os.environ.update(env)
+    # A forkserver's child would start its own processes (DataLoader workers) through a new
+    # forkserver, each worker a fresh interpreter that imports torch again (and outlives a rank
+    # that dies: its watchdog watches the forkserver); a torchrun rank forks them.
+    mp.set_start_method(None, force=True)
     _STACKS_FILE = open(Path(workdir, f"rank{rank}.stacks"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
     import torch

@@ -31,6 +31,7 @@ PROBE = textwrap.dedent(
             "cwd": os.getcwd(), "added": os.environ.get("ADDED"),
             "dropped": os.environ.get("NNH_FORKED_DROPPED"),
             "helper": __import__("probe_helper").VALUE,
+            "start_method": __import__("multiprocessing").get_start_method(allow_none=True),
         }))
     elif mode == "exit":
         sys.exit(3)
@@ -95,6 +96,7 @@ def test_argv_paths_and_environment_are_the_interpreters(
         "added": "yes",
         "dropped": None,
         "helper": 42,
+        "start_method": None,  # not the forkserver's: the script's own workers start as its would
     }
 
 

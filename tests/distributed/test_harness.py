@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -13,14 +14,17 @@ from tests.harness import GroupRunError, run_group
 from tests.timeouts import scaled
 
 
-def _sum_ranks(rank: int, world_size: int) -> tuple[int, float, str]:
+def _sum_ranks(rank: int, world_size: int) -> tuple[int, float, str, str | None]:
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return rank, float(t.item()), os.environ["OMP_NUM_THREADS"]
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    return rank, float(t.item()), os.environ["OMP_NUM_THREADS"], start_method
 
 
 def test_results_come_back_by_rank_from_a_real_gloo_group() -> None:
-    assert run_group(_sum_ranks, 2) == [(0, 1.0, "1"), (1, 1.0, "1")]
+    # A rank's own processes (DataLoader workers) start as in a fresh interpreter's (a torchrun
+    # rank's), not through a forkserver of their own (the default start method, unset).
+    assert run_group(_sum_ranks, 2) == [(0, 1.0, "1", None), (1, 1.0, "1", None)]
 
 
 def _rank1_raises_while_rank0_waits(rank: int, world_size: int) -> None:

@@ -4,6 +4,7 @@ stall report names the worker that owes the late batch, with its pid, on 2 real 
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import time
 from typing import Any
@@ -43,12 +44,20 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         "distributed": {"stall_timeout": 2.0, "timeout": 60.0},
     }
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    # The loader's worker starts from a forkserver, not forked from the rank (a torchrun rank's
+    # default): a forked worker holds copies of the rank's gloo sockets, so rank 1 leaving
+    # does not close its connection and rank 0, blocked in DDP's all-reduce, takes the
+    # watchdog's exit 1 (tests/distributed/test_stall_watchdog.py) instead of raising.
+    multiprocessing.set_start_method("forkserver", force=True)
     started = time.monotonic()
     try:
         with NNHandler(nn.Linear(6, 3), sgd, nn.CrossEntropyLoss(), config=config) as h:
             h.train(StuckAt(), epochs=1)
     except CollectiveStallError as error:
         return {"report": error.report, "seconds": time.monotonic() - started}
+    finally:
+        for worker in multiprocessing.active_children():  # the stuck one would sleep on
+            worker.kill()
     return {"report": None}
 
 
