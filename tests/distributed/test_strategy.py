@@ -149,7 +149,7 @@ def test_the_library_adds_no_collective_per_optimizer_step_in_a_real_group(
 
 
 def _monitor_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    """Rank 1's samples take 3 ms each to load; rank 0 waits for it in the reduction."""
+    """Rank 1's samples take 10 ms each to load; rank 0 waits for it in the reduction."""
     import time
 
     from torch.utils.data import Dataset
@@ -164,8 +164,8 @@ def _monitor_on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
             return len(self.data)
 
         def __getitem__(self, index: int) -> Any:
-            if rank == 1:
-                time.sleep(0.003)
+            if rank == 1:  # 40 ms a batch: far above a step's compute, even on a loaded machine
+                time.sleep(0.01)
             return self.data[index]
 
     monitor = ThroughputMonitor(count_tokens=lambda batch: 10 * len(batch[0]))
