@@ -128,7 +128,7 @@ def run_ranks(
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(
-            ["__main__", "torch", "torch.distributed", "nn_handler", *preload]
+            ["__main__", "torch", "torch.distributed", "torch._dynamo", "nn_handler", *preload]
         )
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(world_size)]

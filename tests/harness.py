@@ -51,10 +51,13 @@ EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 #: Seconds the surviving ranks get to finish on their own after one rank failed.
 FAILURE_GRACE_S = 3.0
 
-#: What the forkserver imports once, so that no rank imports it again.
+#: What the forkserver imports once, so that no rank imports it again. ``torch._dynamo``: a
+#: torch optimizer's first step imports it (with sympy and inductor: about 1.1 s of CPU, torch's
+#: own cost in every process that trains), so a forked rank finds it imported.
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",
     "numpy",
     "cloudpickle",
     "loguru",
