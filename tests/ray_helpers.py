@@ -104,10 +104,14 @@ if __name__ == "__main__":
 
 
 def report_foreign(settings: dict[str, Any]) -> None:
-    """Report a checkpoint nn_handler did not write (``settings['foreign']``, a folder), then
-    fail: the run's next start is given that checkpoint."""
+    """On the run's first start: report a checkpoint nn_handler did not write
+    (``settings['foreign']``, a folder), then fail. On Ray's restart, which is given that
+    checkpoint: :func:`train_loop`, whose resume must refuse it."""
     import ray.train
 
+    if ray.train.get_checkpoint() is not None:
+        train_loop(settings)
+        return
     checkpoint = ray.train.Checkpoint.from_directory(settings["foreign"])
     ray.train.report({"epoch": 0}, checkpoint=checkpoint)
     raise RuntimeError("stopped after reporting a foreign checkpoint")

@@ -4,9 +4,14 @@
 
 Every rank writes one JSON line to OUT.json.<rank>: its resident memory before the model
 exists (after the imports and the process group), its high-water mark after setup and after
-training (Linux VmHWM), the plan's total and items, and the training losses. Run it with
+training (Linux VmHWM, reset to the resident memory before each run through
+/proc/self/clear_refs), the plan's total and items, and the training losses. Run it with
 MALLOC_MMAP_THRESHOLD_=131072 (the test and the benchmark do): otherwise glibc keeps freed
 blocks and the high-water mark measures the allocator, not the tensors.
+
+``--checkpointing none,selective,full`` measures each mode in turn in the same processes (the
+model built again for each, the high-water mark reset between them) and writes
+OUT.json.<mode>.<rank> for each.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from torch.utils.data import TensorDataset
 import nn_handler.strategies.fsdp  # noqa: F401  (its imports too, before the baseline)
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.config import DistributedConfig
+
+
+def reset_peak() -> None:
+    """Set VmHWM to the current resident memory (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def status(field: str) -> int:
@@ -65,7 +75,11 @@ def parse() -> argparse.Namespace:
 
 
 def train(
-    args: argparse.Namespace, context: DistributedContext, width: int, depth: int
+    args: argparse.Namespace,
+    context: DistributedContext,
+    width: int,
+    depth: int,
+    checkpointing: str = "none",
 ) -> dict[str, Any]:
     """Train the model of ``width`` x ``depth`` for ``args.steps`` steps; its report."""
     classes = 10
@@ -86,11 +100,12 @@ def train(
             "fsdp": {
                 "blocks": ["Block"],
                 "replicate": replicate,
-                "activation_checkpointing": args.checkpointing,
+                "activation_checkpointing": checkpointing,
             },
         },
         "logging": {"enabled": False, "monitor": False},
     }
+    reset_peak()
     baseline = status("VmRSS")
     with NNHandler(
         build(width, depth, classes),
@@ -122,12 +137,16 @@ def train(
 
 def main() -> None:
     args = parse()
+    modes = args.checkpointing.split(",")
     with DistributedContext(DistributedConfig(enabled=True)) as context:
         # The libraries' own memory (lazy imports, first-call caches) is not the model's:
-        # one tiny run first, then the baseline.
-        train(args, context, 16, 2)
-        report = train(args, context, args.width, args.depth)
-    Path(f"{args.out}.{report['rank']}").write_text(json.dumps(report))
+        # one tiny run in each mode first, then the baselines.
+        for mode in modes:
+            train(args, context, 16, 2, mode)
+        for mode in modes:
+            report = train(args, context, args.width, args.depth, mode)
+            name = args.out if len(modes) == 1 else f"{args.out}.{mode}"
+            Path(f"{name}.{report['rank']}").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
