@@ -33,7 +33,7 @@ def main() -> None:
     config = {
         "loader": {"batch_size": 16, "seed": 0},
         "trainer": {
-            "epochs": 3,
+            "epochs": 2,
             "progress_bar": False,
             "gradient_clip_val": 1.0,
             "strategy": "fsdp" if sharded else "auto",
