@@ -64,6 +64,7 @@ PRELOAD = [
     "pydantic",
     "nn_handler",
     "tests.harness",
+    "tests.frozen_preload",  # last: freezes what the others made (gc.freeze)
 ]
 
 _STACKS_FILE: Any = None  # kept open for faulthandler in each child

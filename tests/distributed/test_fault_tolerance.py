@@ -18,7 +18,8 @@ import torch
 
 from nn_handler import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from nn_handler.checkpoint import load_file
-from tests.harness import run_command, run_commands, torchrun_command
+from tests.forked import Script, run_scripts
+from tests.harness import free_port, run_command, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -44,6 +45,34 @@ def _run(
     return run_command(_command(tmp, name, mode, *extra, variant=variant), timeout=timeout, env=ENV)
 
 
+def _uninterrupted(tmp: Path, name: str, variant: str = "") -> Path:
+    """The reference: the 'plain' run of both ranks, started by hand with torchrun's variables
+    (forked from the preloaded forkserver: tests/forked.py; an uninterrupted run needs no
+    agent, and its weights must not depend on one). Its output folder."""
+    ckpt, out = tmp / name / "ckpt", tmp / name / "out"
+    out.mkdir(parents=True)
+    port = str(free_port())
+    args = (str(ckpt), str(out), "plain", *([variant] if variant else []))
+    scripts = [
+        Script(
+            SCRIPT,
+            args,
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for rank in (0, 1)
+    ]
+    for code, output in run_scripts(scripts, timeout=120, env=ENV):
+        assert code == 0, output
+    return out
+
+
 def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(out / f"rank{rank}.pt", weights_only=True)
 
@@ -54,10 +83,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    tmp = tmp_path_factory.mktemp("plain")
-    code, output = _run(tmp, "plain", "plain")
-    assert code == 0, output
-    return [_weights(tmp / "plain" / "out", rank) for rank in (0, 1)]
+    out = _uninterrupted(tmp_path_factory.mktemp("plain"), "plain")
+    return [_weights(out, rank) for rank in (0, 1)]
 
 
 def test_elastic_restart_after_sigkill_resumes_from_the_latest_checkpoint(
@@ -85,20 +112,13 @@ def test_user_models_with_tracked_state_resume_bit_identical_after_sigkill(
     torchmetrics F1 on its overridden validation_step, a hook with state) plus that sum. A
     SIGKILL mid-epoch on rank 1, torchrun restarts the group, and both ranks end with the
     weights, the sums, the hook state and the History of an uninterrupted run."""
-    # The uninterrupted reference and the killed run side by side (independent folders).
-    (code, output), (killed_code, killed_output) = run_commands(
-        [
-            _command(tmp_path, "plain", "plain", variant=variant),
-            _command(tmp_path, "killed", "sigkill", "--max-restarts=1", variant=variant),
-        ],
-        timeout=180,
-        env=ENV,
+    plain = _uninterrupted(tmp_path, "plain", variant)
+    code, output = _run(
+        tmp_path, "killed", "sigkill", "--max-restarts=1", timeout=180, variant=variant
     )
     assert code == 0, output
-    code, output = killed_code, killed_output
-    assert code == 0, output
     assert "(exitcode: -9) local_rank: 1" in output, output
-    plain, killed = tmp_path / "plain" / "out", tmp_path / "killed" / "out"
+    killed = tmp_path / "killed" / "out"
     for rank in (0, 1):
         report = json.loads((killed / f"rank{rank}-attempt1.json").read_text())
         reference = json.loads((plain / f"rank{rank}-attempt0.json").read_text())
