@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -39,6 +40,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         seconds = float(marker.args[0]) if marker is not None and marker.args else default
         if seconds > 0 and SCALE > 1:
             item.add_marker(pytest.mark.timeout(scaled(seconds)), append=False)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, nn_handler, every test module: about 500,000 objects)
+    lives as long as the session: freeze it out of the garbage collector's reach, so that
+    each full collection walks only what the tests made (one process running tests/unit made
+    47 full collections, 24.6 s of its 144 s, before)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
