@@ -67,9 +67,9 @@ COMPILE = $(BIN)/python -m compileall -q -j 0 nn_handler tests examples benchmar
 # subprocess or a deadline leaves its core to the others: 6% idle with two workers, 2% with
 # three), with ruff and mypy alongside (one core for about 30 s, which they left idle when they
 # ran first; the tests' output comes live, theirs after it). A file's tests stay on one worker
-# (its module fixtures, one process group serving many checks, run once), files in the order
-# given, the heaviest folders first, so that the light in-process tests fill the end
-# (tests/README.md). Every part runs even when another fails; the exit status says whether any
+# (its module fixtures, one process group serving many checks, run once), files in collection
+# order: the longest files first (tests/conftest.py's LONGEST_FIRST), then the folders, the
+# heaviest first, so that the light in-process tests fill the end (tests/README.md). Every part runs even when another fails; the exit status says whether any
 # failed.
 test: $(STAMP)
 	@status=0; checks=$$(mktemp); \

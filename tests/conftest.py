@@ -31,9 +31,38 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(name, value)
 
 
+#: The files that take longest (worker-seconds in `make test`, tests/README.md), in that order:
+#: they are collected first, so that pytest-xdist (which keeps a file on one worker and hands
+#: files out in collection order, `--no-loadscope-reorder`) starts them first and the short
+#: files fill the end (longest processing time first). Started last, the Ray file (about 270
+#: worker-seconds) was the session's tail, one core idle for its last minute.
+LONGEST_FIRST = (
+    "launched/test_examples.py",
+    "distributed/test_ray_train.py",
+    "distributed/test_fault_tolerance.py",
+    "launched/test_benchmarks.py",
+    "distributed/test_launcher.py",
+    "distributed/test_large_model_memory.py",
+    "unit/test_object_store_checkpoints.py",
+    "launched/test_upload_kills.py",
+    "launched/test_readme.py",
+    "launched/test_demo.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.path.as_posix()
+    return next(
+        (i for i, name in enumerate(LONGEST_FIRST) if path.endswith("/tests/" + name)),
+        len(LONGEST_FIRST),
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """pytest-timeout's bound of every test (its marker's, else the ini's) scaled for this
-    machine's load (tests/timeouts.py): a hang still fails, slowness does not."""
+    """The longest files first (``LONGEST_FIRST``; the others keep their order). pytest-timeout's
+    bound of every test (its marker's, else the ini's) scaled for this machine's load
+    (tests/timeouts.py): a hang still fails, slowness does not."""
+    items.sort(key=_longest_first)  # stable
     default = float(config.getini("timeout") or 0)
     for item in items:
         marker = item.get_closest_marker("timeout")
