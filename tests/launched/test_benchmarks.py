@@ -7,6 +7,7 @@ Never a timed test: speed is judged by the full ``make bench`` and benchmarks/RE
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.harness import run_command
+from tests.timeouts import scaled
 
 ROOT = Path(__file__).parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -283,24 +285,33 @@ def test_memory_plan_quick_mode_writes_its_fields(quick_run: Path) -> None:
         assert set(found["items_bytes"]) >= {"parameters", "gradients", "activations"}
 
 
-def test_a_forked_smoke_script_reports_its_exit_status_and_traceback(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_a_forked_smoke_script_reports_its_exit_status_and_traceback(tmp_path: Path) -> None:
     """run_all's smoke mode runs each script in a process forked from its preloaded server:
     a failing script's status reaches run_all as the interpreter's would (sys.exit's code, 1
-    and the traceback on stderr for an exception)."""
-    import os
+    and the traceback on stderr for an exception), its stdout is discarded.
 
-    import run_all
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    In a process of its own, as run_all runs: a forkserver already running in this worker
+    (the harness's) would write to the streams it started with, not to this test's."""
     (tmp_path / "exits.py").write_text("import sys\nprint('to devnull')\nsys.exit(3)\n")
     (tmp_path / "raises.py").write_text("raise ValueError('a broken benchmark')\n")
-    (tmp_path / "passes.py").write_text("import nn_handler\n")
-    codes = [
-        run_all._wait(run_all._start([sys.executable, str(tmp_path / name)], env, forked=True))
-        for name in ("exits.py", "raises.py", "passes.py")
-    ]
-    assert codes == [3, 1, 0]
-    captured = capfd.readouterr()
-    assert "ValueError: a broken benchmark" in captured.err and "to devnull" not in captured.out
+    (tmp_path / "passes.py").write_text("import json\n")
+    probe = (
+        "import os, sys\n"
+        "import run_all\n"
+        "run_all.PRELOAD[:] = []  # what is preloaded is not the point here\n"
+        "env = {**os.environ, 'OMP_NUM_THREADS': '1'}\n"
+        "print([run_all._wait(run_all._start([sys.executable, script], env, forked=True))\n"
+        "       for script in sys.argv[1:]])\n"
+    )
+    scripts = [str(tmp_path / name) for name in ("exits.py", "raises.py", "passes.py")]
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *scripts],
+        capture_output=True,
+        text=True,
+        cwd=BENCHMARKS,
+        timeout=scaled(120),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[3, 1, 0]\n", done.stdout  # and nothing from the scripts' stdout
+    assert "ValueError: a broken benchmark" in done.stderr, done.stderr
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
