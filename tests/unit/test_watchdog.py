@@ -16,8 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._C._distributed_c10d import HashStore
 
-from nn_handler import CollectiveMismatchError, CollectiveStallError
+from nn_handler import (
+    CollectiveMismatchError,
+    CollectiveStallError,
+    LauncherGoneError,
+    RankFailedError,
+)
 from nn_handler.distributed.communicator import Communicator, run_in_threads
+from nn_handler.distributed.communicator._watched import collective
 from nn_handler.distributed.faults.watchdog import CollectiveLedger, StallWatchdog, WatchdogTiming
 from nn_handler.distributed.faults.watchdog.interrupt import MainThreadInterrupt, _class_raising
 from nn_handler.distributed.faults.watchdog.ledger import HISTORY
@@ -447,3 +453,40 @@ def test_a_stall_report_blaming_no_rank_says_every_rank_is_in_it() -> None:
     text, blamed = stall_report(states, 0, 1.0, {})
     assert blamed == [] and "every rank is in it." in text.splitlines()[0]
     assert "have not" not in text and "no rank" not in text
+
+
+class _Collectives:
+    """A communicator's collectives as the ``collective`` decorator sees them."""
+
+    def __init__(self, watch: CollectiveLedger, error: Exception) -> None:
+        self._watch, self.error = watch, error
+
+    @collective
+    def all_reduce(self) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("Connection closed by peer [127.0.0.1]:29500"),
+        RankFailedError("all_reduce", {0: "the process group's store no longer answers"}),
+    ],
+    ids=["backend error", "a peer named as failed"],
+)
+def test_a_collective_that_fails_after_the_launcher_went_raises_launcher_gone(
+    error: Exception,
+) -> None:
+    """torchrun's agent killed while this rank was already inside a collective: the peer that
+    noticed first stopped (LauncherGoneError), so this rank's collective fails as if that
+    peer had died. The error is this rank's LauncherGoneError too, not a failure blamed on the
+    peer, once, as every rank's is (tests/distributed/test_orphaned_workers.py)."""
+    ledger = CollectiveLedger(rank=1)
+    comm = _Collectives(ledger, error)
+    with pytest.raises(type(error)):  # the launcher still there: the error as it was
+        comm.all_reduce()
+    gone = LauncherGoneError("rank 1: the launcher that started this worker is gone")
+    ledger.launcher_check = lambda: setattr(ledger, "incident", gone)
+    with pytest.raises(LauncherGoneError) as raised:
+        comm.all_reduce()
+    assert raised.value is gone and raised.value.__cause__ is None and ledger.incident_raised

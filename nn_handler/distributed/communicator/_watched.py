@@ -27,10 +27,19 @@ R = TypeVar("R")
 C = TypeVar("C", bound=Watched)
 
 
+def _orphaned(watch: CollectiveLedger) -> LauncherGoneError | None:
+    """This worker's LauncherGoneError if its launcher is gone (looked at again now)."""
+    if watch.launcher_check is not None:
+        watch.launcher_check()
+    return watch.incident if isinstance(watch.incident, LauncherGoneError) else None
+
+
 def collective(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C, P], R]:
     """Mark a public collective: the stall watchdog sees it end; a backend error caused by a
     reported stall or mismatch (a peer raised and left the group) becomes that report, and
-    one caused by peers that vanished a RankFailedError naming them."""
+    one caused by peers that vanished a RankFailedError naming them, unless this worker's
+    launcher is gone: then the peers left as orphans too (torchrun's agent killed while this
+    rank was already inside the collective), and the error is this rank's LauncherGoneError."""
 
     @functools.wraps(method)
     def watched(self: C, /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -39,9 +48,15 @@ def collective(method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C
             return method(self, *args, **kwargs)
         try:
             return method(self, *args, **kwargs)
-        except (CollectiveStallError, CollectiveMismatchError, RankFailedError, ConfigError):
+        except (CollectiveStallError, CollectiveMismatchError, ConfigError):
             raise
         except Exception as error:
+            orphan = _orphaned(watch)
+            if orphan is not None:
+                watch.incident_raised = True
+                raise orphan from None
+            if isinstance(error, RankFailedError):
+                raise
             incident = watch.incident if watch.incident is not None else WATCHDOGS.incident()
             if incident is None:
                 vanished = WATCHDOGS.vanished(error)
