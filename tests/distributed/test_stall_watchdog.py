@@ -282,10 +282,18 @@ DOCS = ROOT / "docs" / "troubleshooting.md"
 
 def _comparable(text: str) -> list[str]:
     """A report's lines without what changes between runs: seconds, pids and host names,
-    absolute paths, and the stack's frames (their library line numbers move with the code)."""
+    absolute paths, the stack's frames (their library line numbers move with the code), and
+    whether a killed rank's watchdog had published a collective before the kill (under load it
+    had: two suites at once)."""
     text = text.replace(f"{ROOT}/", "")
     text = re.sub(r"\d+\.\d s", "N s", text)
     text = re.sub(r"pid \d+ on \S+\)", "pid N on HOST)", text)
+    text = re.sub(
+        r"; (none of its collectives was published yet|its last published collective: .*)$",
+        "; WHAT IT PUBLISHED",
+        text,
+        flags=re.MULTILINE,
+    )
     return [line for line in text.splitlines() if not line.startswith("      ")]
 
 
