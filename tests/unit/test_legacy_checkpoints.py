@@ -1,0 +1,118 @@
+"""The checkpoint formats of the release before the checkpoint-protocol rewrite still load.
+
+tests/fixtures/legacy/ holds one epoch of resume_helpers' run written at 24b4425 (see
+tests/fixtures/make_legacy_checkpoints.py): single files, a sharded folder with its
+``manifest.json``, and both committed to a ``file://`` object store by their
+``<name>.manifest.json``. Each resumes bit-exact (the run ends where the uninterrupted run
+does), loads for inference, and a changed byte in it is named, never loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import NNHandler
+from nn_handler.errors import CheckpointError
+from tests import resume_helpers as rh
+from tests.fixtures.make_legacy_checkpoints import HERE, KINDS
+from tests.training_helpers import regression_data
+
+NAME = "ckpt-e0001-s00000005"
+
+
+def copy_of(kind: str, tmp_path: Path) -> tuple[str, dict[str, Any], Path]:
+    """The fixture ``kind`` copied under ``tmp_path``: (checkpoint.dir, the other checkpoint
+    options, the folder holding the checkpoints' bytes)."""
+    shutil.copytree(HERE / kind, tmp_path / kind)
+    options: dict[str, Any] = {"keep_last": 1}
+    if kind.endswith("sharded"):
+        options["format"] = "sharded"
+    if kind.startswith("store"):
+        options["staging_dir"] = str(tmp_path / "fresh-machine")
+        return f"file://{tmp_path / kind}/run", options, tmp_path / kind / "run"
+    return str(tmp_path / kind), options, tmp_path / kind
+
+
+def checkpoint_path(kind: str, where: str) -> str:
+    return f"{where}/{NAME}" if kind.endswith("sharded") else f"{where}/{NAME}.pt"
+
+
+def handler(where: str, **options: Any) -> NNHandler:
+    return NNHandler(
+        rh.model(),
+        rh.adam,
+        nn.CrossEntropyLoss(),
+        rh.step_lr,
+        config=rh.config(where, 1, False, **options),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    with rh.handler(tmp_path_factory.mktemp("plain"), 1, False, None) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=rh.EPOCHS)
+        return rh.outcome(h)
+
+
+def test_the_fixtures_are_the_four_formats() -> None:
+    found = {p.relative_to(HERE).as_posix() for p in HERE.rglob("*") if p.is_file()}
+    assert f"file/{NAME}.pt" in found
+    assert f"sharded/{NAME}/manifest.json" in found
+    assert f"store/run/{NAME}.pt.manifest.json" in found
+    assert f"store_sharded/run/{NAME}.manifest.json" in found
+    assert f"store_sharded/run/{NAME}/__0_0.distcp" in found
+    assert sorted(p.name for p in HERE.iterdir() if p.is_dir()) == sorted(KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_legacy_checkpoint_resumes_bit_exact(
+    kind: str, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    where, options, _ = copy_of(kind, tmp_path)
+    with handler(where, resume="auto", **options) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=rh.EPOCHS)
+        resumed = rh.outcome(h)
+    assert rh.same(resumed, uninterrupted), kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_legacy_checkpoint_loads_for_inference(
+    kind: str, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    where, _, _ = copy_of(kind, tmp_path)
+    loaded = NNHandler.load(checkpoint_path(kind, where), rh.model())
+    assert loaded.trainer.state.global_step == 5
+    assert loaded.history.records[0]["train_loss"] == uninterrupted["history"][0]["train_loss"]
+    # An epoch later than the fixture's, so the weights differ from the uninterrupted end.
+    assert not torch.equal(loaded.model[0].weight, uninterrupted["model"]["0.weight"])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("kind", "damaged"),
+    [
+        ("file", f"{NAME}.pt"),
+        ("sharded", f"{NAME}/__0_0.distcp"),
+        ("store", f"{NAME}.pt"),
+        ("store_sharded", f"{NAME}/__0_0.distcp"),
+    ],
+)
+def test_a_changed_byte_in_a_legacy_checkpoint_is_named(
+    kind: str, damaged: str, tmp_path: Path
+) -> None:
+    where, _, stored = copy_of(kind, tmp_path)
+    flip_a_byte(stored / damaged)
+    with pytest.raises(CheckpointError, match=r"corrupt|changed|has CRC-32|does not match") as e:
+        NNHandler.load(checkpoint_path(kind, where), rh.model())
+    assert Path(damaged).name in str(e.value) or NAME in str(e.value)
