@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 from nn_handler.config.training import Mode
@@ -116,6 +117,15 @@ class CheckpointConfig(ConfigModel):
     format: CheckpointFormat = "auto"
     async_save: bool = False
 
+    @field_validator("dir")
+    @classmethod
+    def _a_folder_or_a_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            problem = location_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _something_to_save(self) -> CheckpointConfig:
         if self.save_last and self.every_n_epochs is None and self.every_n_steps is None:
@@ -140,6 +150,15 @@ class CheckpointConfig(ConfigModel):
 
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+#: A scheme whose ``://`` is misspelt: ``s3:/bucket``, ``s3:bucket``, ``s3//bucket``.
+_ALMOST = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)(?::/*|//+)")
+#: Object-store schemes: ``s3//bucket`` is a misspelt URL, not a folder named "s3".
+_STORES = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "hdfs", "webhdfs", "hf",
+     "memory", "file", "local", "http", "https", "sftp", "ssh"}
+)  # fmt: skip
+#: Schemes whose URL has no bucket (``file:///tmp/run``, ``memory://run``).
+_BUCKETLESS = frozenset({"file", "local", "memory"})
 
 
 def is_url(path: object) -> bool:
@@ -147,4 +166,45 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and bool(_SCHEME.match(path))
 
 
-__all__ = ["CheckpointConfig", "CheckpointFormat", "ResumePolicy", "is_url"]
+def location_problem(value: str) -> str | None:
+    """Why ``value`` is neither a local folder nor a usable object-store URL (None: it is one
+    of them): a URL of a scheme fsspec does not know, a URL without a bucket, or a string that
+    looks like a URL but is not one (``s3:/bucket``, ``s3//bucket``), which would otherwise
+    train into a local folder named ``s3:`` that an ephemeral machine loses."""
+    import fsspec  # light: its registry only
+
+    known = set(fsspec.available_protocols()) | _STORES
+    if is_url(value):
+        scheme, _, rest = value.partition("://")
+        if scheme.lower() not in known:
+            close = difflib.get_close_matches(scheme.lower(), sorted(known), n=1)
+            hint = f"; did you mean {close[0]}://?" if close else "."
+            return (
+                f"{value!r} has the URL scheme {scheme!r}, which no installed filesystem "
+                f"handles{hint} Use s3://, gs://, az://, file://... (an fsspec URL) or a "
+                f"local folder."
+            )
+        if scheme.lower() in _BUCKETLESS:
+            if not rest.strip("/"):
+                return f"{value!r} names no folder: write {scheme}:///path/to/run."
+        elif not rest.split("/", 1)[0]:
+            return (
+                f"{value!r} has an empty bucket name: write {scheme}://<bucket>/<folder> "
+                f"(e.g. {scheme}://my-bucket/run)."
+            )
+        return None
+    almost = _ALMOST.match(value)
+    if almost is not None and almost.group(1).lower() in known:
+        scheme = almost.group(1)
+        if ":" in almost.group(0) or scheme.lower() in _STORES:
+            rest = value[almost.end() :]
+            return (
+                f"{value!r} is a misspelt URL (no '{scheme}://'): as written it is a local "
+                f"folder named {value.split('/')[0]!r}, which a machine that goes away takes "
+                f"with it. Write {scheme}://{rest or '<bucket>/<folder>'}, or './{value}' "
+                f"if you mean a local folder."
+            )
+    return None
+
+
+__all__ = ["CheckpointConfig", "CheckpointFormat", "ResumePolicy", "is_url", "location_problem"]
