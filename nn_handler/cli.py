@@ -184,14 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _local(path: str) -> str:
-    """``path``, or for a URL the committed checkpoint there (or the latest of a folder of
-    them), downloaded into the local working copy and checked against its manifest."""
+def _local(path: str) -> tuple[str, str]:
+    """(``path``, itself), or for a URL (the committed checkpoint there, or the latest of a
+    folder of them, downloaded into the local working copy and checked against its manifest,
+    that checkpoint's URL)."""
     if not is_url(path):
-        return path
+        return path, path
     from nn_handler.checkpoint.remote.folder import fetch_url
 
-    return str(fetch_url(path))
+    local, url = fetch_url(path)
+    return str(local), url
 
 
 def run_inspect(path: str) -> int:
@@ -200,7 +202,7 @@ def run_inspect(path: str) -> int:
     from nn_handler.errors import CheckpointError
 
     try:
-        print(describe_checkpoint(_local(path)))
+        print(describe_checkpoint(*_local(path)))
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint inspect: {error}", file=sys.stderr)
         return 1
@@ -215,7 +217,7 @@ def run_consolidate(folder: str, out: str) -> int:
     try:
         if is_url(out):
             raise CheckpointError(f"consolidate writes a local file; {out} is a URL.")
-        written = consolidate(_local(folder), out)
+        written = consolidate(_local(folder)[0], out)
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint consolidate: {error}", file=sys.stderr)
         return 1

@@ -257,7 +257,8 @@ class TrainingPreempted(SystemExit):
     status ``PREEMPTED_EXIT_CODE`` (or the configured code) instead of a traceback.
 
     Attributes:
-        checkpoint: the emergency checkpoint's path (None when it could not be written in time).
+        checkpoint: the emergency checkpoint's path (on an object store its URL, where it
+            lives, not the local working copy; None when it could not be written in time).
         global_step: the optimizer steps completed before stopping.
     """
 

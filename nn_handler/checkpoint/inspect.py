@@ -49,13 +49,13 @@ def _bytes(count: float) -> str:
     return f"{count:.1f} GiB"  # pragma: no cover - the loop returns
 
 
-def describe_checkpoint(path: str | Path) -> str:
+def describe_checkpoint(path: str | Path, where: str | None = None) -> str:
     """A few lines saying what the checkpoint at ``path`` holds (raises CheckpointError when
     it cannot be read)."""
     path = Path(path)
     sharded = is_sharded(path)
     checkpoint = load_file(path / REST if sharded else path, mmap=True, verify=False)
-    lines = [_heading(path, sharded)]
+    lines = [_heading(path, sharded, where or str(path))]
     if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != "nn_handler.checkpoint":
         kind = type(checkpoint).__name__
         lines.append(f"not an nn_handler training checkpoint ({kind}): {_size(checkpoint)}")
@@ -88,12 +88,12 @@ def describe_checkpoint(path: str | Path) -> str:
     return "\n".join(lines)
 
 
-def _heading(path: Path, sharded: bool) -> str:
+def _heading(path: Path, sharded: bool, where: str) -> str:
     if not sharded:
-        return f"{path} ({_bytes(path.stat().st_size)})"
+        return f"{where} ({_bytes(path.stat().st_size)})"
     shards = sorted(path.glob("*.distcp"))
     total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return f"{path} (sharded: {len(shards)} shard file(s), {_bytes(total)} in all)"
+    return f"{where} (sharded: {len(shards)} shard file(s), {_bytes(total)} in all)"
 
 
 def _checksums(folder: Path) -> str:

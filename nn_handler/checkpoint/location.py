@@ -57,6 +57,11 @@ class CheckpointFolder:
         """The folder as the user named it (a URL for an object store)."""
         return self.remote.url if self.remote is not None else str(self.dir)
 
+    def location(self, path: Path) -> str:
+        """Where the checkpoint ``path`` lives, as the user names it: on an object store its
+        URL, not the working copy's path. What logs, errors and reports say."""
+        return self.remote.store.url_of(path.name) if self.remote is not None else str(path)
+
     def start(self, is_checkpoint_name: Callable[[str], bool]) -> CheckpointError | None:
         """Rank 0, once: create the folder, take its lock, remove what killed saves left (on a
         store: check it can be written and delete uncommitted uploads). Returns the error."""
@@ -133,7 +138,8 @@ class CheckpointFolder:
         downloaded into the working copy where missing or changed, every object checked).
         Any rank."""
         if self.remote is not None:
-            path = self.remote.fetch(Path(path).name)
+            local = self.remote.fetch(Path(path).name)
+            return open_checkpoint(local, map_location, where=self.location(local))
         return open_checkpoint(path, map_location)
 
     # ----------------------------------------------------------------- changing it

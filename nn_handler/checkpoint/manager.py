@@ -222,14 +222,15 @@ class CheckpointManager:
         self.last_saved_epoch = epoch
         self._owners[path] = self.run_id
 
-    def mark_preempted(self, reason: str = "preempted") -> None:
+    def mark_preempted(self, reason: str = "preempted") -> bool:
         """Record in latest.json that the run stopped on a preemption (``"reason":
         "preempted"``, or ``"interrupted"`` for a Ctrl-C), still naming the newest complete
         checkpoint, so a job script can tell a preemption from a failure whatever exit status
         its launcher reports. Rank 0 writes; best effort (a failure is logged). Every rank may
-        call this."""
+        call this; rank 0 returns whether it (and, on a store, every upload before it)
+        landed."""
         if self.comm.rank != 0:
-            return
+            return True
         path = self.last_saved_path or self._pointed()
         epoch, step = self.last_saved_epoch, self.last_saved_step
         if path is not None and (epoch is None or step is None):
@@ -240,8 +241,10 @@ class CheckpointManager:
             self.folder.flush()  # the process exits next: the emergency upload lands first
         except Exception as error:  # best effort: the run is stopping either way
             logger.bind(rank=0).error(
-                "could not mark {} as {}: {}", self.dir / LATEST, reason, error
+                "could not mark {}/{} as {}: {}", self.where, LATEST, reason, error
             )
+            return False
+        return True
 
     def _point_latest(
         self, path: Path | None, epoch: int | None, step: int | None, reason: str

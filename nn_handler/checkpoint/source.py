@@ -21,11 +21,14 @@ class Opened(NamedTuple):
         contents: a single file's whole checkpoint, or a sharded folder's unsharded parts
             (``trainer.pt``), read ``weights_only``.
         folder: the sharded folder whose DCP shards hold the other parts; None for a file.
+        where: where it lives, as the user names it (an object store's URL, not the local
+            copy ``path``): what logs and errors say.
     """
 
     path: Path
     contents: Any
     folder: Path | None
+    where: str
 
 
 def open_checkpoint(
@@ -33,19 +36,24 @@ def open_checkpoint(
     map_location: torch.device | str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
+    where: str | None = None,
 ) -> Opened:
     """Read the checkpoint at ``path`` (a file, or a committed sharded folder; a URL: one
     committed on an object store, or the latest of a folder there, downloaded and checked
-    first); raises CheckpointError when it cannot be read."""
+    first); raises CheckpointError when it cannot be read. ``where``: where a local ``path``
+    lives (an object store's copy: its URL)."""
     if is_url(path):
         from nn_handler.checkpoint.remote.folder import fetch_url
         from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S
 
-        path = fetch_url(str(path), storage_options, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+        path, where = fetch_url(
+            str(path), storage_options, timeout_s=timeout_s or DEFAULT_TIMEOUT_S
+        )
     target = Path(path)
+    where = where or str(target)
     if is_sharded(target):
-        return Opened(target, read_rest(target, map_location), target)
-    return Opened(target, load_file(target, map_location), None)
+        return Opened(target, read_rest(target, map_location), target, where)
+    return Opened(target, load_file(target, map_location), None, where)
 
 
 __all__ = ["Opened", "open_checkpoint"]

@@ -173,19 +173,23 @@ class CheckpointHook(Hook):
             except CheckpointError as error:
                 log.error("no emergency checkpoint: {}", error)
         interrupted = self.watch is not None and self.watch.agreed_interrupt
-        manager.mark_preempted("interrupted" if interrupted else "preempted")
-        saved = str(path) if path else None
+        landed = manager.mark_preempted("interrupted" if interrupted else "preempted")
+        saved = manager.folder.location(path) if path else None
+        note = ""
+        if path is not None and not landed and manager.remote is not None:
+            saved, note = str(path), f": a local copy only, its upload to {manager.where} failed"
         stop = (
             TrainingInterrupted(saved, step)
             if interrupted
             else TrainingPreempted(config.preemption_exit_code, saved, step)
         )
         log.warning(
-            "{} after optimizer step {}: exiting with status {} (checkpoint {})",
+            "{} after optimizer step {}: exiting with status {} (checkpoint {}{})",
             "interrupted" if interrupted else "preempted",
             step,
             stop.code,
-            path,
+            saved,
+            note,
         )
         self._stop = stop
         raise stop

@@ -394,7 +394,7 @@ class TrainerCheckpoints:
             return None
         self.load(
             opened.contents,
-            str(opened.path),
+            opened.where,
             allow_world_size_change,
             opened.folder,
             verified=latest,
@@ -422,9 +422,7 @@ class TrainerCheckpoints:
             if found is None:
                 self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
             else:
-                where = (
-                    found if self.manager.remote is None else f"{self.manager.where}/{found.name}"
-                )
+                where = self.manager.folder.location(found)
                 self.log.info("resume={!r}: resumed from {}", policy, where)
             return
         existing = self.manager.periodic()

@@ -79,7 +79,7 @@ def check(url: str, scratch: Path) -> dict[str, Any]:
 
     outcome: dict[str, Any] = {"latest": None, "committed": 0, "broken": []}
     try:
-        path = fetch_url(url, staging_dir=str(scratch / "latest"))
+        path, _ = fetch_url(url, staging_dir=str(scratch / "latest"))
         load_file(path)
         outcome["latest"] = path.name
     except CheckpointError as error:
@@ -88,7 +88,7 @@ def check(url: str, scratch: Path) -> dict[str, Any]:
     names = [Path(key).name[: -len(SUFFIX)] for key in fs.ls(root) if key.endswith(SUFFIX)]
     for name in names:
         try:
-            load_file(fetch_url(f"{url}/{name}", staging_dir=str(scratch / "all")))
+            load_file(fetch_url(f"{url}/{name}", staging_dir=str(scratch / "all"))[0])
             outcome["committed"] += 1
         except CheckpointError as error:
             if "not committed" in str(error):  # deleted (rotated) since the listing

@@ -83,7 +83,7 @@ def test_resume_on_a_fresh_machine_is_bit_exact(
 
 
 def test_a_preempted_run_resumes_from_the_store(
-    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
+    s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any], lines: list[str]
 ) -> None:
     url = f"{s3.url}/run"
     with pytest.raises(TrainingPreempted) as stop:
@@ -91,8 +91,44 @@ def test_a_preempted_run_resumes_from_the_store(
     assert stop.value.global_step == 7
     latest = json.loads(s3.fs().cat(f"{s3.name}/run/latest.json"))
     assert (latest["checkpoint"], latest["reason"]) == ("ckpt-e0001-s00000007.pt", "preempted")
+    # The user is told where the emergency checkpoint lives, not the local working copy.
+    emergency = f"{url}/ckpt-e0001-s00000007.pt"
+    assert stop.value.checkpoint == emergency
+    said = [line for line in lines if line.startswith("preempted after")]
+    assert said == [f"preempted after optimizer step 7: exiting with status 75 (checkpoint "
+                    f"{emergency})"]  # fmt: skip
     resumed = run(url, machine(tmp_path, "next"), rh.EPOCHS, resume="auto")
+    assert f"resume='auto': resumed from {emergency}" in lines
+    assert not [line for line in lines if str(tmp_path) in line]  # no local copy named
     assert rh.same(resumed, uninterrupted)
+
+
+def test_a_preemption_whose_upload_fails_names_the_local_copy(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str]
+) -> None:
+    """The emergency checkpoint's background upload is refused: the user is told that only
+    the local copy exists, and where, not a URL that holds nothing."""
+    from nn_handler.checkpoint.remote.store import RemoteStore
+
+    put = RemoteStore.put
+
+    def refusing(store: RemoteStore, local: Path, name: str) -> None:
+        if "s00000007" in name:
+            raise PermissionError(f"access denied to {name}")
+        put(store, local, name)
+
+    monkeypatch.setattr(RemoteStore, "put", refusing)
+    url = f"{s3.url}/run"
+    spot = machine(tmp_path, "spot")
+    with pytest.raises(TrainingPreempted) as stop:
+        run(url, spot, rh.EPOCHS, hooks=[rh.SigtermAt(7)], async_save=True)
+    local = f"{spot}/ckpt-e0001-s00000007.pt"
+    assert stop.value.checkpoint == local and Path(local).is_file()
+    said = [line for line in lines if line.startswith("preempted after")]
+    assert said == [f"preempted after optimizer step 7: exiting with status 75 (checkpoint "
+                    f"{local}: a local copy only, its upload to {url} failed)"]  # fmt: skip
+    assert any(line.startswith(f"could not mark {url}/latest.json as preempted") for line in lines)
+    assert "ckpt-e0001-s00000007.pt" + SUFFIX not in objects(s3)  # never committed
 
 
 def test_a_corrupted_object_is_named_and_resume_falls_back(
@@ -192,6 +228,9 @@ def test_inspect_and_consolidate_take_urls(
     assert main(["checkpoint", "inspect", f"{url}/ckpt-e0001-s00000005"]) == 0
     shown = capsys.readouterr().out
     assert "epochs done 1" in shown and "sharded parts" in shown
+    assert shown.startswith(f"{url}/ckpt-e0001-s00000005 (sharded: ")  # not the local copy
+    assert main(["checkpoint", "inspect", url]) == 0  # a folder: its latest, by its URL
+    assert capsys.readouterr().out.startswith(f"{url}/ckpt-e0001-s00000005 (sharded: ")
     out = tmp_path / "model.pt"
     assert main(["checkpoint", "consolidate", url, str(out)]) == 0  # a folder: its latest
     loaded = NNHandler.load(out, model(3))

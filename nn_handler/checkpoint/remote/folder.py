@@ -301,14 +301,16 @@ def fetch_url(
     storage_options: Mapping[str, Any] | None = None,
     staging_dir: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> Path:
+) -> tuple[Path, str]:
     """The checkpoint at ``url`` (a committed checkpoint, or a folder of them: the one its
     ``latest.json`` names) in a local working copy, every object checked against its
-    manifest. Raises CheckpointError when there is none or it does not match."""
+    manifest, and that checkpoint's URL. Raises CheckpointError when there is none or it
+    does not match."""
     if is_checkpoint_url(url, storage_options, timeout_s):
         parent, name = split_url(url)
         local = working_copy(parent, staging_dir)
-        return RemoteFolder(parent, local, storage_options, timeout_s=timeout_s).fetch(name)
+        store = RemoteFolder(parent, local, storage_options, timeout_s=timeout_s)
+        return store.fetch(name), url.rstrip("/")
     folder = RemoteFolder(url, working_copy(url, staging_dir), storage_options, timeout_s=timeout_s)
     pointer = folder.latest()
     latest = pointer.get("checkpoint") if isinstance(pointer, dict) else None
@@ -317,7 +319,7 @@ def fetch_url(
             f"no committed checkpoint at {url} (neither {SUFFIX_HINT} beside it nor a "
             f"latest.json under it)."
         )
-    return folder.fetch(latest)
+    return folder.fetch(latest), folder.store.url_of(latest)
 
 
 def save_to_store(
