@@ -326,7 +326,14 @@ class NNHandler:
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
             checkpointing = handler.trainer.checkpointing
-            checkpointing.load(opened.contents, str(path), True, opened.folder, for_inference=True)
+            checkpointing.load(
+                opened.contents,
+                opened.where,
+                True,
+                opened.folder,
+                verified=opened.verified,
+                for_inference=True,
+            )
         except BaseException:
             handler.close()
             raise

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nn_handler.checkpoint.manifest import MANIFEST, crc32_of, mapped, write_manifest
+from nn_handler.checkpoint.checksum import mapped, span_crc32
+from nn_handler.checkpoint.manifest import MANIFEST, write_manifest
 from nn_handler.checkpoint.safe_dcp import INDEX
 
 
@@ -40,7 +41,7 @@ def checksum_results(folder: Path, results: Sequence[WriteResult]) -> list[Write
         with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
             for position in positions:
                 info: _StorageInfo = results[position].storage_data
-                crc = crc32_of(view, info.offset, info.length)
+                crc = span_crc32(view, info.offset, info.length)
                 extended = _CheckedInfo(
                     info.relative_path, info.offset, info.length, info.transform_descriptors,
                     crc32=crc, file_size=size,

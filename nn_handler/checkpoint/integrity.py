@@ -10,15 +10,15 @@ of the tensor it holds.
 
 from __future__ import annotations
 
-import mmap
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nn_handler.checkpoint.checksum import crc32, mapped, span_crc32
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 
@@ -51,20 +51,16 @@ def verify_records(path: Path) -> BadRecord | None:
         return None  # not a zip: torch.load reports what is wrong with it
     if not records or all(r.CRC == 0 for r in records if r.file_size):
         return None
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        try:
-            for record in records:
-                if record.compress_type != zipfile.ZIP_STORED:
-                    continue  # torch stores; anything else is not ours to check here
-                start = _data_start(view, record.header_offset)
-                if start is None or start + record.file_size > len(view):
-                    return BadRecord(record.filename, record.file_size, record.CRC, 0)
-                actual = zlib.crc32(view[start : start + record.file_size])
-                if actual != record.CRC:
-                    return BadRecord(record.filename, record.file_size, record.CRC, actual)
-        finally:
-            view.release()
+    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
+        for record in records:
+            if record.compress_type != zipfile.ZIP_STORED:
+                continue  # torch stores; anything else is not ours to check here
+            start = _data_start(view, record.header_offset)
+            if start is None or start + record.file_size > len(view):
+                return BadRecord(record.filename, record.file_size, record.CRC, 0)
+            actual = span_crc32(view, start, record.file_size)
+            if actual != record.CRC:
+                return BadRecord(record.filename, record.file_size, record.CRC, actual)
     return None
 
 
@@ -73,15 +69,11 @@ def record_spans(path: Path) -> dict[str, tuple[int, int]]:
     with zipfile.ZipFile(path) as archive:
         records = archive.infolist()
     spans: dict[str, tuple[int, int]] = {}
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        try:
-            for record in records:
-                start = _data_start(view, record.header_offset)
-                if start is not None:
-                    spans[record.filename] = (start, record.file_size)
-        finally:
-            view.release()
+    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
+        for record in records:
+            start = _data_start(view, record.header_offset)
+            if start is not None:
+                spans[record.filename] = (start, record.file_size)
     return spans
 
 
@@ -103,7 +95,7 @@ def entry_of_record(obj: Any, bad: BadRecord) -> str | None:
         if storage.nbytes() != bad.size:
             continue
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage).cpu()
-        if zlib.crc32(raw.numpy().tobytes()) == bad.actual:
+        if crc32(raw.numpy().tobytes()) == bad.actual:
             return key
     return None
 

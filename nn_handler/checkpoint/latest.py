@@ -32,7 +32,7 @@ def open_latest(
             if missing_ok:
                 return None
             raise CheckpointError(f"no complete checkpoint in {manager.where} to resume from.")
-        if opened.folder is None:
+        if opened.folder is None or opened.verified:
             return opened
         try:
             verify_sharded(opened.folder, comm, opened.contents)

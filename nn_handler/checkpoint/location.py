@@ -139,7 +139,7 @@ class CheckpointFolder:
         Any rank."""
         if self.remote is not None:
             local = self.remote.fetch(Path(path).name)
-            return open_checkpoint(local, map_location, where=self.location(local))
+            return open_checkpoint(local, map_location, where=self.location(local), verified=True)
         return open_checkpoint(path, map_location)
 
     # ----------------------------------------------------------------- changing it

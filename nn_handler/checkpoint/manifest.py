@@ -17,12 +17,11 @@ reads safely and every file it names is there and long enough.
 from __future__ import annotations
 
 import json
-import mmap
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from nn_handler.checkpoint.checksum import mapped, span_crc32
 from nn_handler.checkpoint.io import atomic_write_json
 from nn_handler.errors import CheckpointError
 
@@ -30,26 +29,6 @@ MANIFEST = "manifest.json"
 
 _FORMAT = "nn_handler.manifest"
 _VERSION = 1
-
-
-def crc32_of(view: memoryview, start: int, length: int) -> int:
-    return zlib.crc32(view[start : start + length]) & 0xFFFFFFFF
-
-
-class mapped:
-    """A read-only memoryview of a file (empty files cannot be memory-mapped)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-
-    def __enter__(self) -> memoryview:
-        return self._view
-
-    def __exit__(self, *exc: object) -> None:
-        self._view.release()
-        if self._map is not None:
-            self._map.close()
 
 
 def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
@@ -62,7 +41,7 @@ def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
             with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
                 files[path.name] = {
                     "size": size,
-                    "segments": [[0, size, crc32_of(view, 0, size), ""]],
+                    "segments": [[0, size, span_crc32(view, 0, size), ""]],
                 }
     for entry in files.values():
         entry["segments"].sort()
@@ -151,7 +130,7 @@ def _verify_file(folder: Path, name: str, entry: dict[str, Any]) -> None:
         )
     with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
         for offset, length, stored, label in entry["segments"]:
-            actual = crc32_of(view, int(offset), int(length))
+            actual = span_crc32(view, int(offset), int(length))
             if actual != int(stored):
                 what = f" ({label})" if label else ""
                 raise CheckpointError(
@@ -189,8 +168,6 @@ def _check_structure(folder: Path) -> None:
 
 __all__ = [
     "MANIFEST",
-    "crc32_of",
-    "mapped",
     "read_manifest",
     "share",
     "verify_files",

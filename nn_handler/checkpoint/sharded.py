@@ -76,10 +76,13 @@ def staging_path(target: Path) -> Path:
     return target.with_name(f".{target.name}{_STAGING}")
 
 
-def read_rest(path: str | Path, map_location: torch.device | str | None = None) -> Any:
+def read_rest(
+    path: str | Path, map_location: torch.device | str | None = None, verify: bool = True
+) -> Any:
     """The unsharded parts of the sharded checkpoint at ``path`` (a training checkpoint's
-    top level, with ``sharded`` naming the parts in the shards)."""
-    return load_file(Path(path) / REST, map_location)
+    top level, with ``sharded`` naming the parts in the shards); ``verify``: check its
+    records' CRC-32s (not when its bytes were checked as they were fetched)."""
+    return load_file(Path(path) / REST, map_location, verify=verify)
 
 
 @dataclass

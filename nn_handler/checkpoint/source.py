@@ -23,12 +23,15 @@ class Opened(NamedTuple):
         folder: the sharded folder whose DCP shards hold the other parts; None for a file.
         where: where it lives, as the user names it (an object store's URL, not the local
             copy ``path``): what logs and errors say.
+        verified: every byte was checked against its manifest as it was fetched (an object
+            store's): nothing checksums it again.
     """
 
     path: Path
     contents: Any
     folder: Path | None
     where: str
+    verified: bool = False
 
 
 def open_checkpoint(
@@ -37,11 +40,13 @@ def open_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
     where: str | None = None,
+    verified: bool = False,
 ) -> Opened:
     """Read the checkpoint at ``path`` (a file, or a committed sharded folder; a URL: one
     committed on an object store, or the latest of a folder there, downloaded and checked
     first); raises CheckpointError when it cannot be read. ``where``: where a local ``path``
-    lives (an object store's copy: its URL)."""
+    lives (an object store's copy: its URL); ``verified``: its bytes were checked as they
+    were fetched, so reading does not checksum them again."""
     if is_url(path):
         from nn_handler.checkpoint.remote.folder import fetch_url
         from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S
@@ -49,11 +54,15 @@ def open_checkpoint(
         path, where = fetch_url(
             str(path), storage_options, timeout_s=timeout_s or DEFAULT_TIMEOUT_S
         )
+        verified = True
     target = Path(path)
     where = where or str(target)
     if is_sharded(target):
-        return Opened(target, read_rest(target, map_location), target, where)
-    return Opened(target, load_file(target, map_location), None, where)
+        rest = read_rest(target, map_location, verify=not verified)
+        return Opened(target, rest, target, where, verified)
+    return Opened(
+        target, load_file(target, map_location, verify=not verified), None, where, verified
+    )
 
 
 __all__ = ["Opened", "open_checkpoint"]

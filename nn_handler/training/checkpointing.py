@@ -397,7 +397,7 @@ class TrainerCheckpoints:
             opened.where,
             allow_world_size_change,
             opened.folder,
-            verified=latest,
+            verified=latest or opened.verified,
             automatic=latest,
         )
         return opened.path

@@ -131,6 +131,61 @@ def test_a_preemption_whose_upload_fails_names_the_local_copy(
     assert "ckpt-e0001-s00000007.pt" + SUFFIX not in objects(s3)  # never committed
 
 
+class Reads:
+    """Counts, while on, the objects downloaded and the bytes checksummed (every checksum of a
+    checkpoint goes through checkpoint/checksum.py's one zlib call)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from nn_handler.checkpoint import checksum
+        from nn_handler.checkpoint.remote.store import RemoteStore
+
+        self.on = False
+        self.fetched: list[str] = []
+        self.checksummed = 0
+        crc, get = checksum._crc32, RemoteStore.get
+
+        def counting_crc(data: Any, value: int = 0) -> int:
+            self.checksummed += len(data) if self.on else 0
+            return crc(data, value)
+
+        def counting_get(store: RemoteStore, name: str, local: Path) -> Any:
+            if self.on:
+                self.fetched.append(name)
+            return get(store, name, local)
+
+        monkeypatch.setattr(checksum, "_crc32", counting_crc)
+        monkeypatch.setattr(RemoteStore, "get", counting_get)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_resume_from_the_store_fetches_and_checksums_each_byte_once(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    url = f"{s3.url}/run"
+    run(url, machine(tmp_path, "first"), epochs=1, format=fmt)
+    name = "ckpt-e0001-s00000005" + (".pt" if fmt == "file" else "")
+    manifest = Manifest.from_bytes(s3.fs().cat(f"{s3.name}/run/{name}{SUFFIX}"), name)
+    total = sum(entry["size"] for entry in manifest.objects.values())
+    reads = Reads(monkeypatch)
+    # Through the loop's resume (the folder's newest checkpoint), on a fresh machine...
+    config = rh.config(url, 1, False, staging_dir=machine(tmp_path, "fresh"), format=fmt)  # type: ignore[arg-type]
+    with NNHandler(model(3), rh.adam, nn.CrossEntropyLoss(), rh.step_lr, config=config) as h:
+        reads.on = True
+        h.resume("latest")
+        reads.on = False
+        assert h.trainer.state.global_step == 5
+    assert sorted(reads.fetched) == sorted(manifest.objects)
+    assert reads.checksummed == total
+    # ... and through NNHandler.load of its URL, on another one.
+    reads.fetched, reads.checksummed = [], 0
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another"))
+    reads.on = True
+    NNHandler.load(f"{url}/{name}", model(3)).close()
+    reads.on = False
+    assert sorted(reads.fetched) == sorted(manifest.objects)
+    assert reads.checksummed == total
+
+
 def test_a_corrupted_object_is_named_and_resume_falls_back(
     s3: Bucket, tmp_path: Path, uninterrupted: dict[str, Any]
 ) -> None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nn_handler.checkpoint.remote.store import MissingObject, RemoteStore, file_crc32
+from nn_handler.checkpoint.checksum import file_crc32
+from nn_handler.checkpoint.remote.store import MissingObject, RemoteStore
 from nn_handler.errors import CheckpointError
 
 SUFFIX = ".manifest.json"
@@ -214,13 +215,13 @@ def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int
         partial = path.with_name(f".{path.name}.tmp-fetch-{os.getpid()}")
         try:
             try:
-                store.get(key, partial)
+                arrived = store.get(key, partial)
             except MissingObject:
                 raise CheckpointError(
                     f"checkpoint {store.url_of(manifest.name)} is incomplete: the object {key} "
                     f"is missing (its manifest lists it); use an earlier checkpoint."
                 ) from None
-            size, crc = partial.stat().st_size, file_crc32(partial)
+            size, crc = arrived.size, arrived.value
             if size != entry["size"] or crc != entry["crc32"]:
                 raise CheckpointError(
                     f"checkpoint {store.url_of(manifest.name)} is corrupt: the object {key} has "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 import tenacity
 from loguru import logger
 
+from nn_handler.checkpoint.checksum import CHUNK, Crc32
 from nn_handler.errors import CheckpointError, ConfigError
 
 T = TypeVar("T")
@@ -37,7 +37,6 @@ _PERMANENT = (
     FileExistsError,
     CheckpointError,
 )
-_CHUNK = 8 << 20
 #: The connect and read timeout of every request, unless the configuration says.
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -50,15 +49,6 @@ def transient(error: BaseException) -> bool:
         return True
     name = type(error).__name__
     return any(word in name for word in ("Connection", "Timeout", "Throttl", "ClientPayload"))
-
-
-def file_crc32(path: Path) -> int:
-    """The CRC-32 of a file's bytes (read in chunks; zlib releases the GIL)."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc & 0xFFFFFFFF
 
 
 class MissingObject(CheckpointError):
@@ -198,10 +188,21 @@ class RemoteStore:
         """Upload the file ``local`` as the object ``name``."""
         self._call("upload", name, lambda: self.fs.put_file(str(local), self._key(name)))
 
-    def get(self, name: str, local: Path) -> None:
-        """Download the object ``name`` into the file ``local``."""
+    def get(self, name: str, local: Path) -> Crc32:
+        """Download the object ``name`` into the file ``local``; returns the size and CRC-32
+        of the bytes as they arrived (each byte read once: nothing reads the file back to
+        checksum it)."""
         local.parent.mkdir(parents=True, exist_ok=True)
-        self._call("download", name, lambda: self.fs.get_file(self._key(name), str(local)))
+
+        def download() -> Crc32:
+            crc = Crc32()
+            with self.fs.open(self._key(name), "rb") as source, open(local, "wb") as target:
+                while chunk := source.read(CHUNK):
+                    crc.update(chunk)
+                    target.write(chunk)
+            return crc
+
+        return self._call("download", name, download)
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the object ``name``; None when it does not exist."""
@@ -312,7 +313,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MissingObject",
     "RemoteStore",
-    "file_crc32",
     "transient",
     "with_timeouts",
 ]
