@@ -6,6 +6,7 @@ it stopped. It takes the parts, the communicator and the loop position, never th
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ from nn_handler.training.checkpoint_format import (
     world_change_note,
 )
 from nn_handler.training.position import LoopPosition, check_data
+
+#: A wait for the previous background save at least this long is logged.
+NOTED_WAIT_S = 0.5
 
 
 class TrainerCheckpoints:
@@ -326,14 +330,13 @@ class TrainerCheckpoints:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
         preemption) never leaves it writing in the background. Every rank must call this."""
         manager = self.require_manager("save_periodic")
-        manager.flush()  # one upload in the background at most
         state = self.position.state
         epoch, step = state.epoch, state.global_step
+        self._wait_for_the_previous(manager, step)
         if self.writer is None:
             path = manager.save_periodic(self.state_dict(), epoch, step, budget_s)
             self.events.committed(path, epoch, step)
             return path
-        self._wait_writer()  # the one in the background is committed (and told) first
         path = manager.periodic_path(epoch, step)
         asynchronous = self.config.async_save and not final
         self._save_sharded(
@@ -356,6 +359,25 @@ class TrainerCheckpoints:
         self._wait_writer()
         if uploads and self.manager is not None:
             self.manager.flush()
+
+    def _wait_for_the_previous(self, manager: CheckpointManager, step: int) -> None:
+        """One save in the background at most: the next one waits for the previous write (it
+        is committed and told first) and upload; a wait of ``NOTED_WAIT_S`` or more is said
+        in one line (rank 0): saves that overlap cost the loop that time."""
+        writing = self.writer.pending if self.writer is not None else None
+        uploading = manager.remote is not None and manager.remote.busy
+        started = time.perf_counter()
+        manager.flush()
+        self._wait_writer()
+        waited = time.perf_counter() - started
+        if (writing or uploading) and waited >= NOTED_WAIT_S and self.comm.rank == 0:
+            self.log.info(
+                "checkpoint at step {}: waited {:.2f} s for the previous one, still {} in the "
+                "background (save less often, or the store or disk is slower than the saves)",
+                step,
+                waited,
+                "being written" if writing is not None else "uploading",
+            )
 
     def _wait_writer(self) -> None:
         if self.writer is not None:

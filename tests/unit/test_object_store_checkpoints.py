@@ -131,6 +131,24 @@ def test_a_preemption_whose_upload_fails_names_the_local_copy(
     assert "ckpt-e0001-s00000007.pt" + SUFFIX not in objects(s3)  # never committed
 
 
+def test_a_save_due_while_the_previous_upload_runs_waits_and_says_so(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str]
+) -> None:
+    from nn_handler.checkpoint.remote.store import RemoteStore
+
+    put = RemoteStore.put
+
+    def slow(store: RemoteStore, local: Path, name: str) -> None:
+        time.sleep(1.5)  # the network is slower than two steps
+        put(store, local, name)
+
+    monkeypatch.setattr(RemoteStore, "put", slow)
+    run(f"{s3.url}/run", machine(tmp_path, "m"), epochs=1, async_save=True)
+    waits = [line for line in lines if "for the previous one" in line]
+    assert [w.split(":")[0] for w in waits] == ["checkpoint at step 4", "checkpoint at step 5"]
+    assert all("still uploading in the background" in w for w in waits), waits
+
+
 class Reads:
     """Counts, while on, the objects downloaded and the bytes checksummed (every checksum of a
     checkpoint goes through checkpoint/checksum.py's one zlib call)."""

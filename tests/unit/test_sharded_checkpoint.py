@@ -6,6 +6,7 @@ are in tests/distributed/test_sharded_checkpoints.py."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,36 @@ def test_an_asynchronous_save_is_complete_when_fit_returns(
         h.trainer.resume("latest")
         assert h.trainer.state.global_step == straight["optimizer_steps"]
         assert max_difference(state_of(h.model), straight["model"]) == 0.0
+
+
+def test_a_save_due_while_the_previous_is_still_writing_waits_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str]
+) -> None:
+    """A background save slower than the steps between saves: the next save waits for it
+    (one in flight at most), and each wait is measured and said once; the run still ends
+    where the synchronous one does."""
+    from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
+
+    write_data = ChecksummingWriter.write_data
+
+    def slow(self: ChecksummingWriter, plan: Any, planner: Any) -> Any:
+        time.sleep(1.5)  # the disk is slower than two steps
+        return write_data(self, plan, planner)
+
+    with _handler(tmp_path / "synchronous", every_n_steps=2) as h:
+        h.train(DATA, VAL, epochs=1)
+        synchronous = state_of(h.model)
+    monkeypatch.setattr(ChecksummingWriter, "write_data", slow)
+    with _handler(tmp_path / "background", async_save=True, every_n_steps=2) as h:
+        h.train(DATA, VAL, epochs=1)
+        assert max_difference(state_of(h.model), synchronous) == 0.0
+    waits = [line for line in lines if "waited" in line and "for the previous one" in line]
+    # Saves at steps 2 and 4 and at the epoch's end (5): the last two wait for the one before.
+    assert [w.split(":")[0] for w in waits] == ["checkpoint at step 4", "checkpoint at step 5"]
+    for wait in waits:
+        seconds = float(wait.split("waited ")[1].split(" s")[0])
+        assert 0.5 <= seconds < 1.5 * 40, wait
+        assert "still being written in the background" in wait
 
 
 def test_best_is_a_folder_of_links_to_the_best_checkpoint(tmp_path: Path) -> None:
