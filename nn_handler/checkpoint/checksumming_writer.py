@@ -7,7 +7,6 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -16,7 +15,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from nn_handler.checkpoint.checksum import mapped, span_crc32
-from nn_handler.checkpoint.manifest import MANIFEST, write_manifest
+from nn_handler.checkpoint.manifest import MANIFEST, Entry, write_manifest
 from nn_handler.checkpoint.safe_dcp import INDEX
 
 
@@ -67,7 +66,7 @@ class ChecksummingWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, Entry] = {}
         plain: list[list[WriteResult]] = []
         for per_rank in results:
             row = []

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.manifest import MANIFEST, read_manifest, verify_files_named
+from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
 from nn_handler.checkpoint.safe_dcp import INDEX, read_index
 from nn_handler.checkpoint.sharded import META, REST, is_sharded
+from nn_handler.checkpoint.verify import verify_files_named
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -99,12 +100,13 @@ def _heading(path: Path, sharded: bool, where: str) -> str:
 def _checksums(folder: Path) -> str:
     """What the folder's manifest covers; its index is checked against it here (the shards
     are not read: ``nn-handler checkpoint verify`` reads them)."""
-    files = read_manifest(folder)
-    if files is None:
+    manifest = read_manifest(folder)
+    if manifest is None:
         return "checksums: none (written before nn_handler stored them)"
+    files = manifest.files()
     if INDEX in files:
         verify_files_named(folder, files, [INDEX])
-    segments = sum(len(entry["segments"]) for entry in files.values())
+    segments = sum(len(entry.get("segments", [])) for entry in files.values())
     return f"checksums: {MANIFEST} covers {len(files)} file(s) in {segments} segment(s)"
 
 

@@ -1,37 +1,135 @@
-"""Checksums of sharded checkpoints: ``manifest.json``, written last into the staging folder.
+"""The manifest of a checkpoint: each of its objects' size and checksums, written last.
 
-(The writer that computes the checksums is checkpoint/checksumming_writer.py, which imports
-DCP; this module does not.) DCP stores no checksum, so a flipped bit in a ``__*.distcp`` shard
-would load silently. Each
-rank checksums what it has just written, item by item (the CRC-32 of every tensor's or value's
-bytes, read back from its file), and hands the sums to rank 0 inside the write results DCP
-gathers anyway (no collective of ours). Rank 0 writes DCP's plain index and then the manifest:
-for every file of the folder its size and segments (offset, length, CRC-32, what they hold).
-Stock DCP ignores the extra file, so a folder still loads with plain ``dcp.load``.
+A checkpoint is trusted when its manifest exists and its objects match it (checkpoint/verify.py
+checks them). One type, ``Manifest``, with each object's ``Entry``: its size, the CRC-32 of the
+whole object, and/or of its segments (offset, length, CRC-32, what they hold: the items of a DCP
+shard, so that a damaged byte is named by the tensor it belongs to). Object keys are relative to
+the folder that holds the checkpoint: ``ckpt-e0003-s00000120.pt`` for a single file,
+``ckpt-e0003-s00000120/__0_0.distcp`` for a file of a sharded folder.
 
-``verify_files`` checks a folder against its manifest (each rank a share of the files); a
-folder without a manifest (written before checksums) gets structural checks only: its index
-reads safely and every file it names is there and long enough.
+Two places hold one today, in the bytes this release writes (both read back as a Manifest):
+- ``manifest.json`` inside a sharded folder (``nn_handler.manifest`` v1: ``files``, by name
+  inside the folder, with their segments), written by checkpoint/checksumming_writer.py, which
+  checksums every DCP item as it is written (DCP stores no checksum);
+- ``<name>.manifest.json`` beside a checkpoint on an object store (``nn_handler.remote-manifest``
+  v1: ``objects`` with their whole CRC-32, and the run), written by its commit
+  (checkpoint/remote/commit.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nn_handler.checkpoint.checksum import mapped, span_crc32
 from nn_handler.checkpoint.io import atomic_write_json
 from nn_handler.errors import CheckpointError
 
+#: A sharded folder's manifest file.
 MANIFEST = "manifest.json"
-
-_FORMAT = "nn_handler.manifest"
+#: The suffix of a checkpoint's manifest beside it on an object store.
+SUFFIX = ".manifest.json"
+_FOLDER_FORMAT = "nn_handler.manifest"
+_STORE_FORMAT = "nn_handler.remote-manifest"
 _VERSION = 1
 
+#: A part of an object: [offset, length, CRC-32, what it holds ('' when nothing to name)].
+Segment = list[Any]
 
-def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
+
+class _Sized(TypedDict):
+    size: int
+
+
+class Entry(_Sized, total=False):
+    """One object: its size, and the CRC-32 of all of it and/or of its segments (plain JSON
+    values, so that it travels in object collectives and manifests as it is)."""
+
+    crc32: int
+    segments: list[Segment]
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's objects (by key relative to its folder) and the run that wrote it."""
+
+    name: str
+    objects: dict[str, Entry]
+    run: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- an object store's
+    def to_bytes(self) -> bytes:
+        """``<name>.manifest.json`` on an object store."""
+        data = {"format": _STORE_FORMAT, "version": _VERSION, "checkpoint": self.name,
+                "run": self.run, "objects": self.objects, **self.extra}  # fmt: skip
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        """A checkpoint's manifest as an object store holds it; ``where`` names it in errors.
+        Every key must be the checkpoint or a plain file in it."""
+        try:
+            loaded = json.loads(data)
+            objects = loaded["objects"]
+            ok = loaded.get("format") == _STORE_FORMAT and isinstance(objects, dict)
+            entries = {str(k): _entry(v, whole=True) for k, v in objects.items()} if ok else {}
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"{where} is not a readable checkpoint manifest: {error}"
+            ) from None
+        if not ok:
+            raise CheckpointError(f"{where} is not an nn_handler checkpoint manifest.")
+        if int(loaded.get("version", 0)) > _VERSION:
+            raise CheckpointError(f"{where} has a newer format; upgrade nn_handler to read it.")
+        name, run = loaded.get("checkpoint"), loaded.get("run")
+        _check_keys(name, entries, where)
+        return cls(str(name), entries, run if isinstance(run, str) else None)
+
+    # ----------------------------------------------------------------- a sharded folder's
+    def files(self) -> dict[str, Entry]:
+        """The objects of a folder checkpoint by their name inside it."""
+        prefix = f"{self.name}/"
+        return {k[len(prefix) :]: v for k, v in self.objects.items() if k.startswith(prefix)}
+
+
+def _entry(value: Any, whole: bool) -> Entry:
+    entry: Entry = {"size": int(value["size"])}
+    if whole or "crc32" in value:
+        entry["crc32"] = int(value["crc32"])
+    if "segments" in value:
+        entry["segments"] = [[int(o), int(n), int(c), str(w)] for o, n, c, w in value["segments"]]
+    return entry
+
+
+def _plain(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and (name not in (".", ".."))
+    )
+
+
+def _check_keys(name: object, objects: dict[str, Entry], where: str) -> None:
+    """Every key of a manifest must be its checkpoint's name or a plain file name under it:
+    a download never writes outside the checkpoint's own local copy."""
+    bad = [] if _plain(name) else [str(name)]
+    for key in objects:
+        rest = key[len(str(name)) :]
+        if key != name and not (rest.startswith("/") and _plain(rest[1:])):
+            bad.append(key)
+    if bad:
+        raise CheckpointError(
+            f"{where} names {bad[0]!r}, which is not its checkpoint or a plain file in it: it "
+            f"was refused (a download never writes outside the checkpoint's folder)."
+        )
+
+
+def write_manifest(folder: Path, shards: dict[str, Entry]) -> Path:
     """Write ``folder/manifest.json``: ``shards`` (each shard file's size and segments) and a
     whole-file CRC-32 of every other file already in the folder (the index, trainer.pt)."""
     files = {name: shards[name] for name in sorted(shards)}
@@ -44,14 +142,14 @@ def write_manifest(folder: Path, shards: dict[str, dict[str, Any]]) -> Path:
                     "segments": [[0, size, span_crc32(view, 0, size), ""]],
                 }
     for entry in files.values():
-        entry["segments"].sort()
-    manifest = {"format": _FORMAT, "version": _VERSION, "files": files}
+        entry.get("segments", []).sort()
+    manifest = {"format": _FOLDER_FORMAT, "version": _VERSION, "files": files}
     return atomic_write_json(manifest, folder / MANIFEST)
 
 
-def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
-    """The files of ``folder``'s manifest (None when it has none); CheckpointError when the
-    manifest is unreadable."""
+def read_manifest(folder: Path) -> Manifest | None:
+    """The manifest of the sharded folder ``folder`` (None when it has none); CheckpointError
+    when it is unreadable, not ours or newer than this release."""
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -63,114 +161,35 @@ def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
             f"{error}); use an earlier checkpoint."
         ) from error
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != _FORMAT:
+    if not isinstance(files, dict) or manifest.get("format") != _FOLDER_FORMAT:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not an nn_handler manifest.")
     if int(manifest.get("version", 0)) > _VERSION:
         raise CheckpointError(
             f"checkpoint {folder}: {MANIFEST} has format version {manifest['version']}; "
             f"upgrade nn_handler to verify it."
         )
-    return files
-
-
-def share(names: Iterable[str], rank: int, world: int) -> list[str]:
-    """The files rank ``rank`` of ``world`` verifies: the index and the small files on rank 0,
-    the shard files round-robin (each rank about one file when the world wrote them)."""
-    names = sorted(names)
-    small = [n for n in names if not n.endswith(".distcp")]
-    shards = [n for n in names if n.endswith(".distcp")]
-    mine = [n for i, n in enumerate(shards) if i % world == rank]
-    return (small if rank == 0 else []) + mine
-
-
-def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = False) -> None:
-    """Check this rank's share of ``folder``'s files against its manifest (every file with
-    ``world == 1``; the index, also read without running code, on rank 0); raises
-    CheckpointError naming the file, the bytes and what they hold.
-    A folder without a manifest is an error when ``required`` (it was written with one), and
-    gets structural checks otherwise (see the module docstring)."""
-    from nn_handler.checkpoint.safe_dcp import INDEX, read_index  # imports DCP
-
-    files = read_manifest(folder)
-    if files is None:
-        if required:
-            raise CheckpointError(
-                f"checkpoint {folder} is incomplete: its {MANIFEST} (the checksums of its "
-                f"files) is missing; use an earlier checkpoint."
-            )
-        _check_structure(folder)
-        return
-    if INDEX not in files:
-        raise CheckpointError(f"checkpoint {folder}: its {MANIFEST} does not list {INDEX}.")
-    mine = share(files, rank, world)
-    verify_files_named(folder, files, mine)
-    if INDEX in mine:  # a forged index with a forged manifest still never loads
-        read_index(folder / INDEX)
-
-
-def verify_files_named(folder: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """Check the files ``names`` of ``folder`` against the manifest's ``files``."""
-    for name in names:
-        _verify_file(folder, name, files[name])
-
-
-def _verify_file(folder: Path, name: str, entry: dict[str, Any]) -> None:
-    path = folder / name
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+        objects = {f"{folder.name}/{k}": _entry(v, whole=False) for k, v in files.items()}
+    except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(
-            f"checkpoint {folder} is incomplete: {name} is missing (its {MANIFEST} lists it); "
-            f"use an earlier checkpoint."
+            f"checkpoint {folder}: {MANIFEST} is not a readable manifest ({error})."
         ) from None
-    if size != int(entry["size"]):
-        raise CheckpointError(
-            f"checkpoint {folder} is damaged: {name} has {size} bytes, {entry['size']} were "
-            f"written (truncated or replaced); use an earlier checkpoint."
-        )
-    with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
-        for offset, length, stored, label in entry["segments"]:
-            actual = span_crc32(view, int(offset), int(length))
-            if actual != int(stored):
-                what = f" ({label})" if label else ""
-                raise CheckpointError(
-                    f"checkpoint {folder} is corrupt: {name} bytes {offset}-{offset + length}"
-                    f"{what} have CRC-32 {actual:08x}, {stored:08x} was written. Its bytes "
-                    f"changed after it was written (a disk or copy error); use an earlier "
-                    f"checkpoint."
-                )
+    _check_keys(folder.name, objects, f"checkpoint {folder}: {MANIFEST}")
+    return Manifest(folder.name, objects)
 
 
-def _check_structure(folder: Path) -> None:
-    """A folder without checksums: its index reads safely, and every file it names exists and
-    is long enough for the items in it."""
-    from nn_handler.checkpoint.safe_dcp import INDEX, read_index
-
-    metadata = read_index(folder / INDEX)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, end in sorted(needed.items()):
-        try:
-            size = (folder / name).stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"checkpoint {folder} is incomplete: {name} is missing (its index names it); "
-                f"use an earlier checkpoint."
-            ) from None
-        if size < end:
-            raise CheckpointError(
-                f"checkpoint {folder} is damaged: {name} has {size} bytes, its index needs "
-                f"{end} (truncated); use an earlier checkpoint."
-            )
+def manifest_name(name: str) -> str:
+    """The object holding the manifest of the checkpoint ``name`` on an object store."""
+    return f"{name}{SUFFIX}"
 
 
 __all__ = [
     "MANIFEST",
+    "SUFFIX",
+    "Entry",
+    "Manifest",
+    "Segment",
+    "manifest_name",
     "read_manifest",
-    "share",
-    "verify_files",
-    "verify_files_named",
     "write_manifest",
 ]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
 from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
-from nn_handler.checkpoint.manifest import MANIFEST, verify_files
+from nn_handler.checkpoint.manifest import MANIFEST
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded_errors import (
     causes_of,
@@ -47,6 +47,7 @@ from nn_handler.checkpoint.sharded_errors import (
     failure_text,
     save_failure,
 )
+from nn_handler.checkpoint.verify import verify_files
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 

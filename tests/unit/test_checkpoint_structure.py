@@ -1,5 +1,6 @@
 """The checkpoint code's shape, pinned: one module computes checksums (so that the number of
-times each byte is checksummed is decided in one place)."""
+times each byte is checksummed is decided in one place), one reads and writes manifests, and
+one checks objects against them."""
 
 from __future__ import annotations
 
@@ -33,3 +34,22 @@ def test_only_checksum_py_computes_checksums() -> None:
         if imported_modules(path) & hashing
     )
     assert computing == ["checkpoint/checksum.py"]
+
+
+def test_one_module_knows_the_manifest_formats_and_one_checks_against_them() -> None:
+    formats = ('"nn_handler.manifest"', '"nn_handler.remote-manifest"')
+    knowing = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in CHECKPOINT_CODE
+        if any(name in path.read_text() for name in formats)
+    )
+    assert knowing == ["checkpoint/manifest.py"]
+    # Comparing a checksum with the one a manifest stored happens in the verifier only.
+    comparing = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in CHECKPOINT_CODE
+        if '!= entry["crc32"]' in path.read_text()
+        or "!= stored" in path.read_text()
+        or 'entry.get("crc32"' in path.read_text()
+    )
+    assert comparing == ["checkpoint/verify.py"]

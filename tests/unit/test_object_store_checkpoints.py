@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nn_handler import HandlerConfig, NNHandler, TrainingPreempted
-from nn_handler.checkpoint.remote.commit import SUFFIX, Manifest
+from nn_handler.checkpoint.manifest import SUFFIX, Manifest
 from nn_handler.errors import CheckpointError, ConfigError
 from tests import resume_helpers as rh
 from tests.object_store import Bucket, s3, s3_server

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nn_handler.checkpoint.manifest import SUFFIX, Manifest
 from nn_handler.checkpoint.remote import commit as protocol
-from nn_handler.checkpoint.remote.commit import SUFFIX, Manifest
 from nn_handler.checkpoint.remote.folder import RemoteFolder, fetch_url, save_to_store
 from nn_handler.checkpoint.remote.store import RemoteStore
 from nn_handler.cli import main

@@ -323,9 +323,10 @@ def test_an_fsdp_runs_folder_loads_in_one_process_with_the_model_as_it_is(run: P
     torch.save(rest, folder / REST)
     from nn_handler.checkpoint.manifest import read_manifest, write_manifest
 
-    files = read_manifest(folder)
-    assert files is not None
-    write_manifest(folder, {k: v for k, v in files.items() if k.endswith(".distcp")})
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    shards = {k: v for k, v in manifest.files().items() if k.endswith(".distcp")}
+    write_manifest(folder, shards)
     with NNHandler.load(folder, mlp(seed=5)) as h:
         assert h.trainer.state.epoch == 2
         assert type(h.trainer.strategy).__name__ != "FSDPStrategy"
@@ -354,7 +355,8 @@ def test_the_folder_lock_takes_over_only_what_is_stale(tmp_path: Path) -> None:
 
 
 def test_a_manifest_that_is_not_ours_or_too_new_is_refused(run: Path) -> None:
-    from nn_handler.checkpoint.manifest import read_manifest, verify_files
+    from nn_handler.checkpoint.manifest import read_manifest
+    from nn_handler.checkpoint.verify import verify_files
 
     folder = run / SECOND
     (folder / MANIFEST).write_text('{"format": "other", "files": {}}')

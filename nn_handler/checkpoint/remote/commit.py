@@ -21,89 +21,16 @@ manifest: a changed or missing object is a CheckpointError naming it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nn_handler.checkpoint.checksum import file_crc32
+from nn_handler.checkpoint.manifest import SUFFIX, Entry, Manifest, manifest_name
 from nn_handler.checkpoint.remote.store import MissingObject, RemoteStore
+from nn_handler.checkpoint.verify import check_arrived, matches
 from nn_handler.errors import CheckpointError
-
-SUFFIX = ".manifest.json"
-_FORMAT = "nn_handler.remote-manifest"
-_VERSION = 1
-
-#: An object's record in a manifest: {"size": bytes, "crc32": checksum}.
-Entry = dict[str, int]
-
-
-def manifest_name(name: str) -> str:
-    return f"{name}{SUFFIX}"
-
-
-@dataclass
-class Manifest:
-    """A committed checkpoint: its name, its objects (by key relative to the run's folder,
-    with their size and CRC-32) and the run that wrote it."""
-
-    name: str
-    objects: dict[str, Entry]
-    run: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_bytes(self) -> bytes:
-        data = {"format": _FORMAT, "version": _VERSION, "checkpoint": self.name,
-                "run": self.run, "objects": self.objects, **self.extra}  # fmt: skip
-        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> Manifest:
-        try:
-            loaded = json.loads(data)
-            objects = loaded["objects"]
-            ok = loaded.get("format") == _FORMAT and isinstance(objects, dict)
-            entries = {str(k): {"size": int(v["size"]), "crc32": int(v["crc32"])}
-                       for k, v in objects.items()} if ok else {}  # fmt: skip
-        except (ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(
-                f"{where} is not a readable checkpoint manifest: {error}"
-            ) from None
-        if not ok:
-            raise CheckpointError(f"{where} is not an nn_handler checkpoint manifest.")
-        if int(loaded.get("version", 0)) > _VERSION:
-            raise CheckpointError(f"{where} has a newer format; upgrade nn_handler to read it.")
-        name, run = loaded.get("checkpoint"), loaded.get("run")
-        _check_keys(name, entries, where)
-        return cls(str(name), entries, run if isinstance(run, str) else None)
-
-
-def _plain(name: object) -> bool:
-    return (
-        isinstance(name, str)
-        and bool(name)
-        and "/" not in name
-        and "\\" not in name
-        and (name not in (".", ".."))
-    )
-
-
-def _check_keys(name: object, objects: Mapping[str, Entry], where: str) -> None:
-    """Every key of a manifest must be its checkpoint's name or a plain file name under it:
-    a download never writes outside the checkpoint's own local copy."""
-    bad = [] if _plain(name) else [str(name)]
-    for key in objects:
-        rest = key[len(str(name)) :]
-        if key != name and not (rest.startswith("/") and _plain(rest[1:])):
-            bad.append(key)
-    if bad:
-        raise CheckpointError(
-            f"{where} names {bad[0]!r}, which is not its checkpoint or a plain file in it: it "
-            f"was refused (a download never writes outside the checkpoint's folder)."
-        )
 
 
 def local_objects(local: Path, files: list[Path] | None = None) -> dict[str, Path]:
@@ -120,7 +47,7 @@ def upload(store: RemoteStore, objects: Mapping[str, Path], workers: int) -> dic
     and CRC-32 (of the local bytes it sent). Raises the first failure as a CheckpointError."""
 
     def one(key: str, path: Path) -> tuple[str, Entry]:
-        entry = {"size": path.stat().st_size, "crc32": file_crc32(path)}
+        entry: Entry = {"size": path.stat().st_size, "crc32": file_crc32(path)}
         store.put(path, key)
         return key, entry
 
@@ -210,25 +137,19 @@ def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int
 
     def one(key: str, entry: Entry) -> None:
         path = local_root / key
-        if _matches(path, entry):
+        if matches(path, entry):
             return
         partial = path.with_name(f".{path.name}.tmp-fetch-{os.getpid()}")
+        where = store.url_of(manifest.name)
         try:
             try:
                 arrived = store.get(key, partial)
             except MissingObject:
                 raise CheckpointError(
-                    f"checkpoint {store.url_of(manifest.name)} is incomplete: the object {key} "
-                    f"is missing (its manifest lists it); use an earlier checkpoint."
+                    f"checkpoint {where} is incomplete: the object {key} is missing (its "
+                    f"manifest lists it); use an earlier checkpoint."
                 ) from None
-            size, crc = arrived.size, arrived.value
-            if size != entry["size"] or crc != entry["crc32"]:
-                raise CheckpointError(
-                    f"checkpoint {store.url_of(manifest.name)} is corrupt: the object {key} has "
-                    f"{size} bytes with CRC-32 {crc:08x}, its manifest records {entry['size']} "
-                    f"bytes with {entry['crc32']:08x}. Its bytes changed after it was written; "
-                    f"use an earlier checkpoint."
-                )
+            check_arrived(arrived, entry, where, key)
             os.replace(partial, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -243,23 +164,12 @@ def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int
     return local_root / manifest.name
 
 
-def _matches(path: Path, entry: Entry) -> bool:
-    try:
-        return path.stat().st_size == entry["size"] and file_crc32(path) == entry["crc32"]
-    except FileNotFoundError:
-        return False
-
-
 __all__ = [
-    "SUFFIX",
-    "Entry",
-    "Manifest",
     "commit",
     "copy",
     "fetch",
     "incomplete",
     "local_objects",
-    "manifest_name",
     "read_manifests",
     "remove",
     "upload",

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nn_handler.checkpoint.manifest import SUFFIX, Entry, Manifest, manifest_name
 from nn_handler.checkpoint.remote import commit as protocol
-from nn_handler.checkpoint.remote.commit import Entry, Manifest
 from nn_handler.checkpoint.remote.lock import StoreLock
 from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S, RemoteStore
 from nn_handler.errors import CheckpointError
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from nn_handler.distributed.communicator import Communicator
 
 LATEST = "latest.json"
-SUFFIX_HINT = f"<name>{protocol.SUFFIX}"
+SUFFIX_HINT = f"<name>{SUFFIX}"
 
 
 def default_working_copy(url: str, env: Mapping[str, str]) -> Path:
@@ -136,7 +136,7 @@ class RemoteFolder:
         self._known[name] = Manifest(name, {}, run)
 
         def task() -> None:
-            self.store.remove(protocol.manifest_name(name))  # see ``invalidate``
+            self.store.remove(manifest_name(name))  # see ``invalidate``
             objects = self.upload(local)
             self._commit(Manifest(name, objects, run))
 
@@ -149,7 +149,7 @@ class RemoteFolder:
         describes new objects. Waits for it; raises the first failure (``flush``)."""
         self._known.pop(name, None)
         self.flush()
-        self.store.remove(protocol.manifest_name(name))
+        self.store.remove(manifest_name(name))
 
     def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
         """Commit the checkpoint ``name`` whose ``objects`` every rank has uploaded."""
@@ -186,9 +186,9 @@ class RemoteFolder:
         self._known.pop(name, None)
 
         def task() -> None:
-            data = self.store.read(protocol.manifest_name(name))
+            data = self.store.read(manifest_name(name))
             if data is not None:
-                where = self.store.url_of(protocol.manifest_name(name))
+                where = self.store.url_of(manifest_name(name))
                 protocol.remove(self.store, Manifest.from_bytes(data, where))
 
         self._submit(task)
@@ -199,10 +199,10 @@ class RemoteFolder:
         self._known[target] = Manifest(target, {}, None if known is None else known.run)
 
         def task() -> None:
-            data = self.store.read(protocol.manifest_name(source))
+            data = self.store.read(manifest_name(source))
             if data is None:
                 raise CheckpointError(f"cannot copy {self.store.url_of(source)}: not committed.")
-            where = self.store.url_of(protocol.manifest_name(source))
+            where = self.store.url_of(manifest_name(source))
             copied = protocol.copy(self.store, Manifest.from_bytes(data, where), target)
             if target in self._known:  # (see __init__: never adds a name)
                 self._known[target] = copied
@@ -250,16 +250,16 @@ class RemoteFolder:
         different, every object checked against the manifest (CheckpointError naming the one
         that is missing or changed)."""
         self.flush()
-        data = self.store.read(protocol.manifest_name(name))
+        data = self.store.read(manifest_name(name))
         if data is None:
             raise CheckpointError(
                 f"checkpoint {self.store.url_of(name)} is not committed (no "
-                f"{protocol.manifest_name(name)}): an upload was interrupted; use an earlier one."
+                f"{manifest_name(name)}): an upload was interrupted; use an earlier one."
             )
-        manifest = Manifest.from_bytes(data, self.store.url_of(protocol.manifest_name(name)))
+        manifest = Manifest.from_bytes(data, self.store.url_of(manifest_name(name)))
         if manifest.name != name:
             raise CheckpointError(
-                f"{self.store.url_of(protocol.manifest_name(name))} describes {manifest.name!r}, "
+                f"{self.store.url_of(manifest_name(name))} describes {manifest.name!r}, "
                 f"not {name!r}: it was refused."
             )
         return protocol.fetch(self.store, manifest, self.local, self.workers)
@@ -293,7 +293,7 @@ def is_checkpoint_url(
     if "://" not in parent or parent.endswith(":/"):
         return False  # s3://bucket: a bucket is never a checkpoint
     store = RemoteStore(parent, storage_options, timeout_s=timeout_s)
-    return store.read(protocol.manifest_name(name)) is not None
+    return store.read(manifest_name(name)) is not None
 
 
 def fetch_url(
