@@ -165,7 +165,11 @@ class ThroughputMonitor(Hook):
         times = self.times
         times.steps, times.data, times.comm = float(self._steps), self._data, self._comm
         times.compute = max(self._busy - self._comm, 0.0)
-        times.wall = self._last - self._started
+        # To the end of the last step's checkpoint when one followed it: it is in
+        # ``checkpoint``, so it is in the wall time too (shares of one whole).
+        hook = trainer.checkpointing.hook
+        ended = max(self._last, hook.step_ended if hook is not None else 0.0)
+        times.wall = ended - self._started
         times.checkpoint = self._checkpoint_seconds() - self._checkpoint_start
         validation = trainer.state.validation_seconds - self._validation_start
         times.data = max(times.data - times.checkpoint - validation, 0.0)

@@ -52,6 +52,9 @@ class CheckpointHook(Hook):
         #: Seconds the training thread spent in step checkpoints and preemption checks so far
         #: (the throughput monitor's "checkpoint" part of a step).
         self.step_seconds = 0.0
+        #: When the last of them ended (``time.perf_counter``): the throughput monitor's
+        #: epoch wall time ends there when it follows the epoch's last step.
+        self.step_ended = 0.0
 
     def parts(self) -> list[Part]:
         """The ``best`` value save_best compares with and the top-k checkpoints' values and
@@ -110,7 +113,8 @@ class CheckpointHook(Hook):
             if self.watch is not None and self.watch.agreed(step):
                 self.preempt()
         finally:
-            self.step_seconds += time.perf_counter() - started
+            self.step_ended = time.perf_counter()
+            self.step_seconds += self.step_ended - started
 
     def after_epoch(self) -> None:
         """Epoch checkpoints, best.pt and the top-k, a forced preemption check, and the

@@ -134,6 +134,9 @@ def test_checkpoint_stalls_are_counted_apart_from_data_waits(tmp_path: Path) -> 
     # A 4 MB checkpoint every step is most of this step; none of it is waiting for data.
     assert record["checkpoint_pct"] > 30.0
     assert record["checkpoint_pct"] > 3 * record["data_wait_pct"]
+    # The parts are shares of one wall time, the last step's checkpoint included in both.
+    parts = record["checkpoint_pct"] + record["compute_pct"] + record["data_wait_pct"]
+    assert parts <= 100.5, record
     no_checkpoints = _run(mlp(), regression_data())
     assert "checkpoint_pct" not in no_checkpoints.history.last
 
