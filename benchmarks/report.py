@@ -24,6 +24,7 @@ ORDER = [
     "ema_update",
     "checkpoint_io",
     "object_store_checkpoints",
+    "async_saves",
     "scaling",
     "fsdp_sharding",
     "reproducible",
@@ -287,6 +288,36 @@ def object_store_checkpoints(data: dict[str, Any]) -> Table:
         f"A {data['state_dict_mb']:.0f} MB checkpoint, local disk vs a local S3 server (moto "
         f"on 127.0.0.1, through s3fs; {data['repeats']} repetitions):",
     )
+
+
+def async_saves(data: dict[str, Any]) -> Table:
+    lines = [
+        f"A {data['parameters'] / 1e6:.0f}M-parameter model's weights ({data['state_dict_mb']:.0f}"
+        f" MB), an async sharded save's stall against a memcpy of them, and a synchronous save "
+        f"against an fsync'd write of the same bytes ({data['repeats']} repetitions; 2 ranks: "
+        f"the slower rank of each repetition):",
+        "",
+    ]
+    rows = []
+    for world, results in data["results"].items():
+        for name, row in results.items():
+            seconds = f"{row['seconds_median']:.3f}"
+            speed = f"{row['mb_per_s']:.0f}" if "mb_per_s" in row else ""
+            ratio = row.get("ratio_median") or row.get("bandwidth_share", {}).get("ratio_median")
+            versus = ""
+            if "ratio_median" in row:
+                versus = f"{_x(ratio)} the memcpy"
+            elif "bandwidth_share" in row:
+                versus = f"{ratio:.0%} of the fsync'd write's bandwidth"
+            rows.append([world, name, seconds, speed, versus])
+    lines += _table(["ranks", "variant", "median s", "MB/s", "against"], rows)
+    every = data["every_step"]
+    lines += [
+        "",
+        f"{every['steps']} steps on 2 ranks with an async sharded save after each: finished in "
+        f"{every['seconds']:.1f} s.",
+    ]
+    return lines
 
 
 def scaling(data: dict[str, Any]) -> Table:
@@ -555,6 +586,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "ema_update": ema_update,
     "checkpoint_io": checkpoint_io,
     "object_store_checkpoints": object_store_checkpoints,
+    "async_saves": async_saves,
     "scaling": scaling,
     "fsdp_sharding": fsdp_sharding,
     "reproducible": reproducible,

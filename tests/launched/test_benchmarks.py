@@ -98,6 +98,26 @@ def test_checkpoint_io_quick_mode_writes_its_fields(quick_run: Path) -> None:
     assert len(results["targets_met"]) == 2
 
 
+def test_async_saves_quick_mode_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("async_saves.py", quick_run)
+    assert set(results["results"]) == {"1 process", "2 ranks"}
+    for rows in results["results"].values():
+        assert list(rows) == [
+            "memcpy",
+            "async save, local folder: blocked",
+            "synchronous save",
+            "fsync'd write",
+            "async save, s3://: blocked",
+        ]
+        assert all(row["seconds_median"] > 0 for row in rows.values())
+        for name in ("async save, local folder: blocked", "async save, s3://: blocked"):
+            low, high = rows[name]["ratio_spread"]
+            assert low <= rows[name]["ratio_median"] <= high
+        assert rows["synchronous save"]["bandwidth_share"]["ratio_median"] > 0
+    assert results["every_step"]["steps"] == 20  # every step saved, no deadlock
+    assert len(results["targets_met"]) == 7
+
+
 def test_object_store_checkpoints_quick_mode_writes_its_fields(quick_run: Path) -> None:
     results = run_quick("object_store_checkpoints.py", quick_run)
     assert results["state_dict_mb"] == 10
