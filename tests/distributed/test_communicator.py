@@ -12,6 +12,7 @@ from nn_handler.distributed.communicator import TorchCommunicator
 from nn_handler.errors import CollectiveMismatchError, DistributedError, RankFailedError
 from tests import communicator_contract as contract
 from tests.harness import run_group
+from tests.timeouts import scaled_now
 
 pytestmark = pytest.mark.distributed
 
@@ -97,7 +98,8 @@ def test_one_rank_failing_raises_on_every_rank_and_the_group_stays_usable() -> N
     per_rank = run_group(_failures, 2)
     for rank, seen in enumerate(per_rank):
         for item in seen:
-            assert item["seconds"] < 10, f"{item['what']} took {item['seconds']:.1f}s on {rank}"
+            took = item["seconds"]  # 10 s at low load: raised at once, not at a timeout
+            assert took < scaled_now(10), f"{item['what']} took {took:.1f}s on {rank}"
         by_what = {item["what"]: item["error"] for item in seen}
         for what in ("all_gather_object", "gather_object", "broadcast_object"):
             name, text, error = by_what[what]

@@ -29,6 +29,7 @@ from nn_handler import (
 from nn_handler.checkpoint import load_file, load_model_state
 from tests.harness import run_group
 from tests.resume_helpers import EPOCHS, same, scenario
+from tests.timeouts import scaled_now
 from tests.training_helpers import mlp, regression_data, sgd
 
 pytestmark = pytest.mark.distributed
@@ -189,7 +190,7 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_traceback() -> None:
     assert "During handling of the above exception" not in printed, printed
     assert "Connection closed" not in printed and "gloo" not in printed, printed
     assert "Traceback" in results[0]["whole"][1]  # the whole text stays on the error
-    assert max(r["seconds"] for r in results) < 30
+    assert max(r["seconds"] for r in results) < min(scaled_now(30), 100)  # not the 120 s
     # The checkpoint on disk is the last complete one, written before the failure.
     assert latest["trainer"]["global_step"] == 2
     assert RankFailedError.__name__ == results[0]["type"]
