@@ -14,7 +14,7 @@ Layout of ``config.dir``::
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
 With a URL ``config.dir`` (an object store) this is the layout of the local working copy, and
-every change is mirrored to the store (checkpoint/location.py, CheckpointFolder): a
+every change is mirrored to the store (checkpoint/store/, ObjectStore): a
 checkpoint is uploaded and committed by its manifest, then latest.json moves; the committed
 checkpoints and latest.json on the store are the ones trusted.
 
@@ -37,7 +37,6 @@ from loguru import logger
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.location import LATEST, CheckpointFolder, is_checkpoint
 from nn_handler.checkpoint.naming import (
     BEST,
     BEST_SHARDED,
@@ -51,6 +50,7 @@ from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.sharded import REST
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.source import Opened
+from nn_handler.checkpoint.store import LATEST, CheckpointStore, is_checkpoint, open_store
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -96,7 +96,7 @@ class CheckpointManager:
         self.comm = communicator
         #: Where the checkpoints live (a folder, or an object store through ``dir``, its
         #: local working copy).
-        self.folder = CheckpointFolder(config)
+        self.folder: CheckpointStore = open_store(config)
         self.dir = self.folder.dir
         self.sharded = sharded
         self.best_value: float | None = None
@@ -390,7 +390,7 @@ class CheckpointManager:
         return target if self.folder.exists(target) else None
 
     def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        """Read the checkpoint at ``path`` (see CheckpointFolder.open). Any rank."""
+        """Read the checkpoint at ``path`` (see CheckpointStore.open). Any rank."""
         return self.folder.open(path, map_location)
 
     def load_latest(

@@ -13,7 +13,7 @@ from torch import nn
 
 from nn_handler import CheckpointError, HandlerConfig, Hook, NNHandler
 from nn_handler import log as nn_log
-from nn_handler.checkpoint import location
+from nn_handler.checkpoint.store import local
 from tests.training_helpers import mlp, regression_data, sgd
 
 DATA = regression_data()
@@ -58,7 +58,7 @@ def test_an_os_error_writing_latest_json_is_a_checkpoint_error(
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(location, "atomic_write_json", full)
+    monkeypatch.setattr(local, "atomic_write_json", full)
     with (
         _handler(tmp_path) as h,
         pytest.raises(CheckpointError, match=r"latest\.json.*No space left on device"),
@@ -72,7 +72,7 @@ def test_an_os_error_linking_best_pt_is_a_checkpoint_error(
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(location, "atomic_link", refuse)
+    monkeypatch.setattr(local, "atomic_link", refuse)
     with (
         _handler(tmp_path, save_best=True) as h,
         pytest.raises(CheckpointError, match=r"best\.pt.*Permission denied"),

@@ -1,0 +1,160 @@
+"""LocalStore: a run's checkpoints in a plain folder, where every change is a local rename,
+link or deletion (checkpoint/io.py, checkpoint/sharded.py commit them atomically)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from loguru import logger
+
+from nn_handler.checkpoint import folder_lock
+from nn_handler.checkpoint.io import atomic_link, atomic_write_json, remove_orphans
+from nn_handler.checkpoint.sharded import is_sharded, link_tree, remove_tree
+from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from nn_handler.checkpoint.remote.folder import RemoteFolder
+
+LATEST = "latest.json"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint: a file, or a committed sharded folder."""
+    return path.is_file() or is_sharded(path)
+
+
+class LocalStore:
+    """The folder ``config.dir`` of one run's checkpoints (see CheckpointStore)."""
+
+    remote: RemoteFolder | None = None
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.dir = self._folder(config)
+        self._locked = False
+        #: latest.json as this process last read or wrote it (rank 0): another job moving it
+        #: since is told from this.
+        self._seen_latest: Any = None
+
+    def _folder(self, config: CheckpointConfig) -> Path:
+        return Path(str(config.dir))
+
+    @property
+    def where(self) -> str:
+        return str(self.dir)
+
+    def location(self, path: Path) -> str:
+        return str(path)
+
+    def start(self, is_checkpoint_name: Callable[[str], bool]) -> CheckpointError | None:
+        """Rank 0, once: create the folder, take its lock, remove what killed saves left.
+        Returns the error."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            folder_lock.acquire(self.dir, os.environ)
+            self._locked = True
+            # Only once the folder is ours: another job's save may be in flight.
+            for orphan in remove_orphans(self.dir):
+                logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
+            self._start_store(is_checkpoint_name)
+            self._seen_latest = self._stored_latest()
+        except CheckpointError as caught:
+            return caught
+        except OSError as caught:
+            return CheckpointError(
+                f"cannot use the checkpoint folder {self.dir}: {caught.strerror or caught}."
+            )
+        return None
+
+    def _start_store(self, is_checkpoint_name: Callable[[str], bool]) -> None:
+        """What a store behind the folder checks at the start (nothing for a folder)."""
+
+    def refresh(self) -> None:
+        """A plain folder is always read afresh."""
+
+    def release(self) -> None:
+        if self._locked:
+            folder_lock.release(self.dir)
+            self._locked = False
+
+    # ----------------------------------------------------------------- what is there
+    def exists(self, path: Path) -> bool:
+        return is_checkpoint(path)
+
+    def entries(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return [path for path in self.dir.iterdir() if is_checkpoint(path)]
+
+    def read_latest(self) -> Any:
+        """latest.json's contents (None: there is none); raises OSError or ValueError when it
+        cannot be read."""
+        try:
+            return json.loads((self.dir / LATEST).read_text())
+        except FileNotFoundError:
+            return None
+
+    def owner(self, path: Path) -> tuple[bool, str | None]:
+        """A folder records no owner beside a checkpoint: read it from the checkpoint."""
+        return False, None
+
+    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
+        return open_checkpoint(path, map_location)
+
+    # ----------------------------------------------------------------- changing it
+    def write_latest(self, pointer: Mapping[str, Any]) -> None:
+        """Point latest.json at ``pointer`` (rank 0), never backwards over another job's: a
+        pointer that another writer moved since this process last saw it, to a later step
+        than ``pointer``'s, is a CheckpointError."""
+        self._forward(self._stored_latest(), pointer)
+        atomic_write_json(dict(pointer), self.dir / LATEST)
+
+    def _stored_latest(self) -> Any:
+        """latest.json as stored now (None: none, or unreadable)."""
+        try:
+            return self.read_latest()
+        except (OSError, ValueError):
+            return None
+
+    def _forward(self, current: Any, pointer: Mapping[str, Any]) -> None:
+        """Raise when ``current`` (latest.json now) was written by another job since this
+        process last saw it and names a later step than ``pointer``; else remember
+        ``pointer``. The pointer moving back by this process's own choice (a resume past a
+        damaged checkpoint, ``resume: never`` over an older run) is allowed: it was seen."""
+        seen, self._seen_latest = self._seen_latest, dict(pointer)
+        if not isinstance(current, dict) or current == seen:
+            return
+        theirs, ours = current.get("global_step"), pointer.get("global_step")
+        if isinstance(theirs, int) and isinstance(ours, int) and theirs > ours:
+            self._seen_latest = seen
+            raise CheckpointError(
+                f"{self.where}/{LATEST} names {current.get('checkpoint')} (step {theirs}), "
+                f"written by another job since this one started; this run's step {ours} would "
+                f"move it backwards. Two jobs are writing into {self.where}: stop one "
+                f"(a checkpoint folder is one job's)."
+            )
+
+    def upload(self, path: Path, run_id: str | None) -> None:
+        """A file in the folder is where it must be."""
+
+    def flush(self) -> None:
+        """Nothing runs in the background."""
+
+    def remove(self, path: Path) -> None:
+        remove_tree(path)
+
+    def link(self, source: Path, target: Path) -> None:
+        """Hard links (copies where links are not supported)."""
+        if source.is_dir():
+            link_tree(source, target)
+        else:
+            atomic_link(source, target)
+
+
+__all__ = ["LATEST", "LocalStore", "is_checkpoint"]
