@@ -32,6 +32,7 @@ class CheckpointStore(Protocol):
 
     #: Where checkpoints are written (the folder, or an object store's working copy).
     dir: Path
+
     @property
     def remote(self) -> RemoteFolder | None:
         """The object store's folder (uploads run on it), None for a local folder."""
