@@ -67,7 +67,8 @@ def fsynced_write(path: Path, size: int) -> None:
 
 def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) -> dict[str, Any]:
     """Every variant's seconds per repetition on this rank."""
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
+    from nn_handler.checkpoint.store.object_store import ObjectStore
+    from nn_handler.config import CheckpointConfig
 
     state = {k: v.detach() for k, v in model(width).state_dict().items()}
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
@@ -75,13 +76,12 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
     with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
         base = Path(comm.broadcast_object(scratch if comm.rank == 0 else None))
         local = ShardedWriter(comm, lambda: group)
-        remote = None
+        store = None
         if url is not None:
             times[S3] = []
-            remote = RemoteFolder(url, base / "copy", workers=8)
+            store = ObjectStore(CheckpointConfig(dir=url, staging_dir=str(base / "copy")))
             if comm.rank == 0:
-                remote.store.check()
-            to_store = ShardedWriter(comm, lambda: group, remote)
+                store.remote.store.check()
         rest = {"format": "bench"} if comm.rank == 0 else None
         for index in range(repeats + 1):
             for values in state.values():
@@ -94,12 +94,12 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
             local.save(rest, {"model": state}, base / f"async-{index}", asynchronous=True)
             spent[LOCAL] = time.perf_counter() - start
             local.wait()
-            if remote is not None:
+            if store is not None:
                 start = time.perf_counter()
-                target = remote.local / f"ckpt-e0000-s{index:08d}"
-                to_store.save(rest, {"model": state}, target, asynchronous=True)
+                target = store.dir / f"ckpt-e0000-s{index:08d}"
+                local.save(rest, {"model": state}, target, asynchronous=True, store=store)
                 spent[S3] = time.perf_counter() - start
-                to_store.wait()
+                local.wait()
             start = time.perf_counter()
             local.save(rest, {"model": state}, base / f"sync-{index}")
             spent[SYNC] = time.perf_counter() - start
@@ -111,8 +111,8 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
             if index:  # round 0 warms the page cache, the allocator and the staging buffers
                 for name, seconds in spent.items():
                     times[name].append(seconds)
-        if remote is not None:
-            remote.close()
+        if store is not None:
+            store.release()
         comm.barrier()
     return {"times": times, "bytes": nbytes(state)}
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
 from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
-from nn_handler.checkpoint.manifest import MANIFEST
+from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded_errors import (
     causes_of,
@@ -50,9 +50,6 @@ from nn_handler.checkpoint.sharded_errors import (
 from nn_handler.checkpoint.verify import verify_files
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
 
 #: The file of a sharded checkpoint holding its unsharded parts.
 REST = "trainer.pt"
@@ -86,6 +83,23 @@ def read_rest(
     return load_file(Path(path) / REST, map_location, verify=verify)
 
 
+class FolderStore(Protocol):
+    """What a folder checkpoint's writer needs of the store that commits it (a
+    CheckpointStore, checkpoint/store/, has it)."""
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def uploads(self) -> bool: ...
+
+    def prepare(self, name: str) -> None: ...
+
+    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]: ...
+
+    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None: ...
+
+
 @dataclass
 class _Pending:
     future: Future[Any]
@@ -95,6 +109,7 @@ class _Pending:
     #: This rank's upload to the object store, once the files are written (None: no store).
     uploaded: Future[dict[str, Any]] | None = None
     run: str | None = None
+    store: FolderStore | None = None
 
 
 class ShardedWriter:
@@ -105,23 +120,18 @@ class ShardedWriter:
     save returns once every rank has copied its state; the files are written in a background
     thread, and the next ``save`` or ``wait`` waits for it and commits it.
 
-    With ``remote`` (an object store's folder), every rank uploads the files it wrote (in the
-    background too, for an asynchronous save) and rank 0 commits the folder there once every
-    rank's upload finished (checkpoint/remote/commit.py), before ``then`` runs.
+    A save given a ``store`` that uploads (an object store) has every rank put the files it
+    wrote there (in the background too, for an asynchronous save) and rank 0 commit the folder
+    once every rank's upload finished (FolderStore.put and commit), before ``then`` runs;
+    the writer holds no store of its own.
     """
 
-    def __init__(
-        self,
-        comm: Communicator,
-        group: Callable[[], dist.ProcessGroup | None],
-        remote: RemoteFolder | None = None,
-    ) -> None:
+    def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
         self.comm = comm
         self._group = group
         self._pending: _Pending | None = None
         self._stager = CachedStager()
-        self.remote = remote
-        self._uploads = ThreadPoolExecutor(1, "nn_handler-upload") if remote else None
+        self._uploads: ThreadPoolExecutor | None = None  # made at the first upload
 
     @property
     def pending(self) -> Path | None:
@@ -136,15 +146,18 @@ class ShardedWriter:
         *,
         asynchronous: bool = False,
         then: Callable[[Path], None] | None = None,
+        store: FolderStore | None = None,
     ) -> Path:
         """Write the folder ``target``: ``rest`` (used on rank 0) as its REST file and every
         rank's ``shards`` through DCP; ``then(target)`` runs on rank 0 once it is committed
-        (a failure in it fails the save). Every rank must call this; all raise the same
+        (a failure in it fails the save); ``store``: where it is committed too, when that
+        store uploads (the same on every rank). Every rank must call this; all raise the same
         CheckpointError if any failed. Asynchronous: returns once the state is staged."""
         self.wait()
         target = Path(target)
         staging = staging_path(target)
-        error = _prepare(staging, rest, self.remote, target.name) if self.comm.rank == 0 else None
+        store = store if store is not None and store.uploads else None
+        error = _prepare(staging, rest, store, target.name) if self.comm.rank == 0 else None
         agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank uploads
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
@@ -157,33 +170,42 @@ class ShardedWriter:
                 error = save_failure(caught, target, shards)
             agree_on(self.comm, error, f"staging checkpoint {target}")
             uploaded = None
-            if self._uploads is not None:
-                uploaded = self._uploads.submit(self._upload, writer, staging, target, future)
-            self._pending = _Pending(future, staging, target, then, uploaded, run)
+            if store is not None:
+                if self._uploads is None:
+                    self._uploads = ThreadPoolExecutor(1, "nn_handler-upload")
+                uploaded = self._uploads.submit(
+                    self._upload, writer, staging, target, future, store
+                )
+            self._pending = _Pending(future, staging, target, then, uploaded, run, store)
             return target
         try:
             dcp_save(shards, writer, options)
         except dcp_errors() as caught:
             error = save_failure(caught, target, shards)
         objects: dict[str, Any] = {}
-        if error is None and self.remote is not None:
+        if error is None and store is not None:
             try:
-                objects = self._upload(writer, staging, target, None)
+                objects = self._upload(writer, staging, target, None, store)
             except Exception as caught:  # never skip the agreement below: the others wait in it
                 error = f"{type(caught).__name__}: {caught}"
-        self._finish(staging, target, then, error, objects, run, f"writing checkpoint {target}")
+        what = f"writing checkpoint {target}"
+        self._finish(staging, target, then, error, objects, run, what, store)
         return target
 
     def _upload(
-        self, writer: Any, staging: Path, target: Path, written: Future[Any] | None
+        self,
+        writer: Any,
+        staging: Path,
+        target: Path,
+        written: Future[Any] | None,
+        store: FolderStore,
     ) -> dict[str, Any]:
-        """This rank's files of the folder, uploaded as ``target``'s (after ``written``)."""
+        """This rank's files of the folder, put in ``store`` as ``target``'s (after
+        ``written``)."""
         if written is not None:
             written.result()
-        if self.remote is None:
-            return {}
         names = list(getattr(writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
-        return self.remote.upload(staging, [staging / n for n in names], name=target.name)
+        return store.put(staging, [staging / n for n in names], target.name)
 
     def _finish(
         self,
@@ -194,13 +216,14 @@ class ShardedWriter:
         objects: dict[str, Any],
         run: str | None,
         what: str,
+        store: FolderStore | None,
     ) -> None:
-        """Every rank: agree on the writes (and uploads), then rank 0 commits the folder (on
-        the store first, with every rank's objects) and runs ``then``."""
-        remote = self.remote
-        if remote is not None:
+        """Every rank: agree on the writes (and uploads), then rank 0 commits the folder (in
+        the uploading ``store`` too, with every rank's objects) and runs ``then``."""
+        if store is not None:
+            remote = store  # named for the closure below (mypy keeps the narrowing)
             with self.comm.patient():  # ranks upload at their own pace
-                agree_on(self.comm, error, f"uploading checkpoint {target} to {remote.url}")
+                agree_on(self.comm, error, f"uploading checkpoint {target} to {remote.where}")
             every = (
                 self.comm.gather_object(objects, dst=0) if self.comm.world_size > 1 else [objects]
             )
@@ -215,7 +238,7 @@ class ShardedWriter:
         elif error is None and self.comm.rank == 0:
             error = _commit(staging, target, then)
         agree_on(self.comm, error, what)
-        if remote is not None and self.comm.rank != 0:
+        if store is not None and self.comm.rank != 0:
             _drop_own(staging, objects)
 
     def wait(self) -> Path | None:
@@ -237,7 +260,14 @@ class ShardedWriter:
                 error = error or str(caught)
         what = f"writing checkpoint {pending.target} (in the background)"
         self._finish(
-            pending.staging, pending.target, pending.then, error, objects, pending.run, what
+            pending.staging,
+            pending.target,
+            pending.then,
+            error,
+            objects,
+            pending.run,
+            what,
+            pending.store,
         )
         return pending.target
 
@@ -342,15 +372,15 @@ def _writer(staging: Path) -> Any:
 
 
 def _prepare(
-    staging: Path, rest: Mapping[str, Any] | None, remote: RemoteFolder | None, name: str
+    staging: Path, rest: Mapping[str, Any] | None, store: FolderStore | None, name: str
 ) -> str | None:
     """Rank 0: an empty staging folder holding the REST file; on a store, no manifest left
     for ``name`` (RemoteFolder.invalidate)."""
     if rest is None:
         return "no checkpoint contents were given on rank 0"
     try:
-        if remote is not None:
-            remote.invalidate(name)
+        if store is not None:
+            store.prepare(name)
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)

@@ -34,6 +34,7 @@ from nn_handler.checkpoint.sharded import (
     verify_sharded,
 )
 from nn_handler.checkpoint.single_file import write_together
+from nn_handler.checkpoint.store import CheckpointStore
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -99,8 +100,7 @@ class TrainerCheckpoints:
         self.manager = (
             CheckpointManager(config, comm, sharded=sharded) if enabled and config.dir else None
         )
-        remote = self.manager.remote if self.manager is not None else None
-        self.writer = ShardedWriter(comm, group, remote) if sharded else None
+        self.writer = ShardedWriter(comm, group) if sharded else None
         self.hook: Any = None
         self.events = CheckpointEvents()
         self.log = logger.bind(rank=comm.rank)
@@ -295,7 +295,12 @@ class TrainerCheckpoints:
         if self.writer is None:
             return write_together(self.comm, self.state_dict(), path, budget_s)
         self._wait_writer()
-        return self._save_sharded(self.writer, Path(path))
+        target = Path(path)
+        # Into the run's own folder (best/, top-k): committed on its store too; elsewhere: a
+        # local folder only.
+        own = self.manager is not None and target.parent == self.manager.dir
+        store = self.manager.folder if own and self.manager is not None else None
+        return self._save_sharded(self.writer, target, store=store)
 
     def _save_to_store(self, url: str, budget_s: float | None) -> Path:
         if self.writer is not None:
@@ -320,11 +325,12 @@ class TrainerCheckpoints:
         *,
         asynchronous: bool = False,
         then: Callable[[Path], None] | None = None,
+        store: CheckpointStore | None = None,
     ) -> Path:
         shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
         shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
         rest = self._collect(list(shards))
-        return writer.save(rest, shards, target, asynchronous=asynchronous, then=then)
+        return writer.save(rest, shards, target, asynchronous=asynchronous, then=then, store=store)
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
@@ -344,6 +350,7 @@ class TrainerCheckpoints:
             path,
             asynchronous=asynchronous,
             then=lambda done: manager.publish(done, epoch, step),
+            store=manager.folder,
         )
         manager.remember(path, epoch, step)
         if asynchronous:

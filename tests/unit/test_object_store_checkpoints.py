@@ -149,6 +149,23 @@ def test_a_save_due_while_the_previous_upload_runs_waits_and_says_so(
     assert all("still uploading in the background" in w for w in waits), waits
 
 
+def test_sharded_saves_reach_the_store_only_from_the_runs_own_folder(
+    s3: Bucket, tmp_path: Path
+) -> None:
+    """best/ written into the working copy (no periodic checkpoint to link: save_last off) is
+    committed on the store; a folder saved elsewhere with save_checkpoint stays local."""
+    url = f"{s3.url}/run"
+    options = {"format": "sharded", "save_last": False, "save_best": True}
+    config = rh.config(url, 1, False, staging_dir=machine(tmp_path, "m"), **options)  # type: ignore[arg-type]
+    with NNHandler(model(0), rh.adam, nn.CrossEntropyLoss(), rh.step_lr, config=config) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=1)
+        mine = h.trainer.save_checkpoint(tmp_path / "mine")
+    assert (mine / "trainer.pt").is_file()
+    stored = objects(s3)
+    assert "best" + SUFFIX in stored and "best/trainer.pt" in stored, sorted(stored)
+    assert not [key for key in stored if key.startswith("mine")], sorted(stored)
+
+
 class Reads:
     """Counts, while on, the objects downloaded and the bytes checksummed (every checksum of a
     checkpoint goes through checkpoint/checksum.py's one zlib call)."""

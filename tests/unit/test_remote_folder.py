@@ -14,7 +14,9 @@ from nn_handler.checkpoint.manifest import SUFFIX, Manifest
 from nn_handler.checkpoint.remote import commit as protocol
 from nn_handler.checkpoint.remote.folder import RemoteFolder, fetch_url, save_to_store
 from nn_handler.checkpoint.remote.store import RemoteStore
+from nn_handler.checkpoint.store.object_store import ObjectStore
 from nn_handler.cli import main
+from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError, ConfigError
 
@@ -165,6 +167,12 @@ def test_a_memory_url_shared_by_several_ranks_is_a_config_error() -> None:
         CheckpointManager(CheckpointConfig(dir="memory://bucket/run"), two_ranks)  # type: ignore[arg-type]
 
 
+def _object_store(tmp_path: Path) -> ObjectStore:
+    """An ObjectStore on a fresh memory:// folder, its working copy under ``tmp_path``."""
+    url = f"memory://{uuid.uuid4().hex}/run"
+    return ObjectStore(CheckpointConfig(dir=url, staging_dir=str(tmp_path / "copy")))
+
+
 def _killed_before_the_commit(store: RemoteStore, manifest: Manifest) -> None:
     raise CheckpointError("killed between the upload and the commit")
 
@@ -193,14 +201,15 @@ def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
 ) -> None:
     from nn_handler.checkpoint.sharded import ShardedWriter
 
-    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
-    writer = ShardedWriter(NullCommunicator(), lambda: None, remote)
+    store = _object_store(tmp_path)
+    remote = store.remote
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
     target = remote.local / "ckpt-e0000-s00000008"
-    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target)
+    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store=store)
     assert remote.refresh().keys() == {target.name}
     monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
     with pytest.raises(CheckpointError, match="killed between"):
-        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target)
+        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target, store=store)
     assert remote.refresh() == {}  # never trusted with the new shards under the old manifest
     remote.close()
 
@@ -213,11 +222,12 @@ def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
     apart."""
     from nn_handler.checkpoint.sharded import ShardedWriter
 
-    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
-    writer = ShardedWriter(NullCommunicator(), lambda: None, remote)
+    store = _object_store(tmp_path)
+    remote = store.remote
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
     for step in (8, 16):
         target = remote.local / f"ckpt-e0000-s{step:08d}"
-        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target)
+        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store=store)
     remote.store.write("ckpt-e0000-s00000008/leftover", b"not in its readable manifest")
     remote.store.write("ckpt-e0000-s00000024/__0_0.distcp", b"no manifest names it")
     damaged = f"ckpt-e0000-s00000016{SUFFIX}"

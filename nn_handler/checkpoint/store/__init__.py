@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from nn_handler.checkpoint.manifest import Entry
     from nn_handler.checkpoint.remote.folder import RemoteFolder
     from nn_handler.checkpoint.source import Opened
     from nn_handler.errors import CheckpointError
@@ -82,6 +83,21 @@ class CheckpointStore(Protocol):
 
     def link(self, source: Path, target: Path) -> None:
         """``target`` becomes the checkpoint ``source`` too."""
+
+    # A folder checkpoint every rank writes (ShardedWriter), committed where it must reach.
+    @property
+    def uploads(self) -> bool:
+        """Whether ``put`` and ``commit`` reach another place (an object store)."""
+
+    def prepare(self, name: str) -> None:
+        """Before the checkpoint ``name`` is written anew: no old commit may vouch for it."""
+
+    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]:
+        """This rank's ``files`` of the folder checkpoint ``folder``, sent as ``name``'s;
+        their entries (any rank)."""
+
+    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
+        """Rank 0, once every rank's ``put`` is agreed: the checkpoint ``name`` is trusted."""
 
 
 def open_store(config: CheckpointConfig) -> CheckpointStore:

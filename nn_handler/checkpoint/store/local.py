@@ -14,6 +14,7 @@ from loguru import logger
 
 from nn_handler.checkpoint import folder_lock
 from nn_handler.checkpoint.io import atomic_link, atomic_write_json, remove_orphans
+from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.sharded import is_sharded, link_tree, remove_tree
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
@@ -155,6 +156,19 @@ class LocalStore:
             link_tree(source, target)
         else:
             atomic_link(source, target)
+
+    # ----------------------------------------------------------------- a folder checkpoint
+    uploads = False
+
+    def prepare(self, name: str) -> None:
+        """A folder's commit is its rename (checkpoint/sharded.py): nothing to undo before."""
+
+    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]:
+        """The files are where they must be."""
+        return {}
+
+    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
+        """The rename committed it."""
 
 
 __all__ = ["LATEST", "LocalStore", "is_checkpoint"]

@@ -15,6 +15,7 @@ import torch
 from loguru import logger
 
 from nn_handler.checkpoint.io import atomic_link, atomic_write_json
+from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.remote.folder import RemoteFolder, working_copy
 from nn_handler.checkpoint.sharded import link_tree, remove_tree
 from nn_handler.checkpoint.source import Opened, open_checkpoint
@@ -120,6 +121,22 @@ class ObjectStore(LocalStore):
         elif source.exists():
             atomic_link(source, target)
         self.remote.copy(source.name, target.name)
+
+    # ----------------------------------------------------------------- a folder checkpoint
+    uploads = True
+
+    def prepare(self, name: str) -> None:
+        """Its old manifest goes first (RemoteFolder.invalidate)."""
+        self.remote.invalidate(name)
+
+    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]:
+        """Upload them now, several at once."""
+        return self.remote.upload(folder, files, name=name)
+
+    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
+        """Its manifest, written after the changes before it (in the background with
+        ``async_save``)."""
+        self.remote.commit(name, objects, run)
 
 
 __all__ = ["ObjectStore"]
