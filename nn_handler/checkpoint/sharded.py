@@ -24,7 +24,6 @@ one process. Loading reads the index and the shards' values without running code
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -38,7 +37,13 @@ import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
-from nn_handler.checkpoint.io import TMP_MARKER, atomic_save, fsync_dir, load_file
+from nn_handler.checkpoint.folder_commit import (
+    commit_folder,
+    link_tree,
+    remove_tree,
+    staging_path,
+)
+from nn_handler.checkpoint.io import atomic_save, load_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded_errors import (
@@ -60,18 +65,12 @@ CHECKSUMS = "checksums"
 #: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
 META = ("format", "version", "world_size", "config", "ranks", SHARDED, CHECKSUMS,
         "consolidated_without", RUN)  # fmt: skip
-_STAGING = f"{TMP_MARKER}sharded"
 
 
 def is_sharded(path: str | Path) -> bool:
     """Whether ``path`` is a (committed) sharded checkpoint folder."""
     folder = Path(path)
     return folder.is_dir() and (folder / REST).is_file()
-
-
-def staging_path(target: Path) -> Path:
-    """Where the folder ``target`` is written before its commit."""
-    return target.with_name(f".{target.name}{_STAGING}")
 
 
 def read_rest(
@@ -234,9 +233,9 @@ class ShardedWriter:
                 if then is not None:
                     then(done)
 
-            error = _commit(staging, target, committed) if self.comm.rank == 0 else None
+            error = commit_folder(staging, target, committed) if self.comm.rank == 0 else None
         elif error is None and self.comm.rank == 0:
-            error = _commit(staging, target, then)
+            error = commit_folder(staging, target, then)
         agree_on(self.comm, error, what)
         if store is not None and self.comm.rank != 0:
             _drop_own(staging, objects)
@@ -388,53 +387,6 @@ def _prepare(
     except Exception as caught:
         return f"{type(caught).__name__}: {caught}"
     return None
-
-
-def _commit(staging: Path, target: Path, then: Callable[[Path], None] | None) -> str | None:
-    """Rank 0: the staging folder becomes ``target`` in one rename (an older folder of that
-    name is moved aside first and removed after)."""
-    old = target.with_name(f".{target.name}{TMP_MARKER}replaced")
-    try:
-        if target.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(target, old)
-        os.replace(staging, target)
-        fsync_dir(target.parent)
-        if old.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        if then is not None:
-            then(target)
-    except Exception as caught:
-        return f"{type(caught).__name__}: {caught}"
-    return None
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a checkpoint file or folder (missing is fine)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def link_tree(source: Path, target: Path) -> Path:
-    """Make the folder ``target`` hold the same files as the folder ``source`` (hard links;
-    copies where links are not supported), replacing ``target`` as one rename."""
-    staging = staging_path(target)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    for item in source.iterdir():
-        try:
-            os.link(item, staging / item.name)
-        except OSError:
-            shutil.copyfile(item, staging / item.name)
-    error = _commit(staging, target, None)
-    if error is not None:
-        raise CheckpointError(f"cannot link {source} as {target}: {error}")
-    return target
 
 
 __all__ = [

@@ -43,7 +43,7 @@ def main() -> None:
     if when == "before_shards":
         sharded.dcp_save = _die_on_second(sharded.dcp_save, rank=1)  # type: ignore[assignment]
     else:
-        sharded._commit = _die_on_second(sharded._commit, rank=0)  # type: ignore[assignment]
+        sharded.commit_folder = _die_on_second(sharded.commit_folder, rank=0)  # type: ignore[assignment]
     config = HandlerConfig.from_dict(
         {
             "loader": {"batch_size": 4, "shuffle": True, "seed": 3},

@@ -368,6 +368,15 @@ def test_a_manifest_that_is_not_ours_or_too_new_is_refused(run: Path) -> None:
     (folder / MANIFEST).write_text('{"format": "nn_handler.manifest", "version": 1, "files": {}}')
     with pytest.raises(CheckpointError, match=r"does not list \.metadata"):
         verify_files(folder)
+    # A manifest naming a file outside its folder is refused before anything is read there.
+    outside = '{"format": "nn_handler.manifest", "version": 1, "files": {"../x": {"size": 1}}}'
+    (folder / MANIFEST).write_text(outside)
+    with pytest.raises(CheckpointError, match=r"names '.*\.\./x', which is not its checkpoint"):
+        read_manifest(folder)
+    torn = '{"format": "nn_handler.manifest", "version": 1, "files": {"a": {"segments": 3}}}'
+    (folder / MANIFEST).write_text(torn)
+    with pytest.raises(CheckpointError, match=r"manifest\.json is not a readable manifest"):
+        read_manifest(folder)
 
 
 def test_an_index_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:

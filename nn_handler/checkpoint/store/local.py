@@ -13,9 +13,10 @@ import torch
 from loguru import logger
 
 from nn_handler.checkpoint import folder_lock
+from nn_handler.checkpoint.folder_commit import link_tree, remove_tree
 from nn_handler.checkpoint.io import atomic_link, atomic_write_json, remove_orphans
 from nn_handler.checkpoint.manifest import Entry
-from nn_handler.checkpoint.sharded import is_sharded, link_tree, remove_tree
+from nn_handler.checkpoint.sharded import is_sharded
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.errors import CheckpointError

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from loguru import logger
 
+from nn_handler.checkpoint.folder_commit import link_tree, remove_tree
 from nn_handler.checkpoint.io import atomic_link, atomic_write_json
 from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.remote.folder import RemoteFolder, working_copy
-from nn_handler.checkpoint.sharded import link_tree, remove_tree
 from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.checkpoint.store.local import LATEST, LocalStore
 from nn_handler.config.checkpoint import CheckpointConfig
