@@ -67,6 +67,7 @@ def fsynced_write(path: Path, size: int) -> None:
 
 def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) -> dict[str, Any]:
     """Every variant's seconds per repetition on this rank."""
+    from nn_handler.checkpoint.store import LocalStore
     from nn_handler.checkpoint.store.object_store import ObjectStore
     from nn_handler.config import CheckpointConfig
 
@@ -76,12 +77,13 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
     with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
         base = Path(comm.broadcast_object(scratch if comm.rank == 0 else None))
         local = ShardedWriter(comm, lambda: group)
+        folder = LocalStore(base)
         store = None
         if url is not None:
             times[S3] = []
             store = ObjectStore(CheckpointConfig(dir=url, staging_dir=str(base / "copy")))
             if comm.rank == 0:
-                store.remote.store.check()
+                store.store.check()
         rest = {"format": "bench"} if comm.rank == 0 else None
         for index in range(repeats + 1):
             for values in state.values():
@@ -91,17 +93,17 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
                 buffers[key].copy_(values)
             spent = {MEMCPY: time.perf_counter() - start}
             start = time.perf_counter()
-            local.save(rest, {"model": state}, base / f"async-{index}", asynchronous=True)
+            local.save(rest, {"model": state}, base / f"async-{index}", folder, asynchronous=True)
             spent[LOCAL] = time.perf_counter() - start
             local.wait()
             if store is not None:
                 start = time.perf_counter()
                 target = store.dir / f"ckpt-e0000-s{index:08d}"
-                local.save(rest, {"model": state}, target, asynchronous=True, store=store)
+                local.save(rest, {"model": state}, target, store, asynchronous=True)
                 spent[S3] = time.perf_counter() - start
                 local.wait()
             start = time.perf_counter()
-            local.save(rest, {"model": state}, base / f"sync-{index}")
+            local.save(rest, {"model": state}, base / f"sync-{index}", folder)
             spent[SYNC] = time.perf_counter() - start
             comm.barrier()
             start = time.perf_counter()

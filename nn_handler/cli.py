@@ -190,7 +190,7 @@ def _local(path: str) -> tuple[str, str]:
     that checkpoint's URL)."""
     if not is_url(path):
         return path, path
-    from nn_handler.checkpoint.remote.folder import fetch_url
+    from nn_handler.checkpoint.store.urls import fetch_url
 
     local, url = fetch_url(path)
     return str(local), url

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nn_handler.checkpoint.io import TMP_MARKER, atomic_link
 from nn_handler.checkpoint.naming import PERIODIC
+from nn_handler.checkpoint.store.files import TMP_MARKER, atomic_link
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.hooks import Hook
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
-from nn_handler.checkpoint.manifest import MANIFEST
+from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
 from nn_handler.checkpoint.sharded import dcp_save
+from nn_handler.checkpoint.store.local import folder_manifest
 
 
 class Payload:
@@ -50,7 +51,7 @@ def craft_index(folder: Path, marker: Path) -> bytes:
     (folder / ".metadata").write_bytes(data)
     manifest = json.loads((folder / MANIFEST).read_text())
     crc = zlib.crc32(data) & 0xFFFFFFFF
-    manifest["files"][".metadata"] = {"size": len(data), "segments": [[0, len(data), crc, ""]]}
+    manifest["objects"][f"{manifest['checkpoint']}/.metadata"] = {"size": len(data), "crc32": crc}
     (folder / MANIFEST).write_text(json.dumps(manifest))
     return data
 
@@ -83,15 +84,27 @@ def craft_value(folder: Path, shards: dict[str, Any], marker: Path) -> str:
     for old in folder.glob("*.distcp"):
         old.unlink()
     (folder / ".metadata").unlink()
+    old_manifest = read_manifest(folder)
+    assert old_manifest is not None
     (folder / MANIFEST).unlink()
-    dcp_save(shards, ChecksummingWriter(str(folder)), {"process_group": None, "no_dist": True})
+    writer = ChecksummingWriter(str(folder))
+    dcp_save(shards, writer, {"process_group": None, "no_dist": True})
+    known = {f"{old_manifest.name}/{name}": entry for name, entry in writer.files.items()}
+    manifest = folder_manifest(folder, old_manifest.name, old_manifest.run, known)
+    (folder / MANIFEST).write_bytes(manifest.to_bytes())
     return ".".join(str(key) for key in path)
 
 
 def segments(folder: Path) -> dict[str, list[tuple[int, int, str]]]:
     """Every file's (offset, length, label) segments from the folder's manifest."""
-    files = json.loads((folder / MANIFEST).read_text())["files"]
-    return {name: [(s[0], s[1], s[3]) for s in entry["segments"]] for name, entry in files.items()}
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    return {
+        name: [(s[0], s[1], s[3]) for s in entry["segments"]]
+        if "segments" in entry
+        else [(0, entry["size"], "")]
+        for name, entry in manifest.files().items()
+    }
 
 
 def flip_bit(path: Path, offset: int) -> None:

@@ -4,7 +4,7 @@ The Trainer's checkpoints (what they hold, how a run resumes) are in
 ``nn_handler.training.checkpointing``; this layer knows nothing of the Trainer.
 """
 
-from nn_handler.checkpoint.io import atomic_save, load_file, remove_orphans
+from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.model_state import (
     load_model_state,
@@ -12,6 +12,7 @@ from nn_handler.checkpoint.model_state import (
     strip_wrapper_prefixes,
 )
 from nn_handler.checkpoint.rng import capture_rng, restore_rng
+from nn_handler.checkpoint.store.files import atomic_save, remove_orphans
 
 __all__ = [
     "CheckpointManager",

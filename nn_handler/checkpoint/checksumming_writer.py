@@ -1,5 +1,6 @@
-"""ChecksummingWriter: DCP's FileSystemWriter that checksums every item it writes and has rank 0
-write ``manifest.json`` (checkpoint/manifest.py) once DCP's index is written."""
+"""ChecksummingWriter: DCP's FileSystemWriter that has every item it writes checksummed (by the
+verifier, checkpoint/verify.py) and gathers the entries on rank 0 for the folder's manifest,
+which the store writes when it commits the folder (DCP itself stores no checksum)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nn_handler.checkpoint.checksum import mapped, span_crc32
-from nn_handler.checkpoint.manifest import MANIFEST, Entry, write_manifest
+from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.safe_dcp import INDEX
+from nn_handler.checkpoint.verify import item_entries
 
 
 @dataclass
@@ -35,27 +36,26 @@ def checksum_results(folder: Path, results: Sequence[WriteResult]) -> list[Write
         by_file.setdefault(result.storage_data.relative_path, []).append(position)
     checked: list[WriteResult] = list(results)
     for name, positions in by_file.items():
-        path = folder / name
-        size = path.stat().st_size
-        with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
-            for position in positions:
-                info: _StorageInfo = results[position].storage_data
-                crc = span_crc32(view, info.offset, info.length)
-                extended = _CheckedInfo(
-                    info.relative_path, info.offset, info.length, info.transform_descriptors,
-                    crc32=crc, file_size=size,
-                )  # fmt: skip
-                checked[position] = dataclasses.replace(results[position], storage_data=extended)
+        infos: list[_StorageInfo] = [results[p].storage_data for p in positions]
+        size, segments = item_entries(folder / name, [(i.offset, i.length, "") for i in infos])
+        for position, info, segment in zip(positions, infos, segments, strict=True):
+            extended = _CheckedInfo(
+                info.relative_path, info.offset, info.length, info.transform_descriptors,
+                crc32=segment[2], file_size=size,
+            )  # fmt: skip
+            checked[position] = dataclasses.replace(results[position], storage_data=extended)
     return checked
 
 
 class ChecksummingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that checksums every item it writes; rank 0 (the coordinator)
-    writes DCP's index and then ``manifest.json`` covering every file of the folder."""
+    writes DCP's index and keeps every shard file's entry in ``files``."""
 
-    #: The files this rank wrote (its shards; on the coordinator also the index and the
-    #: manifest), filled as they are written: what it uploads to an object store.
+    #: The files this rank wrote (its shards; on the coordinator also the index), filled as
+    #: they are written: what it uploads to an object store.
     written: list[str]
+    #: On the coordinator once finished: each shard file's size and segments, by name.
+    files: dict[str, Entry]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner).wait()
@@ -84,8 +84,10 @@ class ChecksummingWriter(FileSystemWriter):
                 row.append(dataclasses.replace(result, storage_data=info))
             plain.append(row)
         super().finish(metadata, plain)
-        write_manifest(Path(self.path), files)
-        self.written = sorted({*getattr(self, "written", []), INDEX, MANIFEST})
+        for entry in files.values():
+            entry["segments"].sort()
+        self.files = files
+        self.written = sorted({*getattr(self, "written", []), INDEX})
 
 
 __all__ = ["ChecksummingWriter", "checksum_results"]

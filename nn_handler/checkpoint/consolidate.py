@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from nn_handler.checkpoint.io import atomic_save
 from nn_handler.checkpoint.sharded import (
     CHECKSUMS,
     SHARDED,
@@ -25,6 +24,7 @@ from nn_handler.checkpoint.sharded import (
     read_rest,
     verify_sharded,
 )
+from nn_handler.checkpoint.store.files import atomic_save
 from nn_handler.errors import CheckpointError
 
 #: The sharded parts a consolidated file holds whole.

@@ -1,11 +1,6 @@
-"""Checksums of checkpoint files: every record torch.save writes carries its CRC-32.
-
-``torch.save`` writes a zip archive and stores each record's CRC-32 in it (torch computes it
-by default), but ``torch.load`` never checks them: a file whose tensor bytes were flipped on
-disk loads without a word. ``verify_records`` recomputes them (zlib releases the GIL, so
-it runs beside ``torch.load`` in a thread at little extra wall time) and names the first
-record that does not match; ``entry_of_record`` turns that record back into the key path
-of the tensor it holds.
+"""The records of a torch.save zip file: where each one's bytes are, and the CRC-32 torch
+stored for it in the zip directory (written last: a single file's manifest). torch.load never
+checks them; the verifier does (checkpoint/verify.py ``verify_records``).
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nn_handler.checkpoint.checksum import crc32, mapped, span_crc32
+from nn_handler.checkpoint.checksum import mapped
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 
@@ -40,30 +35,6 @@ class BadRecord:
         )
 
 
-def verify_records(path: Path) -> BadRecord | None:
-    """The first record of the torch zip file ``path`` whose bytes do not match its stored
-    CRC-32, or None when all match (or the file has no checksums: a legacy, non-zip file or
-    one saved with ``torch.serialization.set_crc32_options(False)``)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            records = archive.infolist()
-    except (zipfile.BadZipFile, OSError):
-        return None  # not a zip: torch.load reports what is wrong with it
-    if not records or all(r.CRC == 0 for r in records if r.file_size):
-        return None
-    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
-        for record in records:
-            if record.compress_type != zipfile.ZIP_STORED:
-                continue  # torch stores; anything else is not ours to check here
-            start = _data_start(view, record.header_offset)
-            if start is None or start + record.file_size > len(view):
-                return BadRecord(record.filename, record.file_size, record.CRC, 0)
-            actual = span_crc32(view, start, record.file_size)
-            if actual != record.CRC:
-                return BadRecord(record.filename, record.file_size, record.CRC, actual)
-    return None
-
-
 def record_spans(path: Path) -> dict[str, tuple[int, int]]:
     """Each record's (offset of its data in the file, size), by record name."""
     with zipfile.ZipFile(path) as archive:
@@ -71,13 +42,13 @@ def record_spans(path: Path) -> dict[str, tuple[int, int]]:
     spans: dict[str, tuple[int, int]] = {}
     with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
         for record in records:
-            start = _data_start(view, record.header_offset)
+            start = data_start(view, record.header_offset)
             if start is not None:
                 spans[record.filename] = (start, record.file_size)
     return spans
 
 
-def _data_start(view: memoryview, offset: int) -> int | None:
+def data_start(view: memoryview, offset: int) -> int | None:
     if offset + _LOCAL_HEADER.size > len(view):
         return None
     fields = _LOCAL_HEADER.unpack_from(view, offset)
@@ -87,30 +58,17 @@ def _data_start(view: memoryview, offset: int) -> int | None:
     return int(offset + _LOCAL_HEADER.size + name_length + extra_length)
 
 
-def entry_of_record(obj: Any, bad: BadRecord) -> str | None:
-    """The key path (``model.0.weight``) of the tensor in the loaded ``obj`` whose storage
-    holds the bytes of ``bad`` (found by size and the CRC-32 of what was read), or None."""
-    for key, tensor in _tensors(obj, ""):
-        storage = tensor.untyped_storage()
-        if storage.nbytes() != bad.size:
-            continue
-        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage).cpu()
-        if crc32(raw.numpy().tobytes()) == bad.actual:
-            return key
-    return None
-
-
-def _tensors(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+def tensors_of(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         return [(prefix or "(root)", obj)]
     found: list[tuple[str, torch.Tensor]] = []
     if isinstance(obj, dict):
         for key, value in obj.items():
-            found += _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+            found += tensors_of(value, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
-            found += _tensors(value, f"{prefix}[{index}]")
+            found += tensors_of(value, f"{prefix}[{index}]")
     return found
 
 
-__all__ = ["BadRecord", "entry_of_record", "record_spans", "verify_records"]
+__all__ = ["BadRecord", "data_start", "record_spans", "tensors_of"]

@@ -1,9 +1,7 @@
-"""Atomic checkpoint files and safe loading.
-
-A write goes to a temporary file in the target folder, is flushed and fsynced, then
-``os.replace``-d over the target and the folder is fsynced: a reader sees the old file or the
-new one, never a torn one, even when the writer is killed mid-write. Loading always uses
-``torch.load(weights_only=True)``, so a checkpoint cannot run code.
+"""Checkpoint files: writing one into its staging path (``write_file``: torch.save, fsynced,
+cancellable; its store commits it: checkpoint/store/files.py) and loading one safely
+(``load_file``: always ``torch.load(weights_only=True)``, so a checkpoint cannot run code, its
+records' CRC-32s checked while it loads).
 """
 
 from __future__ import annotations
@@ -11,48 +9,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
-import json
 import os
 import pickle
 import re
 import shutil
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 import torch
 
-from nn_handler.checkpoint.integrity import BadRecord, entry_of_record, verify_records
+from nn_handler.checkpoint.integrity import BadRecord
+from nn_handler.checkpoint.verify import entry_of_record, verify_records
 from nn_handler.errors import CheckpointError
-
-TMP_MARKER = ".tmp-"
-
-
-def _temporary(target: Path) -> Path:
-    return target.with_name(f".{target.name}{TMP_MARKER}{os.getpid()}")
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some network file systems
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SaveCancelled(CheckpointError):
@@ -82,51 +52,36 @@ class _CancellableFile(io.RawIOBase):
         return len(view)
 
 
-@contextlib.contextmanager
-def atomic_target(path: str | Path, cancel: threading.Event | None = None) -> Iterator[Path]:
-    """Yield a temporary path to write; on success it replaces ``path`` durably, on error
-    it is removed and ``path`` is untouched. When ``cancel`` is set before the replace, the
-    temporary file is removed instead and ``SaveCancelled`` is raised."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(target)
+def write_file(
+    obj: Any, path: Path, cancel: threading.Event | None = None, name: Path | None = None
+) -> None:
+    """``torch.save(obj)`` to the staging file ``path``, fsynced (its store commits it);
+    ``name``: the checkpoint it will be, for errors. With ``cancel`` (set from another
+    thread) the save stops at its next write and raises ``SaveCancelled``. On any failure
+    the file is removed."""
+    target = name or path
     try:
-        yield tmp
-        _fsync_file(tmp)
-        if cancel is not None and cancel.is_set():
-            raise SaveCancelled(f"the save to {target} was cancelled before it was committed")
-        os.replace(tmp, target)
-    except BaseException:
+        if cancel is None:
+            torch.save(obj, path)  # by path: torch's own writer, the fastest
+        else:
+            with open(path, "wb") as raw, _CancellableFile(raw, cancel) as stream:
+                torch.save(obj, cast("IO[bytes]", stream))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as error:
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(target.parent)
-
-
-def atomic_save(obj: Any, path: str | Path, cancel: threading.Event | None = None) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically and durably; returns the path.
-
-    With ``cancel`` (set from another thread), the save stops at its next write once the
-    event is set and raises ``SaveCancelled``; ``path`` is then untouched.
-    """
-    target = Path(path)
-    try:
-        with atomic_target(target, cancel) as tmp:
-            if cancel is None:
-                torch.save(obj, tmp)
-            else:
-                with open(tmp, "wb") as raw, _CancellableFile(raw, cancel) as stream:
-                    torch.save(obj, cast("IO[bytes]", stream))
-    except SaveCancelled:
-        raise
-    except Exception as error:
+            path.unlink()
+        if isinstance(error, SaveCancelled):
+            raise
         cancelled = error.__context__ if isinstance(error.__context__, SaveCancelled) else None
         if cancelled is not None:  # torch's writer wraps the exception raised in write()
             raise SaveCancelled(f"the save to {target} was cancelled") from error
         if isinstance(error, OSError) or "unexpected pos" in str(error):
             raise CheckpointError(write_failure(target, error, obj)) from error
         raise
-    return target
 
 
 def write_failure(target: Path, error: BaseException, obj: Any) -> str:
@@ -158,48 +113,6 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-
-def atomic_write_json(data: Any, path: str | Path) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically and durably."""
-    target = Path(path)
-    with atomic_target(target) as tmp:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-    return target
-
-
-def atomic_link(source: str | Path, path: str | Path) -> Path:
-    """Make ``path`` name the same file as ``source`` (a hard link, replaced atomically; a
-    copy where hard links are not supported)."""
-    target = Path(path)
-    with atomic_target(target) as tmp:
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-    return target
-
-
-def remove_orphans(folder: str | Path) -> list[Path]:
-    """Delete temporary files (and sharded checkpoints' staging folders) left in ``folder``
-    by writers that were killed mid-save.
-
-    Call it only when no save into ``folder`` is in flight (the CheckpointManager does, on
-    rank 0, when it starts). Returns the removed paths.
-    """
-    base = Path(folder)
-    if not base.is_dir():
-        return []
-    removed = []
-    for candidate in base.iterdir():
-        if candidate.name.startswith(".") and TMP_MARKER in candidate.name:
-            with contextlib.suppress(OSError):
-                if candidate.is_dir() and not candidate.is_symlink():  # a sharded save's
-                    shutil.rmtree(candidate)
-                else:
-                    candidate.unlink()
-                removed.append(candidate)
-    return removed
 
 
 def _describe_size(path: Path) -> str:
@@ -345,13 +258,8 @@ _SAFE_LEAVES = (
 
 __all__ = [
     "SaveCancelled",
-    "atomic_link",
-    "atomic_save",
-    "atomic_target",
-    "atomic_write_json",
-    "fsync_dir",
     "load_file",
-    "remove_orphans",
     "unsafe_entries",
     "write_failure",
+    "write_file",
 ]

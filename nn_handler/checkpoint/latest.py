@@ -10,9 +10,9 @@ from loguru import logger
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manager import CheckpointManager
-from nn_handler.checkpoint.remote.folder import is_checkpoint_url
 from nn_handler.checkpoint.sharded import is_sharded, verify_sharded
-from nn_handler.checkpoint.source import Opened, open_checkpoint
+from nn_handler.checkpoint.source import Opened
+from nn_handler.checkpoint.store.urls import is_checkpoint_url, open_url
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
@@ -74,7 +74,7 @@ def open_for_resume(
     else:
         opened, problem = None, None
         try:
-            opened = open_checkpoint(path, device, options, config.store_timeout_s)
+            opened = open_url(path, device, options, config.store_timeout_s)
         except Exception as error:
             problem = error
         agree_on(comm, problem, f"loading checkpoint {path}")

@@ -14,9 +14,10 @@ Layout of ``config.dir``::
                               its "reason" is "preempted" once a run stopped on SIGTERM
 
 With a URL ``config.dir`` (an object store) this is the layout of the local working copy, and
-every change is mirrored to the store (checkpoint/store/, ObjectStore): a
-checkpoint is uploaded and committed by its manifest, then latest.json moves; the committed
-checkpoints and latest.json on the store are the ones trusted.
+every change is mirrored to the store (checkpoint/store/, ObjectStore): a checkpoint is
+uploaded and committed by its manifest, then latest.json moves; the committed checkpoints and
+latest.json on the store are the ones trusted. Every checkpoint is committed by the store
+(CheckpointStore.commit); the manager decides what to write, keep and resume.
 
 Rank 0 writes single files (every rank writes its shards of a sharded one); every rank calls
 ``write`` and raises the same CheckpointError if the write failed, so no rank trains on
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from loguru import logger
@@ -55,9 +56,6 @@ from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
 
 
 @dataclass(frozen=True)
@@ -128,11 +126,6 @@ class CheckpointManager:
         """The folder as the user named it (a URL for an object store)."""
         return self.folder.where
 
-    @property
-    def remote(self) -> RemoteFolder | None:
-        """The object store's RemoteFolder when ``config.dir`` is a URL; None for a folder."""
-        return self.folder.remote
-
     def release(self) -> None:
         """Give up the folder's lock (rank 0; the handler's close does) and wait for uploads
         still running. Idempotent."""
@@ -142,32 +135,20 @@ class CheckpointManager:
     def write(
         self, checkpoint: Mapping[str, Any] | None, path: str | Path, budget_s: float | None = None
     ) -> Path:
-        """Write ``checkpoint`` (used on rank 0 only) atomically to ``path``; every rank must
-        call this and returns once the file is complete (and, on an object store, uploaded
-        and committed, or on its way in the background). ``budget_s`` bounds the write: past
-        it the save is cancelled (the file does not appear) and CheckpointError is raised."""
-        target = write_together(self.comm, checkpoint, path, budget_s)
-        self.published(target)
-        return target
-
-    def published(self, path: Path) -> None:
-        """On an object store, upload and commit the single-file checkpoint ``path`` that rank
-        0 has just written (in the background with ``async_save``). Every rank must call this."""
-        if self.remote is None or self.sharded:
-            return
-        error: str | None = None
-        if self.comm.rank == 0:
-            try:
-                self.folder.upload(path, self.run_id)
-            except Exception as caught:  # never skip the agreement: the others wait in it
-                error = f"{type(caught).__name__}: {caught}"
-        with self.comm.patient():  # the others wait while rank 0 uploads
-            self._agree(error, path)
+        """Write ``checkpoint`` (used on rank 0 only) as the single-file checkpoint ``path``,
+        committed by the store; every rank must call this and returns once it is committed
+        (on an object store: uploaded and committed, or on its way in the background).
+        ``budget_s`` bounds the write: past it the save is cancelled (the file does not
+        appear) and CheckpointError is raised."""
+        target = Path(path)
+        staging = self.folder.staging(target)
+        commit = lambda: self.folder.commit(target, staging, self.run_id)  # noqa: E731
+        return write_together(self.comm, checkpoint, target, staging, commit, budget_s)
 
     def flush(self) -> None:
         """Wait for the uploads running in the background (rank 0's); every rank raises the
         same CheckpointError if one failed. Every rank must call this."""
-        if self.remote is None:
+        if not self.folder.uploads:
             return
         error: str | None = None
         try:
@@ -282,15 +263,14 @@ class CheckpointManager:
         the checkpoint that fell out of the top k is deleted. Every rank must call this."""
         if ranking.best:
             if source is None:
-                self.published(write(self.best_path))
-                source = self.best_path
+                source = write(self.best_path)
             else:
                 self._link(source, self.best_path)
         if ranking.top is None:
             return
         target = self.dir / ranking.top
         if source is None:
-            self.published(write(target))
+            write(target)
         else:
             self._link(source, target)
         error: str | None = None

@@ -7,13 +7,13 @@ shard, so that a damaged byte is named by the tensor it belongs to). Object keys
 the folder that holds the checkpoint: ``ckpt-e0003-s00000120.pt`` for a single file,
 ``ckpt-e0003-s00000120/__0_0.distcp`` for a file of a sharded folder.
 
-Two places hold one today, in the bytes this release writes (both read back as a Manifest):
-- ``manifest.json`` inside a sharded folder (``nn_handler.manifest`` v1: ``files``, by name
-  inside the folder, with their segments), written by checkpoint/checksumming_writer.py, which
-  checksums every DCP item as it is written (DCP stores no checksum);
-- ``<name>.manifest.json`` beside a checkpoint on an object store (``nn_handler.remote-manifest``
-  v1: ``objects`` with their whole CRC-32, and the run), written by its commit
-  (checkpoint/remote/commit.py).
+One format is written (``nn_handler.manifest`` v2: the checkpoint's name, the run, and its
+``objects``), by the store that commits the checkpoint, in one of two places: ``manifest.json``
+inside a folder on a local file system (the folder's rename commits it with its manifest), and
+``<name>.manifest.json`` beside the checkpoint on an object store (written last: nothing there
+renames). Two earlier formats still load as the same Manifest: ``nn_handler.manifest`` v1
+(``manifest.json`` inside a sharded folder, ``files`` by name inside it) and
+``nn_handler.remote-manifest`` v1 (an object store's, before segments were kept there).
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from nn_handler.checkpoint.checksum import mapped, span_crc32
-from nn_handler.checkpoint.io import atomic_write_json
 from nn_handler.errors import CheckpointError
 
-#: A sharded folder's manifest file.
+#: A local folder's manifest file.
 MANIFEST = "manifest.json"
 #: The suffix of a checkpoint's manifest beside it on an object store.
 SUFFIX = ".manifest.json"
-_FOLDER_FORMAT = "nn_handler.manifest"
-_STORE_FORMAT = "nn_handler.remote-manifest"
-_VERSION = 1
+_FORMAT = "nn_handler.manifest"  # v1: a folder's ``files``; v2: ``objects``, written now
+_STORE_FORMAT_V1 = "nn_handler.remote-manifest"
+_VERSION = 2
 
 #: A part of an object: [offset, length, CRC-32, what it holds ('' when nothing to name)].
 Segment = list[Any]
@@ -60,29 +58,30 @@ class Manifest:
     run: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    # ----------------------------------------------------------------- an object store's
     def to_bytes(self) -> bytes:
-        """``<name>.manifest.json`` on an object store."""
-        data = {"format": _STORE_FORMAT, "version": _VERSION, "checkpoint": self.name,
+        """The manifest as it is written, in either place."""
+        data = {"format": _FORMAT, "version": _VERSION, "checkpoint": self.name,
                 "run": self.run, "objects": self.objects, **self.extra}  # fmt: skip
         return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
-        """A checkpoint's manifest as an object store holds it; ``where`` names it in errors.
-        Every key must be the checkpoint or a plain file in it."""
+        """A checkpoint's manifest (v2, or an object store's v1); ``where`` names it in
+        errors. Every key must be the checkpoint or a plain file in it."""
         try:
             loaded = json.loads(data)
             objects = loaded["objects"]
-            ok = loaded.get("format") == _STORE_FORMAT and isinstance(objects, dict)
-            entries = {str(k): _entry(v, whole=True) for k, v in objects.items()} if ok else {}
+            kind = (loaded.get("format"), int(loaded.get("version", 0)))
+            v1 = kind[0] == _STORE_FORMAT_V1
+            ok = (v1 or (kind[0] == _FORMAT and kind[1] >= 2)) and isinstance(objects, dict)
+            entries = {str(k): _entry(v, whole=v1) for k, v in objects.items()} if ok else {}
         except (ValueError, KeyError, TypeError) as error:
             raise CheckpointError(
                 f"{where} is not a readable checkpoint manifest: {error}"
             ) from None
         if not ok:
             raise CheckpointError(f"{where} is not an nn_handler checkpoint manifest.")
-        if int(loaded.get("version", 0)) > _VERSION:
+        if kind[1] > (1 if v1 else _VERSION):
             raise CheckpointError(f"{where} has a newer format; upgrade nn_handler to read it.")
         name, run = loaded.get("checkpoint"), loaded.get("run")
         _check_keys(name, entries, where)
@@ -129,30 +128,14 @@ def _check_keys(name: object, objects: dict[str, Entry], where: str) -> None:
         )
 
 
-def write_manifest(folder: Path, shards: dict[str, Entry]) -> Path:
-    """Write ``folder/manifest.json``: ``shards`` (each shard file's size and segments) and a
-    whole-file CRC-32 of every other file already in the folder (the index, trainer.pt)."""
-    files = {name: shards[name] for name in sorted(shards)}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name not in files and path.name != MANIFEST:
-            size = path.stat().st_size
-            with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
-                files[path.name] = {
-                    "size": size,
-                    "segments": [[0, size, span_crc32(view, 0, size), ""]],
-                }
-    for entry in files.values():
-        entry.get("segments", []).sort()
-    manifest = {"format": _FOLDER_FORMAT, "version": _VERSION, "files": files}
-    return atomic_write_json(manifest, folder / MANIFEST)
-
-
 def read_manifest(folder: Path) -> Manifest | None:
-    """The manifest of the sharded folder ``folder`` (None when it has none); CheckpointError
-    when it is unreadable, not ours or newer than this release."""
+    """The manifest inside the local folder ``folder`` (None when it has none); a
+    CheckpointError when it is unreadable, not ours or newer than this release."""
     path = folder / MANIFEST
+    where = f"checkpoint {folder}: {MANIFEST}"
     try:
-        manifest = json.loads(path.read_text())
+        data = path.read_bytes()
+        manifest = json.loads(data)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
@@ -160,21 +143,21 @@ def read_manifest(folder: Path) -> Manifest | None:
             f"checkpoint {folder}: its {MANIFEST} is unreadable ({type(error).__name__}: "
             f"{error}); use an earlier checkpoint."
         ) from error
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != _FOLDER_FORMAT:
-        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not an nn_handler manifest.")
-    if int(manifest.get("version", 0)) > _VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise CheckpointError(f"{where} is not an nn_handler manifest.")
+    version = manifest.get("version", 0)
+    if not isinstance(version, int) or version > _VERSION:
         raise CheckpointError(
-            f"checkpoint {folder}: {MANIFEST} has format version {manifest['version']}; "
-            f"upgrade nn_handler to verify it."
+            f"{where} has format version {version}; upgrade nn_handler to verify it."
         )
+    if version >= 2:
+        return Manifest.from_bytes(data, where)
+    files: Any = manifest.get("files")
     try:
         objects = {f"{folder.name}/{k}": _entry(v, whole=False) for k, v in files.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(
-            f"checkpoint {folder}: {MANIFEST} is not a readable manifest ({error})."
-        ) from None
-    _check_keys(folder.name, objects, f"checkpoint {folder}: {MANIFEST}")
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{where} is not a readable manifest ({error}).") from None
+    _check_keys(folder.name, objects, where)
     return Manifest(folder.name, objects)
 
 
@@ -191,5 +174,4 @@ __all__ = [
     "Segment",
     "manifest_name",
     "read_manifest",
-    "write_manifest",
 ]

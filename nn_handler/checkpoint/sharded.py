@@ -10,11 +10,13 @@ Layout::
         __0_0.distcp    each rank's shards of the sharded parts (model, optimizers, EMA)
         .metadata       DCP's index of the shards, once every rank has written
         manifest.json   the size and CRC-32 checksums of every file and every item in the
-                        shards (checkpoint/manifest.py), written last
+                        shards (checkpoint/manifest.py), written by the store's commit
 
-The folder is written as ``.ckpt-e0003-s00000120.tmp-sharded`` and committed by one rename on
-rank 0 after every rank has finished, so a kill at any moment leaves the previous checkpoint
-the newest complete one (the CheckpointManager removes the staging folder at the next start).
+Every rank writes into the store's staging folder (``.ckpt-e0003-s00000120.tmp-sharded``) and
+hands its files to the store (``put``: an object store uploads them); once every rank has,
+rank 0 has the store commit the folder (a local one by its manifest and one rename, an object
+store by its manifest beside it), so a kill at any moment leaves the previous checkpoint the
+newest complete one. The writer knows nothing of object stores.
 DCP reshards on load: a folder written by W ranks loads on W' ranks, under FSDP2, DDP or in
 one process. Loading reads the index and the shards' values without running code
 (checkpoint/safe_dcp.py) and only after every file was checked against the manifest
@@ -37,13 +39,7 @@ import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
-from nn_handler.checkpoint.folder_commit import (
-    commit_folder,
-    link_tree,
-    remove_tree,
-    staging_path,
-)
-from nn_handler.checkpoint.io import atomic_save, load_file
+from nn_handler.checkpoint.io import load_file, write_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded_errors import (
@@ -92,23 +88,30 @@ class FolderStore(Protocol):
     @property
     def uploads(self) -> bool: ...
 
+    def staging(self, target: Path, folder: bool = False) -> Path: ...
+
     def prepare(self, name: str) -> None: ...
 
-    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]: ...
+    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]: ...
 
-    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None: ...
+    def commit(
+        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
+    ) -> None: ...
 
 
 @dataclass
-class _Pending:
-    future: Future[Any]
+class _Save:
+    """One save: where it goes and what commits it."""
+
     staging: Path
     target: Path
+    store: FolderStore
+    writer: Any
+    run: str | None
     then: Callable[[Path], None] | None
-    #: This rank's upload to the object store, once the files are written (None: no store).
-    uploaded: Future[dict[str, Any]] | None = None
-    run: str | None = None
-    store: FolderStore | None = None
+    #: The DCP write (None: it already finished) and this rank's puts once it has.
+    written: Future[Any] | None = None
+    put: Future[dict[str, Entry]] | None = None
 
 
 class ShardedWriter:
@@ -116,21 +119,17 @@ class ShardedWriter:
 
     ``group`` returns the process group DCP's collectives use (the strategy's
     ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
-    save returns once every rank has copied its state; the files are written in a background
-    thread, and the next ``save`` or ``wait`` waits for it and commits it.
-
-    A save given a ``store`` that uploads (an object store) has every rank put the files it
-    wrote there (in the background too, for an asynchronous save) and rank 0 commit the folder
-    once every rank's upload finished (FolderStore.put and commit), before ``then`` runs;
-    the writer holds no store of its own.
+    save returns once every rank has copied its state; the files are written (and put in the
+    store) in background threads, and the next ``save`` or ``wait`` waits for them and has the
+    store commit the folder.
     """
 
     def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
         self.comm = comm
         self._group = group
-        self._pending: _Pending | None = None
+        self._pending: _Save | None = None
         self._stager = CachedStager()
-        self._uploads: ThreadPoolExecutor | None = None  # made at the first upload
+        self._puts: ThreadPoolExecutor | None = None  # made at the first asynchronous put
 
     @property
     def pending(self) -> Path | None:
@@ -142,103 +141,83 @@ class ShardedWriter:
         rest: Mapping[str, Any] | None,
         shards: dict[str, Any],
         target: str | Path,
+        store: FolderStore,
         *,
         asynchronous: bool = False,
         then: Callable[[Path], None] | None = None,
-        store: FolderStore | None = None,
     ) -> Path:
-        """Write the folder ``target``: ``rest`` (used on rank 0) as its REST file and every
-        rank's ``shards`` through DCP; ``then(target)`` runs on rank 0 once it is committed
-        (a failure in it fails the save); ``store``: where it is committed too, when that
-        store uploads (the same on every rank). Every rank must call this; all raise the same
-        CheckpointError if any failed. Asynchronous: returns once the state is staged."""
+        """Write the folder ``target`` for ``store`` to commit: ``rest`` (used on rank 0) as
+        its REST file and every rank's ``shards`` through DCP; ``then(target)`` runs on rank
+        0 once it is committed (a failure in it fails the save). Every rank must call this;
+        all raise the same CheckpointError if any failed. Asynchronous: returns once the
+        state is staged."""
         self.wait()
         target = Path(target)
-        staging = staging_path(target)
-        store = store if store is not None and store.uploads else None
-        error = _prepare(staging, rest, store, target.name) if self.comm.rank == 0 else None
-        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank uploads
+        staging = store.staging(target, folder=True)
+        error = _prepare(staging, rest, store, target) if self.comm.rank == 0 else None
+        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank puts
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
-        writer = _writer(staging)
-        run = _run_of(rest)
+        save = _Save(staging, target, store, _writer(staging), _run_of(rest), then)
         if asynchronous:
             try:
-                future = dcp_async_save(shards, writer, {**options, "async_stager": self._stager})
+                save.written = dcp_async_save(
+                    shards, save.writer, {**options, "async_stager": self._stager}
+                )
             except dcp_errors() as caught:
                 error = save_failure(caught, target, shards)
             agree_on(self.comm, error, f"staging checkpoint {target}")
-            uploaded = None
-            if store is not None:
-                if self._uploads is None:
-                    self._uploads = ThreadPoolExecutor(1, "nn_handler-upload")
-                uploaded = self._uploads.submit(
-                    self._upload, writer, staging, target, future, store
-                )
-            self._pending = _Pending(future, staging, target, then, uploaded, run, store)
+            if store.uploads:
+                if self._puts is None:
+                    self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
+                save.put = self._puts.submit(self._put, save)
+            self._pending = save
             return target
         try:
-            dcp_save(shards, writer, options)
+            dcp_save(shards, save.writer, options)
         except dcp_errors() as caught:
             error = save_failure(caught, target, shards)
-        objects: dict[str, Any] = {}
-        if error is None and store is not None:
-            try:
-                objects = self._upload(writer, staging, target, None, store)
-            except Exception as caught:  # never skip the agreement below: the others wait in it
-                error = f"{type(caught).__name__}: {caught}"
-        what = f"writing checkpoint {target}"
-        self._finish(staging, target, then, error, objects, run, what, store)
+        self._finish(save, error, f"writing checkpoint {target}")
         return target
 
-    def _upload(
-        self,
-        writer: Any,
-        staging: Path,
-        target: Path,
-        written: Future[Any] | None,
-        store: FolderStore,
-    ) -> dict[str, Any]:
-        """This rank's files of the folder, put in ``store`` as ``target``'s (after
-        ``written``)."""
-        if written is not None:
-            written.result()
-        names = list(getattr(writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
-        return store.put(staging, [staging / n for n in names], target.name)
+    def _put(self, save: _Save) -> dict[str, Entry]:
+        """This rank's files of the folder, put in its store (after they are written)."""
+        if save.written is not None:
+            save.written.result()
+        names = list(getattr(save.writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
+        return save.store.put(save.staging, [save.staging / n for n in names], save.target.name)
 
-    def _finish(
-        self,
-        staging: Path,
-        target: Path,
-        then: Callable[[Path], None] | None,
-        error: str | None,
-        objects: dict[str, Any],
-        run: str | None,
-        what: str,
-        store: FolderStore | None,
-    ) -> None:
-        """Every rank: agree on the writes (and uploads), then rank 0 commits the folder (in
-        the uploading ``store`` too, with every rank's objects) and runs ``then``."""
-        if store is not None:
-            remote = store  # named for the closure below (mypy keeps the narrowing)
+    def _finish(self, save: _Save, error: str | None, what: str) -> None:
+        """Every rank: put its files (unless done in the background) and agree on the writes
+        and puts; then rank 0 has the store commit the folder, with every rank's entries,
+        and runs ``then``."""
+        store, target = save.store, save.target
+        objects: dict[str, Entry] = {}
+        if store.uploads:
+            try:
+                if error is None:
+                    objects = save.put.result() if save.put is not None else self._put(save)
+            except Exception as caught:  # never skip the agreement below: the others wait in it
+                error = error or f"{type(caught).__name__}: {caught}"
             with self.comm.patient():  # ranks upload at their own pace
-                agree_on(self.comm, error, f"uploading checkpoint {target} to {remote.where}")
-            every = (
-                self.comm.gather_object(objects, dst=0) if self.comm.world_size > 1 else [objects]
-            )
-            merged = {key: entry for part in every or [] for key, entry in part.items()}
-
-            def committed(done: Path) -> None:
-                remote.commit(done.name, merged, run)
-                if then is not None:
-                    then(done)
-
-            error = commit_folder(staging, target, committed) if self.comm.rank == 0 else None
-        elif error is None and self.comm.rank == 0:
-            error = commit_folder(staging, target, then)
+                agree_on(self.comm, error, f"uploading checkpoint {target} to {store.where}")
+        every = [objects]
+        if store.uploads and self.comm.world_size > 1:
+            every = self.comm.gather_object(objects, dst=0) or []
+        if error is None and self.comm.rank == 0:
+            merged = {key: entry for part in every for key, entry in part.items()}
+            for name, entry in getattr(save.writer, "files", {}).items():
+                key = f"{target.name}/{name}"
+                merged[key] = {**merged.get(key, {}), **entry}  # type: ignore[typeddict-item]
+            try:
+                store.commit(target, save.staging, save.run, merged)
+                if save.then is not None:
+                    save.then(target)
+            except Exception as caught:
+                error = f"{type(caught).__name__}: {caught}"
         agree_on(self.comm, error, what)
-        if store is not None and self.comm.rank != 0:
-            _drop_own(staging, objects)
+        if store.uploads and self.comm.rank != 0:
+            _drop_own(save.staging, objects)
 
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and commit it; returns its folder.
@@ -248,26 +227,11 @@ class ShardedWriter:
             return None
         error: str | None = None
         try:
-            pending.future.result()
+            if pending.written is not None:
+                pending.written.result()
         except dcp_errors() as caught:
             error = save_failure(caught, pending.target, None)
-        objects: dict[str, Any] = {}
-        if pending.uploaded is not None:
-            try:
-                objects = pending.uploaded.result()
-            except Exception as caught:  # the write's own failure is said above
-                error = error or str(caught)
-        what = f"writing checkpoint {pending.target} (in the background)"
-        self._finish(
-            pending.staging,
-            pending.target,
-            pending.then,
-            error,
-            objects,
-            pending.run,
-            what,
-            pending.store,
-        )
+        self._finish(pending, error, f"writing checkpoint {pending.target} (in the background)")
         return pending.target
 
 
@@ -371,19 +335,18 @@ def _writer(staging: Path) -> Any:
 
 
 def _prepare(
-    staging: Path, rest: Mapping[str, Any] | None, store: FolderStore | None, name: str
+    staging: Path, rest: Mapping[str, Any] | None, store: FolderStore, target: Path
 ) -> str | None:
-    """Rank 0: an empty staging folder holding the REST file; on a store, no manifest left
-    for ``name`` (RemoteFolder.invalidate)."""
+    """Rank 0: an empty staging folder holding the REST file; no commit of ``target`` left
+    to vouch for it (FolderStore.prepare)."""
     if rest is None:
         return "no checkpoint contents were given on rank 0"
     try:
-        if store is not None:
-            store.prepare(name)
+        store.prepare(target.name)
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        atomic_save({**rest, CHECKSUMS: MANIFEST}, staging / REST)  # written last by the writer
+        write_file({**rest, CHECKSUMS: MANIFEST}, staging / REST, name=target / REST)
     except Exception as caught:
         return f"{type(caught).__name__}: {caught}"
     return None
@@ -397,10 +360,7 @@ __all__ = [
     "SHARDED",
     "ShardedWriter",
     "is_sharded",
-    "link_tree",
     "load_shards",
     "read_rest",
-    "remove_tree",
-    "staging_path",
     "verify_sharded",
 ]

@@ -1,17 +1,18 @@
-"""Writing one checkpoint file: rank 0 writes it atomically (within a budget, when given) and
-every rank learns the outcome, so no rank trains on believing a checkpoint exists."""
+"""Writing one checkpoint file: rank 0 writes it into its staging path (within a budget, when
+given), its store commits it, and every rank learns the outcome, so no rank trains on
+believing a checkpoint exists. The writer knows nothing of where the file goes after."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.io import atomic_save, unsafe_entries
+from nn_handler.checkpoint.io import unsafe_entries, write_file
 from nn_handler.distributed.communicator import Communicator
 
 #: Seconds a cancelled save gets to stop and remove its temporary file.
@@ -21,20 +22,29 @@ CANCEL_GRACE_S = 10.0
 def write_together(
     comm: Communicator,
     checkpoint: Mapping[str, Any] | None,
-    path: str | Path,
+    target: Path,
+    staging: Path,
+    commit: Callable[[], None],
     budget_s: float | None = None,
 ) -> Path:
-    """Rank 0 writes ``checkpoint`` atomically to ``path``; every rank must call this and
-    returns once the file is complete, or raises the same CheckpointError."""
-    target = Path(path)
-    error = _write_on_main(checkpoint, target, budget_s) if comm.rank == 0 else None
+    """Rank 0 writes ``checkpoint`` into ``staging``, then ``commit()`` makes it the checkpoint
+    ``target`` (its store's commit); every rank must call this and returns once it is
+    committed, or raises the same CheckpointError."""
+    error = None
+    if comm.rank == 0:
+        error = _write_on_main(checkpoint, target, staging, budget_s)
+        if error is None:
+            try:
+                commit()
+            except Exception as caught:  # never skip the agreement: the others wait in it
+                error = f"{type(caught).__name__}: {caught}"
     with comm.patient():  # the others wait while rank 0 writes (minutes for a large model)
         agree_on(comm, error, f"writing checkpoint {target}")
     return target
 
 
 def _write_on_main(
-    checkpoint: Mapping[str, Any] | None, target: Path, budget_s: float | None
+    checkpoint: Mapping[str, Any] | None, target: Path, staging: Path, budget_s: float | None
 ) -> str | None:
     if checkpoint is None:
         return "no checkpoint contents were given on rank 0"
@@ -46,9 +56,10 @@ def _write_on_main(
             target,
             ", ".join(unsafe[:5]),
         )
+    staging.parent.mkdir(parents=True, exist_ok=True)
     if budget_s is None:
         try:
-            atomic_save(dict(checkpoint), target)
+            write_file(dict(checkpoint), staging, name=target)
         except Exception as error:
             return f"{type(error).__name__}: {error}"
         return None
@@ -57,13 +68,13 @@ def _write_on_main(
 
     def save() -> None:
         try:
-            atomic_save(dict(checkpoint), target, cancel)
+            write_file(dict(checkpoint), staging, cancel, name=target)
             outcome.append(None)
         except Exception as error:
             outcome.append(f"{type(error).__name__}: {error}")
 
     # Past the budget the writer is cancelled: it stops at its next write (at most a few MB
-    # later), removes its temporary file and never commits the target. It is joined before
+    # later) and removes its staging file, which is never committed. It is joined before
     # this returns, so no thread is left inside torch.save when the process exits (a thread
     # still in torch's C++ writer at exit aborts the process with SIGABRT, status 134).
     writer = threading.Thread(target=save, name="nn_handler-checkpoint", daemon=True)
@@ -72,7 +83,7 @@ def _write_on_main(
     if writer.is_alive():
         cancel.set()
         writer.join(CANCEL_GRACE_S)
-        if outcome and outcome[0] is None:  # it committed just before the cancel landed
+        if outcome and outcome[0] is None:  # it finished just before the cancel landed
             return None
         if writer.is_alive():
             logger.warning(

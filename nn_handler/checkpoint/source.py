@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -10,7 +9,6 @@ import torch
 
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.sharded import is_sharded, read_rest
-from nn_handler.config.checkpoint import is_url
 
 
 class Opened(NamedTuple):
@@ -37,24 +35,13 @@ class Opened(NamedTuple):
 def open_checkpoint(
     path: str | Path,
     map_location: torch.device | str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    timeout_s: float | None = None,
     where: str | None = None,
     verified: bool = False,
 ) -> Opened:
-    """Read the checkpoint at ``path`` (a file, or a committed sharded folder; a URL: one
-    committed on an object store, or the latest of a folder there, downloaded and checked
-    first); raises CheckpointError when it cannot be read. ``where``: where a local ``path``
-    lives (an object store's copy: its URL); ``verified``: its bytes were checked as they
-    were fetched, so reading does not checksum them again."""
-    if is_url(path):
-        from nn_handler.checkpoint.remote.folder import fetch_url
-        from nn_handler.checkpoint.remote.store import DEFAULT_TIMEOUT_S
-
-        path, where = fetch_url(
-            str(path), storage_options, timeout_s=timeout_s or DEFAULT_TIMEOUT_S
-        )
-        verified = True
+    """Read the local checkpoint at ``path`` (a file, or a committed sharded folder); raises
+    CheckpointError when it cannot be read. ``where``: where it lives (an object store's
+    copy: its URL); ``verified``: its bytes were checked as they were fetched, so reading
+    does not checksum them again. (A URL: checkpoint/store/urls.py ``open_url``.)"""
     target = Path(path)
     where = where or str(target)
     if is_sharded(target):

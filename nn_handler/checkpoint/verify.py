@@ -1,21 +1,29 @@
-"""The one verifier: a checkpoint's objects against its manifest (checkpoint/manifest.py).
+"""The one verifier: the only code that computes a checkpoint's checksums (with the helpers of
+checkpoint/checksum.py) and compares them with the ones recorded.
 
-``check_object`` checks a local file (its size, then the CRC-32 of the whole and of each
-segment, memory-mapped); ``check_arrived`` checks an object's bytes as they were downloaded
-(their size and CRC-32, computed on the way: never read back). ``verify_files`` checks a
-sharded folder, each rank a share of its files; a folder without a manifest (written before
-checksums) gets structural checks only: its index reads safely and every file it names is
-there and long enough. Every failure is a CheckpointError naming the checkpoint, the object,
-the bytes and what they hold. (A single file written by ``torch.save`` carries its records'
-CRC-32s in its zip directory instead: checkpoint/integrity.py.)
+``entry_of`` records a file for a manifest (its size and CRC-32, once, when it is committed or
+uploaded; the DCP writer's items are recorded by ``item_entries`` as they are written).
+``check_object`` checks a local file against its manifest entry (its size, then the CRC-32 of
+the whole and of each segment, memory-mapped); an ``Arrival`` checks an object's bytes as they
+are downloaded (never read back). ``verify_files`` checks a sharded folder, each rank a share
+of its files; a folder without a manifest (written before checksums) gets structural checks
+only: its index reads safely and every file it names is there and long enough. A single file
+is checked against the CRC-32s torch.save stored in its zip directory (``verify_records``,
+beside torch.load). Every failure is a CheckpointError naming the checkpoint, the object, the
+bytes and what they hold.
 """
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from nn_handler.checkpoint.checksum import Crc32, file_crc32, mapped, span_crc32
+import torch
+
+from nn_handler.checkpoint.checksum import Crc32, crc32, file_crc32, mapped, span_crc32
+from nn_handler.checkpoint.integrity import BadRecord, data_start, tensors_of
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, read_manifest
 from nn_handler.errors import CheckpointError
 
@@ -68,14 +76,76 @@ def matches(path: Path, entry: Entry) -> bool:
     return True
 
 
-def check_arrived(arrived: Crc32, entry: Entry, checkpoint: str, key: str) -> None:
-    """The bytes of the object ``key`` as they arrived match its ``entry``."""
-    if arrived.size != entry["size"] or arrived.value != entry.get("crc32", arrived.value):
-        raise CheckpointError(
-            f"checkpoint {checkpoint} is corrupt: the object {key} has {arrived.size} bytes "
-            f"with CRC-32 {arrived.value:08x}, its manifest records {entry['size']} bytes with "
-            f"{entry.get('crc32', 0):08x}. Its bytes changed after it was written; {_EARLIER}"
-        )
+def entry_of(path: Path) -> Entry:
+    """What a manifest records of the file ``path``: its size and CRC-32."""
+    return {"size": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+def item_entries(path: Path, items: list[tuple[int, int, str]]) -> tuple[int, list[Any]]:
+    """The size of the file ``path`` and a manifest segment (offset, length, CRC-32, label)
+    for each of its ``items`` (offset, length, label): a DCP shard's tensors."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle, mapped(handle.fileno(), size) as view:
+        return size, [[o, n, span_crc32(view, o, n), label] for o, n, label in items]
+
+
+class Arrival:
+    """The object ``key`` of ``checkpoint``, checked against its ``entry`` as its bytes
+    arrive (``update`` each chunk, then ``check``)."""
+
+    def __init__(self, entry: Entry, checkpoint: str, key: str) -> None:
+        self.entry, self.checkpoint, self.key = entry, checkpoint, key
+        self._crc = Crc32()
+
+    def update(self, chunk: bytes) -> None:
+        self._crc.update(chunk)
+
+    def check(self) -> None:
+        size, value, entry = self._crc.size, self._crc.value, self.entry
+        if size != entry["size"] or value != entry.get("crc32", value):
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint} is corrupt: the object {self.key} has {size} "
+                f"bytes with CRC-32 {value:08x}, its manifest records {entry['size']} bytes "
+                f"with {entry.get('crc32', 0):08x}. Its bytes changed after it was written; "
+                f"{_EARLIER}"
+            )
+
+
+def verify_records(path: Path) -> BadRecord | None:
+    """The first record of the torch zip file ``path`` whose bytes do not match its stored
+    CRC-32, or None when all match (or the file has no checksums: a legacy, non-zip file or
+    one saved with ``torch.serialization.set_crc32_options(False)``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError):
+        return None  # not a zip: torch.load reports what is wrong with it
+    if not records or all(r.CRC == 0 for r in records if r.file_size):
+        return None
+    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
+        for record in records:
+            if record.compress_type != zipfile.ZIP_STORED:
+                continue  # torch stores; anything else is not ours to check here
+            start = data_start(view, record.header_offset)
+            if start is None or start + record.file_size > len(view):
+                return BadRecord(record.filename, record.file_size, record.CRC, 0)
+            actual = span_crc32(view, start, record.file_size)
+            if actual != record.CRC:
+                return BadRecord(record.filename, record.file_size, record.CRC, actual)
+    return None
+
+
+def entry_of_record(obj: Any, bad: BadRecord) -> str | None:
+    """The key path (``model.0.weight``) of the tensor in the loaded ``obj`` whose storage
+    holds the bytes of ``bad`` (found by size and the CRC-32 of what was read), or None."""
+    for key, tensor in tensors_of(obj, ""):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() != bad.size:
+            continue
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage).cpu()
+        if crc32(raw.numpy().tobytes()) == bad.actual:
+            return key
+    return None
 
 
 def share(names: Iterable[str], rank: int, world: int) -> list[str]:
@@ -146,8 +216,12 @@ def _check_structure(folder: Path) -> None:
 
 
 __all__ = [
-    "check_arrived",
+    "Arrival",
     "check_object",
+    "entry_of",
+    "entry_of_record",
+    "item_entries",
+    "verify_records",
     "matches",
     "share",
     "verify_files",

@@ -18,7 +18,6 @@ from torch.distributed import ProcessGroup
 from nn_handler.checkpoint.latest import open_for_resume
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
 from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
-from nn_handler.checkpoint.remote.folder import save_to_store
 from nn_handler.checkpoint.run_identity import (
     RUN,
     differences,
@@ -34,7 +33,8 @@ from nn_handler.checkpoint.sharded import (
     verify_sharded,
 )
 from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.store import CheckpointStore
+from nn_handler.checkpoint.store import CheckpointStore, LocalStore
+from nn_handler.checkpoint.store.urls import save_to_store
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -292,15 +292,13 @@ class TrainerCheckpoints:
         uploaded and committed there). Every rank must call this."""
         if is_url(path):
             return self._save_to_store(str(path), budget_s)
-        if self.writer is None:
-            return write_together(self.comm, self.state_dict(), path, budget_s)
         self._wait_writer()
         target = Path(path)
-        # Into the run's own folder (best/, top-k): committed on its store too; elsewhere: a
-        # local folder only.
+        # Into the run's own folder (best/, top-k): committed by its store (on its object
+        # store too); elsewhere: by a local folder's.
         own = self.manager is not None and target.parent == self.manager.dir
         store = self.manager.folder if own and self.manager is not None else None
-        return self._save_sharded(self.writer, target, store=store)
+        return self._save_into(store or LocalStore(target.parent), target, budget_s)
 
     def _save_to_store(self, url: str, budget_s: float | None) -> Path:
         if self.writer is not None:
@@ -312,25 +310,33 @@ class TrainerCheckpoints:
         return save_to_store(
             self.comm,
             url,
-            lambda local: write_together(self.comm, self.state_dict(), local, budget_s),
+            lambda target, staging, commit: write_together(
+                self.comm, self.state_dict(), target, staging, commit, budget_s
+            ),
             self.run_id,
             self.config.storage_options,
             self.config.store_timeout_s,
         )
 
-    def _save_sharded(
+    def _save_into(
         self,
-        writer: ShardedWriter,
+        store: CheckpointStore,
         target: Path,
+        budget_s: float | None = None,
         *,
         asynchronous: bool = False,
         then: Callable[[Path], None] | None = None,
-        store: CheckpointStore | None = None,
     ) -> Path:
+        """The checkpoint ``target``, written for ``store`` to commit: a single file, or a
+        sharded folder by the ShardedWriter."""
+        if self.writer is None:
+            staging = store.staging(target)
+            commit = lambda: store.commit(target, staging, self.run_id)  # noqa: E731
+            return write_together(self.comm, self.state_dict(), target, staging, commit, budget_s)
         shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
         shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
         rest = self._collect(list(shards))
-        return writer.save(rest, shards, target, asynchronous=asynchronous, then=then, store=store)
+        return self.writer.save(rest, shards, target, store, asynchronous=asynchronous, then=then)
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
@@ -345,12 +351,11 @@ class TrainerCheckpoints:
             return path
         path = manager.periodic_path(epoch, step)
         asynchronous = self.config.async_save and not final
-        self._save_sharded(
-            self.writer,
+        self._save_into(
+            manager.folder,
             path,
             asynchronous=asynchronous,
             then=lambda done: manager.publish(done, epoch, step),
-            store=manager.folder,
         )
         manager.remember(path, epoch, step)
         if asynchronous:
@@ -372,7 +377,7 @@ class TrainerCheckpoints:
         is committed and told first) and upload; a wait of ``NOTED_WAIT_S`` or more is said
         in one line (rank 0): saves that overlap cost the loop that time."""
         writing = self.writer.pending if self.writer is not None else None
-        uploading = manager.remote is not None and manager.remote.busy
+        uploading = manager.folder.busy
         started = time.perf_counter()
         manager.flush()
         self._wait_writer()

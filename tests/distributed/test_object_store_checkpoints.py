@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nn_handler import HandlerConfig, NNHandler
-from nn_handler.checkpoint.remote.commit import SUFFIX
+from nn_handler.checkpoint.manifest import SUFFIX
 from tests.harness import run_group
 from tests.object_store import Bucket, s3, s3_server
 from tests.training_helpers import max_difference, mlp, regression_data
@@ -129,9 +129,8 @@ def test_every_rank_uploads_its_shards_and_rank_0_commits(runs: dict[str, Any]) 
     listing = runs["listing"]
     folder = "fsdp/ckpt-e0003-s00000015"
     assert {k for k in listing if k.startswith(f"{folder}/")} == {
-        f"{folder}/{name}"
-        for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "trainer.pt")
-    }
+        f"{folder}/{name}" for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt")
+    }  # its manifest is beside it, one format (each shard's tensors' CRC-32s in it too)
     assert f"{folder}{SUFFIX}" in listing
     assert runs["latest"]["checkpoint"] == "ckpt-e0003-s00000015"
     ddp = sorted(k for k in listing if k.startswith("ddp/") and k.endswith(SUFFIX))

@@ -64,12 +64,12 @@ def _failed_write(rank: int, folder: Path, context: Any) -> str:
     """Rank 0 cannot write: every rank raises the same CheckpointError."""
     from nn_handler.checkpoint import single_file
 
-    real = single_file.atomic_save
+    real = single_file.write_file
 
-    def disk_full(obj: Any, path: Any) -> Any:
-        raise CheckpointError(f"cannot write checkpoint {path}: [Errno 28] No space left")
+    def disk_full(obj: Any, path: Any, cancel: Any = None, name: Any = None) -> Any:
+        raise CheckpointError(f"cannot write checkpoint {name}: [Errno 28] No space left")
 
-    single_file.atomic_save = disk_full  # type: ignore[assignment]
+    single_file.write_file = disk_full  # type: ignore[assignment]
     config = HandlerConfig.from_dict(
         {"trainer": {"progress_bar": False}, "checkpoint": {"dir": str(folder)}}
     )
@@ -79,7 +79,7 @@ def _failed_write(rank: int, folder: Path, context: Any) -> str:
     except CheckpointError as error:
         return str(error)
     finally:
-        single_file.atomic_save = real  # type: ignore[assignment]
+        single_file.write_file = real  # type: ignore[assignment]
     return "no error"
 
 

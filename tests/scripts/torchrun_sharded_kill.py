@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 
 from nn_handler import HandlerConfig, NNHandler
 from nn_handler.checkpoint import sharded
+from nn_handler.checkpoint.store import local
 from tests.training_helpers import mlp, regression_data
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     if when == "before_shards":
         sharded.dcp_save = _die_on_second(sharded.dcp_save, rank=1)  # type: ignore[assignment]
     else:
-        sharded.commit_folder = _die_on_second(sharded.commit_folder, rank=0)  # type: ignore[assignment]
+        local.commit_folder = _die_on_second(local.commit_folder, rank=0)  # type: ignore[assignment]
     config = HandlerConfig.from_dict(
         {
             "loader": {"batch_size": 4, "shuffle": True, "seed": 3},

@@ -73,8 +73,8 @@ def check(url: str, scratch: Path) -> dict[str, Any]:
     import fsspec
 
     from nn_handler.checkpoint.io import load_file
-    from nn_handler.checkpoint.remote.commit import SUFFIX
-    from nn_handler.checkpoint.remote.folder import fetch_url
+    from nn_handler.checkpoint.manifest import SUFFIX
+    from nn_handler.checkpoint.store.urls import fetch_url
     from nn_handler.errors import CheckpointError
 
     outcome: dict[str, Any] = {"latest": None, "committed": 0, "broken": []}

@@ -129,7 +129,7 @@ class AnotherJobPoints(Hook):
 def test_latest_json_never_moves_back_over_another_jobs_pointer(tmp_path: Path, where: str) -> None:
     import uuid
 
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     if where == "folder":
         folder: str = str(tmp_path / "ckpt")

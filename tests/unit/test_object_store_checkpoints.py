@@ -108,7 +108,7 @@ def test_a_preemption_whose_upload_fails_names_the_local_copy(
 ) -> None:
     """The emergency checkpoint's background upload is refused: the user is told that only
     the local copy exists, and where, not a URL that holds nothing."""
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     put = RemoteStore.put
 
@@ -134,7 +134,7 @@ def test_a_preemption_whose_upload_fails_names_the_local_copy(
 def test_a_save_due_while_the_previous_upload_runs_waits_and_says_so(
     s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str]
 ) -> None:
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     put = RemoteStore.put
 
@@ -172,7 +172,7 @@ class Reads:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from nn_handler.checkpoint import checksum
-        from nn_handler.checkpoint.remote.store import RemoteStore
+        from nn_handler.checkpoint.store.remote_store import RemoteStore
 
         self.on = False
         self.fetched: list[str] = []
@@ -183,10 +183,10 @@ class Reads:
             self.checksummed += len(data) if self.on else 0
             return crc(data, value)
 
-        def counting_get(store: RemoteStore, name: str, local: Path) -> Any:
+        def counting_get(store: RemoteStore, name: str, local: Path, seen: Any) -> Any:
             if self.on:
                 self.fetched.append(name)
-            return get(store, name, local)
+            return get(store, name, local, seen)
 
         monkeypatch.setattr(checksum, "_crc32", counting_crc)
         monkeypatch.setattr(RemoteStore, "get", counting_get)
@@ -333,7 +333,7 @@ def test_inspect_and_consolidate_take_urls(
 def test_transient_errors_are_retried_and_permanent_ones_are_not(
     s3: Bucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     store = RemoteStore(f"{s3.url}/run", max_wait_s=0.05)
     real, calls = store.fs.pipe_file, []
@@ -362,7 +362,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(
 def test_a_failed_background_upload_fails_the_next_save_and_keeps_latest(
     s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     url = f"{s3.url}/run"
     run(url, machine(tmp_path, "m"), epochs=1, async_save=True)
@@ -435,7 +435,7 @@ def test_resume_takes_a_folder_url_and_picks_its_latest(s3: Bucket, tmp_path: Pa
 
 
 def test_a_missing_object_in_a_bucket_named_bucket_is_just_missing(s3: Bucket) -> None:
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     assert "bucket" in s3.name  # a missing object's error names its path, bucket included
     store = RemoteStore(f"{s3.url}/run")
@@ -455,7 +455,7 @@ def test_resume_from_a_url_whose_bucket_is_missing_names_it(s3: Bucket, tmp_path
 def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     s3: Bucket, tmp_path: Path, damage: str, lines: list[str]
 ) -> None:
-    """A rolling upgrade (a newer nn_handler's ``"version": 2`` manifest) or one bit of rot:
+    """A rolling upgrade (a newer nn_handler's ``"version": 3`` manifest) or one bit of rot:
     the next start skips that checkpoint, says so, and deletes none of its objects; only
     objects that no manifest names at all are an interrupted upload."""
     url = f"{s3.url}/run"
@@ -464,7 +464,7 @@ def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     key = f"{s3.name}/run/ckpt-e0002-s00000010.pt{SUFFIX}"
     data = fs.cat(key)
     if damage == "newer format":
-        data = data.replace(b'"version": 1', b'"version": 2')
+        data = data.replace(b'"version": 2', b'"version": 3')
     else:
         data = data.replace(b'"objects"', b'"objectz"', 1)
     fs.pipe(key, data)
@@ -615,8 +615,8 @@ def test_a_live_job_holds_its_bucket_folder_by_a_conditional_write(
 
 
 def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:
-    from nn_handler.checkpoint.remote.lock import StoreLock
-    from nn_handler.checkpoint.remote.store import RemoteStore
+    from nn_handler.checkpoint.store.remote_lease import StoreLock
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     store = RemoteStore(f"memory://{tmp_path.name}/run")
     held = StoreLock(store, lease_s=0.4)

@@ -1,6 +1,6 @@
-"""The object-store commit protocol's error paths, on fsspec's in-memory store (no server):
-manifests that are not trusted, names that do not match, URLs that name no checkpoint, schemes
-nobody installed."""
+"""The object-store commit protocol's error paths (ObjectStore), on fsspec's in-memory store (no
+server): manifests that are not trusted, names that do not match, URLs that name no
+checkpoint, schemes nobody installed."""
 
 from __future__ import annotations
 
@@ -11,45 +11,55 @@ import pytest
 import torch
 
 from nn_handler.checkpoint.manifest import SUFFIX, Manifest
-from nn_handler.checkpoint.remote import commit as protocol
-from nn_handler.checkpoint.remote.folder import RemoteFolder, fetch_url, save_to_store
-from nn_handler.checkpoint.remote.store import RemoteStore
+from nn_handler.checkpoint.store import remote_protocol as protocol
 from nn_handler.checkpoint.store.object_store import ObjectStore
+from nn_handler.checkpoint.store.remote_store import RemoteStore
+from nn_handler.checkpoint.store.urls import fetch_url, save_to_store
 from nn_handler.cli import main
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError, ConfigError
 
 
+def _commit_file(store: ObjectStore, name: str, value: torch.Tensor, run: str) -> None:
+    """Write and commit the single-file checkpoint ``name`` holding ``{"w": value}``."""
+    target = store.dir / name
+    staging = store.staging(target)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": value}, staging)
+    store.commit(target, staging, run)
+
+
+def _names(store: ObjectStore) -> list[str]:
+    store.refresh()
+    return [path.name for path in store.entries()]
+
+
 @pytest.fixture
-def folder(tmp_path: Path) -> RemoteFolder:
+def folder(tmp_path: Path) -> ObjectStore:
     """A folder on the in-memory store holding one committed checkpoint, ckpt.pt."""
-    remote = RemoteFolder(f"memory://{uuid.uuid4().hex}/run", tmp_path / "copy")
-    local = tmp_path / "ckpt.pt"
-    torch.save({"w": torch.ones(3)}, local)
-    remote.publish(local, run="r1")
-    return remote
+    store = _object_store(tmp_path)
+    _commit_file(store, "ckpt.pt", torch.ones(3), run="r1")
+    return store
 
 
-def test_a_committed_checkpoint_is_listed_with_its_run_and_fetched(
-    folder: RemoteFolder, tmp_path: Path
-) -> None:
-    assert folder.refresh().keys() == {"ckpt.pt"} and folder.owner("ckpt.pt") == "r1"
+def test_a_committed_checkpoint_is_listed_with_its_run_and_fetched(folder: ObjectStore) -> None:
+    assert _names(folder) == ["ckpt.pt"] and folder.owner(folder.dir / "ckpt.pt") == (True, "r1")
     assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.ones(3))
 
 
-def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: RemoteFolder) -> None:
+def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: ObjectStore) -> None:
     from loguru import logger
 
     messages: list[str] = []
     logger.enable("nn_handler")  # the library's lines are off unless logging is enabled
     sink = logger.add(messages.append, level="WARNING", format="{message}")
     try:
-        folder.store.write(f"torn.pt{SUFFIX}", b'{"format": "nn_handler.remote-man')
+        folder.store.write(f"torn.pt{SUFFIX}", b'{"format": "nn_handler.man')
         folder.store.write(f"other.pt{SUFFIX}", b'{"format": "something else", "objects": {}}')
         newer = Manifest("newer.pt", {"newer.pt": {"size": 1, "crc32": 0}}).to_bytes()
-        folder.store.write(f"newer.pt{SUFFIX}", newer.replace(b'"version": 1', b'"version": 9'))
-        assert sorted(folder.refresh()) == ["ckpt.pt"]
+        folder.store.write(f"newer.pt{SUFFIX}", newer.replace(b'"version": 2', b'"version": 9'))
+        assert _names(folder) == ["ckpt.pt"]
     finally:
         logger.remove(sink)
         logger.disable("nn_handler")
@@ -59,7 +69,7 @@ def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: RemoteFolder) 
     assert "newer.pt.manifest.json has a newer format; upgrade nn_handler" in text
 
 
-def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: RemoteFolder) -> None:
+def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: ObjectStore) -> None:
     data = folder.store.read(f"ckpt.pt{SUFFIX}")
     assert data is not None
     folder.store.write(f"copy.pt{SUFFIX}", data)
@@ -67,21 +77,20 @@ def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: RemoteF
         folder.fetch("copy.pt")
 
 
-def test_an_uncommitted_checkpoint_is_not_fetched(folder: RemoteFolder) -> None:
+def test_an_uncommitted_checkpoint_is_not_fetched(folder: ObjectStore) -> None:
     folder.store.write("half.pt", b"bytes of an upload killed before its manifest")
     with pytest.raises(CheckpointError, match=r"half\.pt is not committed"):
         folder.fetch("half.pt")
-    assert protocol.incomplete(
-        folder.store.listing(), folder.refresh(), lambda n: n.endswith(".pt")
-    ) == ["half.pt"]
+    known, listing = protocol.read_manifests(folder.store)
+    assert protocol.incomplete(listing, known, lambda n: n.endswith(".pt")) == ["half.pt"]
 
 
-def test_urls_that_name_no_checkpoint_are_clear_errors(folder: RemoteFolder) -> None:
+def test_urls_that_name_no_checkpoint_are_clear_errors(folder: ObjectStore) -> None:
     with pytest.raises(CheckpointError, match="no committed checkpoint at"):
-        fetch_url(f"{folder.url}/missing.pt")
+        fetch_url(f"{folder.where}/missing.pt")
     with pytest.raises(CheckpointError, match="names no checkpoint inside a folder"):
-        save_to_store(NullCommunicator(), "memory://", lambda path: path, None)
-    assert main(["checkpoint", "consolidate", f"{folder.url}/ckpt.pt", "s3://b/x.pt"]) == 1
+        save_to_store(NullCommunicator(), "memory://", lambda target, staging, commit: target, None)
+    assert main(["checkpoint", "consolidate", f"{folder.where}/ckpt.pt", "s3://b/x.pt"]) == 1
 
 
 def test_a_scheme_without_its_filesystem_is_a_config_error() -> None:
@@ -89,17 +98,18 @@ def test_a_scheme_without_its_filesystem_is_a_config_error() -> None:
         RemoteStore("nosuchscheme://bucket/run")
 
 
-def test_a_deleted_checkpoint_loses_its_manifest_first(folder: RemoteFolder) -> None:
+def test_a_deleted_checkpoint_loses_its_manifest_first(folder: ObjectStore) -> None:
     order: list[str] = []
     real = folder.store.remove
     folder.store.remove = lambda name: (order.append(name), real(name))[1]  # type: ignore[method-assign]
-    folder.remove("ckpt.pt")
+    folder.remove(folder.dir / "ckpt.pt")
     assert order == [f"ckpt.pt{SUFFIX}", "ckpt.pt"]
     assert folder.store.listing() == {}
+    assert not (folder.dir / "ckpt.pt").exists()
 
 
 def test_the_default_working_copy_stays_inside_the_cache() -> None:
-    from nn_handler.checkpoint.remote.folder import default_working_copy
+    from nn_handler.checkpoint.store.object_store import default_working_copy
 
     cache = Path("/cache")
     root = cache / "nn_handler" / "checkpoints"
@@ -110,11 +120,11 @@ def test_the_default_working_copy_stays_inside_the_cache() -> None:
     assert tricky == root / "s3_" / "bucket" / "_" / "_" / "_" / "etc"
 
 
-def test_a_copy_of_an_uncommitted_checkpoint_is_an_error(folder: RemoteFolder) -> None:
+def test_a_copy_of_an_uncommitted_checkpoint_is_an_error(folder: ObjectStore) -> None:
     with pytest.raises(CheckpointError, match=r"cannot copy memory://\w+/run/missing\.pt"):
-        folder.copy("missing.pt", "best.pt")
-    folder.copy("ckpt.pt", "best.pt")  # the folder goes on after a failure it reported
-    assert sorted(folder.refresh()) == ["best.pt", "ckpt.pt"]
+        folder.link(folder.dir / "missing.pt", folder.dir / "best.pt")
+    folder.link(folder.dir / "ckpt.pt", folder.dir / "best.pt")  # it goes on after a failure
+    assert _names(folder) == ["best.pt", "ckpt.pt"]
 
 
 class NoCredentialsError(Exception):
@@ -178,21 +188,18 @@ def _killed_before_the_commit(store: RemoteStore, manifest: Manifest) -> None:
 
 
 def test_a_checkpoint_written_again_loses_its_old_manifest_before_its_objects(
-    folder: RemoteFolder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    folder: ObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run resumed before a checkpoint that its killed predecessor committed writes that
     name anew (other bytes); killed between its upload and its commit, the old manifest must
     not vouch for the new object (the upload-kill campaign found one that did)."""
-    again = tmp_path / "again" / "ckpt.pt"
-    again.parent.mkdir()
-    torch.save({"w": torch.zeros(3)}, again)
     monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
     with pytest.raises(CheckpointError, match="killed between"):
-        folder.publish(again, run="r1")
+        _commit_file(folder, "ckpt.pt", torch.zeros(3), run="r1")
     with pytest.raises(CheckpointError, match=r"ckpt\.pt is not committed"):
         folder.fetch("ckpt.pt")
     monkeypatch.undo()
-    folder.publish(again, run="r1")  # the next save commits it
+    _commit_file(folder, "ckpt.pt", torch.zeros(3), run="r1")  # the next save commits it
     assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.zeros(3))
 
 
@@ -202,16 +209,15 @@ def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
     from nn_handler.checkpoint.sharded import ShardedWriter
 
     store = _object_store(tmp_path)
-    remote = store.remote
     writer = ShardedWriter(NullCommunicator(), lambda: None)
-    target = remote.local / "ckpt-e0000-s00000008"
-    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store=store)
-    assert remote.refresh().keys() == {target.name}
+    target = store.dir / "ckpt-e0000-s00000008"
+    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store)
+    assert _names(store) == [target.name]
     monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
     with pytest.raises(CheckpointError, match="killed between"):
-        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target, store=store)
-    assert remote.refresh() == {}  # never trusted with the new shards under the old manifest
-    remote.close()
+        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target, store)
+    assert _names(store) == []  # never trusted with the new shards under the old manifest
+    store.release()
 
 
 def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
@@ -223,20 +229,20 @@ def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
     from nn_handler.checkpoint.sharded import ShardedWriter
 
     store = _object_store(tmp_path)
-    remote = store.remote
     writer = ShardedWriter(NullCommunicator(), lambda: None)
     for step in (8, 16):
-        target = remote.local / f"ckpt-e0000-s{step:08d}"
-        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store=store)
-    remote.store.write("ckpt-e0000-s00000008/leftover", b"not in its readable manifest")
-    remote.store.write("ckpt-e0000-s00000024/__0_0.distcp", b"no manifest names it")
+        target = store.dir / f"ckpt-e0000-s{step:08d}"
+        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store)
+    store.store.write("ckpt-e0000-s00000008/leftover", b"not in its readable manifest")
+    store.store.write("ckpt-e0000-s00000024/__0_0.distcp", b"no manifest names it")
     damaged = f"ckpt-e0000-s00000016{SUFFIX}"
-    data = remote.store.read(damaged)
+    data = store.store.read(damaged)
     assert data is not None
-    remote.store.write(damaged, data[:-3])  # torn: not JSON any more
-    before = set(remote.store.listing())
-    removed = remote.start(lambda name: name.startswith("ckpt-"))
-    assert removed == ["ckpt-e0000-s00000008/leftover", "ckpt-e0000-s00000024/__0_0.distcp"]
-    assert set(remote.store.listing()) == (before | {".nn_handler.lock"}) - set(removed)
-    assert any(k.startswith("ckpt-e0000-s00000016/") for k in remote.store.listing())
-    remote.close()
+    store.store.write(damaged, data[:-3])  # torn: not JSON any more
+    before = set(store.store.listing())
+    assert store.start(lambda name: name.startswith("ckpt-")) is None
+    removed = before - set(store.store.listing())
+    assert removed == {"ckpt-e0000-s00000008/leftover", "ckpt-e0000-s00000024/__0_0.distcp"}
+    assert set(store.store.listing()) == (before | {".nn_handler.lock"}) - removed
+    assert any(k.startswith("ckpt-e0000-s00000016/") for k in store.store.listing())
+    store.release()

@@ -274,15 +274,15 @@ def test_an_emergency_save_over_budget_is_cancelled_and_never_appears(
 ) -> None:
     from nn_handler.checkpoint import single_file as writer_module
 
-    real_save = writer_module.atomic_save
+    real_save = writer_module.write_file
     waited: list[bool] = []
 
-    def slow_save(obj: Any, path: Any, cancel: Any = None) -> Any:
+    def slow_save(obj: Any, path: Any, cancel: Any = None, name: Any = None) -> Any:
         if "s00000003" in str(path):  # a write far slower than its budget
             waited.append(cancel.wait(5.0))
-        return real_save(obj, path, cancel)
+        return real_save(obj, path, cancel, name)
 
-    monkeypatch.setattr(writer_module, "atomic_save", slow_save)
+    monkeypatch.setattr(writer_module, "write_file", slow_save)
     budget = {"every_n_steps": 2, "preemption_budget_s": 0.2}
     with (
         _simple(tmp_path, hooks=[SigtermAt(3)], **budget) as h,

@@ -18,7 +18,8 @@ from nn_handler import CheckpointError, ConfigError, HandlerConfig, NNHandler
 from nn_handler.checkpoint.consolidate import consolidate
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.manager import LATEST
-from nn_handler.checkpoint.sharded import REST, is_sharded, read_rest, staging_path
+from nn_handler.checkpoint.sharded import REST, is_sharded, read_rest
+from nn_handler.checkpoint.store.files import staging_path
 from nn_handler.cli import main
 from tests.training_helpers import max_difference, mlp, regression_data, state_of
 
@@ -275,20 +276,25 @@ def test_sharded_checkpoints_of_several_ranks_need_a_process_group() -> None:
 def test_a_failed_sharded_save_is_a_checkpoint_error_and_leaves_no_folder(tmp_path: Path) -> None:
     from concurrent.futures import Future
 
-    from nn_handler.checkpoint.sharded import ShardedWriter, _Pending
+    from nn_handler.checkpoint.sharded import ShardedWriter, _Save
+    from nn_handler.checkpoint.store import LocalStore
     from nn_handler.distributed.communicator import NullCommunicator
 
     writer = ShardedWriter(NullCommunicator(), lambda: None)
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(CheckpointError, match=r"writing checkpoint .*ckpt"):
-        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, blocker / "ckpt")
+        writer.save(
+            {"format": "x"}, {"model": {"w": torch.ones(2)}}, blocker / "ckpt", LocalStore(blocker)
+        )
+    store = LocalStore(tmp_path)
     with pytest.raises(CheckpointError, match="no checkpoint contents were given on rank 0"):
-        writer.save(None, {"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+        writer.save(None, {"model": {"w": torch.ones(2)}}, tmp_path / "ckpt", store)
     failed: Future[Any] = Future()
     failed.set_exception(OSError("disk gone"))
     target = tmp_path / "late"
-    writer._pending = _Pending(failed, staging_path(target), target, None)
+    staging = store.staging(target, folder=True)
+    writer._pending = _Save(staging, target, store, None, None, None, written=failed)
     with pytest.raises(CheckpointError, match=r"\(in the background\).*OSError: disk gone"):
         writer.wait()
     assert writer.pending is None and not target.exists()

@@ -321,12 +321,13 @@ def test_an_fsdp_runs_folder_loads_in_one_process_with_the_model_as_it_is(run: P
     rest["config"]["handler"]["trainer"]["strategy"] = "fsdp"
     rest["world_size"] = 2
     torch.save(rest, folder / REST)
-    from nn_handler.checkpoint.manifest import read_manifest, write_manifest
+    from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
+    from nn_handler.checkpoint.verify import entry_of
 
     manifest = read_manifest(folder)
     assert manifest is not None
-    shards = {k: v for k, v in manifest.files().items() if k.endswith(".distcp")}
-    write_manifest(folder, shards)
+    manifest.objects[f"{manifest.name}/{REST}"] = entry_of(folder / REST)  # the edit, recorded
+    (folder / MANIFEST).write_bytes(manifest.to_bytes())
     with NNHandler.load(folder, mlp(seed=5)) as h:
         assert h.trainer.state.epoch == 2
         assert type(h.trainer.strategy).__name__ != "FSDPStrategy"

@@ -1,11 +1,14 @@
-"""Where a run's checkpoints live, behind one small interface: ``CheckpointStore``.
+"""Where a run's checkpoints live, behind one small interface: ``CheckpointStore``, the only
+code that commits a checkpoint (renames it into place or writes its manifest).
 
-Two implementations: ``LocalStore``, a folder (every change a local rename, link or deletion),
-and ``ObjectStore``, a folder of an object store seen through a local working copy (every
-change made there is mirrored to the store: a checkpoint is uploaded and committed by its
-manifest, ``latest.json`` follows; what the store has committed is what is trusted).
-``open_store`` picks one from ``checkpoint.dir``. The CheckpointManager's policy (which to
-write, keep and resume) uses either alike; nothing else asks which one it has.
+The protocol, for every checkpoint: a writer writes into ``staging(target)``; each rank hands
+its files to ``put``; rank 0 ``commit``-s once every rank's put is agreed; ``open`` reads a
+committed one, verified. Two implementations: ``LocalStore``, a folder (the commit is one
+rename, a folder's manifest written into it first: checkpoint/store/files.py), and
+``ObjectStore``, a folder of an object store seen through a local working copy (committed
+there as locally, then on the store: every object uploaded, then its manifest; what the store
+has committed is what is trusted). ``open_store`` picks one from ``checkpoint.dir``. The
+CheckpointManager's policy (which to write, keep and resume) uses either alike.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
     import torch
 
     from nn_handler.checkpoint.manifest import Entry
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
     from nn_handler.checkpoint.source import Opened
     from nn_handler.errors import CheckpointError
 
@@ -33,10 +35,6 @@ class CheckpointStore(Protocol):
 
     #: Where checkpoints are written (the folder, or an object store's working copy).
     dir: Path
-
-    @property
-    def remote(self) -> RemoteFolder | None:
-        """The object store's folder (uploads run on it), None for a local folder."""
 
     @property
     def where(self) -> str:
@@ -72,11 +70,12 @@ class CheckpointStore(Protocol):
     def write_latest(self, pointer: Mapping[str, Any]) -> None:
         """Point latest.json at ``pointer``, never backwards over another job's."""
 
-    def upload(self, path: Path, run_id: str | None) -> None:
-        """Commit the single-file checkpoint ``path`` where it must reach (a no-op locally)."""
-
     def flush(self) -> None:
         """Wait for changes running in the background; raise the first failure (any rank)."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether changes are still running in the background."""
 
     def remove(self, path: Path) -> None:
         """Delete a checkpoint."""
@@ -84,20 +83,29 @@ class CheckpointStore(Protocol):
     def link(self, source: Path, target: Path) -> None:
         """``target`` becomes the checkpoint ``source`` too."""
 
-    # A folder checkpoint every rank writes (ShardedWriter), committed where it must reach.
+    # The commit protocol.
     @property
     def uploads(self) -> bool:
         """Whether ``put`` and ``commit`` reach another place (an object store)."""
 
+    def staging(self, target: Path, folder: bool = False) -> Path:
+        """Where the checkpoint ``target`` is written before its commit (a file rank 0
+        writes, or a ``folder`` every rank writes into)."""
+
     def prepare(self, name: str) -> None:
-        """Before the checkpoint ``name`` is written anew: no old commit may vouch for it."""
+        """Rank 0, before the checkpoint ``name`` is written anew: no old commit may vouch
+        for it."""
 
-    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]:
-        """This rank's ``files`` of the folder checkpoint ``folder``, sent as ``name``'s;
-        their entries (any rank)."""
+    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]:
+        """This rank's ``files`` of the folder being written in ``staging``, sent as the
+        checkpoint ``name``'s; their manifest entries (any rank)."""
 
-    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
-        """Rank 0, once every rank's ``put`` is agreed: the checkpoint ``name`` is trusted."""
+    def commit(
+        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
+    ) -> None:
+        """Rank 0, once every rank's ``put`` is agreed: ``staging`` becomes the checkpoint
+        ``target`` of the run ``run``, trusted from now on; ``objects``: the entries already
+        known (the writer's, the puts'), the others are computed."""
 
 
 def open_store(config: CheckpointConfig) -> CheckpointStore:
@@ -106,7 +114,7 @@ def open_store(config: CheckpointConfig) -> CheckpointStore:
         from nn_handler.checkpoint.store.object_store import ObjectStore
 
         return ObjectStore(config)
-    return LocalStore(config)
+    return LocalStore(Path(str(config.dir)))
 
 
 __all__ = ["LATEST", "CheckpointStore", "LocalStore", "is_checkpoint", "open_store"]

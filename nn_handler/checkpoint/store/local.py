@@ -1,5 +1,7 @@
 """LocalStore: a run's checkpoints in a plain folder, where every change is a local rename,
-link or deletion (checkpoint/io.py, checkpoint/sharded.py commit them atomically)."""
+link or deletion (checkpoint/store/files.py). A checkpoint is written into its staging path
+and committed by one rename: a folder with its manifest written into it first, a single file
+with torch's own zip directory (every record's size and CRC-32, written last by torch.save)."""
 
 from __future__ import annotations
 
@@ -7,22 +9,29 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from loguru import logger
 
 from nn_handler.checkpoint import folder_lock
-from nn_handler.checkpoint.folder_commit import link_tree, remove_tree
-from nn_handler.checkpoint.io import atomic_link, atomic_write_json, remove_orphans
-from nn_handler.checkpoint.manifest import Entry
+from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest
+from nn_handler.checkpoint.naming import is_checkpoint_name
 from nn_handler.checkpoint.sharded import is_sharded
 from nn_handler.checkpoint.source import Opened, open_checkpoint
-from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.checkpoint.store.files import (
+    atomic_link,
+    atomic_write_bytes,
+    atomic_write_json,
+    commit_file,
+    commit_folder,
+    link_tree,
+    remove_orphans,
+    remove_tree,
+    staging_path,
+)
+from nn_handler.checkpoint.verify import entry_of
 from nn_handler.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from nn_handler.checkpoint.remote.folder import RemoteFolder
 
 LATEST = "latest.json"
 
@@ -33,19 +42,21 @@ def is_checkpoint(path: Path) -> bool:
 
 
 class LocalStore:
-    """The folder ``config.dir`` of one run's checkpoints (see CheckpointStore)."""
+    """The folder ``dir`` of one run's checkpoints (see CheckpointStore)."""
 
-    remote: RemoteFolder | None = None
+    uploads = False
 
-    def __init__(self, config: CheckpointConfig) -> None:
-        self.dir = self._folder(config)
+    @property
+    def busy(self) -> bool:
+        """Nothing runs in the background."""
+        return False
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = dir
         self._locked = False
         #: latest.json as this process last read or wrote it (rank 0): another job moving it
         #: since is told from this.
         self._seen_latest: Any = None
-
-    def _folder(self, config: CheckpointConfig) -> Path:
-        return Path(str(config.dir))
 
     @property
     def where(self) -> str:
@@ -92,7 +103,8 @@ class LocalStore:
     def entries(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        return [path for path in self.dir.iterdir() if is_checkpoint(path)]
+        found = [p for p in self.dir.iterdir() if is_checkpoint_name(p.name) and is_checkpoint(p)]
+        return sorted(found)
 
     def read_latest(self) -> Any:
         """latest.json's contents (None: there is none); raises OSError or ValueError when it
@@ -142,9 +154,6 @@ class LocalStore:
                 f"(a checkpoint folder is one job's)."
             )
 
-    def upload(self, path: Path, run_id: str | None) -> None:
-        """A file in the folder is where it must be."""
-
     def flush(self) -> None:
         """Nothing runs in the background."""
 
@@ -158,18 +167,42 @@ class LocalStore:
         else:
             atomic_link(source, target)
 
-    # ----------------------------------------------------------------- a folder checkpoint
-    uploads = False
+    # ----------------------------------------------------------------- committing
+    def staging(self, target: Path, folder: bool = False) -> Path:
+        """Where the checkpoint ``target`` (a file, or a ``folder`` every rank writes into)
+        is written before its commit."""
+        return staging_path(target, folder)
 
     def prepare(self, name: str) -> None:
-        """A folder's commit is its rename (checkpoint/sharded.py): nothing to undo before."""
+        """A local commit is a rename: nothing vouches for ``name`` before it."""
 
-    def put(self, folder: Path, files: list[Path], name: str) -> dict[str, Entry]:
+    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]:
         """The files are where they must be."""
         return {}
 
-    def commit(self, name: str, objects: dict[str, Entry], run: str | None) -> None:
-        """The rename committed it."""
+    def commit(
+        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
+    ) -> None:
+        """Rank 0: ``staging`` becomes the checkpoint ``target`` by one rename; a folder gets
+        its manifest first (``objects``: entries the writer or the uploads know, the rest
+        checksummed here)."""
+        if not staging.is_dir():
+            commit_file(staging, target)
+            return
+        manifest = folder_manifest(staging, target.name, run, objects or {})
+        atomic_write_bytes(manifest.to_bytes(), staging / MANIFEST)
+        commit_folder(staging, target)
 
 
-__all__ = ["LATEST", "LocalStore", "is_checkpoint"]
+def folder_manifest(folder: Path, name: str, run: str | None, known: dict[str, Entry]) -> Manifest:
+    """The manifest of the checkpoint ``name`` written in ``folder``: the ``known`` entries
+    (the writer's, the uploads'), and every other file of it checksummed now."""
+    objects = dict(known)
+    for path in sorted(folder.iterdir()):
+        key = f"{name}/{path.name}"
+        if path.name != MANIFEST and path.is_file() and key not in objects:
+            objects[key] = entry_of(path)
+    return Manifest(name, {key: objects[key] for key in sorted(objects)}, run)
+
+
+__all__ = ["LATEST", "LocalStore", "folder_manifest", "is_checkpoint"]

@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 import tenacity
 from loguru import logger
 
-from nn_handler.checkpoint.checksum import CHUNK, Crc32
 from nn_handler.errors import CheckpointError, ConfigError
 
 T = TypeVar("T")
+
+#: The chunk a download is read in.
+CHUNK = 8 << 20
 
 #: Errors no retry can fix: they are raised at the first attempt.
 _PERMANENT = (
@@ -188,21 +190,18 @@ class RemoteStore:
         """Upload the file ``local`` as the object ``name``."""
         self._call("upload", name, lambda: self.fs.put_file(str(local), self._key(name)))
 
-    def get(self, name: str, local: Path) -> Crc32:
-        """Download the object ``name`` into the file ``local``; returns the size and CRC-32
-        of the bytes as they arrived (each byte read once: nothing reads the file back to
-        checksum it)."""
+    def get(self, name: str, local: Path, seen: Callable[[bytes], None]) -> None:
+        """Download the object ``name`` into the file ``local``, each chunk shown to ``seen``
+        as it arrives (the verifier's checksum: nothing reads the file back)."""
         local.parent.mkdir(parents=True, exist_ok=True)
 
-        def download() -> Crc32:
-            crc = Crc32()
+        def download() -> None:
             with self.fs.open(self._key(name), "rb") as source, open(local, "wb") as target:
                 while chunk := source.read(CHUNK):
-                    crc.update(chunk)
+                    seen(chunk)
                     target.write(chunk)
-            return crc
 
-        return self._call("download", name, download)
+        self._call("download", name, download)
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the object ``name``; None when it does not exist."""

@@ -1,4 +1,5 @@
-"""The commit protocol of checkpoints on an object store, where nothing renames atomically.
+"""The commit protocol of checkpoints on an object store (ObjectStore's), where nothing renames
+atomically.
 
 A checkpoint is the object ``ckpt-e0003-s00000120.pt`` (a single file) or the objects under
 ``ckpt-e0003-s00000120/`` (a sharded folder), and it is trusted only when its manifest
@@ -26,20 +27,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from nn_handler.checkpoint.checksum import file_crc32
 from nn_handler.checkpoint.manifest import SUFFIX, Entry, Manifest, manifest_name
-from nn_handler.checkpoint.remote.store import MissingObject, RemoteStore
-from nn_handler.checkpoint.verify import check_arrived, matches
+from nn_handler.checkpoint.store.remote_store import MissingObject, RemoteStore
+from nn_handler.checkpoint.verify import Arrival, entry_of, matches
 from nn_handler.errors import CheckpointError
-
-
-def local_objects(local: Path, files: list[Path] | None = None) -> dict[str, Path]:
-    """The objects of the local checkpoint ``local`` (a file, or a folder's files; ``files``:
-    only these of the folder), by key relative to the run's folder."""
-    if local.is_file():
-        return {local.name: local}
-    chosen = files if files is not None else sorted(p for p in local.iterdir() if p.is_file())
-    return {f"{local.name}/{path.name}": path for path in chosen}
 
 
 def upload(store: RemoteStore, objects: Mapping[str, Path], workers: int) -> dict[str, Entry]:
@@ -47,7 +38,7 @@ def upload(store: RemoteStore, objects: Mapping[str, Path], workers: int) -> dic
     and CRC-32 (of the local bytes it sent). Raises the first failure as a CheckpointError."""
 
     def one(key: str, path: Path) -> tuple[str, Entry]:
-        entry: Entry = {"size": path.stat().st_size, "crc32": file_crc32(path)}
+        entry = entry_of(path)
         store.put(path, key)
         return key, entry
 
@@ -142,14 +133,15 @@ def fetch(store: RemoteStore, manifest: Manifest, local_root: Path, workers: int
         partial = path.with_name(f".{path.name}.tmp-fetch-{os.getpid()}")
         where = store.url_of(manifest.name)
         try:
+            arrival = Arrival(entry, where, key)
             try:
-                arrived = store.get(key, partial)
+                store.get(key, partial, arrival.update)
             except MissingObject:
                 raise CheckpointError(
                     f"checkpoint {where} is incomplete: the object {key} is missing (its "
                     f"manifest lists it); use an earlier checkpoint."
                 ) from None
-            check_arrived(arrived, entry, where, key)
+            arrival.check()
             os.replace(partial, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -169,7 +161,6 @@ __all__ = [
     "copy",
     "fetch",
     "incomplete",
-    "local_objects",
     "read_manifests",
     "remove",
     "upload",

@@ -23,7 +23,7 @@ from typing import Any
 from loguru import logger
 
 from nn_handler.checkpoint.folder_lock import LOCK, job_of, why_stale
-from nn_handler.checkpoint.remote.store import RemoteStore
+from nn_handler.checkpoint.store.remote_store import RemoteStore
 from nn_handler.errors import CheckpointError
 
 #: Seconds without a renewal after which a holder is taken for dead.

@@ -1,0 +1,159 @@
+"""The commit protocol's contract, run against both CheckpointStore implementations (a local
+folder and an object store, fsspec's in-memory one): a checkpoint written into the staging
+place is trusted only once committed, with one manifest format; a kill between the puts and
+the commit leaves nothing trusted and nothing behind; a changed byte is named when the
+checkpoint is opened; a manifest that cannot be read gets nothing deleted."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nn_handler.checkpoint.manifest import MANIFEST, Manifest, manifest_name, read_manifest
+from nn_handler.checkpoint.naming import is_checkpoint_name
+from nn_handler.checkpoint.sharded import ShardedWriter
+from nn_handler.checkpoint.store import CheckpointStore, LocalStore
+from nn_handler.checkpoint.store.object_store import ObjectStore
+from nn_handler.config import CheckpointConfig
+from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.errors import CheckpointError
+
+FILE, FOLDER = "ckpt-e0001-s00000005.pt", "ckpt-e0002-s00000010"
+WEIGHTS = torch.arange(4096, dtype=torch.float32)
+
+
+def _open_store(kind: str, tmp_path: Path, copy: str = "copy") -> CheckpointStore:
+    if kind == "local":
+        return LocalStore(tmp_path / "run")
+    url = f"memory://{tmp_path.name}-{uuid.uuid5(uuid.NAMESPACE_URL, str(tmp_path)).hex}/run"
+    return ObjectStore(CheckpointConfig(dir=url, staging_dir=str(tmp_path / copy)))
+
+
+@pytest.fixture(params=["local", "object store"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(kind: str, tmp_path: Path) -> Iterator[CheckpointStore]:
+    opened = _open_store(kind, tmp_path)
+    assert opened.start(is_checkpoint_name) is None
+    yield opened
+    opened.release()
+
+
+def _restart(kind: str, tmp_path: Path, old: CheckpointStore, copy: str) -> CheckpointStore:
+    """The store as the next job's rank 0 finds it (a fresh working copy for an object
+    store: another machine)."""
+    old.release()
+    fresh = _open_store(kind, tmp_path, copy)
+    assert fresh.start(is_checkpoint_name) is None
+    return fresh
+
+
+def _write_file(store: CheckpointStore, name: str = FILE, commit: bool = True) -> Path:
+    target = store.dir / name
+    staging = store.staging(target)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": WEIGHTS}, staging)
+    if commit:
+        store.commit(target, staging, "run-1")
+    return target
+
+
+def _write_folder(store: CheckpointStore) -> Path:
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    target = store.dir / FOLDER
+    return writer.save({"format": "x", "n": 1}, {"model": {"w": WEIGHTS}}, target, store)
+
+
+def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore) -> None:
+    file, folder = _write_file(store), _write_folder(store)
+    store.flush()
+    store.refresh()
+    assert [p.name for p in store.entries()] == [FILE, FOLDER]
+    assert store.exists(file) and store.exists(folder)
+    assert torch.equal(store.open(file).contents["w"], WEIGHTS)
+    opened = store.open(folder)
+    assert opened.folder is not None and opened.contents["n"] == 1
+    local = read_manifest(folder)  # one format, inside a local folder...
+    assert (local is not None and local.run == "run-1") or (local is not None and local.run is None)
+    assert set(local.files()) == {"__0_0.distcp", ".metadata", "trainer.pt"}
+    if isinstance(store, ObjectStore):  # ... and beside each checkpoint on the store
+        for name in (FILE, FOLDER):
+            data = store.store.read(manifest_name(name))
+            assert data is not None and Manifest.from_bytes(data, name).name == name
+        remote = Manifest.from_bytes(store.store.read(manifest_name(FOLDER)) or b"", FOLDER)
+        assert remote.objects == local.objects  # the same manifest in both places
+        shard = remote.objects[f"{FOLDER}/__0_0.distcp"]
+        assert "crc32" in shard and shard["segments"][0][3] == "model.w"
+        assert opened.where.startswith("memory://") and opened.verified
+
+
+def test_a_kill_between_the_puts_and_the_commit_leaves_nothing_trusted(
+    kind: str, store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_file(store, commit=False)  # written, never committed
+    monkeypatch.setattr(type(store), "commit", _killed)
+    with pytest.raises(CheckpointError, match="killed before the commit"):
+        _write_folder(store)  # every rank's files put, then killed
+    monkeypatch.undo()
+    fresh = _restart(kind, tmp_path, store, "copy-2")
+    try:
+        assert fresh.entries() == [] and not fresh.exists(fresh.dir / FOLDER)
+        left = sorted(p.name for p in fresh.dir.iterdir() if p.name.startswith("."))
+        assert left == [".nn_handler.lock"]  # the staging file and folder are gone
+        if isinstance(fresh, ObjectStore):
+            assert [k for k in fresh.store.listing() if k.startswith("ckpt")] == []
+    finally:
+        fresh.release()
+
+
+def _killed(*args: object, **kwargs: object) -> None:
+    raise CheckpointError("killed before the commit")
+
+
+def test_a_changed_byte_is_named_when_the_checkpoint_is_opened(
+    kind: str, store: CheckpointStore, tmp_path: Path
+) -> None:
+    target = _write_file(store)
+    store.flush()
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    if isinstance(store, ObjectStore):
+        store.store.write(FILE, bytes(data))  # rot on the store; a fresh machine opens it
+        store = _restart(kind, tmp_path, store, "copy-2")
+    else:
+        target.write_bytes(bytes(data))
+    try:
+        with pytest.raises(CheckpointError, match=rf"{FILE}.* is corrupt|corrupt: .*{FILE}"):
+            store.open(store.dir / FILE)
+    finally:
+        store.release()
+
+
+def test_an_unreadable_manifest_gets_nothing_deleted(
+    kind: str, store: CheckpointStore, tmp_path: Path
+) -> None:
+    folder = _write_folder(store)
+    store.flush()
+    if isinstance(store, ObjectStore):
+        before = set(store.store.listing())
+        store.store.write(manifest_name(FOLDER), b'{"format": "nn_handler.manifest", "ver')
+    else:
+        before = {p.name for p in folder.iterdir()}
+        (folder / MANIFEST).write_bytes(b'{"format": "nn_handler.manifest", "ver')
+    fresh = _restart(kind, tmp_path, store, "copy-2")
+    try:
+        if isinstance(fresh, ObjectStore):
+            assert before <= set(fresh.store.listing()) and fresh.entries() == []
+        else:
+            assert {p.name for p in folder.iterdir()} == before
+            with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable"):
+                read_manifest(folder)
+    finally:
+        fresh.release()
