@@ -31,10 +31,10 @@ from nn_handler.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
-from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.integrity import record_spans
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import LATEST, periodic_name
+from nn_handler.checkpoint.store.lease import LOCK
 from nn_handler.checkpoint.verify import verify_records
 from nn_handler.distributed.communicator import NullCommunicator
 

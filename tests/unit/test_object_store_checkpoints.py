@@ -615,11 +615,11 @@ def test_a_live_job_holds_its_bucket_folder_by_a_conditional_write(
 
 
 def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:
-    from nn_handler.checkpoint.store.remote_lease import StoreLock
+    from nn_handler.checkpoint.store.lease import Lease, ObjectLock
     from nn_handler.checkpoint.store.remote_store import RemoteStore
 
     store = RemoteStore(f"memory://{tmp_path.name}/run")
-    held = StoreLock(store, lease_s=0.4)
+    held = Lease(ObjectLock(store), store.url, lease_s=0.4)
     held.acquire({})
     first = json.loads(store.read(".nn_handler.lock") or b"{}")["time"]
     time.sleep(0.5)
@@ -627,7 +627,7 @@ def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:
     held.release()
     assert store.read(".nn_handler.lock") is None
     store.write(".nn_handler.lock", b"not json")  # no holder can be named: stale
-    taken = StoreLock(store, lease_s=0.4)
+    taken = Lease(ObjectLock(store), store.url, lease_s=0.4)
     taken.acquire({})
     assert json.loads(store.read(".nn_handler.lock") or b"{}")["pid"] == os.getpid()
     taken.release()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from nn_handler.checkpoint.folder_lock import LOCK
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.run_identity import differences, fingerprint, run_of
+from nn_handler.checkpoint.store.lease import LOCK
 from tests.forked import Script, run_script_split
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "shared_folder.py"
@@ -115,7 +115,7 @@ def test_a_live_process_on_this_host_holds_the_folder_even_with_this_jobs_id(
     """Two srun steps of one allocation (one SLURM_JOB_ID) or a reused --rdzv-id: the second
     was taken for a restart of the first, deleted its temporary files and trained into its
     folder. A live pid on this host is never a restart; a dead one's lock is taken over."""
-    from nn_handler.checkpoint import folder_lock
+    from nn_handler.checkpoint.store.lease import FileLock, Lease
     from nn_handler.errors import CheckpointError
 
     env = {job: "4242"}
@@ -125,10 +125,12 @@ def test_a_live_process_on_this_host_holds_the_folder_even_with_this_jobs_id(
                   "time": 0.0}  # fmt: skip
         (tmp_path / LOCK).write_text(json.dumps(holder))
         with pytest.raises(CheckpointError, match=rf"in use by another live job: {job}=4242"):
-            folder_lock.acquire(tmp_path, env)
+            Lease(FileLock(tmp_path), str(tmp_path)).acquire(env)
     finally:
         live.kill()
         live.wait(timeout=30)
-    folder_lock.acquire(tmp_path, env)  # its process is gone: a restart takes it over
+    lease = Lease(FileLock(tmp_path), str(tmp_path))
+    lease.acquire(env)  # its process is gone: a restart takes it over
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
-    folder_lock.release(tmp_path)
+    lease.release()
+    assert not (tmp_path / LOCK).exists()

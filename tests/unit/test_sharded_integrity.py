@@ -338,20 +338,24 @@ def test_the_folder_lock_takes_over_only_what_is_stale(tmp_path: Path) -> None:
     import json as jsonlib
     import socket
 
-    from nn_handler.checkpoint import folder_lock
+    from nn_handler.checkpoint.store.lease import LOCK, FileLock, Lease
 
-    lock = tmp_path / folder_lock.LOCK
+    def lease() -> Lease:
+        return Lease(FileLock(tmp_path), str(tmp_path))
+
+    lock = tmp_path / LOCK
     lock.write_text("{torn")  # a torn lock file: stale
-    folder_lock.acquire(tmp_path, {})
+    lease().acquire({})
     assert jsonlib.loads(lock.read_text())["pid"] == os.getpid()
     other = {"host": "node99", "pid": 4242, "job": "SLURM_JOB_ID=7", "time": 0}
     lock.write_text(jsonlib.dumps(other))  # another machine, this same job (a requeue)
-    folder_lock.acquire(tmp_path, {"SLURM_JOB_ID": "7"})
+    taken = lease()
+    taken.acquire({"SLURM_JOB_ID": "7"})
     lock.write_text(jsonlib.dumps(other))  # another machine, another job: refused
     with pytest.raises(CheckpointError, match=r"in use by another live job: SLURM_JOB_ID=7 "
                        r"\(pid 4242 on node99"):  # fmt: skip
-        folder_lock.acquire(tmp_path, {"SLURM_JOB_ID": "8"})
-    folder_lock.release(tmp_path)  # not ours: left alone
+        lease().acquire({"SLURM_JOB_ID": "8"})
+    taken.release()  # not ours any more: left alone
     assert jsonlib.loads(lock.read_text())["host"] == "node99" != socket.gethostname()
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from loguru import logger
 
-from nn_handler.checkpoint import folder_lock
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest
 from nn_handler.checkpoint.naming import is_checkpoint_name
 from nn_handler.checkpoint.sharded import is_sharded
@@ -30,6 +29,7 @@ from nn_handler.checkpoint.store.files import (
     remove_tree,
     staging_path,
 )
+from nn_handler.checkpoint.store.lease import FileLock, Lease
 from nn_handler.checkpoint.verify import entry_of
 from nn_handler.errors import CheckpointError
 
@@ -53,7 +53,7 @@ class LocalStore:
 
     def __init__(self, dir: Path) -> None:
         self.dir = dir
-        self._locked = False
+        self._lease = Lease(FileLock(dir), str(dir))
         #: latest.json as this process last read or wrote it (rank 0): another job moving it
         #: since is told from this.
         self._seen_latest: Any = None
@@ -70,8 +70,7 @@ class LocalStore:
         Returns the error."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            folder_lock.acquire(self.dir, os.environ)
-            self._locked = True
+            self._lease.acquire(os.environ)
             # Only once the folder is ours: another job's save may be in flight.
             for orphan in remove_orphans(self.dir):
                 logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
@@ -92,9 +91,7 @@ class LocalStore:
         """A plain folder is always read afresh."""
 
     def release(self) -> None:
-        if self._locked:
-            folder_lock.release(self.dir)
-            self._locked = False
+        self._lease.release()
 
     # ----------------------------------------------------------------- what is there
     def exists(self, path: Path) -> bool:

@@ -30,8 +30,8 @@ from nn_handler.checkpoint.store.files import (
     link_tree,
     remove_tree,
 )
+from nn_handler.checkpoint.store.lease import DEFAULT_LEASE_S, Lease, ObjectLock
 from nn_handler.checkpoint.store.local import LATEST, LocalStore
-from nn_handler.checkpoint.store.remote_lease import StoreLock
 from nn_handler.checkpoint.store.remote_store import RemoteStore
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.errors import CheckpointError
@@ -55,7 +55,7 @@ class ObjectStore(LocalStore):
         self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
-        self._lease: StoreLock | None = None  # rank 0's (``start``)
+        self._store_lease = Lease(ObjectLock(self.store), self.store.url, DEFAULT_LEASE_S)
 
     @property
     def where(self) -> str:
@@ -69,8 +69,7 @@ class ObjectStore(LocalStore):
         missing bucket or refused credentials), take its lease (one live job per folder),
         read its committed checkpoints and delete the objects of incomplete ones."""
         self.store.check()
-        self._lease = StoreLock(self.store)
-        self._lease.acquire(os.environ)  # before deleting anything: no other job uploads here
+        self._store_lease.acquire(os.environ)  # before deleting: no other job uploads here
         self._known, listing = protocol.read_manifests(self.store, _warn)
         for stale in protocol.incomplete(listing, self._known, is_checkpoint_name):
             self.store.remove(stale)
@@ -91,9 +90,7 @@ class ObjectStore(LocalStore):
             logger.error("the last checkpoint upload to {} failed: {}", self.where, error)
         finally:
             self._thread.shutdown(wait=True)
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
+            self._store_lease.release()
         super().release()
 
     # ----------------------------------------------------------------- what is there
