@@ -50,7 +50,9 @@ from torch.utils.data import TensorDataset
 
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.checkpoint import sharded as sharded_io
-from nn_handler.checkpoint.manager import write_together
+from nn_handler.checkpoint.single_file import write_together
+from nn_handler.checkpoint.store import LocalStore
+from nn_handler.checkpoint.store import local as local_store
 
 #: glibc's threshold above which an allocation is its own mmap (returned to the system when
 #: freed). By default it grows to the size of any such block once freed, after which blocks of
@@ -168,18 +170,23 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
     sharded, single = folder / "sharded", folder / "single.pt"
     unchecked = folder / "unchecked"
 
-    def save_file() -> None:
-        write_together(trainer.comm, trainer.state_dict(), single)
+    store = LocalStore(folder)
 
-    def save_unchecked() -> None:  # DCP's own writer: no checksums, no manifest
+    def save_file() -> None:
+        staging = store.staging(single)
+        commit = lambda: store.commit(single, staging, None)  # noqa: E731
+        write_together(trainer.comm, trainer.state_dict(), single, staging, commit)
+
+    def save_unchecked() -> None:  # DCP's own writer: no checksums (the manifest sizes only)
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-        plain = sharded_io._writer
+        plain, entry_of = sharded_io._writer, local_store.entry_of
         sharded_io._writer = lambda staging: FileSystemWriter(str(staging), sync_files=True)
+        local_store.entry_of = lambda path: {"size": path.stat().st_size}
         try:
             trainer.save_checkpoint(unchecked)
         finally:
-            sharded_io._writer = plain
+            sharded_io._writer, local_store.entry_of = plain, entry_of
 
     def load_unverified() -> None:
         rest = sharded_io.read_rest(sharded)

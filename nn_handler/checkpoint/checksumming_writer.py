@@ -1,15 +1,24 @@
-"""ChecksummingWriter: DCP's FileSystemWriter that has every item it writes checksummed (by the
-verifier, checkpoint/verify.py) and gathers the entries on rank 0 for the folder's manifest,
-which the store writes when it commits the folder (DCP itself stores no checksum)."""
+"""ChecksummingWriter: DCP's FileSystemWriter that has every item it writes checksummed as its
+bytes pass to the file (by the verifier, checkpoint/verify.py: never read back) and gathers
+the entries on rank 0 for the folder's manifest, which the store writes when it commits the
+folder (DCP itself stores no checksum)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -17,7 +26,7 @@ from torch.futures import Future
 
 from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.safe_dcp import INDEX
-from nn_handler.checkpoint.verify import item_entries
+from nn_handler.checkpoint.verify import Passing, item_entries
 
 
 @dataclass
@@ -29,19 +38,51 @@ class _CheckedInfo(_StorageInfo):
     file_size: int = 0
 
 
-def checksum_results(folder: Path, results: Sequence[WriteResult]) -> list[WriteResult]:
-    """``results`` with each item's CRC-32, read back from the files just written."""
+class _PassingFileSystem(FileSystem):
+    """DCP's local file system whose write streams checksum what passes (``seen``: by file
+    name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, dict[tuple[int, int], int]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode or not str(path).endswith(DEFAULT_SUFFIX):  # a shard only
+                yield stream
+                return
+            passing = Passing(stream)
+            try:
+                yield passing
+            finally:
+                passing.close()
+                self.seen[Path(path).name] = passing.spans
+
+
+def checksum_results(
+    folder: Path,
+    results: Sequence[WriteResult],
+    seen: Mapping[str, Mapping[tuple[int, int], int]] | None = None,
+) -> list[WriteResult]:
+    """``results`` with each item's CRC-32: as ``seen`` while it was written, else read back
+    from the file."""
     by_file: dict[str, list[int]] = {}
     for position, result in enumerate(results):
         by_file.setdefault(result.storage_data.relative_path, []).append(position)
     checked: list[WriteResult] = list(results)
     for name, positions in by_file.items():
         infos: list[_StorageInfo] = [results[p].storage_data for p in positions]
-        size, segments = item_entries(folder / name, [(i.offset, i.length, "") for i in infos])
-        for position, info, segment in zip(positions, infos, segments, strict=True):
+        spans = (seen or {}).get(name, {})
+        crcs = [spans.get((i.offset, i.length)) for i in infos]
+        size = (folder / name).stat().st_size
+        if any(crc is None for crc in crcs):  # a span the stream did not see: read it back
+            size, read = item_entries(folder / name, [(i.offset, i.length, "") for i in infos])
+            crcs = [segment[2] for segment in read]
+        for position, info, crc in zip(positions, infos, crcs, strict=True):
             extended = _CheckedInfo(
                 info.relative_path, info.offset, info.length, info.transform_descriptors,
-                crc32=segment[2], file_size=size,
+                crc32=int(crc or 0), file_size=size,
             )  # fmt: skip
             checked[position] = dataclasses.replace(results[position], storage_data=extended)
     return checked
@@ -54,40 +95,54 @@ class ChecksummingWriter(FileSystemWriter):
     #: The files this rank wrote (its shards; on the coordinator also the index), filled as
     #: they are written: what it uploads to an object store.
     written: list[str]
-    #: On the coordinator once finished: each shard file's size and segments, by name.
+    #: This rank's shard files' entries (size and segments), by name, once written.
+    entries: dict[str, Entry]
+    #: On the coordinator once finished: every rank's, by name.
     files: dict[str, Entry]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = self._passing = _PassingFileSystem()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner).wait()
         names = {result.storage_data.relative_path for result in written}
         self.written = sorted(set(getattr(self, "written", [])) | names)
+        checked = checksum_results(Path(self.path), written, self._passing.seen)
+        self.entries = _entries([checked])
         done: Future[list[WriteResult]] = Future()
-        done.set_result(checksum_results(Path(self.path), written))
+        done.set_result(checked)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        files: dict[str, Entry] = {}
-        plain: list[list[WriteResult]] = []
-        for per_rank in results:
-            row = []
-            for result in per_rank:
-                info = result.storage_data
-                if isinstance(info, _CheckedInfo):
-                    entry = files.setdefault(
-                        info.relative_path, {"size": info.file_size, "segments": []}
-                    )
-                    label = result.index.fqn
-                    entry["segments"].append([info.offset, info.length, info.crc32, label])
-                    info = _StorageInfo(
-                        info.relative_path, info.offset, info.length, info.transform_descriptors
-                    )
-                row.append(dataclasses.replace(result, storage_data=info))
-            plain.append(row)
+        plain = [
+            [
+                dataclasses.replace(result, storage_data=_plain(result.storage_data))
+                for result in row
+            ]
+            for row in results
+        ]
         super().finish(metadata, plain)
-        for entry in files.values():
-            entry["segments"].sort()
-        self.files = files
+        self.files = _entries(results)
         self.written = sorted({*getattr(self, "written", []), INDEX})
+
+
+def _plain(info: _StorageInfo) -> _StorageInfo:
+    """DCP's own storage info (the index stores no checksum)."""
+    return _StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
+
+
+def _entries(results: list[list[WriteResult]]) -> dict[str, Entry]:
+    """Each shard file's entry (its size and every item's segment) from checked results."""
+    files: dict[str, Entry] = {}
+    for result in (result for row in results for result in row):
+        info = result.storage_data
+        if isinstance(info, _CheckedInfo):
+            entry = files.setdefault(info.relative_path, {"size": info.file_size, "segments": []})
+            entry["segments"].append([info.offset, info.length, info.crc32, result.index.fqn])
+    for entry in files.values():
+        entry["segments"].sort()
+    return files
 
 
 __all__ = ["ChecksummingWriter", "checksum_results"]

@@ -133,16 +133,25 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- writing
     def write(
-        self, checkpoint: Mapping[str, Any] | None, path: str | Path, budget_s: float | None = None
+        self,
+        checkpoint: Mapping[str, Any] | None,
+        path: str | Path,
+        budget_s: float | None = None,
+        then: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write ``checkpoint`` (used on rank 0 only) as the single-file checkpoint ``path``,
-        committed by the store; every rank must call this and returns once it is committed
-        (on an object store: uploaded and committed, or on its way in the background).
-        ``budget_s`` bounds the write: past it the save is cancelled (the file does not
-        appear) and CheckpointError is raised."""
+        committed by the store, then ``then(path)`` on rank 0; every rank must call this and
+        returns once it is committed (on an object store: uploaded and committed, or on its
+        way in the background), or raises the same CheckpointError. ``budget_s`` bounds the
+        write: past it the save is cancelled (the file does not appear)."""
         target = Path(path)
         staging = self.folder.staging(target)
-        commit = lambda: self.folder.commit(target, staging, self.run_id)  # noqa: E731
+
+        def commit() -> None:
+            self.folder.commit(target, staging, self.run_id)
+            if then is not None:
+                then(target)
+
         return write_together(self.comm, checkpoint, target, staging, commit, budget_s)
 
     def flush(self) -> None:
@@ -168,15 +177,10 @@ class CheckpointManager:
         """Write the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
         latest.json at it and delete periodic ones beyond ``keep_last``. Every rank must call
         this."""
-        path = self.write(checkpoint, self.periodic_path(epoch, step), budget_s)
-        error: str | None = None
-        if self.comm.rank == 0:
-            try:
-                self.publish(path, epoch, step)
-            except (OSError, CheckpointError) as caught:
-                error = f"{type(caught).__name__}: {caught}"
-        with self.comm.patient():
-            self._agree(error, self.dir / LATEST)
+        target = self.periodic_path(epoch, step)
+        path = self.write(
+            checkpoint, target, budget_s, lambda done: self.publish(done, epoch, step)
+        )
         self.remember(path, epoch, step)
         return path
 
@@ -194,7 +198,10 @@ class CheckpointManager:
     def publish(self, path: Path, epoch: int, step: int) -> None:
         """Rank 0, once the periodic checkpoint ``path`` is complete: point latest.json at it
         and delete periodic ones beyond ``keep_last``."""
-        self._point_latest(path, epoch, step, "periodic")
+        try:
+            self._point_latest(path, epoch, step, "periodic")
+        except OSError as error:
+            raise CheckpointError(f"cannot write {self.where}/{LATEST}: {error}") from error
         self._prune(keep=path)
 
     def remember(self, path: Path, epoch: int, step: int) -> None:

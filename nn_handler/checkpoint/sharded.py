@@ -92,7 +92,9 @@ class FolderStore(Protocol):
 
     def prepare(self, name: str) -> None: ...
 
-    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]: ...
+    def put(
+        self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
+    ) -> dict[str, Entry]: ...
 
     def commit(
         self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
@@ -185,7 +187,9 @@ class ShardedWriter:
         if save.written is not None:
             save.written.result()
         names = list(getattr(save.writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
-        return save.store.put(save.staging, [save.staging / n for n in names], save.target.name)
+        known = getattr(save.writer, "entries", {})  # checksummed as they were written
+        files = [save.staging / name for name in names]
+        return save.store.put(save.staging, files, save.target.name, known)
 
     def _finish(self, save: _Save, error: str | None, what: str) -> None:
         """Every rank: put its files (unless done in the background) and agree on the writes

@@ -2,7 +2,8 @@
 checkpoint/checksum.py) and compares them with the ones recorded.
 
 ``entry_of`` records a file for a manifest (its size and CRC-32, once, when it is committed or
-uploaded; the DCP writer's items are recorded by ``item_entries`` as they are written).
+uploaded); the DCP writer's items are checksummed as they pass to the file (``Passing``), or
+read back where a span was not seen (``item_entries``).
 ``check_object`` checks a local file against its manifest entry (its size, then the CRC-32 of
 the whole and of each segment, memory-mapped); an ``Arrival`` checks an object's bytes as they
 are downloaded (never read back). ``verify_files`` checks a sharded folder, each rank a share
@@ -15,6 +16,7 @@ bytes and what they hold.
 
 from __future__ import annotations
 
+import io
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -89,25 +91,93 @@ def item_entries(path: Path, items: list[tuple[int, int, str]]) -> tuple[int, li
         return size, [[o, n, span_crc32(view, o, n), label] for o, n, label in items]
 
 
+class Passing(io.RawIOBase):
+    """A write stream that checksums the bytes passing to ``raw``, span by span: a span ends
+    wherever its writer asks ``tell()`` (DCP's writer does before and after each item), so
+    an item's CRC-32 is known without reading the file back. ``spans``: (offset, length) ->
+    CRC-32."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.spans: dict[tuple[int, int], int] = {}
+        self._start = 0
+        self._crc = Crc32()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        self._crc.update(view[:written])
+        return int(written)
+
+    def tell(self) -> int:
+        position = int(self.raw.tell())
+        if position > self._start:
+            self.spans[(self._start, position - self._start)] = self._crc.value
+        self._start, self._crc = position, Crc32()
+        return position
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed and not self.raw.closed:
+            self.tell()  # the last span
+        super().close()
+
+
 class Arrival:
     """The object ``key`` of ``checkpoint``, checked against its ``entry`` as its bytes
-    arrive (``update`` each chunk, then ``check``)."""
+    arrive (``update`` each chunk, then ``check``): the CRC-32 of the whole, or, for an entry
+    recorded by its segments (a DCP shard's items), of each segment as it passes."""
 
     def __init__(self, entry: Entry, checkpoint: str, key: str) -> None:
         self.entry, self.checkpoint, self.key = entry, checkpoint, key
         self._crc = Crc32()
+        self._size = 0
+        self._segments = [] if "crc32" in entry else sorted(entry.get("segments", []))
+        self._failure: str | None = None
 
     def update(self, chunk: bytes) -> None:
-        self._crc.update(chunk)
+        start, self._size = self._size, self._size + len(chunk)
+        if not self._segments:
+            self._crc.update(chunk)
+            return
+        view = memoryview(chunk)
+        while self._segments and self._failure is None:
+            offset, length, stored, label = self._segments[0]
+            begin, end = max(offset, start), min(offset + length, self._size)
+            if begin >= self._size:
+                return
+            self._crc.update(view[begin - start : end - start])
+            if end < offset + length:
+                return
+            if self._crc.value != stored:
+                what = f" ({label})" if label else ""
+                self._failure = (
+                    f"the object {self.key} bytes {offset}-{offset + length}{what} have "
+                    f"CRC-32 {self._crc.value:08x}, {stored:08x} was written"
+                )
+            self._segments.pop(0)
+            self._crc = Crc32()
 
     def check(self) -> None:
-        size, value, entry = self._crc.size, self._crc.value, self.entry
-        if size != entry["size"] or value != entry.get("crc32", value):
+        size, value, entry = self._size, self._crc.value, self.entry
+        if self._failure is None and (size != entry["size"] or value != entry.get("crc32", value)):
+            self._failure = (
+                f"the object {self.key} has {size} bytes with CRC-32 {value:08x}, its manifest "
+                f"records {entry['size']} bytes with {entry.get('crc32', 0):08x}"
+            )
+        if self._failure is not None:
             raise CheckpointError(
-                f"checkpoint {self.checkpoint} is corrupt: the object {self.key} has {size} "
-                f"bytes with CRC-32 {value:08x}, its manifest records {entry['size']} bytes "
-                f"with {entry.get('crc32', 0):08x}. Its bytes changed after it was written; "
-                f"{_EARLIER}"
+                f"checkpoint {self.checkpoint} is corrupt: {self._failure}. Its bytes changed "
+                f"after it was written; {_EARLIER}"
             )
 
 
@@ -217,6 +287,7 @@ def _check_structure(folder: Path) -> None:
 
 __all__ = [
     "Arrival",
+    "Passing",
     "check_object",
     "entry_of",
     "entry_of_record",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore
         remote = Manifest.from_bytes(store.store.read(manifest_name(FOLDER)) or b"", FOLDER)
         assert remote.objects == local.objects  # the same manifest in both places
         shard = remote.objects[f"{FOLDER}/__0_0.distcp"]
-        assert "crc32" in shard and shard["segments"][0][3] == "model.w"
+        assert shard["segments"][0][3] == "model.w"  # checked by item as it downloads
         assert opened.where.startswith("memory://") and opened.verified
 
 
@@ -155,5 +156,45 @@ def test_an_unreadable_manifest_gets_nothing_deleted(
             assert {p.name for p in folder.iterdir()} == before
             with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable"):
                 read_manifest(folder)
+    finally:
+        fresh.release()
+
+
+def test_each_byte_of_a_folder_save_is_checksummed_once(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards' items as they pass to their files, the other files once at the commit:
+    nothing is read back to be checksummed (every CRC-32 goes through checksum._crc32)."""
+    from nn_handler.checkpoint import checksum
+
+    counted = [0]
+    real = checksum._crc32
+
+    def counting(data: Any, value: int = 0) -> int:
+        counted[0] += len(data)
+        return real(data, value)
+
+    monkeypatch.setattr(checksum, "_crc32", counting)
+    folder = _write_folder(store)
+    store.flush()
+    written = sum(p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST)
+    assert counted[0] == written
+
+
+def test_a_changed_byte_in_a_shard_is_named_by_its_tensor_as_it_arrives(tmp_path: Path) -> None:
+    """A shard's manifest entry holds its items' CRC-32s (never read back when written): a
+    download is checked item by item as it arrives, and the item is named."""
+    store = _open_store("object store", tmp_path)
+    assert store.start(is_checkpoint_name) is None
+    _write_folder(store)
+    assert isinstance(store, ObjectStore)
+    key = f"{FOLDER}/__0_0.distcp"
+    data = bytearray(store.store.read(key) or b"")
+    data[-100] ^= 0x01  # inside the tensor's bytes, near the end of the file
+    store.store.write(key, bytes(data))
+    fresh = _restart("object store", tmp_path, store, "copy-2")
+    try:
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp bytes 0-\d+ \(model\.w\)"):
+            fresh.open(fresh.dir / FOLDER)
     finally:
         fresh.release()

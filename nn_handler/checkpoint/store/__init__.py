@@ -96,9 +96,12 @@ class CheckpointStore(Protocol):
         """Rank 0, before the checkpoint ``name`` is written anew: no old commit may vouch
         for it."""
 
-    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]:
+    def put(
+        self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
+    ) -> dict[str, Entry]:
         """This rank's ``files`` of the folder being written in ``staging``, sent as the
-        checkpoint ``name``'s; their manifest entries (any rank)."""
+        checkpoint ``name``'s; their manifest entries (``known``: by file name, those the
+        writer already has). Any rank."""
 
     def commit(
         self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None

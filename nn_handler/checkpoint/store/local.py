@@ -173,7 +173,9 @@ class LocalStore:
     def prepare(self, name: str) -> None:
         """A local commit is a rename: nothing vouches for ``name`` before it."""
 
-    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]:
+    def put(
+        self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
+    ) -> dict[str, Entry]:
         """The files are where they must be."""
         return {}
 

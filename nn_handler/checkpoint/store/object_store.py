@@ -222,11 +222,15 @@ class ObjectStore(LocalStore):
         self.flush()
         self.store.remove(manifest_name(name))
 
-    def put(self, staging: Path, files: list[Path], name: str) -> dict[str, Entry]:
+    def put(
+        self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
+    ) -> dict[str, Entry]:
         """Upload this rank's ``files`` of the folder being written in ``staging`` as the
-        checkpoint ``name``'s objects now, several at once; their entries."""
+        checkpoint ``name``'s objects now, several at once; their entries (``known``'s, by
+        file name, where the writer checksummed them)."""
         objects = {f"{name}/{path.name}": path for path in files}
-        return protocol.upload(self.store, objects, self.workers)
+        entries = {f"{name}/{file}": entry for file, entry in (known or {}).items()}
+        return protocol.upload(self.store, objects, self.workers, entries)
 
     def commit(
         self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None

@@ -33,12 +33,18 @@ from nn_handler.checkpoint.verify import Arrival, entry_of, matches
 from nn_handler.errors import CheckpointError
 
 
-def upload(store: RemoteStore, objects: Mapping[str, Path], workers: int) -> dict[str, Entry]:
-    """Upload ``objects`` (key -> local file), ``workers`` at a time; returns each one's size
-    and CRC-32 (of the local bytes it sent). Raises the first failure as a CheckpointError."""
+def upload(
+    store: RemoteStore,
+    objects: Mapping[str, Path],
+    workers: int,
+    known: Mapping[str, Entry] | None = None,
+) -> dict[str, Entry]:
+    """Upload ``objects`` (key -> local file), ``workers`` at a time; returns each one's
+    entry: ``known``'s (checksummed as it was written), else its size and CRC-32 (of the
+    local bytes it sent). Raises the first failure as a CheckpointError."""
 
     def one(key: str, path: Path) -> tuple[str, Entry]:
-        entry = entry_of(path)
+        entry = (known or {}).get(key) or entry_of(path)
         store.put(path, key)
         return key, entry
 
