@@ -631,3 +631,32 @@ def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:
     taken.acquire({})
     assert json.loads(store.read(".nn_handler.lock") or b"{}")["pid"] == os.getpid()
     taken.release()
+
+
+def test_a_large_object_goes_up_in_parallel_parts(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads are s3fs's put_file: an object of two chunks or more is a multipart upload
+    whose parts go up several at once (s3fs's max_concurrency, 10 by default), not a loop of
+    our own. The chunk is made 5 MiB (S3's smallest part) so that 12 MiB is three parts."""
+    import s3fs.core
+
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
+
+    monkeypatch.setattr(s3fs.core, "calculate_chunksize", lambda size, chunksize=None: 5 << 20)
+    store = RemoteStore(f"{s3.url}/run")
+    assert store.fs.max_concurrency > 1
+    parts: list[int] = []
+    concurrent = store.fs._upload_file_part_concurrent
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        out = await concurrent(*args, **kwargs)
+        parts.append(len(out))
+        return out
+
+    monkeypatch.setattr(store.fs, "_upload_file_part_concurrent", counting)
+    local = tmp_path / "big.bin"
+    local.write_bytes(os.urandom(12 << 20))
+    store.put(local, "big.bin")
+    assert parts == [3]
+    assert s3.fs().cat(f"{s3.name}/run/big.bin") == local.read_bytes()
