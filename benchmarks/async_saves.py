@@ -13,7 +13,10 @@ tensor once), back to back in each repetition (one warm-up round excluded):
   asynchronous=True)`` blocks the loop for (the write, the manifest and, for the local S3
   server, the upload run in the background; waited for outside the measure);
 - ``synchronous save`` against ``fsync'd write``: the same bytes written to one file and
-  fsynced (the disk's bandwidth as a save can reach it).
+  fsynced (the disk's bandwidth as a save can reach it);
+- beside: a small model's training step (1 thread) while an async save writes in the
+  background, against the same step alone (the background save's threads share the
+  training process's GIL; this is what that costs the loop; no target).
 
 Targets (the checkpoint-protocol issue's): blocked per async save <= 1.2x the memcpy; a
 synchronous save >= 85% of the fsync'd write bandwidth; 200 steps of a small model on 2 ranks
@@ -138,6 +141,55 @@ def one_process(width: int, repeats: int, url: str | None) -> dict[str, Any]:
     return summary(measured["times"], measured["bytes"])
 
 
+def beside(width: int, saves: int) -> dict[str, Any]:
+    """A training step's median time while an async save of the state writes in the
+    background, against alone (1 process, the step on 1 thread)."""
+    from nn_handler.checkpoint.store import LocalStore
+
+    state = {k: v.detach() for k, v in model(width).state_dict().items()}
+    small = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    optimizer = torch.optim.SGD(small.parameters(), lr=0.01)
+    inputs = torch.randn(64, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def steps(seconds: float, writing: Any = None) -> list[float]:
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end and (writing is None or not writing.done()):
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            small(inputs).pow(2).mean().backward()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    try:
+        steps(0.5)
+        alone = steps(2.0)
+        during: list[float] = []
+        with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
+            base = Path(scratch)
+            writer = ShardedWriter(NullCommunicator(), lambda: None)
+            for index in range(saves + 1):
+                target = base / f"ckpt-e0000-s{index:08d}"
+                writer.save({"format": "bench"}, {"model": state}, target, LocalStore(base),
+                            asynchronous=True)  # fmt: skip
+                pending = writer._pending
+                measured = steps(60.0, pending.written if pending is not None else None)
+                writer.wait()
+                if index:  # the first save warms the staging buffers
+                    during += measured
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "step_ms_alone": statistics.median(alone) * 1e3,
+        "step_ms_during": statistics.median(during) * 1e3,
+        "steps_during": len(during),
+        "ratio_median": statistics.median(during) / statistics.median(alone),
+    }
+
+
 def _ranks(rank: int, port: int, width: int, repeats: int, url: str | None, queue: Queue) -> None:
     common.join_gloo_group(rank, port, timeout_s=600)
     group = dist.new_group(backend="gloo")  # the checkpoint's own, as the strategies' is
@@ -199,6 +251,7 @@ def main() -> None:
         url = f"s3://{bucket}/run"
         alone = one_process(width, repeats, url)
         two = common.run_two_ranks(_ranks, width, repeats, f"{url}-2", timeout=1200)
+    stall = beside(width, 1 if args.quick else 3)
     every = common.run_two_ranks(_every_step, steps, timeout=600)
     state_mb = sum(p.numel() * 4 for p in model(width).parameters()) / 2**20
     params = sum(p.numel() for p in model(width).parameters())
@@ -221,6 +274,7 @@ def main() -> None:
             "repeats": repeats,
             "results": {"1 process": alone, "2 ranks": two},
             "every_step": every,
+            "beside": stall,
             "targets_met": targets,
         },
         args.out,
