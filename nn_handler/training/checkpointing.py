@@ -34,7 +34,7 @@ from nn_handler.checkpoint.sharded import (
 )
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
-from nn_handler.checkpoint.store.urls import save_to_store
+from nn_handler.checkpoint.store.urls import store_of
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -307,16 +307,11 @@ class TrainerCheckpoints:
                 f"one (checkpoint.dir={url.rpartition('/')[0]!r}); save(url) writes single "
                 f"files. Or save to a local folder."
             )
-        return save_to_store(
-            self.comm,
-            url,
-            lambda target, staging, commit: write_together(
-                self.comm, self.state_dict(), target, staging, commit, budget_s
-            ),
-            self.run_id,
-            self.config.storage_options,
-            self.config.store_timeout_s,
-        )
+        store, target = store_of(url, self.config.storage_options, self.config.store_timeout_s)
+        try:
+            return self._save_into(store, target, budget_s)
+        finally:
+            store.release()
 
     def _save_into(
         self,

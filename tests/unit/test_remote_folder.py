@@ -14,7 +14,7 @@ from nn_handler.checkpoint.manifest import SUFFIX, Manifest
 from nn_handler.checkpoint.store import remote_protocol as protocol
 from nn_handler.checkpoint.store.object_store import ObjectStore
 from nn_handler.checkpoint.store.remote_store import RemoteStore
-from nn_handler.checkpoint.store.urls import fetch_url, save_to_store
+from nn_handler.checkpoint.store.urls import fetch_url, store_of
 from nn_handler.cli import main
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
@@ -89,7 +89,7 @@ def test_urls_that_name_no_checkpoint_are_clear_errors(folder: ObjectStore) -> N
     with pytest.raises(CheckpointError, match="no committed checkpoint at"):
         fetch_url(f"{folder.where}/missing.pt")
     with pytest.raises(CheckpointError, match="names no checkpoint inside a folder"):
-        save_to_store(NullCommunicator(), "memory://", lambda target, staging, commit: target, None)
+        store_of("memory://")
     assert main(["checkpoint", "consolidate", f"{folder.where}/ckpt.pt", "s3://b/x.pt"]) == 1
 
 

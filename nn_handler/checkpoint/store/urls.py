@@ -1,10 +1,11 @@
 """A checkpoint named by its URL on an object store, outside a run's folder: reading the one at
 a URL (``fetch_url``, ``open_url``: a committed checkpoint, or the latest of a folder of them)
-and writing a single file there (``save_to_store``), both through the folder's ObjectStore."""
+and the store a single file saved there is committed by (``store_of``), both through the
+folder's ObjectStore."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.checkpoint.store.object_store import ObjectStore
 from nn_handler.checkpoint.store.remote_store import DEFAULT_TIMEOUT_S, RemoteStore
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
-from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
 
@@ -94,29 +94,17 @@ def open_url(
     return open_checkpoint(local, map_location, where=url, verified=True)
 
 
-def save_to_store(
-    comm: Communicator,
-    url: str,
-    write: Callable[[Path, Path, Callable[[], None]], Path],
-    run_id: str | None,
-    storage_options: Mapping[str, Any] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> Path:
-    """Write a single-file checkpoint as ``url``: ``write(target, staging, commit)`` (every
-    rank calls it: checkpoint/single_file.py ``write_together``) into the working copy of
-    ``url``'s folder, which ``commit`` uploads and commits. Every rank must call this; all
-    raise the same CheckpointError on a failure. Returns the local copy."""
+def store_of(
+    url: str, storage_options: Mapping[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[ObjectStore, Path]:
+    """The ObjectStore of the folder holding the checkpoint ``url``, and where that
+    checkpoint goes in its working copy (a save to a URL is committed there as every
+    checkpoint is); release the store after."""
     parent, name = split_url(url)
     if "://" not in parent or parent.endswith(":/") or not name:
         raise CheckpointError(f"{url} names no checkpoint inside a folder (s3://bucket/run/x.pt).")
     store = _store(parent, storage_options, None, timeout_s)
-    target = store.dir / name
-    staging = store.staging(target)
-    try:
-        local = write(target, staging, lambda: store.commit(target, staging, run_id))
-    finally:
-        store.release()
-    return local
+    return store, store.dir / name
 
 
-__all__ = ["fetch_url", "is_checkpoint_url", "open_url", "save_to_store", "split_url"]
+__all__ = ["fetch_url", "is_checkpoint_url", "open_url", "split_url", "store_of"]
