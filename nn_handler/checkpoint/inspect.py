@@ -18,7 +18,8 @@ import torch
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
 from nn_handler.checkpoint.safe_dcp import INDEX, read_index
-from nn_handler.checkpoint.sharded import META, REST, is_sharded
+from nn_handler.checkpoint.sharded import META, is_sharded
+from nn_handler.checkpoint.source import top_file
 from nn_handler.checkpoint.verify import verify_files_named
 
 
@@ -55,7 +56,7 @@ def describe_checkpoint(path: str | Path, where: str | None = None) -> str:
     it cannot be read)."""
     path = Path(path)
     sharded = is_sharded(path)
-    checkpoint = load_file(path / REST if sharded else path, mmap=True, verify=False)
+    checkpoint = load_file(top_file(path), mmap=True, verify=False)
     lines = [_heading(path, sharded, where or str(path))]
     if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != "nn_handler.checkpoint":
         kind = type(checkpoint).__name__

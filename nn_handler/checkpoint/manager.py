@@ -48,9 +48,8 @@ from nn_handler.checkpoint.naming import (
     restart_count,
 )
 from nn_handler.checkpoint.run_identity import run_of
-from nn_handler.checkpoint.sharded import REST
 from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.source import Opened
+from nn_handler.checkpoint.source import Opened, top_file
 from nn_handler.checkpoint.store import LATEST, CheckpointStore, is_checkpoint, open_store
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
@@ -345,8 +344,8 @@ class CheckpointManager:
             return owner
         if path not in self._owners:
             try:
-                source = path / REST if path.is_dir() else path
-                self._owners[path] = run_of(load_file(source, mmap=True, verify=False))[0]
+                contents = load_file(top_file(path), mmap=True, verify=False)
+                self._owners[path] = run_of(contents)[0]
             except CheckpointError:
                 self._owners[path] = None  # unreadable: not known to be ours, so kept
         return self._owners[path]

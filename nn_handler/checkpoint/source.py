@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.sharded import is_sharded, read_rest
+from nn_handler.checkpoint.sharded import REST, is_sharded
 
 
 class Opened(NamedTuple):
@@ -32,6 +32,12 @@ class Opened(NamedTuple):
     verified: bool = False
 
 
+def top_file(path: Path) -> Path:
+    """The file holding the checkpoint ``path``'s top level: the file itself, or a sharded
+    folder's unsharded parts (REST)."""
+    return path / REST if is_sharded(path) else path
+
+
 def open_checkpoint(
     path: str | Path,
     map_location: torch.device | str | None = None,
@@ -44,12 +50,8 @@ def open_checkpoint(
     does not checksum them again. (A URL: checkpoint/store/urls.py ``open_url``.)"""
     target = Path(path)
     where = where or str(target)
-    if is_sharded(target):
-        rest = read_rest(target, map_location, verify=not verified)
-        return Opened(target, rest, target, where, verified)
-    return Opened(
-        target, load_file(target, map_location, verify=not verified), None, where, verified
-    )
+    contents = load_file(top_file(target), map_location, verify=not verified)
+    return Opened(target, contents, target if is_sharded(target) else None, where, verified)
 
 
-__all__ = ["Opened", "open_checkpoint"]
+__all__ = ["Opened", "open_checkpoint", "top_file"]
