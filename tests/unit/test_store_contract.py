@@ -198,3 +198,46 @@ def test_a_changed_byte_in_a_shard_is_named_by_its_tensor_as_it_arrives(tmp_path
             fresh.open(fresh.dir / FOLDER)
     finally:
         fresh.release()
+
+
+def test_a_truncated_shard_on_the_store_is_named_with_its_size(tmp_path: Path) -> None:
+    store = _open_store("object store", tmp_path)
+    assert store.start(is_checkpoint_name) is None
+    _write_folder(store)
+    assert isinstance(store, ObjectStore)
+    key = f"{FOLDER}/__0_0.distcp"
+    data = store.store.read(key) or b""
+    store.store.write(key, data[: len(data) // 2])
+    fresh = _restart("object store", tmp_path, store, "copy-2")
+    try:
+        with pytest.raises(CheckpointError, match=rf"__0_0\.distcp has {len(data) // 2} bytes"):
+            fresh.open(fresh.dir / FOLDER)
+    finally:
+        fresh.release()
+
+
+def test_an_item_the_stream_did_not_see_is_read_back(tmp_path: Path) -> None:
+    """The checksums taken as the items pass equal the ones read back from the file, and a
+    span the stream did not see (a writer that never asked tell()) is read back."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter, checksum_results
+    from nn_handler.checkpoint.sharded import dcp_save
+
+    state = {"model": {"w": WEIGHTS, "b": torch.ones(3)}, "step": 7}
+    seen: list[Any] = []
+    real = FileSystemWriter.write_data
+
+    def keep(self: Any, plan: Any, planner: Any) -> Any:
+        results = real(self, plan, planner)
+        seen.extend(results.wait())
+        return results
+
+    writer = ChecksummingWriter(str(tmp_path))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FileSystemWriter, "write_data", keep)
+        dcp_save(state, writer, {"process_group": None, "no_dist": True})
+    as_written = checksum_results(tmp_path, seen, writer._passing.seen)
+    read_back = checksum_results(tmp_path, seen, {})
+    crcs = [result.storage_data.crc32 for result in as_written]
+    assert crcs == [result.storage_data.crc32 for result in read_back] and len(crcs) >= 3
