@@ -153,10 +153,10 @@ def beside(width: int, saves: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def steps(seconds: float, writing: Any = None) -> list[float]:
+    def steps(seconds: float, writer: ShardedWriter | None = None) -> list[float]:
         times: list[float] = []
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end and (writing is None or not writing.done()):
+        while time.perf_counter() < end and (writer is None or writer.writing):
             start = time.perf_counter()
             optimizer.zero_grad()
             small(inputs).pow(2).mean().backward()
@@ -175,8 +175,7 @@ def beside(width: int, saves: int) -> dict[str, Any]:
                 target = base / f"ckpt-e0000-s{index:08d}"
                 writer.save({"format": "bench"}, {"model": state}, target, LocalStore(base),
                             asynchronous=True)  # fmt: skip
-                pending = writer._pending
-                measured = steps(60.0, pending.written if pending is not None else None)
+                measured = steps(60.0, writer)
                 writer.wait()
                 if index:  # the first save warms the staging buffers
                     during += measured

@@ -102,13 +102,13 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = self._passing = _PassingFileSystem()
+        self.fs = self.streams = _PassingFileSystem()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner).wait()
         names = {result.storage_data.relative_path for result in written}
         self.written = sorted(set(getattr(self, "written", [])) | names)
-        checked = checksum_results(Path(self.path), written, self._passing.seen)
+        checked = checksum_results(Path(self.path), written, self.streams.seen)
         self.entries = _entries([checked])
         done: Future[list[WriteResult]] = Future()
         done.set_result(checked)

@@ -135,8 +135,14 @@ class ShardedWriter:
 
     @property
     def pending(self) -> Path | None:
-        """The folder an asynchronous save is still writing (None: none)."""
+        """The folder of the asynchronous save not yet committed (None: none)."""
         return None if self._pending is None else self._pending.target
+
+    @property
+    def writing(self) -> bool:
+        """Whether an asynchronous save's files are still being written."""
+        written = None if self._pending is None else self._pending.written
+        return written is not None and not written.done()
 
     def save(
         self,

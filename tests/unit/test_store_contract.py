@@ -181,36 +181,37 @@ def test_each_byte_of_a_folder_save_is_checksummed_once(
     assert counted[0] == written
 
 
-def test_a_changed_byte_in_a_shard_is_named_by_its_tensor_as_it_arrives(tmp_path: Path) -> None:
+def _flip_near_the_end(data: bytes) -> bytes:
+    changed = bytearray(data)
+    changed[-100] ^= 0x01  # inside the tensor's bytes, near the end of the file
+    return bytes(changed)
+
+
+def _first_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (_flip_near_the_end, r"__0_0\.distcp bytes 0-\d+ \(model\.w\)"),
+        (_first_half, r"__0_0\.distcp has \d+ bytes"),
+    ],
+)
+def test_a_damaged_shard_on_the_store_is_named_as_it_arrives(
+    tmp_path: Path, damage: Any, named: str
+) -> None:
     """A shard's manifest entry holds its items' CRC-32s (never read back when written): a
-    download is checked item by item as it arrives, and the item is named."""
+    download is checked item by item as it arrives, the item (or the short size) named."""
     store = _open_store("object store", tmp_path)
     assert store.start(is_checkpoint_name) is None
     _write_folder(store)
     assert isinstance(store, ObjectStore)
     key = f"{FOLDER}/__0_0.distcp"
-    data = bytearray(store.store.read(key) or b"")
-    data[-100] ^= 0x01  # inside the tensor's bytes, near the end of the file
-    store.store.write(key, bytes(data))
+    store.store.write(key, damage(store.store.read(key) or b""))
     fresh = _restart("object store", tmp_path, store, "copy-2")
     try:
-        with pytest.raises(CheckpointError, match=r"__0_0\.distcp bytes 0-\d+ \(model\.w\)"):
-            fresh.open(fresh.dir / FOLDER)
-    finally:
-        fresh.release()
-
-
-def test_a_truncated_shard_on_the_store_is_named_with_its_size(tmp_path: Path) -> None:
-    store = _open_store("object store", tmp_path)
-    assert store.start(is_checkpoint_name) is None
-    _write_folder(store)
-    assert isinstance(store, ObjectStore)
-    key = f"{FOLDER}/__0_0.distcp"
-    data = store.store.read(key) or b""
-    store.store.write(key, data[: len(data) // 2])
-    fresh = _restart("object store", tmp_path, store, "copy-2")
-    try:
-        with pytest.raises(CheckpointError, match=rf"__0_0\.distcp has {len(data) // 2} bytes"):
+        with pytest.raises(CheckpointError, match=named):
             fresh.open(fresh.dir / FOLDER)
     finally:
         fresh.release()
@@ -237,7 +238,7 @@ def test_an_item_the_stream_did_not_see_is_read_back(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FileSystemWriter, "write_data", keep)
         dcp_save(state, writer, {"process_group": None, "no_dist": True})
-    as_written = checksum_results(tmp_path, seen, writer._passing.seen)
+    as_written = checksum_results(tmp_path, seen, writer.streams.seen)
     read_back = checksum_results(tmp_path, seen, {})
     crcs = [result.storage_data.crc32 for result in as_written]
     assert crcs == [result.storage_data.crc32 for result in read_back] and len(crcs) >= 3
