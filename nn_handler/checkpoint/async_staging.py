@@ -19,7 +19,9 @@ class CachedStager:
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        """``shared``: the buffers in shared memory (a writer process reads them in place)."""
+        self._shared = shared
         self._cache: dict[str, Any] | None = None
         self._layout: list[tuple[Any, ...]] = []
 
@@ -33,7 +35,9 @@ class CachedStager:
         layout = _layout(state_dict)
         if self._cache is None or layout != self._layout:
             pinned = torch.cuda.is_available()
-            self._cache = _create_cpu_state_dict(state_dict, pin_memory=pinned)
+            self._cache = _create_cpu_state_dict(
+                state_dict, pin_memory=pinned, share_memory=self._shared
+            )
             self._layout = layout
         return _copy_state_dict(state_dict, self._cache, type_check=False)
 

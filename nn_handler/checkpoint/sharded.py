@@ -49,6 +49,7 @@ from nn_handler.checkpoint.sharded_errors import (
     save_failure,
 )
 from nn_handler.checkpoint.verify import verify_files
+from nn_handler.checkpoint.writer_process import WriterProcess
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -123,15 +124,33 @@ class ShardedWriter:
     ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
     save returns once every rank has copied its state; the files are written (and put in the
     store) in background threads, and the next ``save`` or ``wait`` waits for them and has the
-    store commit the folder.
+    store commit the folder. ``in_process``: an asynchronous save's items are serialized,
+    written and checksummed by a child process of this rank (checkpoint/writer_process.py),
+    outside this process's GIL; ``close`` stops it.
     """
 
-    def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        group: Callable[[], dist.ProcessGroup | None],
+        in_process: bool = False,
+    ) -> None:
         self.comm = comm
         self._group = group
         self._pending: _Save | None = None
-        self._stager = CachedStager()
+        self._process = WriterProcess(_serve_writes()) if in_process else None
+        self._stager = CachedStager(shared=in_process)
         self._puts: ThreadPoolExecutor | None = None  # made at the first asynchronous put
+
+    @property
+    def in_process(self) -> bool:
+        """Whether an asynchronous save's shards are written by a writer process."""
+        return self._process is not None
+
+    def close(self) -> None:
+        """Stop the writer process, if any (after ``wait``). Every rank may call it."""
+        if self._process is not None:
+            self._process.close()
 
     @property
     def pending(self) -> Path | None:
@@ -166,7 +185,8 @@ class ShardedWriter:
         agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank puts
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
-        save = _Save(staging, target, store, _writer(staging), _run_of(rest), then)
+        process = self._process if asynchronous else None
+        save = _Save(staging, target, store, _writer(staging, process), _run_of(rest), then)
         if asynchronous:
             try:
                 save.written = dcp_async_save(
@@ -338,10 +358,16 @@ def dcp_async_save(shards: dict[str, Any], writer: Any, options: dict[str, Any])
         return async_save(shards, storage_writer=writer, **options)  # type: ignore[return-value]
 
 
-def _writer(staging: Path) -> Any:
+def _serve_writes() -> Callable[[Any], None]:
+    from nn_handler.checkpoint.checksumming_writer import serve_writes
+
+    return serve_writes
+
+
+def _writer(staging: Path, process: WriterProcess | None = None) -> Any:
     from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
 
-    return ChecksummingWriter(str(staging), sync_files=True)
+    return ChecksummingWriter(str(staging), sync_files=True, process=process)
 
 
 def _prepare(

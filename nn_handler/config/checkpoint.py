@@ -13,6 +13,7 @@ from nn_handler.config.training import Mode
 
 ResumePolicy = Literal["never", "on_restart", "auto", "force"]
 CheckpointFormat = Literal["auto", "file", "sharded"]
+AsyncWriter = Literal["thread", "process"]
 
 
 class CheckpointConfig(ConfigModel):
@@ -90,6 +91,12 @@ class CheckpointConfig(ConfigModel):
             ``fit`` or a preemption waits for them. The ``latest.json`` pointer moves only
             once the folder is complete. With a URL ``dir`` (single files too), the upload
             runs in the background: the loop's stall is the local write.
+        async_writer: where an async sharded save's shards are serialized, written and
+            checksummed: 'thread' (a thread of the training process) or 'process' (a child
+            process of each rank, started at the first save, outside the training process's
+            GIL; the staged copy lives in shared memory and only its handles reach the
+            child). DCP's planning and collectives stay in a thread of the training process
+            either way.
     """
 
     dir: str | None = None
@@ -116,6 +123,7 @@ class CheckpointConfig(ConfigModel):
     preemption_notice_interval_s: float = Field(default=5.0, gt=0)
     format: CheckpointFormat = "auto"
     async_save: bool = False
+    async_writer: AsyncWriter = "thread"
 
     @field_validator("dir")
     @classmethod
@@ -140,6 +148,11 @@ class CheckpointConfig(ConfigModel):
         if self.preemption_notice is not None and not self.handle_sigterm:
             raise ValueError(
                 "preemption_notice is treated as a SIGTERM: it needs handle_sigterm=True"
+            )
+        if self.async_writer == "process" and not self.async_save:
+            raise ValueError(
+                "async_writer='process' writes the background saves of async_save: set "
+                "async_save=True as well (a synchronous save blocks the loop either way)"
             )
         if self.async_save and self.format == "file" and not is_url(self.dir):
             raise ValueError(

@@ -100,7 +100,8 @@ class TrainerCheckpoints:
         self.manager = (
             CheckpointManager(config, comm, sharded=sharded) if enabled and config.dir else None
         )
-        self.writer = ShardedWriter(comm, group) if sharded else None
+        process = config.async_writer == "process"
+        self.writer = ShardedWriter(comm, group, in_process=process) if sharded else None
         self.hook: Any = None
         self.events = CheckpointEvents()
         self.log = logger.bind(rank=comm.rank)
@@ -164,6 +165,8 @@ class TrainerCheckpoints:
 
     def close(self) -> None:
         """Give up the checkpoint folder's lock (rank 0). Every rank may call it."""
+        if self.writer is not None:
+            self.writer.close()
         if self.manager is not None:
             self.manager.release()
 
