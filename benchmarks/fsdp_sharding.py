@@ -181,7 +181,9 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         plain, entry_of = sharded_io._writer, local_store.entry_of
-        sharded_io._writer = lambda staging: FileSystemWriter(str(staging), sync_files=True)
+        sharded_io._writer = lambda staging, process=None: FileSystemWriter(
+            str(staging), sync_files=True
+        )
         local_store.entry_of = lambda path: {"size": path.stat().st_size}
         try:
             trainer.save_checkpoint(unchecked)
