@@ -129,6 +129,12 @@ class RankFailedError(WorkerFailedError):
         return self.failed
 
 
+class PeerLostError(DistributedError):
+    """A member of the step's group was lost (killed, or silent past the timeout) during a
+    collective of the fault-tolerance mode: the step is abandoned, not committed, and redone
+    by the members left."""
+
+
 class LauncherGoneError(DistributedError):
     """This worker's launcher (torchrun's agent) is gone: the worker stops at its next step,
     writes nothing more and exits non-zero, instead of training on as an orphan beside a
@@ -307,6 +313,7 @@ __all__ = [
     "NoLocalGroupError",
     "NonFiniteError",
     "PREEMPTED_EXIT_CODE",
+    "PeerLostError",
     "RankFailedError",
     "TrainingInterrupted",
     "TrainingPreempted",

@@ -83,6 +83,12 @@ def entry_of(path: Path) -> Entry:
     return {"size": path.stat().st_size, "crc32": file_crc32(path)}
 
 
+def entry_of_bytes(data: bytes | memoryview) -> Entry:
+    """What a manifest records of ``data`` (a state sent between live ranks): its size and
+    CRC-32."""
+    return {"size": len(data), "crc32": crc32(data)}
+
+
 def item_entries(path: Path, items: list[tuple[int, int, str]]) -> tuple[int, list[Any]]:
     """The size of the file ``path`` and a manifest segment (offset, length, CRC-32, label)
     for each of its ``items`` (offset, length, label): a DCP shard's tensors."""
@@ -290,6 +296,7 @@ __all__ = [
     "Passing",
     "check_object",
     "entry_of",
+    "entry_of_bytes",
     "entry_of_record",
     "item_entries",
     "verify_records",

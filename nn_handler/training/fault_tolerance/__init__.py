@@ -1,0 +1,14 @@
+"""Per-step fault tolerance: a lost member's step is redone by the survivors, in their
+processes, with no restart and no checkpoint read (docs/fault-tolerance.md).
+
+Built on torchft (the ``ft`` extra): its Lighthouse decides each step's membership
+(lighthouse.py, a process no member lives in), its Manager and reconfigurable gloo group carry
+one member's steps (replica.py); collectives go through a Communicator over that group
+(communicator.py), and a member that joins receives the state verified with the checkpoints'
+checksums, never unpickled (transport.py)."""
+
+from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
+from nn_handler.training.fault_tolerance.lighthouse import Lighthouse, require_torchft
+from nn_handler.training.fault_tolerance.replica import Replica
+
+__all__ = ["Lighthouse", "Replica", "ReplicaCommunicator", "require_torchft"]

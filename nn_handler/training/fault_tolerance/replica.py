@@ -1,0 +1,174 @@
+"""Replica: one member of a fault-tolerant run, over torchft's Manager. Each step:
+
+    replica.begin_step()      # the step's members, agreed by the Lighthouse; a member that is
+                              # behind (a new one) first receives the state of one that is not
+    ... collectives through replica.communicator (ranks: replica.rank of replica.members)
+    if replica.commit():      # every member finished the step: it counts, step it
+        optimizer.step()
+    else:                     # a member was lost: nothing changed; the same step is redone
+
+A step is committed only if its collectives completed, so what it summed is the whole step's
+(every micro-batch of it, whoever computed them); one abandoned is redone with the same
+micro-batches spread over the members left. Each member is its own torchft replica group of
+one process (its own launcher), so a member's death is never its launcher's reason to kill
+the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
+from nn_handler.training.fault_tolerance.lighthouse import require_torchft
+from nn_handler.training.fault_tolerance.transport import VerifiedTransport
+
+
+class Replica:
+    """The member ``member_id`` of the run coordinated by the Lighthouse at ``lighthouse``.
+
+    Args:
+        state_dict: the whole state a new member receives (model, optimizer, loop position...).
+        load_state_dict: takes that state in a new member.
+        min_members: the fewest members a step may commit with.
+        host: the address this member listens on and is reached at.
+        timeout_s: the longest wait for a collective or a state transfer (a member silent
+            that long is lost).
+        quorum_timeout_s: the longest wait for a step's members to be agreed.
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        member_id: str,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        *,
+        min_members: int = 1,
+        host: str = "127.0.0.1",
+        timeout_s: float = 5.0,
+        quorum_timeout_s: float = 30.0,
+    ) -> None:
+        require_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        _quiet_torchft()
+
+        self.member_id = member_id
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        # The replica group's own store (a group of one process): torchft's Manager needs one.
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.group: Any = ProcessGroupGloo(timeout=timeout)
+        with _listening_on(host):
+            self.manager: Any = Manager(
+                pg=self.group,
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=min_members,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self._store.port,
+                lighthouse_addr=lighthouse,
+                replica_id=member_id,
+                hostname=host,
+                checkpoint_transport=VerifiedTransport(self.group, timeout),
+            )
+        self.communicator = ReplicaCommunicator(self)
+        #: The collective failure of the step in flight (None: none).
+        self.failure: BaseException | None = None
+
+    @property
+    def store_port(self) -> int:
+        """The port of this member's replica-group store (torch's TCPStore, which listens on
+        every interface as torchrun's does)."""
+        return int(self._store.port)
+
+    @property
+    def step(self) -> int:
+        """The number of committed steps."""
+        return int(self.manager.current_step())
+
+    @property
+    def rank(self) -> int | None:
+        """This member's rank in the current step (None: it takes no part)."""
+        rank = self.manager.participating_rank()
+        return None if rank is None else int(rank)
+
+    @property
+    def members(self) -> int:
+        """How many members the current step has."""
+        return int(self.manager.num_participants())
+
+    def begin_step(self) -> None:
+        """Agree on this step's members (and receive the state first if this one is behind).
+        Every member must call this at the start of each step, redone ones included."""
+        self.failure = None
+        self.manager.start_quorum()
+
+    def lost(self, error: BaseException) -> None:
+        """A collective of this step failed: the step will not be committed."""
+        self.failure = error
+        self.manager.report_error(error)
+
+    def abandoned(self, what: str, error: BaseException) -> str:
+        return (
+            f"{what} of step {self.step} failed on member {self.member_id}: a member was lost "
+            f"({type(error).__name__}: {error}); the step is redone by the members left."
+        )
+
+    def commit(self) -> bool:
+        """Whether the step counts: every collective of it completed on this member, with at
+        least ``min_members`` members. Step the optimizer only if it does. Every member must
+        call this once per step."""
+        return bool(self.manager.should_commit())
+
+    def close(self) -> None:
+        """Leave the run (the others go on without this member)."""
+        self.manager.shutdown(wait=False)
+
+
+class _NoFlightRecorder(logging.Filter):
+    """Drops torchft's warning, at every change of members, that it cannot reset NCCL's flight
+    recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def _quiet_torchft() -> None:
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorder) for f in logger.filters):
+        logger.addFilter(_NoFlightRecorder())
+
+
+@contextlib.contextmanager
+def _listening_on(host: str) -> Iterator[None]:
+    """torchft's Manager starts its server on every interface (``[::]``), with no setting for
+    it; this makes it listen on ``host`` only, while the Manager is made."""
+    import torchft.manager as module
+
+    original = module.ManagerServer
+
+    def on_host(**kwargs: Any) -> Any:
+        port = str(kwargs.get("bind", ":0")).rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{host}:{port}"})
+
+    module.ManagerServer = on_host
+    try:
+        yield
+    finally:
+        module.ManagerServer = original
+
+
+__all__ = ["Replica"]

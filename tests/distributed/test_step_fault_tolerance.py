@@ -1,0 +1,123 @@
+"""Per-step fault tolerance (nn_handler/training/fault_tolerance/) with real processes: members
+of a run SIGKILLed in a step, before and after its sum, and a member joining mid-run. The
+others go on in their processes, redo what was abandoned, and end with the same bits as a run
+that never failed; every step is committed once, with all of its samples.
+(tests/scripts/ft_member.py is one member; the Lighthouse lives in this test process.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from nn_handler.training.fault_tolerance import Lighthouse
+from tests.ft_helpers import BATCH, STEPS, batch_of, digest, unfailed
+from tests.timeouts import scaled
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_member.py"
+ROOT = SCRIPT.parents[2]
+
+
+class _Members:
+    """The member processes of one run, each logging to RUN/<id>.log; all killed on exit."""
+
+    def __init__(self, lighthouse: str, run: Path) -> None:
+        self.lighthouse, self.run = lighthouse, run
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, member: str, starters: int, *kill: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "PYTHONPATH": str(ROOT), "RUST_LOG": "error"}  # fmt: skip
+        command = [sys.executable, str(SCRIPT), self.lighthouse, str(self.run), member]
+        with open(self.run / f"{member}.log", "wb") as log:
+            self.procs[member] = subprocess.Popen(
+                [*command, str(starters), *kill], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {m} (exit {p.poll()}):\n{(self.run / f'{m}.log').read_text()[-3000:]}"
+            for m, p in self.procs.items()
+        )
+
+    def wait_for(self, member: str, step: int, deadline: float) -> None:
+        progress = self.run / f"{member}.step"
+        while not (progress.exists() and int(progress.read_text() or 0) >= step):
+            if time.monotonic() > deadline or self.procs[member].poll() is not None:
+                pytest.fail(f"{member} never reached step {step}:\n{self.logs()}")
+            time.sleep(0.02)
+
+    def wait(self, deadline: float) -> dict[str, int]:
+        for member, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{member} did not finish in time (a hang):\n{self.logs()}")
+        return {m: p.returncode for m, p in self.procs.items()}
+
+    def __enter__(self) -> _Members:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def _check_ledger(ledger: list[list[int]], first: int) -> None:
+    """Steps ``first``..STEPS-1 committed once each, in order, each with all of its samples."""
+    assert [entry[0] for entry in ledger] == list(range(first, STEPS))
+    for step, samples, id_sum, _members in ledger:
+        assert (samples, id_sum) == (BATCH, sum(batch_of(step))), f"step {step}"
+
+
+def test_members_killed_in_a_step_are_replaced_without_a_restart_and_the_bits_hold(
+    tmp_path: Path,
+) -> None:
+    """m1 dies before step a's sum (the others' sum fails: the step is redone by the members
+    left), m3 joins after it (it receives the state, checked), m2 dies after step b's sum
+    (before its commit: the others had the whole sum and commit). m0 and m3 end with the bits
+    of a run that never failed."""
+    seed = int(os.environ.get("NN_HANDLER_FT_SEED", "51"))
+    rng = random.Random(seed)
+    a = rng.randint(2, 7)
+    b = rng.randint(a + 6, STEPS - 4)
+    deadline = time.monotonic() + scaled(90)
+    with (
+        Lighthouse(min_members=2, join_timeout_s=1.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path) as members,
+    ):
+        members.start("m0", 3)
+        members.start("m1", 3, str(a), "before")
+        members.start("m2", 3, str(b), "after")
+        members.wait_for("m0", a + 1, deadline)
+        members.start("m3", 0)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m3": 0}, (
+        f"seed {seed} (a={a}, b={b}):\n{members.logs()}"
+    )
+    reports = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m0", "m3")}
+    expected = digest(unfailed())
+    assert reports["m0"]["digest"] == expected and reports["m3"]["digest"] == expected
+    _check_ledger(reports["m0"]["ledger"], 0)
+    joined = reports["m3"]["ledger"][0][0]
+    assert joined > a, "m3 started after step a: it joined mid-run"
+    _check_ledger(reports["m3"]["ledger"], joined)
+    assert reports["m0"]["redone"] >= 1  # step a, abandoned when m1 died before its sum
+    sizes = {entry[0]: entry[3] for entry in reports["m0"]["ledger"]}
+    assert sizes[a] == 2 and sizes[STEPS - 1] == 2 and 3 in sizes.values()
+    for member, report in reports.items():  # every socket but torch's own store
+        assert all(a.startswith("127.0.0.1:") for a in report["listening"]), member

@@ -1,0 +1,88 @@
+"""Run by tests/distributed/test_step_fault_tolerance.py (not by pytest): one member of a
+fault-tolerant run of tests/ft_helpers.py's problem, which may SIGKILL itself in a step.
+
+Usage: python ft_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
+STARTERS: how many members start together (each waits for the others' ready-* files in RUN_DIR
+before its first step; 0: join a run already going). WHEN: 'before' (dies before the step's
+sum) or 'after' (after it, before the commit). RUN_DIR/<id>.step has the last step begun;
+RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
+(step, samples, sum of sample ids, members), the steps abandoned and redone, and the addresses
+this process listens on besides its replica group's store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+
+from nn_handler.training.fault_tolerance import Replica
+from tests.ft_helpers import FEATURES, STEPS, apply, batch_of, data, digest, slots
+
+STEP_S = 0.05  # a step's compute, so that kills and joins land mid-run
+
+
+def main(
+    lighthouse: str, run: Path, member: str, starters: int, kill_step: int = -1, when: str = ""
+) -> None:
+    x, y = data()
+    w = torch.zeros(FEATURES, dtype=torch.float64)
+    replica = Replica(
+        lighthouse,
+        member,
+        state_dict=lambda: {"w": w},
+        load_state_dict=lambda state: w.copy_(state["w"]),
+        min_members=2,
+        timeout_s=3.0,
+    )
+    (run / f"ready-{member}").touch()
+    while len(list(run.glob("ready-*"))) < starters:
+        time.sleep(0.01)
+    ledger, redone = [], 0
+    while replica.step < STEPS:
+        replica.begin_step()
+        step, rank, members = replica.step, replica.rank, replica.members
+        (run / f"{member}.step").write_text(str(step))
+        mine = [i for j, i in enumerate(batch_of(step)) if j % members == rank]
+        row = slots(w, mine, x, y)
+        time.sleep(STEP_S)
+        if step == kill_step and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            summed = replica.communicator.all_reduce(row)
+        except Exception:  # PeerLostError: the commit says no
+            summed = None
+        if step == kill_step and when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if replica.commit() and summed is not None:
+            apply(w, summed)
+            ledger.append([step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members])
+        else:
+            redone += 1
+    store = f":{replica.store_port}"
+    listening = {
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for c in psutil.Process().net_connections("inet")
+        if c.status == "LISTEN"
+    }
+    replica.close()
+    report = {
+        "digest": digest(w),
+        "ledger": ledger,
+        "redone": redone,
+        "listening": sorted(a for a in listening if not a.endswith(store)),
+    }
+    (run / f"{member}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    lighthouse, run, member, starters, *kill = sys.argv[1:]
+    main(lighthouse, Path(run), member, int(starters), *(int(kill[0]), kill[1]) if kill else ())  # type: ignore[arg-type]

@@ -1,0 +1,112 @@
+"""The fault-tolerance mode's parts that need no second process: the Lighthouse's address, the
+transport of a member's state (verified, never unpickled) and the error without torchft."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.training.fault_tolerance import Lighthouse, require_torchft
+from nn_handler.training.fault_tolerance.transport import VerifiedTransport
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _Loopback:
+    """A group of one link: what is sent with a tag is what the next recv of that tag gets."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, torch.Tensor] = {}
+
+    def send(self, tensors: list[torch.Tensor], rank: int, tag: int) -> _Done:
+        self.sent[tag] = tensors[0].clone()
+        return _Done()
+
+    def recv(self, tensors: list[torch.Tensor], rank: int, tag: int) -> _Done:
+        tensors[0].copy_(self.sent[tag])
+        return _Done()
+
+
+def _transport() -> tuple[VerifiedTransport, _Loopback]:
+    group = _Loopback()
+    return VerifiedTransport(group, timedelta(seconds=1)), group
+
+
+def test_a_members_state_arrives_whole_with_its_tensors_and_numbers() -> None:
+    transport, _ = _transport()
+    state = {"user": {"w": torch.arange(5.0), "step": 7}, "torchft": {"step": 7}}
+    transport.send_checkpoint([1], 7, state, timedelta(seconds=1))
+    received = transport.recv_checkpoint(0, transport.metadata(), 7, timedelta(seconds=1))
+    assert torch.equal(received["user"]["w"], state["user"]["w"])
+    assert received["user"]["step"] == 7 and received["torchft"] == {"step": 7}
+
+
+def test_a_changed_byte_in_a_sent_state_is_refused_by_name() -> None:
+    transport, group = _transport()
+    transport.send_checkpoint([1], 3, {"w": torch.ones(64)}, timedelta(seconds=1))
+    group.sent[102][-30] ^= 0xFF  # one byte, anywhere: the whole is checksummed
+    corrupt = r"the state sent by member 0 at step 3 is corrupt: .* was sent; it was refused"
+    with pytest.raises(CheckpointError, match=corrupt):
+        transport.recv_checkpoint(0, "", 3, timedelta(seconds=1))
+
+
+def test_a_state_of_another_step_is_refused() -> None:
+    transport, _ = _transport()
+    transport.send_checkpoint([1], 4, {"w": torch.ones(2)}, timedelta(seconds=1))
+    with pytest.raises(CheckpointError, match="it is of step 4; it was refused"):
+        transport.recv_checkpoint(0, "", 5, timedelta(seconds=1))
+
+
+class _Runs:
+    def __reduce__(self) -> Any:
+        return (os.system, ("echo owned",))
+
+
+def test_a_state_that_would_run_code_is_refused_not_unpickled() -> None:
+    transport, group = _transport()
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(1), "x": _Runs()}, buffer, pickle_module=pickle)
+    # A peer's bytes, well formed and checksummed: only weights-only loading stands between.
+    transport.send_checkpoint([1], 1, {"w": torch.ones(1)}, timedelta(seconds=1))
+    data = buffer.getvalue()
+    from nn_handler.checkpoint.verify import entry_of_bytes
+
+    entry = entry_of_bytes(data)
+    group.sent[101] = torch.tensor([entry["size"], entry["crc32"], 1], dtype=torch.int64)
+    group.sent[102] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    refused = r"cannot be loaded weights-only \(it names posix.system\); it was refused"
+    with pytest.raises(CheckpointError, match=refused):
+        transport.recv_checkpoint(0, "", 1, timedelta(seconds=1))
+
+
+def test_the_lighthouse_listens_on_the_loopback_address_it_gives() -> None:
+    with Lighthouse(min_members=2) as lighthouse:
+        assert lighthouse.address == f"http://127.0.0.1:{lighthouse.port}"
+        bound = {
+            c.laddr.ip
+            for c in psutil.Process().net_connections("inet")
+            if c.status == "LISTEN" and c.laddr.port == lighthouse.port
+        }
+        assert bound == {"127.0.0.1"}
+
+
+def test_without_torchft_the_mode_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ConfigError, match=r"pip install 'nn_handler\[ft\]'"):
+        require_torchft()
