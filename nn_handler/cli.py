@@ -181,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         "folder", metavar="DIR", help="a sharded checkpoint folder (or its URL, s3://...)"
     )
     consolidate.add_argument("out", metavar="OUT", help="the file to write (e.g. model.pt)")
+    lighthouse = commands.add_parser(
+        "lighthouse",
+        help="run the coordinator of a fault-tolerant run (trainer.fault_tolerance)",
+        description="Run a torchft Lighthouse until stopped: it decides each step's members of "
+        "a fault-tolerant run from their heartbeats. Run it where no member runs.",
+    )
+    lighthouse.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    lighthouse.add_argument("--port", type=int, default=29510, help="0: a free one")
+    lighthouse.add_argument("--min-members", type=_positive_int, default=1)
+    lighthouse.add_argument("--join-timeout-s", type=float, default=0.2)
+    lighthouse.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     return parser
 
 
@@ -225,6 +236,21 @@ def run_consolidate(folder: str, out: str) -> int:
     return 0
 
 
+def run_lighthouse(args: argparse.Namespace) -> int:
+    """Serve until stopped; 1 with the reason when it cannot start."""
+    from nn_handler.errors import ConfigError
+    from nn_handler.training.fault_tolerance.lighthouse import serve
+
+    try:
+        serve(args.host, args.port, args.min_members, args.join_timeout_s, args.heartbeat_timeout_s)
+    except (ConfigError, RuntimeError, OSError) as error:
+        print(f"nn-handler lighthouse: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -235,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_consolidate(args.folder, args.out)
     if args.command == "checkpoint":
         return run_inspect(args.path)
+    if args.command == "lighthouse":
+        return run_lighthouse(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

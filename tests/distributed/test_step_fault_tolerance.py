@@ -37,9 +37,9 @@ class _Members:
         self.lighthouse, self.run = lighthouse, run
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, member: str, starters: int, *kill: str) -> None:
+    def start(self, member: str, starters: int, *kill: str, hold: int = -1) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": str(ROOT), "RUST_LOG": "error"}  # fmt: skip
+               "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_HOLD_AT": str(hold)}  # fmt: skip
         command = [sys.executable, str(SCRIPT), self.lighthouse, str(self.run), member]
         with open(self.run / f"{member}.log", "wb") as log:
             self.procs[member] = subprocess.Popen(
@@ -59,13 +59,15 @@ class _Members:
                 pytest.fail(f"{member} never reached step {step}:\n{self.logs()}")
             time.sleep(0.02)
 
-    def wait(self, deadline: float) -> dict[str, int]:
+    def wait(self, deadline: float, *only: str) -> dict[str, int]:
         for member, proc in self.procs.items():
+            if only and member not in only:
+                continue
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"{member} did not finish in time (a hang):\n{self.logs()}")
-        return {m: p.returncode for m, p in self.procs.items()}
+        return {m: p.returncode for m, p in self.procs.items() if not only or m in only}
 
     def __enter__(self) -> _Members:
         return self
@@ -77,10 +79,10 @@ class _Members:
             proc.wait()
 
 
-def _check_ledger(ledger: list[list[int]], first: int) -> None:
-    """Steps ``first``..STEPS-1 committed once each, in order, each with all of its samples."""
-    assert [entry[0] for entry in ledger] == list(range(first, STEPS))
-    for step, samples, id_sum, _members in ledger:
+def _check_ledger(ledger: list[list[int]], first: int, end: int = STEPS) -> None:
+    """Steps ``first``..``end``-1 committed once each, in order, each with all its samples."""
+    assert [entry[0] for entry in ledger] == list(range(first, end))
+    for step, samples, id_sum, _members, _when in ledger:
         assert (samples, id_sum) == (BATCH, sum(batch_of(step))), f"step {step}"
 
 
@@ -121,3 +123,47 @@ def test_members_killed_in_a_step_are_replaced_without_a_restart_and_the_bits_ho
     assert sizes[a] == 2 and sizes[STEPS - 1] == 2 and 3 in sizes.values()
     for member, report in reports.items():  # every socket but torch's own store
         assert all(a.startswith("127.0.0.1:") for a in report["listening"]), member
+
+
+def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Path) -> None:
+    """Five members: m1 stops (SIGSTOP: a hang, its sockets open) before step a's sum, m2 and m3
+    are killed together before step b's; the others time out on m1, leave it out, lose two
+    more at once, and go on with the bits of a run that never failed, each step once; the
+    first commit after each failure comes within the collective timeout (3 s) and the
+    Lighthouse's heartbeat timeout (1 s), with 2 s to spare. Then the Lighthouse (which lives
+    in no member) is killed before step c: m0 and m4 stop within their quorum timeout (5 s)
+    with an error naming it and the way on, their c committed steps intact."""
+    seed = int(os.environ.get("NN_HANDLER_FT_SEED", "52"))
+    rng = random.Random(seed)
+    a = rng.randint(2, 6)
+    b = rng.randint(a + 4, 12)
+    c = rng.randint(b + 3, STEPS - 3)
+    deadline = time.monotonic() + scaled(90)
+    lighthouse = Lighthouse(min_members=2, join_timeout_s=1.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path) as members:
+        members.start("m0", 5, hold=c)
+        members.start("m1", 5, str(a), "stop")
+        members.start("m2", 5, str(b), "before")
+        members.start("m3", 5, str(b), "before")
+        members.start("m4", 5, hold=c)
+        members.wait_for("m0", c, deadline)
+        members.wait_for("m4", c, deadline)
+        lighthouse.kill()
+        (tmp_path / "release").touch()
+        codes = members.wait(deadline, "m0", "m2", "m3", "m4")
+        assert members.procs["m1"].poll() is None, "m1 is stopped, not gone"
+    assert codes == {"m0": 1, "m2": -signal.SIGKILL, "m3": -signal.SIGKILL, "m4": 1}, (
+        f"seed {seed} (a={a}, b={b}, c={c}):\n{members.logs()}"
+    )
+    reports = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m0", "m4")}
+    for report in reports.values():
+        assert report["steps"] == c and report["digest"] == digest(unfailed(c))
+        _check_ledger(report["ledger"], 0, c)
+        assert f"the Lighthouse at {lighthouse.address} is gone" in report["stopped"]
+        assert "restart it from its latest checkpoint" in report["stopped"]
+    sizes = {entry[0]: entry[3] for entry in reports["m0"]["ledger"]}
+    assert (sizes[a - 1], sizes[a], sizes[b - 1], sizes[b]) == (5, 4, 4, 2)
+    commits = {entry[0]: entry[4] for entry in reports["m0"]["ledger"]}
+    for died, step in (("m1", a), ("m2", b)):
+        recovery = commits[step] - float((tmp_path / f"{died}.died").read_text())
+        assert 0 < recovery < scaled(3.0 + 1.0 + 2.0), (died, recovery)

@@ -4,10 +4,13 @@ fault-tolerant run of tests/ft_helpers.py's problem, which may SIGKILL itself in
 Usage: python ft_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
 STARTERS: how many members start together (each waits for the others' ready-* files in RUN_DIR
 before its first step; 0: join a run already going). WHEN: 'before' (dies before the step's
-sum) or 'after' (after it, before the commit). RUN_DIR/<id>.step has the last step begun;
-RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
-(step, samples, sum of sample ids, members), the steps abandoned and redone, and the addresses
-this process listens on besides its replica group's store.
+sum), 'after' (after it, before the commit) or 'stop' (SIGSTOPs itself before the sum: a hang;
+the test kills it at the end); RUN_DIR/<id>.died gets the time just before. RUN_DIR/<id>.step
+has the step it is at; RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the
+ledger of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned
+and redone, the addresses this process listens on besides its replica group's store, and why it
+stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
+until RUN_DIR/release exists.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
 
+from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance import Replica
 from tests.ft_helpers import FEATURES, STEPS, apply, batch_of, data, digest, slots
 
@@ -42,29 +46,40 @@ def main(
         load_state_dict=lambda state: w.copy_(state["w"]),
         min_members=2,
         timeout_s=3.0,
+        quorum_timeout_s=5.0,
     )
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
-    ledger, redone = [], 0
+    ledger, redone, stopped = [], 0, ""
+    hold = int(os.environ.get("FT_HOLD_AT", "-1"))
     while replica.step < STEPS:
-        replica.begin_step()
+        (run / f"{member}.step").write_text(str(replica.step))
+        if replica.step == hold:  # until the test has done what it waits for
+            end = time.monotonic() + 60
+            while not (run / "release").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+        try:
+            replica.begin_step()
+        except DistributedError as error:  # no quorum: the Lighthouse is gone
+            stopped = str(error)
+            break
         step, rank, members = replica.step, replica.rank, replica.members
-        (run / f"{member}.step").write_text(str(step))
         mine = [i for j, i in enumerate(batch_of(step)) if j % members == rank]
         row = slots(w, mine, x, y)
         time.sleep(STEP_S)
-        if step == kill_step and when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == kill_step and when in ("before", "stop"):
+            _die(run, member, signal.SIGKILL if when == "before" else signal.SIGSTOP)
         try:
             summed = replica.communicator.all_reduce(row)
         except Exception:  # PeerLostError: the commit says no
             summed = None
         if step == kill_step and when == "after":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(run, member, signal.SIGKILL)
         if replica.commit() and summed is not None:
             apply(w, summed)
-            ledger.append([step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members])
+            committed = [step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members]
+            ledger.append([*committed, time.time()])
         else:
             redone += 1
     store = f":{replica.store_port}"
@@ -75,12 +90,22 @@ def main(
     }
     replica.close()
     report = {
+        "steps": replica.step,
+        "stopped": stopped,
         "digest": digest(w),
         "ledger": ledger,
         "redone": redone,
         "listening": sorted(a for a in listening if not a.endswith(store)),
     }
     (run / f"{member}.json").write_text(json.dumps(report))
+    if stopped:
+        print(stopped, file=sys.stderr)
+        sys.exit(1)
+
+
+def _die(run: Path, member: str, how: signal.Signals) -> None:
+    (run / f"{member}.died").write_text(repr(time.time()))
+    os.kill(os.getpid(), how)
 
 
 if __name__ == "__main__":

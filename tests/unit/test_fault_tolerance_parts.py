@@ -93,15 +93,15 @@ def test_a_state_that_would_run_code_is_refused_not_unpickled() -> None:
         transport.recv_checkpoint(0, "", 1, timedelta(seconds=1))
 
 
-def test_the_lighthouse_listens_on_the_loopback_address_it_gives() -> None:
+def test_the_lighthouse_runs_in_a_process_of_its_own_on_the_address_it_gives() -> None:
     with Lighthouse(min_members=2) as lighthouse:
         assert lighthouse.address == f"http://127.0.0.1:{lighthouse.port}"
         bound = {
             c.laddr.ip
-            for c in psutil.Process().net_connections("inet")
+            for c in psutil.Process(lighthouse.pid).net_connections("inet")
             if c.status == "LISTEN" and c.laddr.port == lighthouse.port
         }
-        assert bound == {"127.0.0.1"}
+        assert bound == {"127.0.0.1"} and lighthouse.pid != os.getpid()
 
 
 def test_without_torchft_the_mode_says_which_extra_to_install(

@@ -1,14 +1,23 @@
 """The Lighthouse: the coordinator of the fault-tolerance mode, which decides each step's
-members from their heartbeats. It runs in a process of its own (a launcher, a supervisor, a
-job step), never in a member that can die: with it gone the members cannot agree on a step,
-and the run falls back to a restart from its latest checkpoint."""
+members from their heartbeats. It runs in a process of its own (``nn-handler lighthouse``, or
+``Lighthouse`` starting one), never in a member that can die: with it gone the members cannot
+agree on a step and each stops with an error that says so (the run then restarts from its
+latest checkpoint)."""
 
 from __future__ import annotations
 
+import os
+import queue
+import subprocess
+import sys
+import threading
 from types import TracebackType
-from typing import Any
+from typing import IO
 
-from nn_handler.errors import ConfigError
+from nn_handler.errors import ConfigError, DistributedError
+
+#: The line a Lighthouse process prints first, then its address.
+READY = "nn_handler lighthouse listening on "
 
 
 def require_torchft() -> None:
@@ -21,13 +30,36 @@ def require_torchft() -> None:
         ) from None
 
 
+def serve(
+    host: str, port: int, min_members: int, join_timeout_s: float, heartbeat_timeout_s: float
+) -> None:
+    """Run a torchft Lighthouse on ``host``:``port`` until this process is stopped; prints
+    ``READY`` and its address first (torchft names it by the machine's hostname; members
+    dial the host it bound)."""
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"{host}:{port}",
+        min_replicas=min_members,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
+    bound = int(str(server.address()).rsplit(":", 1)[1])
+    print(f"{READY}http://{host}:{bound}", flush=True)
+    threading.Event().wait()  # until SIGTERM or SIGINT ends the process
+
+
 class Lighthouse:
-    """A torchft Lighthouse listening on ``host`` (``port`` 0: a free one).
+    """A Lighthouse in a child process, listening on ``host`` (``port`` 0: a free one).
 
     Args:
         min_members: the fewest members a step may have.
         join_timeout_s: how long a new quorum waits for members still starting.
         heartbeat_timeout_s: a member silent that long is left out of the next step.
+        start_timeout_s: how long it may take to start.
+    Its log is the child's stderr (this process's); torchft's per-step lines are left out
+    unless ``RUST_LOG`` asks for them.
     """
 
     def __init__(
@@ -38,28 +70,44 @@ class Lighthouse:
         min_members: int = 1,
         join_timeout_s: float = 0.2,
         heartbeat_timeout_s: float = 1.0,
+        start_timeout_s: float = 30.0,
     ) -> None:
         require_torchft()
-        from torchft._torchft import LighthouseServer
-
-        self.host = host
-        self._server: Any = LighthouseServer(
-            bind=f"{host}:{port}",
-            min_replicas=min_members,
-            join_timeout_ms=int(join_timeout_s * 1000),
-            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
-        )
-        # The server names itself by the machine's hostname; members dial the host it bound.
-        self.port = int(str(self._server.address()).rsplit(":", 1)[1])
+        command = [sys.executable, "-m", "nn_handler.cli", "lighthouse", "--host", host,
+                   "--port", str(port), "--min-members", str(min_members),
+                   "--join-timeout-s", str(join_timeout_s),
+                   "--heartbeat-timeout-s", str(heartbeat_timeout_s)]  # fmt: skip
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        line = _first_line(self._process.stdout, start_timeout_s)
+        if not line.startswith(READY):
+            self.kill()
+            raise DistributedError(
+                f"the Lighthouse did not start on {host}:{port} within {start_timeout_s:g} s "
+                f"(exit {self._process.poll()}; its errors are above)."
+            )
+        self.address = line[len(READY) :].strip()
+        self.port = int(self.address.rsplit(":", 1)[1])
 
     @property
-    def address(self) -> str:
-        """What members are given to find it (``http://host:port``)."""
-        return f"http://{self.host}:{self.port}"
+    def pid(self) -> int:
+        return self._process.pid
 
     def close(self) -> None:
-        """Stop it (members then fail their next quorum)."""
-        self._server.shutdown()
+        """Stop it (members then fail their next quorum). Idempotent."""
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+    def kill(self) -> None:
+        """SIGKILL it, as a lost machine would."""
+        self._process.kill()
+        self._process.wait()
 
     def __enter__(self) -> Lighthouse:
         return self
@@ -73,4 +121,17 @@ class Lighthouse:
         self.close()
 
 
-__all__ = ["Lighthouse", "require_torchft"]
+def _first_line(stream: IO[str] | None, timeout_s: float) -> str:
+    """The first line of ``stream`` ('' at its end or after ``timeout_s``)."""
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(
+        target=lambda: lines.put(stream.readline() if stream is not None else ""), daemon=True
+    )
+    reader.start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return ""
+
+
+__all__ = ["READY", "Lighthouse", "require_torchft", "serve"]

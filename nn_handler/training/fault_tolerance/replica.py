@@ -24,6 +24,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
+from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.lighthouse import require_torchft
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
@@ -60,6 +61,8 @@ class Replica:
         _quiet_torchft()
 
         self.member_id = member_id
+        self.lighthouse = lighthouse
+        self.min_members = min_members
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         # The replica group's own store (a group of one process): torchft's Manager needs one.
@@ -114,7 +117,16 @@ class Replica:
         """Agree on this step's members (and receive the state first if this one is behind).
         Every member must call this at the start of each step, redone ones included."""
         self.failure = None
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # torchft's quorum timed out or its server failed
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise DistributedError(
+                f"member {self.member_id}: no agreement on the members of step {self.step} "
+                f"({type(error).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
+                f"gone, or fewer than min_members={self.min_members} members are left. The "
+                f"run cannot go on step by step: restart it from its latest checkpoint."
+            ) from error
 
     def lost(self, error: BaseException) -> None:
         """A collective of this step failed: the step will not be committed."""
