@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import ByteSize, Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
+from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.config.observability import ProfileConfig
 
 PrecisionName = Literal["32", "bf16", "fp16", "amp"]
@@ -231,6 +232,8 @@ class TrainerConfig(ConfigModel):
             traces per rank, a table of the top operators); None: off.
         reproducible: bit-identical training at any world size (ReproducibleConfig); None:
             off (the normal mode, a floating-point all_reduce of the gradients).
+        fault_tolerance: a member lost in a step is left out and its step redone by the
+            others, with no restart (FaultToleranceConfig; needs ``reproducible``); None: off.
     """
 
     epochs: int = Field(default=1, ge=1, strict=True)
@@ -276,9 +279,16 @@ class TrainerConfig(ConfigModel):
     non_blocking: bool = True
     profile: ProfileConfig | None = None
     reproducible: ReproducibleConfig | None = None
+    fault_tolerance: FaultToleranceConfig | None = None
 
     @model_validator(mode="after")
     def _check_reproducible(self) -> TrainerConfig:
+        if self.fault_tolerance is not None and self.reproducible is None:
+            raise ValueError(
+                "fault_tolerance: needs reproducible (a step redone by fewer members must sum "
+                "to the same bits): set trainer.reproducible (global_batch_size, "
+                "micro_batch_size)"
+            )
         if self.reproducible is None:
             return self
         refused = {

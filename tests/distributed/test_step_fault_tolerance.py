@@ -89,10 +89,11 @@ def _check_ledger(ledger: list[list[int]], first: int, end: int = STEPS) -> None
 def test_members_killed_in_a_step_are_replaced_without_a_restart_and_the_bits_hold(
     tmp_path: Path,
 ) -> None:
-    """m1 dies before step a's sum (the others' sum fails: the step is redone by the members
-    left), m3 joins after it (it receives the state, checked), m2 dies after step b's sum
-    (before its commit: the others had the whole sum and commit). m0 and m3 end with the bits
-    of a run that never failed."""
+    """m1 dies before step a's sum (the others' sum fails: they vote abort and redo the step
+    without it), m3 joins after it (it receives the state, checked), m2 dies after step b's
+    sum, before its vote (the others had the whole sum, yet wait for its vote, abandon the
+    step and redo it: no member commits a step that another could not). m0 and m3 end with
+    the bits of a run that never failed, every step committed once."""
     seed = int(os.environ.get("NN_HANDLER_FT_SEED", "51"))
     rng = random.Random(seed)
     a = rng.randint(2, 7)

@@ -1,18 +1,24 @@
-"""The Lighthouse: the coordinator of the fault-tolerance mode, which decides each step's
-members from their heartbeats. It runs in a process of its own (``nn-handler lighthouse``, or
-``Lighthouse`` starting one), never in a member that can die: with it gone the members cannot
-agree on a step and each stops with an error that says so (the run then restarts from its
-latest checkpoint)."""
+"""The Lighthouse: the coordinator of the fault-tolerance mode. It decides each step's members
+from their heartbeats (torchft's Lighthouse, on port N) and records each step's verdict, commit
+or abort, once for all of them (a TCPStore on port N+1: the first verdict written stands, so
+no member commits a step another abandons). It runs in a process of its own (``nn-handler
+lighthouse``, or ``Lighthouse`` starting one), never in a member that can die: with it gone
+the members cannot agree on a step and each stops with an error that says so (the run then
+restarts from its latest checkpoint)."""
 
 from __future__ import annotations
 
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from types import TracebackType
 from typing import IO
+
+from torch._C._distributed_c10d import TCPStore
 
 from nn_handler.errors import ConfigError, DistributedError
 
@@ -33,21 +39,45 @@ def require_torchft() -> None:
 def serve(
     host: str, port: int, min_members: int, join_timeout_s: float, heartbeat_timeout_s: float
 ) -> None:
-    """Run a torchft Lighthouse on ``host``:``port`` until this process is stopped; prints
-    ``READY`` and its address first (torchft names it by the machine's hostname; members
-    dial the host it bound)."""
+    """Run the Lighthouse on ``host``:``port`` and its verdicts' store on ``port`` + 1 until
+    this process is stopped (``port`` 0: two free ones); prints ``READY`` and its address
+    first (torchft names it by the machine's hostname; members dial the host it bound)."""
     require_torchft()
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(
-        bind=f"{host}:{port}",
-        min_replicas=min_members,
-        join_timeout_ms=int(join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
-    )
-    bound = int(str(server.address()).rsplit(":", 1)[1])
-    print(f"{READY}http://{host}:{bound}", flush=True)
-    threading.Event().wait()  # until SIGTERM or SIGINT ends the process
+    for _ in range(50 if port == 0 else 1):
+        quorum = port or _free_port(host)
+        try:
+            store = TCPStore(host, quorum + 1, is_master=True, wait_for_workers=False)
+            server = LighthouseServer(
+                bind=f"{host}:{quorum}",
+                min_replicas=min_members,
+                join_timeout_ms=int(join_timeout_s * 1000),
+                heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+            )
+        except (RuntimeError, OSError) as error:  # a port taken meanwhile
+            failure = error
+            continue
+        print(f"{READY}http://{host}:{quorum}", flush=True)
+        serving = (server, store)  # held: they serve until the process ends
+        threading.Event().wait()  # until SIGTERM or SIGINT ends the process
+        del serving
+    raise DistributedError(f"the Lighthouse cannot listen on {host}:{port} and +1: {failure}")
+
+
+def verdicts_of(lighthouse: str, timeout_s: float) -> TCPStore:
+    """A client of the verdicts' store of the Lighthouse at ``lighthouse``."""
+    host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
+    return TCPStore(
+        host, int(port) + 1, is_master=False, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 class Lighthouse:
@@ -134,4 +164,4 @@ def _first_line(stream: IO[str] | None, timeout_s: float) -> str:
         return ""
 
 
-__all__ = ["READY", "Lighthouse", "require_torchft", "serve"]
+__all__ = ["READY", "Lighthouse", "require_torchft", "serve", "verdicts_of"]

@@ -7,8 +7,11 @@
         optimizer.step()
     else:                     # a member was lost: nothing changed; the same step is redone
 
-A step is committed only if its collectives completed, so what it summed is the whole step's
-(every micro-batch of it, whoever computed them); one abandoned is redone with the same
+A step is committed only if its collectives completed on every member of it, so what it summed
+is the whole step's (every micro-batch of it, whoever computed them); the verdict, commit or
+abort, is written once in the Lighthouse's store (the first one written stands) and read by
+every member, so none commits a step that another abandons, even when a member dies in the
+middle of a collective that completed on some. An abandoned step is redone with the same
 micro-batches spread over the members left. Each member is its own torchft replica group of
 one process (its own launcher), so a member's death is never its launcher's reason to kill
 the others.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -26,7 +30,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
-from nn_handler.training.fault_tolerance.lighthouse import require_torchft
+from nn_handler.training.fault_tolerance.lighthouse import require_torchft, verdicts_of
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 
 
@@ -90,6 +94,12 @@ class Replica:
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
         self.failure: BaseException | None = None
+        self._verdicts = verdicts_of(lighthouse, timeout_s)
+        # Which attempt of the step this is, counted within its quorum (the members the
+        # Lighthouse agreed on, all of whom start it at 0 and see the same verdicts): a member
+        # that joins comes with a new quorum, so every member's count agrees.
+        self._quorum = -1
+        self._attempt = 0
 
     @property
     def store_port(self) -> int:
@@ -119,6 +129,9 @@ class Replica:
         self.failure = None
         try:
             self.manager.start_quorum()
+            quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id here
+            if quorum != self._quorum:
+                self._quorum, self._attempt = quorum, 0
         except Exception as error:  # torchft's quorum timed out or its server failed
             first = (str(error).strip().splitlines() or [""])[0]
             raise DistributedError(
@@ -140,10 +153,40 @@ class Replica:
         )
 
     def commit(self) -> bool:
-        """Whether the step counts: every collective of it completed on this member, with at
-        least ``min_members`` members. Step the optimizer only if it does. Every member must
-        call this once per step."""
-        return bool(self.manager.should_commit())
+        """Whether the step counts: every collective of it completed on every one of its
+        members (at least ``min_members``). The same answer on every member; step the
+        optimizer only if it is True. Every member must call this once per step."""
+        verdict = self._verdict()
+        if not verdict and self.failure is None:  # another member's failure: not ours
+            self.manager.report_error(DistributedError("the step was abandoned by the run"))
+        committed = bool(self.manager.should_commit()) and verdict
+        self._attempt = 0 if committed else self._attempt + 1
+        return committed
+
+    def _verdict(self) -> bool:
+        """The run's verdict on this attempt of the step: this member's vote (done, or abort
+        at once after a failure) then the verdict, written once: commit when every member
+        voted done, abort when one failed or a vote is missing after ``timeout_s``."""
+        key = f"{self.step}/{self._quorum}/{self._attempt}"
+        store, verdict = self._verdicts, f"{key}/verdict"
+        try:
+            if self.failure is not None:
+                store.compare_set(verdict, "", "abort")
+            elif store.add(f"{key}/done", 1) >= self.members:
+                store.compare_set(verdict, "", "commit")
+            deadline = time.monotonic() + self.timeout_s
+            while not store.check([verdict]):
+                if time.monotonic() > deadline:  # a member gone before its vote
+                    store.compare_set(verdict, "", "abort")
+                time.sleep(0.001)
+            return bool(store.get(verdict) == b"commit")
+        except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
+            raise DistributedError(
+                f"member {self.member_id}: the verdict on step {self.step} cannot be read "
+                f"({type(error).__name__}: {error}): the Lighthouse at {self.lighthouse} is "
+                f"gone. The run cannot go on step by step: restart it from its latest "
+                f"checkpoint."
+            ) from error
 
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""

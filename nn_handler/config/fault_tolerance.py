@@ -1,0 +1,48 @@
+"""Configuration of the fault-tolerance mode (TrainerConfig.fault_tolerance)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from nn_handler.config.base import ConfigModel
+
+_ADDRESS = re.compile(r"^http://[^/:\s]+:\d+$")
+
+
+class FaultToleranceConfig(ConfigModel):
+    """Per-step fault tolerance (docs/fault-tolerance.md): each member of the run is a process
+    of its own; when one dies or stops answering, the others redo its step without it, in
+    their processes, with the same bits (it needs ``reproducible``).
+
+    Attributes:
+        lighthouse: the address of the run's Lighthouse, ``http://host:port`` (what
+            ``nn-handler lighthouse`` prints), a process where no member runs.
+        member_id: this member's name in the run (default: ``<hostname>-<pid>``).
+        min_members: the fewest members a step may be committed with; with fewer the run
+            waits for members up to ``quorum_timeout_s``, then stops.
+        timeout_s: a member silent this long in a collective is lost (its step is redone).
+        quorum_timeout_s: the longest wait for a step's members to be agreed.
+        host: the address this member listens on and is reached at.
+    """
+
+    lighthouse: str
+    member_id: str | None = None
+    min_members: int = Field(default=1, ge=1, strict=True)
+    timeout_s: float = Field(default=10.0, gt=0)
+    quorum_timeout_s: float = Field(default=60.0, gt=0)
+    host: str = "127.0.0.1"
+
+    @field_validator("lighthouse")
+    @classmethod
+    def _check_lighthouse(cls, value: str) -> str:
+        if not _ADDRESS.match(value):
+            raise ValueError(
+                f"{value!r} is not a Lighthouse address: give http://host:port, as "
+                f"nn-handler lighthouse prints it"
+            )
+        return value
+
+
+__all__ = ["FaultToleranceConfig"]
