@@ -143,7 +143,7 @@ class Trainer(TrainerFacade):
         #: TrainerConfig.reproducible's part (None: the normal mode).
         self.reproducible = ReproducibleMode.build(
             config.reproducible, self.module, comm, self.device, self.precision,
-            self.automatic_optimization, self.metrics,
+            self.automatic_optimization, self.metrics, config.fault_tolerance,
         )  # fmt: skip
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
         if self.reproducible is not None:
@@ -245,6 +245,7 @@ class Trainer(TrainerFacade):
         self.memory.validates = val_loader is not None  # the plan's validation item
         if self.reproducible is not None:
             self.reproducible.check_loaders(train_loader, val_loader)
+            self.reproducible.begin_fit(state.global_step)
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
@@ -265,6 +266,8 @@ class Trainer(TrainerFacade):
             failed = False
         finally:
             self.training_failed = failed
+            if self.reproducible is not None:
+                self.reproducible.end_fit()
             hooks.call_after_train(failed, self.log)
         return self.history
 

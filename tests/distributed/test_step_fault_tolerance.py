@@ -1,8 +1,10 @@
 """Per-step fault tolerance (nn_handler/training/fault_tolerance/) with real processes: members
-of a run SIGKILLed in a step, before and after its sum, and a member joining mid-run. The
-others go on in their processes, redo what was abandoned, and end with the same bits as a run
-that never failed; every step is committed once, with all of its samples.
-(tests/scripts/ft_member.py is one member; the Lighthouse lives in this test process.)"""
+of a run SIGKILLed in a step, before and after its sum, hung, killed two at once, a member
+joining mid-run, the Lighthouse killed, and an NNHandler run losing two of its three members.
+The others go on in their processes, redo what was abandoned, and end with the same bits as a
+run that never failed; every step is committed once, with all of its samples.
+(tests/scripts/ft_member.py and ft_trainer_member.py are members; the Lighthouse is a process
+of its own.)"""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -33,14 +36,14 @@ ROOT = SCRIPT.parents[2]
 class _Members:
     """The member processes of one run, each logging to RUN/<id>.log; all killed on exit."""
 
-    def __init__(self, lighthouse: str, run: Path) -> None:
-        self.lighthouse, self.run = lighthouse, run
+    def __init__(self, lighthouse: str, run: Path, script: Path = SCRIPT) -> None:
+        self.lighthouse, self.run, self.script = lighthouse, run, script
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, member: str, starters: int, *kill: str, hold: int = -1) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_HOLD_AT": str(hold)}  # fmt: skip
-        command = [sys.executable, str(SCRIPT), self.lighthouse, str(self.run), member]
+        command = [sys.executable, str(self.script), self.lighthouse, str(self.run), member]
         with open(self.run / f"{member}.log", "wb") as log:
             self.procs[member] = subprocess.Popen(
                 [*command, str(starters), *kill], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -168,3 +171,54 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     for died, step in (("m1", a), ("m2", b)):
         recovery = commits[step] - float((tmp_path / f"{died}.died").read_text())
         assert 0 < recovery < scaled(3.0 + 1.0 + 2.0), (died, recovery)
+
+
+TRAINER_SCRIPT = SCRIPT.with_name("ft_trainer_member.py")
+
+
+def _unfailed_trainer_digest() -> str:
+    """The SHA-256 of the reproducible CNN's run in one process that never failed, with the
+    members' one thread (another count of threads changes a CPU kernel's float sums)."""
+    from tests.reproducible_helpers import digest as run_digest
+    from tests.reproducible_helpers import handler, train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        h = handler("cnn", None)
+        train(h, "cnn")
+        found = run_digest(h)
+        h.close()
+    finally:
+        torch.set_num_threads(threads)
+    return found
+
+
+def test_an_nnhandler_run_that_loses_two_of_three_members_ends_with_the_unfailed_bits(
+    tmp_path: Path,
+) -> None:
+    """Three members of an NNHandler run (trainer.fault_tolerance over the reproducible mode's
+    CNN: BatchNorm, dropout, Adam, validation each epoch), each a process of its own: m1 dies
+    in step a's forward (the others' sum fails), m2 after step b's sum, before its vote. m0
+    finishes alone, no process restarted, with the SHA-256 of weights, buffers, optimizer
+    state and History of a run that never failed, and one log line per abandoned step."""
+    rng = random.Random(int(os.environ.get("NN_HANDLER_FT_SEED", "53")))
+    a = rng.randint(1, 4)
+    b = rng.randint(a + 2, 10)
+    deadline = time.monotonic() + scaled(120)
+    with (
+        Lighthouse(min_members=1, join_timeout_s=1.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members,
+    ):
+        members.start("m0", 3)
+        members.start("m1", 3, str(a), "forward")
+        members.start("m2", 3, str(b), "vote")
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL}, members.logs()
+    report = json.loads((tmp_path / "m0.json").read_text())
+    assert report["digest"] == _unfailed_trainer_digest()
+    assert report["redone"] == 2
+    log = (tmp_path / "m0.log").read_text()
+    assert f"step {a + 1}: abandoned by the run (all_reduce of step {a + 1} failed" in log
+    assert f"step {b + 1}: abandoned by the run (a member failed it" in log
+    assert log.count("abandoned by the run") == 2

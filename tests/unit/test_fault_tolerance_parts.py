@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import sys
 from datetime import timedelta
 from typing import Any
@@ -110,3 +111,44 @@ def test_without_torchft_the_mode_says_which_extra_to_install(
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ConfigError, match=r"pip install 'nn_handler\[ft\]'"):
         require_torchft()
+
+
+_FT = {"lighthouse": "http://127.0.0.1:29510"}
+_REPRODUCIBLE = {"global_batch_size": 8, "micro_batch_size": 2}
+
+
+def test_the_mode_needs_the_reproducible_mode_and_says_how_to_set_it() -> None:
+    from nn_handler.config.training import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"fault_tolerance: needs reproducible .* set "):
+        TrainerConfig(fault_tolerance=_FT)
+    assert TrainerConfig(fault_tolerance=_FT, reproducible=_REPRODUCIBLE).fault_tolerance
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:29510", "http://127.0.0.1", "grpc://h:1"])
+def test_a_lighthouse_address_that_is_not_http_host_port_is_named(address: str) -> None:
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+
+    with pytest.raises(ConfigError, match=rf"'{re.escape(address)}' is not a Lighthouse address"):
+        FaultToleranceConfig(lighthouse=address)
+
+
+def test_periodic_checkpoints_beside_the_mode_are_refused_for_now(tmp_path: Any) -> None:
+    from nn_handler.config.handler import HandlerConfig
+
+    trainer = {"fault_tolerance": _FT, "reproducible": _REPRODUCIBLE}
+    with pytest.raises(ConfigError, match="every member would write the same folder"):
+        HandlerConfig(trainer=trainer, checkpoint={"dir": str(tmp_path)})
+
+
+class _TwoRanks:
+    rank, world_size = 1, 2
+
+
+def test_a_member_is_one_process_not_a_rank_of_a_torchrun_group() -> None:
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    config = FaultToleranceConfig(**_FT)
+    with pytest.raises(ConfigError, match=r"rank 1 of 2; each member .* is one process"):
+        FaultTolerantSteps(config, None, _TwoRanks())  # type: ignore[arg-type]

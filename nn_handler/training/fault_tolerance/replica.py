@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -45,6 +46,8 @@ class Replica:
         timeout_s: the longest wait for a collective or a state transfer (a member silent
             that long is lost).
         quorum_timeout_s: the longest wait for a step's members to be agreed.
+        init_sync: the members' first step gives every one the state of one of them (False:
+            they start with the same state already).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Replica:
         host: str = "127.0.0.1",
         timeout_s: float = 5.0,
         quorum_timeout_s: float = 30.0,
+        init_sync: bool = True,
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
@@ -90,6 +94,7 @@ class Replica:
                 replica_id=member_id,
                 hostname=host,
                 checkpoint_transport=VerifiedTransport(self.group, timeout),
+                init_sync=init_sync,
             )
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
@@ -132,6 +137,8 @@ class Replica:
             quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id here
             if quorum != self._quorum:
                 self._quorum, self._attempt = quorum, 0
+        except DistributedError:  # ours: a state it cannot take
+            raise
         except Exception as error:  # torchft's quorum timed out or its server failed
             first = (str(error).strip().splitlines() or [""])[0]
             raise DistributedError(
@@ -147,10 +154,12 @@ class Replica:
         self.manager.report_error(error)
 
     def abandoned(self, what: str, error: BaseException) -> str:
-        return (
-            f"{what} of step {self.step} failed on member {self.member_id}: a member was lost "
-            f"({type(error).__name__}: {error}); the step is redone by the members left."
-        )
+        """What a collective's failure says: its cause in one line (gloo's without its source
+        location and advice)."""
+        first = (str(error).strip().splitlines() or [""])[0]
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+        cause = cause or type(error).__name__
+        return f"{what} of step {self.step + 1} failed: a member was lost ({cause})"
 
     def commit(self) -> bool:
         """Whether the step counts: every collective of it completed on every one of its

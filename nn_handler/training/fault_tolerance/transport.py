@@ -12,7 +12,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torchft.checkpointing.transport import CheckpointTransport
+
+try:
+    from torchft.checkpointing.transport import CheckpointTransport
+except ImportError:  # no ft extra: a Replica says how to install it before any transport
+    CheckpointTransport = object
 
 from nn_handler.checkpoint.verify import entry_of_bytes
 from nn_handler.errors import CheckpointError

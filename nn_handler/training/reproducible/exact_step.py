@@ -120,7 +120,12 @@ class ExactStep:
         if others is not None:
             _check_unchanged(self.module, others)
             self._checked = True
-        return self._reduce(step, grads, rows)
+        try:
+            return self._reduce(step, grads, rows)
+        except BaseException:  # a lost member (fault tolerance): the statistics as they were
+            if self.norms.in_step:
+                self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
+            raise
 
     def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from nn_handler.checkpoint.registry import Part
+from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, StepBatch
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.training.batch import is_scalar, move_to_device
+from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 from nn_handler.training.metrics import StatefulMetric
 from nn_handler.training.precision import Precision
 from nn_handler.training.reproducible.exact_step import ExactStep
@@ -37,6 +39,7 @@ class ReproducibleMode:
         comm: Communicator,
         device: torch.device,
         precision: Precision,
+        fault_tolerance: FaultToleranceConfig | None = None,
     ) -> None:
         if precision.scaler is not None:
             raise ConfigError(
@@ -54,6 +57,10 @@ class ReproducibleMode:
         self.precision = precision
         self.device = device
         self.exact = ExactStep(config, module, comm, device)
+        #: The steps of a fault-tolerant run (TrainerConfig.fault_tolerance; None: off).
+        self.fault_tolerance = (
+            FaultTolerantSteps(fault_tolerance, self.exact, comm) if fault_tolerance else None
+        )
 
     @classmethod
     def build(
@@ -65,12 +72,13 @@ class ReproducibleMode:
         precision: Precision,
         automatic: bool,
         metrics: Mapping[str, Any],
+        fault_tolerance: FaultToleranceConfig | None = None,
     ) -> ReproducibleMode | None:
         """A Trainer's mode (None: ``config`` is None), its checks made now, before the first
         step; after ``configure_optimizers`` (the parameters that train)."""
         if config is None:
             return None
-        mode = cls(config, module, comm, device, precision)
+        mode = cls(config, module, comm, device, precision, fault_tolerance)
         mode.adopt([p for p in module.parameters() if p.requires_grad], automatic, metrics)
         return mode
 
@@ -133,7 +141,20 @@ class ReproducibleMode:
             torch.autograd.backward(loss)
             return loss.detach()
 
-        return self.exact.run(batch, forward_backward, global_step)
+        if self.fault_tolerance is None:
+            return self.exact.run(batch, forward_backward, global_step)
+        return self.fault_tolerance.step(
+            batch, lambda mine: self.exact.run(mine, forward_backward, global_step), global_step
+        )
+
+    def begin_fit(self, global_step: int) -> None:
+        """A fit starts at ``global_step`` (a fault-tolerant run's member joins the run)."""
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.begin_fit(global_step)
+
+    def end_fit(self) -> None:
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.end_fit()
 
     def part(self) -> Part:
         """The fixed-point scales in checkpoints (the same on every rank)."""

@@ -97,6 +97,11 @@ class NormStatistics:
             return torch.zeros(0, dtype=torch.float64)
         return torch.cat(parts)
 
+    @property
+    def in_step(self) -> bool:
+        """Whether a step began and has not ended (its statistics are not set yet)."""
+        return bool(self._handles)
+
     def end_step(self, rows: torch.Tensor) -> None:
         """Every rank alike: set the statistics from every micro-batch's ``rows`` (one row per
         micro-batch of the step, in order; rows of absent micro-batches are zeros)."""

@@ -1,0 +1,122 @@
+"""FaultTolerantSteps: the reproducible mode's steps run among the members of a fault-tolerant
+run (TrainerConfig.fault_tolerance). Each member is one process (world size 1 for its own
+handler) that loads every micro-batch of a step and trains those it owns among the step's
+members; the exact sum goes through the run (Replica). A step the run abandons is redone, from
+the same state, by the members left, so the weights, optimizer state and History are the bits
+of a run that never failed; the optimizer steps only once the step is committed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from loguru import logger
+
+from nn_handler.config.fault_tolerance import FaultToleranceConfig
+from nn_handler.data.fixed_batches import StepBatch, owns
+from nn_handler.distributed.communicator import Communicator
+from nn_handler.errors import ConfigError, DistributedError, PeerLostError
+from nn_handler.training.reproducible.exact_step import ExactStep
+
+
+class FaultTolerantSteps:
+    """One member's part of the run ``config`` describes, for the reproducible mode's
+    ``exact`` step. ``comm`` is this process's own (a member is one process)."""
+
+    def __init__(self, config: FaultToleranceConfig, exact: ExactStep, comm: Communicator) -> None:
+        if comm.world_size > 1:
+            raise ConfigError(
+                f"fault_tolerance: this process is rank {comm.rank} of {comm.world_size}; each "
+                f"member of a fault-tolerant run is one process of its own (torchrun would "
+                f"stop them all when one dies): start N processes with python (or "
+                f"nn_handler.launch) and one Lighthouse (docs/fault-tolerance.md)."
+            )
+        self.config = config
+        self.exact = exact
+        self.member_id = config.member_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.replica: Any = None
+        #: Attempts abandoned and redone in this fit.
+        self.redone = 0
+        self.log = logger.bind(rank=0)
+
+    def begin_fit(self, global_step: int) -> None:
+        """Join the run as this member, at ``global_step`` (every member must start at the
+        same one). Waits for the first step's members."""
+        from nn_handler.training.fault_tolerance.replica import Replica
+
+        config = self.config
+        self.replica = Replica(
+            config.lighthouse,
+            self.member_id,
+            state_dict=lambda: {},
+            load_state_dict=self._refuse_to_join,
+            min_members=config.min_members,
+            host=config.host,
+            timeout_s=config.timeout_s,
+            quorum_timeout_s=config.quorum_timeout_s,
+            init_sync=False,  # every member builds the same model from the same seed
+        )
+        self.replica.manager.load_state_dict({"step": global_step, "batches_committed": 0})
+        self.exact.comm = self.replica.communicator
+
+    def end_fit(self) -> None:
+        """Leave the run (the others go on without this member)."""
+        if self.replica is not None:
+            self.replica.close()
+            self.replica = None
+
+    def step(
+        self, batch: StepBatch, run: Callable[[StepBatch], torch.Tensor], global_step: int
+    ) -> torch.Tensor:
+        """``run`` (the exact step) on this member's micro-batches of ``batch`` among the
+        step's members, redone from the same state until the run commits it; returns its
+        loss. Every member must call this for every step."""
+        replica = self.replica
+        if replica is None:
+            raise DistributedError("fault_tolerance: a step before begin_fit.")
+        # What a step changes before its commit: the scales, the BatchNorm statistics.
+        scales = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in self.exact.state_dict().items()}  # fmt: skip
+        buffers = [(b, b.clone()) for b in self.exact.module.buffers()]
+        while True:
+            replica.begin_step()
+            if replica.step != global_step:
+                raise DistributedError(
+                    f"member {self.member_id} is at step {global_step}, the run at step "
+                    f"{replica.step}: every member must start from the same checkpoint."
+                )
+            rank, members = replica.rank, replica.members
+            mine = tuple(
+                m for m in batch.micro if rank is not None and owns(m.index, rank, members)
+            )
+            loss: torch.Tensor | None = None
+            lost: PeerLostError | None = None
+            try:
+                loss = run(dataclasses.replace(batch, micro=mine))
+            except PeerLostError as error:
+                lost = error
+            if replica.commit() and loss is not None:
+                return loss
+            self.redone += 1
+            self.exact.load_state_dict(scales)
+            for buffer, value in buffers:
+                buffer.copy_(value)
+            why = lost or "a member failed it, or did not vote within timeout_s"
+            self.log.warning(
+                "step {}: abandoned by the run ({}); redone by the members left",
+                global_step + 1, why,
+            )  # fmt: skip
+
+    def _refuse_to_join(self, state: Any) -> None:
+        raise DistributedError(
+            f"member {self.member_id} is behind the run: a member joining a run in progress "
+            f"is not supported yet; start every member together, or restart the run from its "
+            f"latest checkpoint."
+        )
+
+
+__all__ = ["FaultTolerantSteps"]
