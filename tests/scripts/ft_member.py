@@ -6,11 +6,13 @@ STARTERS: how many members start together (each waits for the others' ready-* fi
 before its first step; 0: join a run already going). WHEN: 'before' (dies before the step's
 sum), 'after' (after it, before the commit) or 'stop' (SIGSTOPs itself before the sum: a hang;
 the test kills it at the end); RUN_DIR/<id>.died gets the time just before. RUN_DIR/<id>.step
-has the step it is at; RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the
+has the step it is at, RUN_DIR/<id>.commits each commit's step and time as it comes;
+RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the
 ledger of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned
 and redone, the addresses this process listens on besides its replica group's store, and why it
 stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
-until RUN_DIR/release exists.
+until RUN_DIR/release exists; FT_STEPS and FT_STEP_S set the run's steps and a step's sleep,
+FT_MIN_MEMBERS its min_members (default 2).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance import Replica
 from tests.ft_helpers import FEATURES, STEPS, apply, batch_of, data, digest, slots
 
-STEP_S = 0.05  # a step's compute, so that kills and joins land mid-run
+#: A step's compute, so that kills and joins land mid-run; the steps of the run.
+STEP_S = float(os.environ.get("FT_STEP_S", "0.05"))
+RUN_STEPS = int(os.environ.get("FT_STEPS", str(STEPS)))
 
 
 def main(
@@ -44,7 +48,7 @@ def main(
         member,
         state_dict=lambda: {"w": w},
         load_state_dict=lambda state: w.copy_(state["w"]),
-        min_members=2,
+        min_members=int(os.environ.get("FT_MIN_MEMBERS", "2")),
         timeout_s=3.0,
         quorum_timeout_s=5.0,
     )
@@ -53,7 +57,7 @@ def main(
         time.sleep(0.01)
     ledger, redone, stopped = [], 0, ""
     hold = int(os.environ.get("FT_HOLD_AT", "-1"))
-    while replica.step < STEPS:
+    while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
         if replica.step == hold:  # until the test has done what it waits for
             end = time.monotonic() + 60
@@ -80,6 +84,8 @@ def main(
             apply(w, summed)
             committed = [step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members]
             ledger.append([*committed, time.time()])
+            with open(run / f"{member}.commits", "a") as commits:  # kept if killed later
+                commits.write(f"{step} {ledger[-1][-1]!r}\n")
         else:
             redone += 1
     store = f":{replica.store_port}"

@@ -152,3 +152,42 @@ def test_a_member_is_one_process_not_a_rank_of_a_torchrun_group() -> None:
     config = FaultToleranceConfig(**_FT)
     with pytest.raises(ConfigError, match=r"rank 1 of 2; each member .* is one process"):
         FaultTolerantSteps(config, None, _TwoRanks())  # type: ignore[arg-type]
+
+
+class _OneMemberLeft:
+    """torchft's Manager as a member left alone sees it: every quorum has one member."""
+
+    _quorum_id = 7
+
+    def __init__(self) -> None:
+        self.quorums = self.skipped = 0
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def num_participants(self) -> int:
+        return 1
+
+    def current_step(self) -> int:
+        return 41
+
+    def report_error(self, error: BaseException) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        self.skipped += 1
+        return False
+
+
+def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() -> None:
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica.manager = manager = _OneMemberLeft()
+    replica.member_id, replica.lighthouse, replica.min_members = "m0", "http://h:1", 2
+    replica.quorum_timeout_s, replica._quorum, replica._attempt = 0.05, -1, 0
+    left = r"member m0: only 1 member\(s\) left for step 42, fewer than min_members=2"
+    with pytest.raises(DistributedError, match=left + r".*restart it from its latest checkpoint"):
+        replica.begin_step()
+    assert manager.quorums >= 2 and manager.skipped == manager.quorums  # waited, did nothing

@@ -72,6 +72,7 @@ class Replica:
         self.lighthouse = lighthouse
         self.min_members = min_members
         self.timeout_s = timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
         timeout = timedelta(seconds=timeout_s)
         # The replica group's own store (a group of one process): torchft's Manager needs one.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -129,8 +130,27 @@ class Replica:
         return int(self.manager.num_participants())
 
     def begin_step(self) -> None:
-        """Agree on this step's members (and receive the state first if this one is behind).
-        Every member must call this at the start of each step, redone ones included."""
+        """Agree on this step's members (and receive the state first if this one is behind);
+        with fewer than ``min_members``, wait for more up to ``quorum_timeout_s``, then raise
+        DistributedError. Every member must call this at the start of each step, redone ones
+        included."""
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while True:
+            self._quorum_once()
+            if self.members >= self.min_members:
+                return
+            self.manager.report_error(DistributedError("too few members"))
+            self.manager.should_commit()  # nothing was done: torchft's step is not counted
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"member {self.member_id}: only {self.members} member(s) left for step "
+                    f"{self.step + 1}, fewer than min_members={self.min_members}, for "
+                    f"{self.quorum_timeout_s:g} s. The run cannot go on step by step: restart "
+                    f"it from its latest checkpoint."
+                )
+            time.sleep(min(0.5, self.quorum_timeout_s / 10))
+
+    def _quorum_once(self) -> None:
         self.failure = None
         try:
             self.manager.start_quorum()
@@ -165,12 +185,20 @@ class Replica:
         """Whether the step counts: every collective of it completed on every one of its
         members (at least ``min_members``). The same answer on every member; step the
         optimizer only if it is True. Every member must call this once per step."""
-        verdict = self._verdict()
+        if self.failure is None and self.manager.errored() is not None:
+            self.failure = self.manager.errored()  # torchft saw one of ours fail: abort
+        step, verdict = self.step, self._verdict()
         if not verdict and self.failure is None:  # another member's failure: not ours
             self.manager.report_error(DistributedError("the step was abandoned by the run"))
-        committed = bool(self.manager.should_commit()) and verdict
-        self._attempt = 0 if committed else self._attempt + 1
-        return committed
+        if verdict and not self.manager.should_commit():
+            # torchft saw an error after this member voted done (a peer's connection closing
+            # once the sums were complete): the run's verdict stands, and torchft's count too.
+            counted = {"step": step + 1, "batches_committed": self.manager.batches_committed()}
+            self.manager.load_state_dict(counted)
+        elif not verdict:
+            self.manager.should_commit()  # False: torchft's own bookkeeping of the abort
+        self._attempt = 0 if verdict else self._attempt + 1
+        return verdict
 
     def _verdict(self) -> bool:
         """The run's verdict on this attempt of the step: this member's vote (done, or abort
@@ -183,11 +211,12 @@ class Replica:
                 store.compare_set(verdict, "", "abort")
             elif store.add(f"{key}/done", 1) >= self.members:
                 store.compare_set(verdict, "", "commit")
-            deadline = time.monotonic() + self.timeout_s
+            deadline, pause = time.monotonic() + self.timeout_s, 0.0005
             while not store.check([verdict]):
                 if time.monotonic() > deadline:  # a member gone before its vote
                     store.compare_set(verdict, "", "abort")
-                time.sleep(0.001)
+                pause = min(pause * 2, 0.05)  # the votes come within a few ms, unless one
+                time.sleep(pause)  # never does: then a poll every 50 ms until the deadline
             return bool(store.get(verdict) == b"commit")
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
             raise DistributedError(

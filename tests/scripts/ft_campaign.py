@@ -1,0 +1,169 @@
+"""A kill campaign against per-step fault tolerance (tests/scripts/ft_member.py's members of
+tests/ft_helpers.py's exact problem, a Lighthouse process): seeded kills at random moments,
+SIGKILL (a death) or SIGSTOP (a hang, killed once it is left out), each member replaced by a
+new one that joins the run going on. Reports the recoveries, the steps redone, the catch-ups
+(a live member left out of a step's quorum, given the state at the next), and the time from
+each kill to the run's next committed step (p50, p95, for deaths and hangs), and checks that
+every member that finished holds the bits of a run that never failed, every step committed
+with all its samples and no member committing one twice.
+
+Usage: python tests/scripts/ft_campaign.py [--kills 30] [--seed 51] [--members 4]
+       [--hang-share 0.2] [--out report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+
+from nn_handler.training.fault_tolerance import Lighthouse
+from tests.ft_helpers import BATCH, batch_of, digest, unfailed
+
+ROOT = Path(__file__).parents[2]
+MEMBER = ROOT / "tests" / "scripts" / "ft_member.py"
+TIMEOUT_S, HEARTBEAT_S, STEP_S = 3.0, 1.0, 0.05
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str, Any]:
+    rng = random.Random(seed)
+    steps = int(kills * 3.0 / STEP_S)  # about 3 s of steps per kill
+    run = Path(tempfile.mkdtemp(prefix="ft-campaign-"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_STEPS": str(steps),
+           "FT_STEP_S": str(STEP_S)}  # fmt: skip
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    events: list[dict[str, Any]] = []
+
+    def start(member: str, starters: int) -> None:
+        with open(run / f"{member}.log", "wb") as log:
+            procs[member] = subprocess.Popen(
+                [sys.executable, str(MEMBER), lighthouse.address, str(run), member, str(starters)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    started = time.time()
+    with Lighthouse(
+        min_members=2, join_timeout_s=0.5, heartbeat_timeout_s=HEARTBEAT_S
+    ) as lighthouse:
+        for i in range(members):
+            start(f"m{i}", members)
+        while not all((run / f"m{i}.step").exists() for i in range(members)):
+            time.sleep(0.05)
+        for n in range(kills):
+            time.sleep(rng.uniform(1.5, 3.0))
+            live = [m for m, p in procs.items() if p.poll() is None and m not in _stopped(events)]
+            victim = rng.choice(sorted(live))
+            hang = rng.random() < hang_share
+            events.append({"member": victim, "kind": "hang" if hang else "death",
+                           "time": time.time()})  # fmt: skip
+            procs[victim].send_signal(signal.SIGSTOP if hang else signal.SIGKILL)
+            start(f"j{n}", 0)  # a new member joins the run going on
+        for member, proc in procs.items():
+            if member in _stopped(events):
+                proc.kill()
+            proc.wait(timeout=steps * STEP_S * 4 + 120)
+    finished = {m: json.loads((run / f"{m}.json").read_text())
+                for m in procs if (run / f"{m}.json").exists()}  # fmt: skip
+    commits = sorted(
+        float(line.split()[1])
+        for path in run.glob("*.commits")
+        for line in path.read_text().splitlines()
+        if line.strip()
+    )
+    expected = digest(unfailed(steps))
+    problems = [f"{m}: digest" for m, r in finished.items() if r["digest"] != expected]
+    # The run's ledger: every step committed, each member's commits once each and in order
+    # (a member left out of a step's quorum catches up by a state transfer: a gap in its own),
+    # every commit of a step with all of its samples.
+    seen: dict[int, set[tuple[int, int]]] = {}
+    for member, report in finished.items():
+        own = [entry[0] for entry in report["ledger"]]
+        if own != sorted(set(own)):
+            problems.append(f"{member}: a step committed twice or out of order")
+        for step, samples, id_sum, *_ in report["ledger"]:
+            seen.setdefault(step, set()).add((samples, id_sum))
+    for path in run.glob("*.commits"):  # the members killed later too
+        for line in path.read_text().splitlines():
+            seen.setdefault(int(line.split()[0]), set())
+    missing = [s for s in range(steps) if s not in seen]
+    wrong = [s for s, sums in seen.items() if sums - {(BATCH, sum(batch_of(s)))}]
+    problems += [f"steps never committed: {missing[:5]}"] * bool(missing)
+    problems += [f"steps without all their samples: {wrong[:5]}"] * bool(wrong)
+    heals = sum(
+        sum(b != a + 1 for a, b in itertools.pairwise(own))
+        for own in ([e[0] for e in r["ledger"]] for r in finished.values())
+    )
+    latency = {"death": [], "hang": []}
+    for event in events:
+        after = next((t for t in commits if t > event["time"]), None)
+        if after is not None:
+            latency[event["kind"]].append(after - event["time"])
+    return {
+        "seed": seed,
+        "members": members,
+        "kills": len(events),
+        "hangs": sum(e["kind"] == "hang" for e in events),
+        "steps": steps,
+        "recoveries": sum(len(v) for v in latency.values()),
+        "steps_redone": max((r["redone"] for r in finished.values()), default=0),
+        "catch_ups": heals,
+        "finished_members": sorted(finished),
+        "bits_and_ledgers_hold": not problems and len(finished) >= 2,
+        "problems": problems,
+        "seconds_to_next_commit": {kind: _summary(v) for kind, v in latency.items()},
+        "settings": {"timeout_s": TIMEOUT_S, "heartbeat_timeout_s": HEARTBEAT_S, "step_s": STEP_S},
+        "wall_s": time.time() - started,
+    }
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    return {
+        "p50": _percentile(values, 0.5),
+        "p95": _percentile(values, 0.95),
+        "max": max(values, default=None),
+        "mean": statistics.fmean(values) if values else None,
+    }
+
+
+def _stopped(events: list[dict[str, Any]]) -> set[str]:
+    return {e["member"] for e in events if e["kind"] == "hang"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=51)
+    parser.add_argument("--members", type=int, default=4)
+    parser.add_argument("--hang-share", type=float, default=0.2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = campaign(args.kills, args.seed, args.members, args.hang_share)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    sys.exit(0 if report["bits_and_ledgers_hold"] else 1)
+
+
+if __name__ == "__main__":
+    main()
