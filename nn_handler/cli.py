@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     lighthouse.add_argument("--host", default="127.0.0.1", help="address to listen on")
     lighthouse.add_argument("--port", type=int, default=29510, help="0: a free one")
     lighthouse.add_argument("--min-members", type=_positive_int, default=1)
-    lighthouse.add_argument("--join-timeout-s", type=float, default=0.2)
+    lighthouse.add_argument("--join-timeout-s", type=float, default=60.0)
     lighthouse.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     return parser
 

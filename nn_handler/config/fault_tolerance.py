@@ -22,6 +22,9 @@ class FaultToleranceConfig(ConfigModel):
         member_id: this member's name in the run (default: ``<hostname>-<pid>``).
         min_members: the fewest members a step may be committed with; with fewer the run
             waits for members up to ``quorum_timeout_s``, then stops.
+        start_members: how many members a fit's first step waits for (default
+            ``min_members``): the members start together (one that joins later is refused
+            for now).
         timeout_s: a member silent this long in a collective is lost (its step is redone).
         quorum_timeout_s: the longest wait for a step's members to be agreed.
         host: the address this member listens on and is reached at.
@@ -30,6 +33,7 @@ class FaultToleranceConfig(ConfigModel):
     lighthouse: str
     member_id: str | None = None
     min_members: int = Field(default=1, ge=1, strict=True)
+    start_members: int | None = Field(default=None, ge=1, strict=True)
     timeout_s: float = Field(default=10.0, gt=0)
     quorum_timeout_s: float = Field(default=60.0, gt=0)
     host: str = "127.0.0.1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -258,6 +259,15 @@ def test_reproducible_example_prints_the_same_hash_alone_and_on_three_ranks() ->
     (w1, accuracy, digest), (w3, accuracy3, digest3) = found
     assert (w1, w3) == ("1", "3") and digest == digest3 and accuracy == accuracy3
     assert float(accuracy) > 0.97, found
+    # docs/fault-tolerance.md's one-command demo: three members, one killed in a random step;
+    # the two left finish with the same SHA-256, no process restarted.
+    if importlib.util.find_spec("torchft") is None:
+        return
+    code, output = run_command([sys.executable, script, "--fault-tolerant"], timeout=180)
+    assert code == 0, output
+    members = re.findall(r"member (m\d): val_accuracy=([\d.]+) sha256=(\w+)", output)
+    assert sorted(members) == [("m0", accuracy, digest), ("m2", accuracy, digest)], output
+    assert re.search(r"m1 was killed in step \d+ \(exit -9\); m0 and m2 exited 0, 0", output)
 
 
 @pytest.mark.distributed

@@ -187,7 +187,7 @@ def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() 
     replica.manager = manager = _OneMemberLeft()
     replica.member_id, replica.lighthouse, replica.min_members = "m0", "http://h:1", 2
     replica.quorum_timeout_s, replica._quorum, replica._attempt = 0.05, -1, 0
-    left = r"member m0: only 1 member\(s\) left for step 42, fewer than min_members=2"
+    left = r"member m0: only 1 member\(s\) for step 42, fewer than 2 \(min_members=2\)"
     with pytest.raises(DistributedError, match=left + r".*restart it from its latest checkpoint"):
         replica.begin_step()
     assert manager.quorums >= 2 and manager.skipped == manager.quorums  # waited, did nothing

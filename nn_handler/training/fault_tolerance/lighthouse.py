@@ -85,7 +85,9 @@ class Lighthouse:
 
     Args:
         min_members: the fewest members a step may have.
-        join_timeout_s: how long a new quorum waits for members still starting.
+        join_timeout_s: how long a step's quorum waits for a live member (one that sends
+            heartbeats) to ask for it: a slow member is waited for, not left out (a dead one
+            is dropped once its heartbeats stop). torchft's default, 60 s.
         heartbeat_timeout_s: a member silent that long is left out of the next step.
         start_timeout_s: how long it may take to start.
     Its log is the child's stderr (this process's); torchft's per-step lines are left out
@@ -98,7 +100,7 @@ class Lighthouse:
         port: int = 0,
         *,
         min_members: int = 1,
-        join_timeout_s: float = 0.2,
+        join_timeout_s: float = 60.0,
         heartbeat_timeout_s: float = 1.0,
         start_timeout_s: float = 30.0,
     ) -> None:

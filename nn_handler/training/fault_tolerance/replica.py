@@ -129,22 +129,23 @@ class Replica:
         """How many members the current step has."""
         return int(self.manager.num_participants())
 
-    def begin_step(self) -> None:
+    def begin_step(self, least: int | None = None) -> None:
         """Agree on this step's members (and receive the state first if this one is behind);
-        with fewer than ``min_members``, wait for more up to ``quorum_timeout_s``, then raise
-        DistributedError. Every member must call this at the start of each step, redone ones
-        included."""
+        with fewer than ``least`` (default ``min_members``), wait for more up to
+        ``quorum_timeout_s``, then raise DistributedError. Every member must call this at the
+        start of each step, redone ones included."""
         deadline = time.monotonic() + self.quorum_timeout_s
+        least = self.min_members if least is None else least
         while True:
             self._quorum_once()
-            if self.members >= self.min_members:
+            if self.members >= least:
                 return
             self.manager.report_error(DistributedError("too few members"))
             self.manager.should_commit()  # nothing was done: torchft's step is not counted
             if time.monotonic() > deadline:
                 raise DistributedError(
-                    f"member {self.member_id}: only {self.members} member(s) left for step "
-                    f"{self.step + 1}, fewer than min_members={self.min_members}, for "
+                    f"member {self.member_id}: only {self.members} member(s) for step "
+                    f"{self.step + 1}, fewer than {least} (min_members={self.min_members}), for "
                     f"{self.quorum_timeout_s:g} s. The run cannot go on step by step: restart "
                     f"it from its latest checkpoint."
                 )

@@ -39,6 +39,7 @@ class FaultTolerantSteps:
         self.exact = exact
         self.member_id = config.member_id or f"{socket.gethostname()}-{os.getpid()}"
         self.replica: Any = None
+        self._least: int | None = None
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
         self.log = logger.bind(rank=0)
@@ -62,6 +63,7 @@ class FaultTolerantSteps:
         )
         self.replica.manager.load_state_dict({"step": global_step, "batches_committed": 0})
         self.exact.comm = self.replica.communicator
+        self._least = config.start_members  # the first step waits for them all
 
     def end_fit(self) -> None:
         """Leave the run (the others go on without this member)."""
@@ -83,7 +85,8 @@ class FaultTolerantSteps:
                   for k, v in self.exact.state_dict().items()}  # fmt: skip
         buffers = [(b, b.clone()) for b in self.exact.module.buffers()]
         while True:
-            replica.begin_step()
+            replica.begin_step(self._least)
+            self._least = None
             if replica.step != global_step:
                 raise DistributedError(
                     f"member {self.member_id} is at step {global_step}, the run at step "
