@@ -191,3 +191,72 @@ def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() 
     with pytest.raises(DistributedError, match=left + r".*restart it from its latest checkpoint"):
         replica.begin_step()
     assert manager.quorums >= 2 and manager.skipped == manager.quorums  # waited, did nothing
+
+
+def test_a_lighthouse_that_cannot_listen_says_so_instead_of_waiting() -> None:
+    from nn_handler.errors import DistributedError
+
+    with (
+        Lighthouse(min_members=1) as first,  # its port is taken
+        pytest.raises(DistributedError, match=rf"did not start on 127.0.0.1:{first.port}"),
+    ):
+        Lighthouse(port=first.port, start_timeout_s=20)
+
+
+class _GoneStore:
+    """The verdicts' store of a Lighthouse that is gone: every request fails."""
+
+    def compare_set(self, *args: Any) -> bytes:
+        raise RuntimeError("Connection refused")
+
+    def add(self, *args: Any) -> int:
+        raise RuntimeError("Connection refused")
+
+
+def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() -> None:
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica.manager = _OneMemberLeft()
+    replica.member_id, replica.lighthouse, replica.timeout_s = "m0", "http://h:1", 1.0
+    replica.failure, replica._verdicts, replica._quorum, replica._attempt = None, _GoneStore(), 7, 0
+    gone = r"member m0: the verdict on step 41 cannot be read .* the Lighthouse at http://h:1"
+    with pytest.raises(DistributedError, match=gone):
+        replica._verdict()
+
+
+class _Behind:
+    """A Replica whose run is at another step than this member's loop."""
+
+    step, rank, members = 5, 0, 1
+
+    def begin_step(self, least: int | None = None) -> None:
+        pass
+
+
+def test_a_member_at_another_step_than_the_run_is_stopped_by_name() -> None:
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    config = FaultToleranceConfig(**_FT, member_id="m2")
+    steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
+    steps.replica = _Behind()
+    with pytest.raises(DistributedError, match="member m2 is at step 3, the run at step 5"):
+        steps.step(None, lambda batch: torch.zeros(()), 3)  # type: ignore[arg-type]
+    with pytest.raises(DistributedError, match="member m2 is behind the run: a member joining"):
+        steps._refuse_to_join({})
+
+
+class _OneRank:
+    rank, world_size = 0, 1
+
+
+class _Exact:
+    """The exact step's state as FaultTolerantSteps keeps it across attempts."""
+
+    module = torch.nn.BatchNorm1d(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"exponents": None}
