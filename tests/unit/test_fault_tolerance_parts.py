@@ -1,5 +1,7 @@
-"""The fault-tolerance mode's parts that need no second process: the Lighthouse's address, the
-transport of a member's state (verified, never unpickled) and the error without torchft."""
+"""The fault-tolerance mode's parts that need no member process: the Lighthouse (a process of
+its own, its address, a taken port, an address where none runs), the transport of a member's
+state (verified, never unpickled), the configuration's errors, and a member's stops (too few
+members, the verdicts gone, a step that is not the run's, a join it cannot take yet)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import io
 import os
 import pickle
 import re
+import socket
 import sys
 from datetime import timedelta
 from typing import Any
@@ -260,3 +263,15 @@ class _Exact:
 
     def state_dict(self) -> dict[str, Any]:
         return {"exponents": None}
+
+
+def test_a_lighthouse_address_where_none_runs_is_named_with_the_fix() -> None:
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
+
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1] - 1
+    address = f"http://127.0.0.1:{port}"
+    with pytest.raises(DistributedError, match=rf"is `nn-handler lighthouse --port {port}`"):
+        verdicts_of(address, 0.5)

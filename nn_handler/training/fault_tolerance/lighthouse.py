@@ -68,10 +68,18 @@ def serve(
 def verdicts_of(lighthouse: str, timeout_s: float) -> TCPStore:
     """A client of the verdicts' store of the Lighthouse at ``lighthouse``."""
     host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
-    return TCPStore(
-        host, int(port) + 1, is_master=False, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
+    try:
+        return TCPStore(
+            host, int(port) + 1, is_master=False, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    except RuntimeError as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise DistributedError(
+            f"cannot reach the Lighthouse's verdicts at {host}:{int(port) + 1} within "
+            f"{timeout_s:g} s ({first}): is `nn-handler lighthouse --port {port}` running "
+            f"there, and is fault_tolerance.lighthouse ({lighthouse}) its address?"
+        ) from None
 
 
 def _free_port(host: str) -> int:
