@@ -161,7 +161,9 @@ def test_debug_mode_turns_mismatched_collectives_into_errors_on_every_rank() -> 
 
 
 def _debug_from_env(rank: int, world_size: int) -> bool:
-    return TorchCommunicator().debug
+    comm = TorchCommunicator()
+    comm.barrier()  # no rank leaves (and closes its side) before every rank formed the group
+    return comm.debug
 
 
 def test_debug_mode_is_switched_on_by_the_environment_variable_on_every_rank() -> None:
