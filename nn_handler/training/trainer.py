@@ -8,6 +8,7 @@ nn_handler/strategies/) and ``hooks``. docs/training.md shows the loop line for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
@@ -245,7 +246,12 @@ class Trainer(TrainerFacade):
         self.memory.validates = val_loader is not None  # the plan's validation item
         if self.reproducible is not None:
             self.reproducible.check_loaders(train_loader, val_loader)
-            self.reproducible.begin_fit(state.global_step)
+            checkpoints, source = self.checkpointing, "the state of a member of the run"
+            self.reproducible.begin_fit(
+                state.global_step,
+                checkpoints.state_dict,  # a joining member's, sent and checked
+                functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
+            )
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)

@@ -40,10 +40,12 @@ class _Members:
         self.lighthouse, self.run, self.script = lighthouse, run, script
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, member: str, starters: int, *kill: str, hold: int = -1, least: int = 2) -> None:
+    def start(
+        self, member: str, starters: int, *kill: str, hold: int = -1, least: int = 2, **env: str
+    ) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_HOLD_AT": str(hold),
-               "FT_MIN_MEMBERS": str(least)}  # fmt: skip
+               "FT_MIN_MEMBERS": str(least), **env}  # fmt: skip
         command = [sys.executable, str(self.script), self.lighthouse, str(self.run), member]
         with open(self.run / f"{member}.log", "wb") as log:
             self.procs[member] = subprocess.Popen(
@@ -171,6 +173,46 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
         assert 0 < recovery < scaled(3.0 + 1.0 + 2.0), (died, recovery)
 
 
+def test_a_state_transfer_cut_by_the_death_of_its_receiver_then_of_its_sender(
+    tmp_path: Path,
+) -> None:
+    """m3 joins and dies in the middle of receiving the state (after its header): its sender
+    votes abort, the step is redone without m3. m4 joins later and its sender dies in the
+    middle of sending: m4 refuses nothing it did not get whole, agrees again and receives the
+    state from another member. Every member left ends with the bits of a run that never
+    failed, each step committed once; none restarted."""
+    steps = 40
+    deadline = time.monotonic() + scaled(90)
+    env = {"FT_STEPS": str(steps), "FT_STEP_S": "0.1", "FT_DIE_IN_TRANSFER": "send"}
+    # A member alive but late (a sender waiting on a receiver that died) is waited for: its
+    # heartbeats go on, and the join timeout is longer than the collectives' timeout (3 s).
+    with (
+        Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path) as members,
+    ):
+        for member in ("m0", "m1", "m2"):
+            members.start(member, 3, least=1, **env)
+        members.wait_for("m0", 3, deadline)
+        members.start("m3", 0, least=1, **{**env, "FT_DIE_IN_TRANSFER": "receive"})
+        members.wait(deadline, "m3")
+        members.start("m4", 0, least=1, **env)
+        codes = members.wait(deadline)
+    senders = [m for m in ("m0", "m1", "m2") if codes[m] == -signal.SIGKILL]
+    assert codes["m3"] == -signal.SIGKILL and len(senders) == 1, members.logs()
+    assert (tmp_path / "receiver.died").exists() and (tmp_path / "sender.died").exists()
+    survivors = [m for m, code in codes.items() if code == 0]
+    assert len(survivors) == 3 and "m4" in survivors, members.logs()
+    expected = digest(unfailed(steps))
+    for member in survivors:
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == expected, member
+        first = 0 if member != "m4" else report["ledger"][0][0]
+        _check_ledger(report["ledger"], first, steps)
+    joined = json.loads((tmp_path / "m4.json").read_text())["ledger"][0][0]
+    died = float((tmp_path / "sender.died").read_text())
+    assert joined > 3 and died < time.time(), "m4 joined mid-run"
+
+
 TRAINER_SCRIPT = SCRIPT.with_name("ft_trainer_member.py")
 
 
@@ -211,11 +253,19 @@ def test_an_nnhandler_run_that_loses_two_of_three_members_ends_with_the_unfailed
         members.start("m0", 3, least=1)
         members.start("m1", 3, str(a), "forward", least=1)
         members.start("m2", 3, str(b), "vote", least=1)
+        members.wait(deadline, "m1")
+        members.start("m1b", 0, least=1)  # m1 restarted: it joins the run where it is
         codes = members.wait(deadline)
-    assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL}, members.logs()
+    assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m1b": 0}, (
+        members.logs()
+    )
     report = json.loads((tmp_path / "m0.json").read_text())
-    assert report["digest"] == _unfailed_trainer_digest()
+    expected = _unfailed_trainer_digest()
+    assert report["digest"] == expected
     assert report["redone"] == 2
+    joined = json.loads((tmp_path / "m1b.json").read_text())
+    assert joined["digest"] == expected, members.logs()
+    assert "member m1b joined the run at step" in (tmp_path / "m1b.log").read_text()
     log = (tmp_path / "m0.log").read_text()
     assert f"step {a + 1}: abandoned by the run (all_reduce of step {a + 1} failed" in log
     assert f"step {b + 1}: abandoned by the run (a member failed it" in log

@@ -12,7 +12,8 @@ ledger of committed steps (step, samples, sum of sample ids, members, time), the
 and redone, the addresses this process listens on besides its replica group's store, and why it
 stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
 until RUN_DIR/release exists; FT_STEPS and FT_STEP_S set the run's steps and a step's sleep,
-FT_MIN_MEMBERS its min_members (default 2).
+FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die in
+the middle of a state transfer (see die_in_transfers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -31,16 +33,46 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 
 from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance import Replica
+from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 from tests.ft_helpers import FEATURES, STEPS, apply, batch_of, data, digest, slots
 
 #: A step's compute, so that kills and joins land mid-run; the steps of the run.
 STEP_S = float(os.environ.get("FT_STEP_S", "0.05"))
 RUN_STEPS = int(os.environ.get("FT_STEPS", str(STEPS)))
+#: How long a 'slow' member takes over its step: longer than the collective timeout (3 s).
+SLOW_S = 4.5
+
+
+def die_in_transfers(run: Path, side: str) -> None:
+    """This member dies in the middle of a state transfer, once in the run: as its receiver
+    (after the header, before the bytes), or as its sender once a receiver died (so the two
+    deaths come in that order, in two transfers)."""
+    send, receive = VerifiedTransport.send_checkpoint, VerifiedTransport.recv_checkpoint
+    received, sent = run / "receiver.died", run / "sender.died"
+
+    def sending(self: VerifiedTransport, **kwargs: Any) -> None:
+        if side == "send" and received.exists() and not sent.exists():
+            header = torch.tensor([1, 0, kwargs["step"]], dtype=torch.int64)
+            self._group.send([header], kwargs["dst_ranks"][0], tag=101).wait()
+            _die(run, "", signal.SIGKILL, sent)
+        send(self, **kwargs)
+
+    def receiving(self: VerifiedTransport, **kwargs: Any) -> Any:
+        if side == "receive":
+            header = torch.zeros(3, dtype=torch.int64)
+            self._group.recv([header], kwargs["src_rank"], tag=101).wait()
+            _die(run, "", signal.SIGKILL, received)
+        return receive(self, **kwargs)
+
+    VerifiedTransport.send_checkpoint = sending  # type: ignore[method-assign]
+    VerifiedTransport.recv_checkpoint = receiving  # type: ignore[method-assign]
 
 
 def main(
     lighthouse: str, run: Path, member: str, starters: int, kill_step: int = -1, when: str = ""
 ) -> None:
+    if os.environ.get("FT_DIE_IN_TRANSFER"):
+        die_in_transfers(run, os.environ["FT_DIE_IN_TRANSFER"])
     x, y = data()
     w = torch.zeros(FEATURES, dtype=torch.float64)
     replica = Replica(
@@ -74,6 +106,9 @@ def main(
         time.sleep(STEP_S)
         if step == kill_step and when in ("before", "stop"):
             _die(run, member, signal.SIGKILL if when == "before" else signal.SIGSTOP)
+        if step == kill_step and when == "slow" and not redone:  # alive, slower than timeout_s
+            (run / f"{member}.died").write_text(repr(time.time()))
+            time.sleep(SLOW_S)
         try:
             summed = replica.communicator.all_reduce(row)
         except Exception:  # PeerLostError: the commit says no
@@ -109,8 +144,8 @@ def main(
         sys.exit(1)
 
 
-def _die(run: Path, member: str, how: signal.Signals) -> None:
-    (run / f"{member}.died").write_text(repr(time.time()))
+def _die(run: Path, member: str, how: signal.Signals, mark: Path | None = None) -> None:
+    (mark or run / f"{member}.died").write_text(repr(time.time()))
     os.kill(os.getpid(), how)
 
 

@@ -168,6 +168,9 @@ class _OneMemberLeft:
     def start_quorum(self) -> None:
         self.quorums += 1
 
+    def errored(self) -> None:
+        return None
+
     def num_participants(self) -> int:
         return 1
 
@@ -189,7 +192,7 @@ def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() 
     replica = object.__new__(Replica)
     replica.manager = manager = _OneMemberLeft()
     replica.member_id, replica.lighthouse, replica.min_members = "m0", "http://h:1", 2
-    replica.quorum_timeout_s, replica._quorum, replica._attempt = 0.05, -1, 0
+    replica.quorum_timeout_s, replica._verdicts = 0.05, _NoVerdicts()
     left = r"member m0: only 1 member\(s\) for step 42, fewer than 2 \(min_members=2\)"
     with pytest.raises(DistributedError, match=left + r".*restart it from its latest checkpoint"):
         replica.begin_step()
@@ -206,6 +209,13 @@ def test_a_lighthouse_that_cannot_listen_says_so_instead_of_waiting() -> None:
         Lighthouse(port=first.port, start_timeout_s=20)
 
 
+class _NoVerdicts:
+    """The verdicts' store of a run with no step decided yet."""
+
+    def check(self, keys: list[str]) -> bool:
+        return False
+
+
 class _GoneStore:
     """The verdicts' store of a Lighthouse that is gone: every request fails."""
 
@@ -213,6 +223,9 @@ class _GoneStore:
         raise RuntimeError("Connection refused")
 
     def add(self, *args: Any) -> int:
+        raise RuntimeError("Connection refused")
+
+    def check(self, *args: Any) -> bool:
         raise RuntimeError("Connection refused")
 
 
@@ -227,6 +240,27 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
     gone = r"member m0: the verdict on step 41 cannot be read .* the Lighthouse at http://h:1"
     with pytest.raises(DistributedError, match=gone):
         replica._verdict()
+    with pytest.raises(DistributedError, match=r"m0: the verdicts cannot be read .* http://h:1"):
+        replica._first_undecided()
+
+
+class _TwoAbandoned:
+    """The verdicts' store of a run whose step 41 was abandoned twice in quorum 7."""
+
+    def check(self, keys: list[str]) -> bool:
+        return keys[0] in ("41/7/0/verdict", "41/7/1/verdict")
+
+
+def test_every_member_of_a_quorum_finds_the_same_attempt_in_the_verdicts() -> None:
+    """A step's attempt is read from the verdicts, not counted by each member: one that did
+    not vote in an abandoned attempt (its state transfer failed) agrees with the others."""
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica.manager, replica._verdicts, replica._quorum = _OneMemberLeft(), _TwoAbandoned(), 7
+    assert replica._first_undecided() == 2
+    replica._quorum = 8  # a new quorum starts the step's attempts again
+    assert replica._first_undecided() == 0
 
 
 class _Behind:
@@ -248,8 +282,9 @@ def test_a_member_at_another_step_than_the_run_is_stopped_by_name() -> None:
     steps.replica = _Behind()
     with pytest.raises(DistributedError, match="member m2 is at step 3, the run at step 5"):
         steps.step(None, lambda batch: torch.zeros(()), 3)  # type: ignore[arg-type]
-    with pytest.raises(DistributedError, match="member m2 is behind the run: a member joining"):
-        steps._refuse_to_join({})
+    steps._in_loop = True  # a member that missed a committed step: the run went on without it
+    with pytest.raises(DistributedError, match=r"member m2 is behind the run .* Restart it"):
+        steps._join({})
 
 
 class _OneRank:

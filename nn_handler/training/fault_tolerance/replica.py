@@ -29,7 +29,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
-from nn_handler.errors import DistributedError
+from nn_handler.errors import DistributedError, NNHandlerError
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.lighthouse import require_torchft, verdicts_of
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
@@ -101,9 +101,8 @@ class Replica:
         #: The collective failure of the step in flight (None: none).
         self.failure: BaseException | None = None
         self._verdicts = verdicts_of(lighthouse, timeout_s)
-        # Which attempt of the step this is, counted within its quorum (the members the
-        # Lighthouse agreed on, all of whom start it at 0 and see the same verdicts): a member
-        # that joins comes with a new quorum, so every member's count agrees.
+        # The step's attempt within its quorum (the members the Lighthouse agreed on): the
+        # first whose verdict is not written yet (see _quorum_once).
         self._quorum = -1
         self._attempt = 0
 
@@ -129,18 +128,26 @@ class Replica:
         """How many members the current step has."""
         return int(self.manager.num_participants())
 
-    def begin_step(self, least: int | None = None) -> None:
-        """Agree on this step's members (and receive the state first if this one is behind);
-        with fewer than ``least`` (default ``min_members``), wait for more up to
-        ``quorum_timeout_s``, then raise DistributedError. Every member must call this at the
-        start of each step, redone ones included."""
+    def begin_step(self, least: int | None = None) -> bool:
+        """Agree on this step's members; a member behind the run (a new one) first receives
+        the state of one that is not, and returns True (it then takes part whatever
+        ``least``). With fewer than ``least`` members (default ``min_members``), wait for more
+        up to ``quorum_timeout_s``, then raise DistributedError; a state transfer that failed
+        (its sender or this member's connection lost) is tried again at the next agreement.
+        Every member must call this at the start of each step, redone ones included."""
         deadline = time.monotonic() + self.quorum_timeout_s
         least = self.min_members if least is None else least
         while True:
+            before = self.step
             self._quorum_once()
-            if self.members >= least:
-                return
-            self.manager.report_error(DistributedError("too few members"))
+            failed = self.manager.errored()
+            if failed is None and (self.step != before or self.members >= least):
+                return self.step != before
+            if failed is not None:  # a state transfer (or the group's change) failed: abort
+                self.failure = failed.original_exception
+                self._verdict()
+            else:
+                self.manager.report_error(DistributedError("too few members"))
             self.manager.should_commit()  # nothing was done: torchft's step is not counted
             if time.monotonic() > deadline:
                 raise DistributedError(
@@ -155,10 +162,9 @@ class Replica:
         self.failure = None
         try:
             self.manager.start_quorum()
-            quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id here
-            if quorum != self._quorum:
-                self._quorum, self._attempt = quorum, 0
-        except DistributedError:  # ours: a state it cannot take
+            self._quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id
+            self._attempt = self._first_undecided()
+        except NNHandlerError:  # ours: a state it cannot take
             raise
         except Exception as error:  # torchft's quorum timed out or its server failed
             first = (str(error).strip().splitlines() or [""])[0]
@@ -198,8 +204,19 @@ class Replica:
             self.manager.load_state_dict(counted)
         elif not verdict:
             self.manager.should_commit()  # False: torchft's own bookkeeping of the abort
-        self._attempt = 0 if verdict else self._attempt + 1
         return verdict
+
+    def _first_undecided(self) -> int:
+        """This step's attempt in its quorum: the first without a verdict. Every member of the
+        quorum asked for it after the verdicts of the earlier attempts were written (it read
+        them, or they were written without its vote), so every member finds the same one."""
+        attempt, key = 0, f"{self.step}/{self._quorum}"
+        try:
+            while self._verdicts.check([f"{key}/{attempt}/verdict"]):
+                attempt += 1
+        except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
+            raise self._gone("the verdicts", error) from error
+        return attempt
 
     def _verdict(self) -> bool:
         """The run's verdict on this attempt of the step: this member's vote (done, or abort
@@ -220,12 +237,14 @@ class Replica:
                 time.sleep(pause)  # never does: then a poll every 50 ms until the deadline
             return bool(store.get(verdict) == b"commit")
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
-            raise DistributedError(
-                f"member {self.member_id}: the verdict on step {self.step} cannot be read "
-                f"({type(error).__name__}: {error}): the Lighthouse at {self.lighthouse} is "
-                f"gone. The run cannot go on step by step: restart it from its latest "
-                f"checkpoint."
-            ) from error
+            raise self._gone(f"the verdict on step {self.step}", error) from error
+
+    def _gone(self, what: str, error: BaseException) -> DistributedError:
+        return DistributedError(
+            f"member {self.member_id}: {what} cannot be read ({type(error).__name__}: "
+            f"{error}): the Lighthouse at {self.lighthouse} is gone. The run cannot go on "
+            f"step by step: restart it from its latest checkpoint."
+        )
 
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""
@@ -234,10 +253,20 @@ class Replica:
 
 class _NoFlightRecorder(logging.Filter):
     """Drops torchft's warning, at every change of members, that it cannot reset NCCL's flight
-    recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset."""
+    recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset;
+    and says its failures (a state transfer cut by a death) in one line, without a traceback:
+    the step's abandonment says the rest."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "flight recorder" not in record.getMessage()
+        message = record.getMessage()
+        if "flight recorder" in message:
+            return False
+        if record.exc_info:
+            first = message.splitlines()[0] if message else ""
+            first = re.sub(r"\[/[^\]]*\]\s*", "", first)  # gloo's source location
+            record.msg, record.args = first.split(". This is typically")[0], ()
+            record.exc_info = record.exc_text = None
+        return True
 
 
 def _quiet_torchft() -> None:

@@ -39,31 +39,58 @@ class FaultTolerantSteps:
         self.exact = exact
         self.member_id = config.member_id or f"{socket.gethostname()}-{os.getpid()}"
         self.replica: Any = None
-        self._least: int | None = None
+        self._load: Callable[[Any], None] | None = None
+        self._in_loop = False
+        self._begun = False  # begin_fit agreed on the first step's members
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
         self.log = logger.bind(rank=0)
 
-    def begin_fit(self, global_step: int) -> None:
-        """Join the run as this member, at ``global_step`` (every member must start at the
-        same one). Waits for the first step's members."""
+    def begin_fit(
+        self,
+        global_step: int,
+        state: Callable[[], Any] = dict,
+        load: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Join the run as this member, at ``global_step``, and agree on the first step's
+        members. A member behind the run (one restarted, or new) receives ``state()`` of one
+        that is not (the whole checkpoint: model, optimizer, loop position...) and gives it to
+        ``load`` before its loop starts, which then continues where the run is."""
         from nn_handler.training.fault_tolerance.replica import Replica
 
         config = self.config
-        self.replica = Replica(
+        self._load, self._in_loop = load, False
+        self.replica = replica = Replica(
             config.lighthouse,
             self.member_id,
-            state_dict=lambda: {},
-            load_state_dict=self._refuse_to_join,
+            state_dict=state,
+            load_state_dict=self._join,
             min_members=config.min_members,
             host=config.host,
             timeout_s=config.timeout_s,
             quorum_timeout_s=config.quorum_timeout_s,
             init_sync=False,  # every member builds the same model from the same seed
         )
-        self.replica.manager.load_state_dict({"step": global_step, "batches_committed": 0})
-        self.exact.comm = self.replica.communicator
-        self._least = config.start_members  # the first step waits for them all
+        replica.manager.load_state_dict({"step": global_step, "batches_committed": 0})
+        self.exact.comm = replica.communicator
+        # The first step waits for the members that start together (not for a joiner).
+        replica.begin_step(config.start_members)
+        self._begun = True
+
+    def _join(self, state: Any) -> None:
+        """The state of a member that is not behind, received (checked) at a step boundary."""
+        if self._load is None or self._in_loop:
+            raise DistributedError(
+                f"member {self.member_id} is behind the run (it missed a committed step "
+                f"while alive: slower than timeout_s, or left out by the Lighthouse's "
+                f"join timeout); it stops. Restart it: a member that starts joins the run "
+                f"where it is."
+            )
+        self._load(state)
+        self.log.info(
+            "member {} joined the run at step {}: the state of a member received and checked",
+            self.member_id, self.replica.step if self.replica else "?",
+        )  # fmt: skip
 
     def end_fit(self) -> None:
         """Leave the run (the others go on without this member)."""
@@ -84,9 +111,11 @@ class FaultTolerantSteps:
         scales = {k: v.clone() if isinstance(v, torch.Tensor) else v
                   for k, v in self.exact.state_dict().items()}  # fmt: skip
         buffers = [(b, b.clone()) for b in self.exact.module.buffers()]
+        self._in_loop = True
         while True:
-            replica.begin_step(self._least)
-            self._least = None
+            if not self._begun:  # begin_fit's agreement is the first step's
+                replica.begin_step()
+            self._begun = False
             if replica.step != global_step:
                 raise DistributedError(
                     f"member {self.member_id} is at step {global_step}, the run at step "
@@ -113,13 +142,6 @@ class FaultTolerantSteps:
                 "step {}: abandoned by the run ({}); redone by the members left",
                 global_step + 1, why,
             )  # fmt: skip
-
-    def _refuse_to_join(self, state: Any) -> None:
-        raise DistributedError(
-            f"member {self.member_id} is behind the run: a member joining a run in progress "
-            f"is not supported yet; start every member together, or restart the run from its "
-            f"latest checkpoint."
-        )
 
 
 __all__ = ["FaultTolerantSteps"]

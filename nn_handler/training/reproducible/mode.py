@@ -147,10 +147,17 @@ class ReproducibleMode:
             batch, lambda mine: self.exact.run(mine, forward_backward, global_step), global_step
         )
 
-    def begin_fit(self, global_step: int) -> None:
-        """A fit starts at ``global_step`` (a fault-tolerant run's member joins the run)."""
+    def begin_fit(
+        self,
+        global_step: int,
+        state: Callable[[], Any] = dict,
+        load: Callable[[Any], None] | None = None,
+    ) -> None:
+        """A fit starts at ``global_step``: a fault-tolerant run's member joins the run, and
+        if it is behind, ``load``s the ``state()`` of a member that is not (see
+        FaultTolerantSteps.begin_fit)."""
         if self.fault_tolerance is not None:
-            self.fault_tolerance.begin_fit(global_step)
+            self.fault_tolerance.begin_fit(global_step, state, load)
 
     def end_fit(self) -> None:
         if self.fault_tolerance is not None:
