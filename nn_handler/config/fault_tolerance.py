@@ -22,9 +22,9 @@ class FaultToleranceConfig(ConfigModel):
         member_id: this member's name in the run (default: ``<hostname>-<pid>``).
         min_members: the fewest members a step may be committed with; with fewer the run
             waits for members up to ``quorum_timeout_s``, then stops.
-        start_members: how many members a fit's first step waits for (default
-            ``min_members``): the members start together (one that joins later is refused
-            for now).
+        start_members: how many members the run's first step waits for (default
+            ``min_members``); a member that starts while the run goes on joins it where it is
+            (it receives the state of a live member).
         timeout_s: a member silent this long in a collective is lost (its step is redone).
         quorum_timeout_s: the longest wait for a step's members to be agreed.
         host: the address this member listens on and is reached at.

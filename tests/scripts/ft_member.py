@@ -4,16 +4,17 @@ fault-tolerant run of tests/ft_helpers.py's problem, which may SIGKILL itself in
 Usage: python ft_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
 STARTERS: how many members start together (each waits for the others' ready-* files in RUN_DIR
 before its first step; 0: join a run already going). WHEN: 'before' (dies before the step's
-sum), 'after' (after it, before the commit) or 'stop' (SIGSTOPs itself before the sum: a hang;
-the test kills it at the end); RUN_DIR/<id>.died gets the time just before. RUN_DIR/<id>.step
-has the step it is at, RUN_DIR/<id>.commits each commit's step and time as it comes;
-RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the
-ledger of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned
-and redone, the addresses this process listens on besides its replica group's store, and why it
+sum), 'after' (after it, before the commit), 'stop' (SIGSTOPs itself before the sum: a hang; the
+test kills it at the end) or 'slow' (sleeps 4.5 s before the sum, once: alive, but slower than
+the collectives' timeout; RUN_DIR/<id>.slow gets the time); RUN_DIR/<id>.died gets the time just
+before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits each commit's step
+and time as it comes; RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger
+of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned and
+redone, the addresses this process listens on besides its replica group's store, and why it
 stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
 until RUN_DIR/release exists; FT_STEPS and FT_STEP_S set the run's steps and a step's sleep,
-FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die in
-the middle of a state transfer (see die_in_transfers).
+FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die in the
+middle of a state transfer (see die_in_transfers).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main(
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
-    ledger, redone, stopped = [], 0, ""
+    ledger, redone, stopped, slowed = [], 0, "", False
     hold = int(os.environ.get("FT_HOLD_AT", "-1"))
     while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
@@ -106,9 +107,10 @@ def main(
         time.sleep(STEP_S)
         if step == kill_step and when in ("before", "stop"):
             _die(run, member, signal.SIGKILL if when == "before" else signal.SIGSTOP)
-        if step == kill_step and when == "slow" and not redone:  # alive, slower than timeout_s
-            (run / f"{member}.died").write_text(repr(time.time()))
+        if step == kill_step and when == "slow" and not slowed:  # alive, slower than timeout_s
+            (run / f"{member}.slow").write_text(repr(time.time()))
             time.sleep(SLOW_S)
+            slowed = True
         try:
             summed = replica.communicator.all_reduce(row)
         except Exception:  # PeerLostError: the commit says no

@@ -241,7 +241,7 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
     with pytest.raises(DistributedError, match=gone):
         replica._verdict()
     with pytest.raises(DistributedError, match=r"m0: the verdicts cannot be read .* http://h:1"):
-        replica._first_undecided()
+        replica._first_undecided(7)
 
 
 class _TwoAbandoned:
@@ -257,10 +257,9 @@ def test_every_member_of_a_quorum_finds_the_same_attempt_in_the_verdicts() -> No
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
-    replica.manager, replica._verdicts, replica._quorum = _OneMemberLeft(), _TwoAbandoned(), 7
-    assert replica._first_undecided() == 2
-    replica._quorum = 8  # a new quorum starts the step's attempts again
-    assert replica._first_undecided() == 0
+    replica.manager, replica._verdicts = _OneMemberLeft(), _TwoAbandoned()
+    assert replica._first_undecided(7) == 2
+    assert replica._first_undecided(8) == 0  # a new quorum starts the step's attempts again
 
 
 class _Behind:

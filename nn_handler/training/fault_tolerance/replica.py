@@ -77,6 +77,7 @@ class Replica:
         # The replica group's own store (a group of one process): torchft's Manager needs one.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.group: Any = ProcessGroupGloo(timeout=timeout)
+        self.group.configure = self._fresh(self.group.configure)
         with _listening_on(host):
             self.manager: Any = Manager(
                 pg=self.group,
@@ -146,8 +147,9 @@ class Replica:
             if failed is not None:  # a state transfer (or the group's change) failed: abort
                 self.failure = failed.original_exception
                 self._verdict()
-            else:
-                self.manager.report_error(DistributedError("too few members"))
+                self.manager.should_commit()  # torchft's bookkeeping of the abort
+                continue  # agreed again at once, with the members left
+            self.manager.report_error(DistributedError("too few members"))
             self.manager.should_commit()  # nothing was done: torchft's step is not counted
             if time.monotonic() > deadline:
                 raise DistributedError(
@@ -163,7 +165,7 @@ class Replica:
         try:
             self.manager.start_quorum()
             self._quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id
-            self._attempt = self._first_undecided()
+            self._attempt = self._first_undecided(self._quorum)
         except NNHandlerError:  # ours: a state it cannot take
             raise
         except Exception as error:  # torchft's quorum timed out or its server failed
@@ -176,9 +178,24 @@ class Replica:
             ) from error
 
     def lost(self, error: BaseException) -> None:
-        """A collective of this step failed: the step will not be committed."""
+        """A collective of this step failed: the step will not be committed. The group is
+        aborted at once (its connections closed), so that members still waiting in a
+        collective on this one fail now instead of at their timeout."""
         self.failure = error
         self.manager.report_error(error)
+        self.group.abort()
+
+    def _fresh(self, configure: Callable[..., None]) -> Callable[..., None]:
+        """torchft's configure of the group, at a store prefix of the step's attempt too: an
+        abandoned attempt's group is never reused (torchft reconfigures only when the
+        Lighthouse's quorum id changes, and a step abandoned by members who are all alive
+        keeps it), and the new one never meets the keys of the one before."""
+
+        def configure_attempt(store_addr: str, *args: Any) -> None:
+            quorum = args[3]  # (replica_id, rank, world_size, quorum_id, ...): torchft's order
+            configure(f"{store_addr}/attempt{self._first_undecided(quorum)}", *args)
+
+        return configure_attempt
 
     def abandoned(self, what: str, error: BaseException) -> str:
         """What a collective's failure says: its cause in one line (gloo's without its source
@@ -206,11 +223,11 @@ class Replica:
             self.manager.should_commit()  # False: torchft's own bookkeeping of the abort
         return verdict
 
-    def _first_undecided(self) -> int:
-        """This step's attempt in its quorum: the first without a verdict. Every member of the
+    def _first_undecided(self, quorum: int) -> int:
+        """This step's attempt in ``quorum``: the first without a verdict. Every member of the
         quorum asked for it after the verdicts of the earlier attempts were written (it read
         them, or they were written without its vote), so every member finds the same one."""
-        attempt, key = 0, f"{self.step}/{self._quorum}"
+        attempt, key = 0, f"{self.step}/{quorum}"
         try:
             while self._verdicts.check([f"{key}/{attempt}/verdict"]):
                 attempt += 1
@@ -235,9 +252,12 @@ class Replica:
                     store.compare_set(verdict, "", "abort")
                 pause = min(pause * 2, 0.05)  # the votes come within a few ms, unless one
                 time.sleep(pause)  # never does: then a poll every 50 ms until the deadline
-            return bool(store.get(verdict) == b"commit")
+            committed = store.get(verdict) == b"commit"
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
             raise self._gone(f"the verdict on step {self.step}", error) from error
+        if not committed:  # a new group for the next attempt, even with the same members
+            self.manager._quorum_id = -1
+        return committed
 
     def _gone(self, what: str, error: BaseException) -> DistributedError:
         return DistributedError(
