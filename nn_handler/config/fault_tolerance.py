@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 
 from pydantic import Field, field_validator
 
@@ -37,6 +39,17 @@ class FaultToleranceConfig(ConfigModel):
     timeout_s: float = Field(default=10.0, gt=0)
     quorum_timeout_s: float = Field(default=60.0, gt=0)
     host: str = "127.0.0.1"
+
+    def member_name(self) -> str:
+        """This member's name: ``member_id``, or ``<hostname>-<pid>``."""
+        return self.member_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    def member_folder(self, folder: str | None) -> str | None:
+        """This member's own checkpoint folder in ``folder`` (checkpoint.dir):
+        ``<folder>/<member name>``. Each member writes its own periodic checkpoints (a folder
+        has one writer) and resumes from them after the loss of the whole run; set
+        ``member_id`` so that a restarted member finds its folder again."""
+        return None if folder is None else f"{folder.rstrip('/')}/{self.member_name()}"
 
     @field_validator("lighthouse")
     @classmethod

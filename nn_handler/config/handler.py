@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from nn_handler.config.base import ConfigModel, validate_config
 from nn_handler.config.checkpoint import CheckpointConfig
@@ -83,16 +83,6 @@ class HandlerConfig(ConfigModel):
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # Lightning's precision=16 / 32: the error lists ours
         return {"precision": value} if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _checkpoints_beside_fault_tolerance(self) -> HandlerConfig:
-        if self.trainer.fault_tolerance is not None and self.checkpoint.dir is not None:
-            raise ValueError(
-                "trainer.fault_tolerance with checkpoint.dir: periodic checkpoints beside the "
-                "mode are not supported yet (every member would write the same folder); leave "
-                "checkpoint.dir unset"
-            )
-        return self
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> HandlerConfig:

@@ -142,18 +142,18 @@ class LoopPosition:
     def parts(self) -> list[Part]:
         return [
             Part("trainer", self._save_position, self._load_position, missing="error"),
-            Part("data", lambda: dict(self.data), self._load_data, missing="ignore"),
-            Part("rng", capture_rng, self._load_rng, per_rank=True, missing="ignore"),
+            Part("data", self._save_data, self._load_data, missing="ignore"),
+            Part("rng", self._save_rng, self._load_rng, per_rank=True, missing="ignore"),
             Part(
                 "epoch_rng",
-                lambda: self.epoch_rng,
+                self._save_epoch_rng,
                 self._load_epoch_rng,
                 per_rank=True,
                 missing="ignore",
             ),
             Part(
                 "running",
-                lambda: self.running.state_dict() if self.running is not None else None,
+                self._save_running,
                 self._load_running,
                 per_rank=True,
                 missing="ignore",
@@ -165,17 +165,39 @@ class LoopPosition:
         """The batches done recorded in a checkpoint's shared states."""
         return int((shared.get("trainer") or {}).get("batches_done", 0))
 
+    # A checkpoint written while a restored one's position is still to be taken by the loop
+    # (saved between a resume and the fit: a fault-tolerant member sends its state to a
+    # joining one there) is that position, not the loop's own, which has not moved yet.
     def _save_position(self) -> dict[str, Any]:
-        state = self.state
+        state, point = self.state, self.resume
         return {
             "epoch": state.epoch,
             "global_step": state.global_step,
-            "batches_done": self.batches_done,
+            "batches_done": self.batches_done if point is None else point.batches_done,
             "skipped_steps": state.skipped_steps,
             "skipped_in_a_row": state.skipped_in_a_row,
             "should_stop": state.should_stop,
             "stopped_early": self.stopped_early,
         }
+
+    def _save_data(self) -> dict[str, Any]:
+        return dict(self.data if self.resume is None else self.resume.data)
+
+    def _save_rng(self) -> dict[str, Any]:
+        point = self.resume
+        pending = (
+            None if point is None else point.step_rng if point.batches_done else point.start_rng
+        )
+        return capture_rng() if pending is None else pending
+
+    def _save_epoch_rng(self) -> dict[str, Any] | None:
+        point = self.resume
+        return self.epoch_rng if point is None or not point.batches_done else point.start_rng
+
+    def _save_running(self) -> dict[str, Any] | None:
+        if self.resume is not None:
+            return self.resume.running
+        return self.running.state_dict() if self.running is not None else None
 
     def _load_position(self, saved: dict[str, Any], _source: str) -> None:
         state = self.state

@@ -105,6 +105,9 @@ class Trainer(TrainerFacade):
         )
         checkpoint = checkpoint or CheckpointConfig()
         run_config = run_config_of(config, precision, ema, checkpoint)
+        if config.fault_tolerance is not None:  # each member writes its own folder
+            folder = config.fault_tolerance.member_folder(checkpoint.dir)
+            checkpoint = checkpoint.model_copy(update={"dir": folder})
         self.checkpointing = TrainerCheckpoints(
             self.position,
             comm,
@@ -246,16 +249,12 @@ class Trainer(TrainerFacade):
         self.memory.validates = val_loader is not None  # the plan's validation item
         if self.reproducible is not None:
             self.reproducible.check_loaders(train_loader, val_loader)
-            checkpoints, source = self.checkpointing, "the state of a member of the run"
-            self.reproducible.begin_fit(
-                state.global_step,
-                checkpoints.state_dict,  # a joining member's, sent and checked
-                functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
-            )
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
+                if self.reproducible is not None:  # after a resume: a member joins there
+                    self._begin_reproducible_fit()
                 self._reconsider_early_stop()
                 self.optimization.warn_if_the_schedule_ends_early(train_loader, epochs)
                 state.epochs, state.max_steps = epochs, self.config.max_steps
@@ -276,6 +275,20 @@ class Trainer(TrainerFacade):
                 self.reproducible.end_fit()
             hooks.call_after_train(failed, self.log)
         return self.history
+
+    def _begin_reproducible_fit(self) -> None:
+        """The reproducible mode's start; a fault-tolerant member joins its run there, given
+        its checkpoint's state for a joiner, a way to load a member's, and an emergency save
+        (with a checkpoint folder)."""
+        checkpoints, source = self.checkpointing, "the state of a member of the run"
+        emergency = functools.partial(checkpoints.save_periodic, final=True)
+        assert self.reproducible is not None
+        self.reproducible.begin_fit(
+            self.state.global_step,
+            checkpoints.state_dict,
+            functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
+            emergency if checkpoints.manager is not None else None,
+        )
 
     def _reconsider_early_stop(self) -> None:
         """A resumed stop that early stopping decided stands, unless its settings changed."""

@@ -237,39 +237,59 @@ def _unfailed_trainer_digest() -> str:
     return found
 
 
-def test_an_nnhandler_run_that_loses_two_of_three_members_ends_with_the_unfailed_bits(
+def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_unfailed_bits(
     tmp_path: Path,
 ) -> None:
-    """Three members of an NNHandler run (trainer.fault_tolerance over the reproducible mode's
-    CNN: BatchNorm, dropout, Adam, validation each epoch), each a process of its own: m1 dies
-    in step a's forward (the others' sum fails), m2 after step b's sum, before its vote. m0
-    finishes alone, no process restarted, with the SHA-256 of weights, buffers, optimizer
-    state and History of a run that never failed, and one log line per abandoned step."""
+    """An NNHandler run (trainer.fault_tolerance over the reproducible mode's CNN: BatchNorm,
+    dropout, Adam, validation each epoch), each member a process of its own writing periodic
+    checkpoints (every 3 steps) in a folder of its own. m1 dies in the middle of writing its
+    checkpoint of step 3; m1b, restarted, joins the run where it is; m2 dies after step b's
+    sum, before its vote; then the Lighthouse is killed: m0 and m1b stop, each with an
+    emergency checkpoint of its committed steps. The whole run restarts from them (a new
+    Lighthouse; m0, m1b and m1, whose folder holds only the half-written file, removed): m1
+    receives the others' state at the first step, and all three end with the SHA-256 of
+    weights, buffers, optimizer state and History of a run that never failed."""
     rng = random.Random(int(os.environ.get("NN_HANDLER_FT_SEED", "53")))
-    a = rng.randint(1, 4)
-    b = rng.randint(a + 2, 10)
-    deadline = time.monotonic() + scaled(120)
-    with (
-        Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
-        _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members,
-    ):
-        members.start("m0", 3, least=1)
-        members.start("m1", 3, str(a), "forward", least=1)
-        members.start("m2", 3, str(b), "vote", least=1)
+    b = rng.randint(4, 6)
+    deadline = time.monotonic() + scaled(150)
+    checkpoints = {"FT_CHECKPOINTS": "1", "FT_QUORUM_TIMEOUT_S": "3"}
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        kill = {"FT_KILL_LIGHTHOUSE": f"{lighthouse.pid}:{b + 1}:m1b"}
+        members.start("m0", 3, least=1, **checkpoints, **kill)
+        members.start("m1", 3, "3", "save", least=1, **checkpoints)
+        members.start("m2", 3, str(b), "vote", least=1, **checkpoints)
         members.wait(deadline, "m1")
-        members.start("m1b", 0, least=1)  # m1 restarted: it joins the run where it is
+        members.start("m1b", 0, least=1, **checkpoints)  # m1 restarted: it joins the run
         codes = members.wait(deadline)
-    assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m1b": 0}, (
+    assert codes == {"m0": 1, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m1b": 1}, (
         members.logs()
     )
-    report = json.loads((tmp_path / "m0.json").read_text())
-    expected = _unfailed_trainer_digest()
-    assert report["digest"] == expected
-    assert report["redone"] == 2
-    joined = json.loads((tmp_path / "m1b.json").read_text())
-    assert joined["digest"] == expected, members.logs()
+    first = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m0", "m1b")}
+    stopped = first["m0"]["step"]
+    assert first["m1b"]["step"] == stopped and b < stopped < 12, members.logs()
+    assert "the Lighthouse at" in first["m0"]["stopped"]
     assert "member m1b joined the run at step" in (tmp_path / "m1b.log").read_text()
     log = (tmp_path / "m0.log").read_text()
-    assert f"step {a + 1}: abandoned by the run (all_reduce of step {a + 1} failed" in log
+    abandoned = [line for line in log.splitlines() if "abandoned by the run" in line]
     assert f"step {b + 1}: abandoned by the run (a member failed it" in log
-    assert log.count("abandoned by the run") == 2
+    assert len(abandoned) == len(set(abandoned)), log  # one line per event
+    assert "emergency checkpoint of its" in log, log
+    folders = tmp_path / "checkpoints"
+    assert not list((folders / "m1").glob("ckpt-*.pt")), "m1 completed no checkpoint"
+    for member in ("m0", "m1b"):  # the emergency checkpoint: the last committed step
+        assert list((folders / member).glob(f"ckpt-*-s{stopped:08d}*.pt")), member
+    for member in ("m0", "m1b", "m1"):
+        (tmp_path / f"{member}.json").unlink(missing_ok=True)
+        (tmp_path / f"ready-{member}").unlink(missing_ok=True)
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        for member in ("m0", "m1b", "m1"):  # the whole run restarted
+            members.start(member, 3, least=1, **checkpoints)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1b": 0, "m1": 0}, members.logs()
+    expected = _unfailed_trainer_digest()
+    for member in ("m0", "m1b", "m1"):
+        assert json.loads((tmp_path / f"{member}.json").read_text())["digest"] == expected
+    log = (tmp_path / "m1.log").read_text()
+    assert "left by an interrupted save" in log and "joined the run at step" in log

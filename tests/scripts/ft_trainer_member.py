@@ -3,14 +3,21 @@ fault-tolerant NNHandler run (trainer.fault_tolerance over the reproducible mode
 BatchNorm and dropout, tests/reproducible_helpers.py), which may SIGKILL itself in a step.
 
 Usage: python ft_trainer_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
-WHEN: 'forward' (dies in the step's first forward: the others' sum fails) or 'vote' (after the
-step's sum, before its vote: the others wait for it). RUN_DIR/<id>.json gets the run's SHA-256
-(weights, buffers, optimizer state, History) and the attempts redone. FT_MIN_MEMBERS in its
-environment sets min_members (default 1).
+WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote' (after the
+step's sum, before its vote: the others wait for it) or 'save' (in the middle of writing the
+periodic checkpoint after that step). With FT_CHECKPOINTS=1 in its environment it writes
+periodic checkpoints (every 3 steps) in RUN_DIR/checkpoints/<id> and resumes from them (resume
+'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER makes it kill the Lighthouse once JOINER joined,
+after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10).
+RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state, History), the
+attempts redone, the steps done and why it stopped early (exit 1) if it did. FT_MIN_MEMBERS in
+its environment sets min_members (default 1).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -25,6 +32,8 @@ import torch
 from torch import nn
 
 from nn_handler import NNHandler
+from nn_handler.checkpoint import single_file
+from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance.replica import Replica
 from tests.reproducible_helpers import WORKLOADS, config, digest, train
 
@@ -48,33 +57,91 @@ def die_before_voting(step: int) -> None:
     Replica.commit = dying  # type: ignore[method-assign]
 
 
+def die_in_save(step: int) -> None:
+    """SIGKILL in the middle of writing the periodic checkpoint of ``step``: half its bytes
+    are in the staging file."""
+    write = single_file.write_file
+
+    def dying(checkpoint: Any, path: Path, **kwargs: Any) -> None:
+        if int(checkpoint["trainer"]["global_step"]) == step:
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            Path(path).write_bytes(buffer.getvalue()[: buffer.tell() // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(checkpoint, path, **kwargs)
+
+    single_file.write_file = dying  # type: ignore[assignment]
+
+
+def kill_lighthouse(h: NNHandler, run: Path, pid: int, step: int, joiner: str) -> None:
+    """Kill the Lighthouse (process ``pid``) once ``joiner`` joined the run: this member waits
+    in its first forward of ``step`` for the joiner's process to be up (so that the run does
+    not end before it joins), then kills it in the first forward after the join."""
+    waited = False
+
+    def forward(module: nn.Module, args: Any) -> None:
+        nonlocal waited
+        if h.trainer.state.global_step < step or not module.training:
+            return
+        if not waited:
+            end = time.monotonic() + 60
+            while not (run / f"ready-{joiner}").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            waited = True
+        elif "joined the run" in (run / f"{joiner}.log").read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    h.trainer.module.register_forward_pre_hook(forward)
+
+
 def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> None:
     settings: dict[str, Any] = {
         "lighthouse": lighthouse,
         "member_id": member,
         "min_members": int(os.environ.get("FT_MIN_MEMBERS", "1")),
         "timeout_s": 3.0,
-        "quorum_timeout_s": 10.0,
+        "quorum_timeout_s": float(os.environ.get("FT_QUORUM_TIMEOUT_S", "10")),
     }
+    folder = run / "checkpoints" if os.environ.get("FT_CHECKPOINTS") else None
+    settings_of_run = config("cnn", folder, fault_tolerance=settings)
+    if folder is not None:
+        settings_of_run["checkpoint"]["resume"] = "auto"
     model = WORKLOADS["cnn"][0]
     h = NNHandler(
         model(),
         lambda p: torch.optim.Adam(p, lr=3e-3),
         nn.CrossEntropyLoss(),
-        config=config("cnn", fault_tolerance=settings),
+        config=settings_of_run,
     )
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
+    elif kill and kill[1] == "save":
+        die_in_save(int(kill[0]))
     elif kill:
         die_before_voting(int(kill[0]))
+    if os.environ.get("FT_KILL_LIGHTHOUSE"):
+        pid, step, joiner = os.environ["FT_KILL_LIGHTHOUSE"].split(":")
+        kill_lighthouse(h, run, int(pid), int(step), joiner)
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
-    train(h, "cnn")
+    stopped = ""
+    try:
+        train(h, "cnn")
+    except DistributedError as error:  # the run cannot go on step by step
+        stopped = str(error)
     steps = h.trainer.reproducible.fault_tolerance  # type: ignore[union-attr]
-    report = {"digest": digest(h), "redone": steps.redone if steps else 0}
+    report = {
+        "digest": digest(h),
+        "redone": steps.redone if steps else 0,
+        "step": h.trainer.state.global_step,
+        "stopped": stopped,
+    }
     (run / f"{member}.json").write_text(json.dumps(report))
     h.close()
+    if stopped:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.strategies import SingleDeviceStrategy
 from nn_handler.training.checkpointing import TrainerCheckpoints
+from nn_handler.training.metrics import RunningLoss
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.state import TrainerState
 from tests.training_helpers import mlp, regression_data, sgd
@@ -179,3 +180,25 @@ def test_checkpoints_of_the_first_format_with_nested_tracked_state_still_resume(
         box.value = 0
         h.trainer.load_state_dict(checkpoint, "first.pt")
         assert box.value == 41
+
+
+def test_a_checkpoint_written_before_the_loop_takes_a_resumed_position_is_that_position() -> None:
+    """Between a resume and the fit (a fault-tolerant member sends its state to a joining one
+    there) the loop has not moved: what is saved is the restored mid-epoch position (batches
+    done, the RNG streams, the partial loss), not the loop's own (batch 0, no loss)."""
+    state = TrainerState(epoch=1, global_step=9)
+    source = LoopPosition(state)
+    source.batches_done, source.epoch_rng = 3, {"epoch": "start"}
+    source.running = RunningLoss(10)
+    source.running.add(torch.tensor(2.0), 4)
+    parts = {p.name: p for p in source.parts()}
+    saved = {name: part.save() for name, part in parts.items()}  # mid-epoch, in the loop
+    resumed = LoopPosition(TrainerState())
+    for part in resumed.parts():
+        part.load(saved[part.name], "ckpt")
+    again = {p.name: p.save() for p in resumed.parts()}  # before the loop takes it
+    assert again["trainer"]["batches_done"] == 3 and again["trainer"]["global_step"] == 9
+    assert again["rng"] == saved["rng"] and again["epoch_rng"] == {"epoch": "start"}
+    assert again["running"] == saved["running"] and again["running"] is not None
+    resumed.take_resume()  # the loop took it: the loop's own position again
+    assert resumed.parts()[0].save()["batches_done"] == 0

@@ -136,12 +136,21 @@ def test_a_lighthouse_address_that_is_not_http_host_port_is_named(address: str) 
         FaultToleranceConfig(lighthouse=address)
 
 
-def test_periodic_checkpoints_beside_the_mode_are_refused_for_now(tmp_path: Any) -> None:
+def test_beside_the_mode_each_member_writes_checkpoints_in_a_folder_of_its_own() -> None:
+    """A folder has one writer: each member's periodic checkpoints go to <dir>/<member>, where
+    a member restarted with the same member_id finds them after the loss of the whole run."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
     from nn_handler.config.handler import HandlerConfig
 
-    trainer = {"fault_tolerance": _FT, "reproducible": _REPRODUCIBLE}
-    with pytest.raises(ConfigError, match="every member would write the same folder"):
-        HandlerConfig(trainer=trainer, checkpoint={"dir": str(tmp_path)})
+    trainer = {"fault_tolerance": {**_FT, "member_id": "m1"}, "reproducible": _REPRODUCIBLE}
+    config = HandlerConfig(trainer=trainer, checkpoint={"dir": "/runs/a", "every_n_steps": 5})
+    ft = config.trainer.fault_tolerance
+    assert ft is not None
+    assert ft.member_folder(config.checkpoint.dir) == "/runs/a/m1"
+    assert ft.member_folder("s3://b/runs/") == "s3://b/runs/m1"
+    assert ft.member_folder(None) is None
+    unnamed = FaultToleranceConfig(**_FT).member_folder("/r")
+    assert unnamed == f"/r/{socket.gethostname()}-{os.getpid()}"
 
 
 class _TwoRanks:
@@ -297,6 +306,9 @@ class _Exact:
 
     def state_dict(self) -> dict[str, Any]:
         return {"exponents": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def test_a_lighthouse_address_where_none_runs_is_named_with_the_fix() -> None:

@@ -8,8 +8,6 @@ of a run that never failed; the optimizer steps only once the step is committed.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +35,11 @@ class FaultTolerantSteps:
             )
         self.config = config
         self.exact = exact
-        self.member_id = config.member_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.member_id = config.member_name()
         self.replica: Any = None
         self._load: Callable[[Any], None] | None = None
-        self._in_loop = False
+        self._in_loop = self._behind = False
+        self._emergency: Callable[[], object] | None = None
         self._begun = False  # begin_fit agreed on the first step's members
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
@@ -51,15 +50,18 @@ class FaultTolerantSteps:
         global_step: int,
         state: Callable[[], Any] = dict,
         load: Callable[[Any], None] | None = None,
+        emergency: Callable[[], object] | None = None,
     ) -> None:
         """Join the run as this member, at ``global_step``, and agree on the first step's
         members. A member behind the run (one restarted, or new) receives ``state()`` of one
         that is not (the whole checkpoint: model, optimizer, loop position...) and gives it to
-        ``load`` before its loop starts, which then continues where the run is."""
+        ``load`` before its loop starts, which then continues where the run is. When the run
+        cannot go on step by step (too few members, the Lighthouse gone), ``emergency`` saves
+        this member's state, at its last committed step, before the error is raised."""
         from nn_handler.training.fault_tolerance.replica import Replica
 
         config = self.config
-        self._load, self._in_loop = load, False
+        self._load, self._in_loop, self._emergency = load, False, emergency
         self.replica = replica = Replica(
             config.lighthouse,
             self.member_id,
@@ -80,6 +82,7 @@ class FaultTolerantSteps:
     def _join(self, state: Any) -> None:
         """The state of a member that is not behind, received (checked) at a step boundary."""
         if self._load is None or self._in_loop:
+            self._behind = True
             raise DistributedError(
                 f"member {self.member_id} is behind the run (it missed a committed step "
                 f"while alive: slower than timeout_s, or left out by the Lighthouse's "
@@ -112,6 +115,23 @@ class FaultTolerantSteps:
                   for k, v in self.exact.state_dict().items()}  # fmt: skip
         buffers = [(b, b.clone()) for b in self.exact.module.buffers()]
         self._in_loop = True
+        try:
+            return self._committed(batch, run, global_step, scales, buffers)
+        except DistributedError:  # the run cannot go on step by step: this member stops
+            self._put_back(scales, buffers)
+            if self._emergency is not None and not self._behind:
+                self._save_emergency(global_step)
+            raise
+
+    def _committed(
+        self,
+        batch: StepBatch,
+        run: Callable[[StepBatch], torch.Tensor],
+        global_step: int,
+        scales: dict[str, Any],
+        buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        replica = self.replica
         while True:
             if not self._begun:  # begin_fit's agreement is the first step's
                 replica.begin_step()
@@ -134,14 +154,39 @@ class FaultTolerantSteps:
             if replica.commit() and loss is not None:
                 return loss
             self.redone += 1
-            self.exact.load_state_dict(scales)
-            for buffer, value in buffers:
-                buffer.copy_(value)
+            self._put_back(scales, buffers)
             why = lost or "a member failed it, or did not vote within timeout_s"
             self.log.warning(
                 "step {}: abandoned by the run ({}); redone by the members left",
                 global_step + 1, why,
             )  # fmt: skip
+
+    def _save_emergency(self, global_step: int) -> None:
+        """This member's state at its last committed step, for a restart of the whole run (a
+        failure to write it is said, and the run's own error raised)."""
+        assert self._emergency is not None
+        try:
+            path = self._emergency()
+        except Exception as error:  # the run's error is the one to raise
+            self.log.error(
+                "member {}: the emergency checkpoint of step {} could not be written ({}: {})",
+                self.member_id, global_step, type(error).__name__, error,
+            )  # fmt: skip
+            return
+        self.log.warning(
+            "member {}: the run cannot go on step by step; emergency checkpoint of its {} "
+            "committed steps: {}",
+            self.member_id, global_step, path,
+        )  # fmt: skip
+
+    def _put_back(
+        self, scales: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """The state the step started from: the scales and the BatchNorm statistics (the
+        optimizer steps only on a commit)."""
+        self.exact.load_state_dict(scales)
+        for buffer, value in buffers:
+            buffer.copy_(value)
 
 
 __all__ = ["FaultTolerantSteps"]

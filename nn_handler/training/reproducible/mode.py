@@ -152,12 +152,13 @@ class ReproducibleMode:
         global_step: int,
         state: Callable[[], Any] = dict,
         load: Callable[[Any], None] | None = None,
+        emergency: Callable[[], object] | None = None,
     ) -> None:
         """A fit starts at ``global_step``: a fault-tolerant run's member joins the run, and
-        if it is behind, ``load``s the ``state()`` of a member that is not (see
-        FaultTolerantSteps.begin_fit)."""
+        if it is behind, ``load``s the ``state()`` of a member that is not; ``emergency``
+        saves its state if the run cannot go on (see FaultTolerantSteps.begin_fit)."""
         if self.fault_tolerance is not None:
-            self.fault_tolerance.begin_fit(global_step, state, load)
+            self.fault_tolerance.begin_fit(global_step, state, load, emergency)
 
     def end_fit(self) -> None:
         if self.fault_tolerance is not None:
