@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -192,6 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
     lighthouse.add_argument("--min-members", type=_positive_int, default=1)
     lighthouse.add_argument("--join-timeout-s", type=float, default=60.0)
     lighthouse.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    supervise = commands.add_parser(
+        "supervise",
+        help="run a fault-tolerant run's members on this machine, restarting only a dead one",
+        description="Start a Lighthouse (unless --lighthouse names one) and N members, each a "
+        "process running COMMAND with {member} (m0, m1...) and {lighthouse} (its address) in "
+        "place; a member that fails is restarted with the same name, and joins the run.",
+    )
+    supervise.add_argument("--members", type=_positive_int, required=True)
+    supervise.add_argument("--max-restarts", type=int, default=3, help="per member")
+    supervise.add_argument("--lighthouse", default=None, help="a Lighthouse already running")
+    supervise.add_argument("--host", default="127.0.0.1", help="the Lighthouse's address")
+    supervise.add_argument("--min-members", type=_positive_int, default=1)
+    supervise.add_argument("--join-timeout-s", type=float, default=60.0)
+    supervise.add_argument(
+        "program", metavar="COMMAND", nargs=argparse.REMAINDER, help="-- then the command"
+    )
     return parser
 
 
@@ -251,6 +268,45 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_supervise(args: argparse.Namespace) -> int:
+    """The members' run; 1 (or 2 for a bad command) when it did not end well."""
+    from nn_handler.errors import ConfigError, DistributedError
+    from nn_handler.log import disable_logging, enable_logging
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor
+
+    command = args.program[1:] if args.program[:1] == ["--"] else args.program
+    try:
+        supervisor = Supervisor(
+            command,
+            args.members,
+            max_restarts=args.max_restarts,
+            lighthouse=args.lighthouse,
+            min_members=args.min_members,
+            join_timeout_s=args.join_timeout_s,
+            host=args.host,
+        )
+    except ConfigError as error:  # its message starts with "supervise:"
+        print(f"nn-handler {error}", file=sys.stderr)
+        return 2
+    logs = enable_logging()  # its lines: the Lighthouse's address, each restart, each end
+    # SIGTERM (a scheduler's stop) ends the run as Ctrl-C does: the members are stopped too.
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        return supervisor.run()
+    except (ConfigError, DistributedError) as error:  # a program not found, no Lighthouse
+        print(f"nn-handler supervise: {str(error).removeprefix('supervise: ')}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        disable_logging(logs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -263,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_inspect(args.path)
     if args.command == "lighthouse":
         return run_lighthouse(args)
+    if args.command == "supervise":
+        return run_supervise(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

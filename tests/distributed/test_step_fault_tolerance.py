@@ -216,6 +216,42 @@ def test_a_state_transfer_cut_by_the_death_of_its_receiver_then_of_its_sender(
     assert {entry[3] for entry in m4["ledger"]} == {3}  # never left out
 
 
+def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run(
+    tmp_path: Path,
+) -> None:
+    """`nn-handler supervise --members 3 -- COMMAND` starts a Lighthouse and three members of
+    the same command; m1 dies before step 5's sum: the supervisor restarts it alone, with its
+    name, and it joins the run where it is while the others go on. Every member ends with the
+    bits of a run that never failed; the supervisor says the restart in one line, exits 0."""
+    steps = 40
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUST_LOG": "error",
+           "FT_STEPS": str(steps), "FT_STEP_S": "0.1", "FT_KILL": "m1:5:before",
+           "FT_MIN_MEMBERS": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "3",
+               "--join-timeout-s", "10", "--", sys.executable, str(SCRIPT), "{lighthouse}",
+               str(tmp_path), "{member}", "3"]  # fmt: skip
+    supervisor = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # the members too: all killed if it hangs
+    )  # fmt: skip
+    try:
+        output, _ = supervisor.communicate(timeout=scaled(90))
+    except subprocess.TimeoutExpired:
+        os.killpg(supervisor.pid, signal.SIGKILL)
+        pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
+    assert supervisor.returncode == 0, output
+    restarts = [line for line in output.splitlines() if "restarted" in line]
+    assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    assert (tmp_path / "m1.died").exists()
+    expected = digest(unfailed(steps))
+    for member in ("m0", "m1", "m2"):
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == expected, (member, output)
+        first = report["ledger"][0][0]
+        assert first == 0 if member != "m1" else first > 5, member  # m1 joined mid-run
+        _check_ledger(report["ledger"], first, steps)
+
+
 TRAINER_SCRIPT = SCRIPT.with_name("ft_trainer_member.py")
 
 

@@ -14,7 +14,8 @@ redone, the addresses this process listens on besides its replica group's store,
 stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
 until RUN_DIR/release exists; FT_STEPS and FT_STEP_S set the run's steps and a step's sleep,
 FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die in the
-middle of a state transfer (see die_in_transfers).
+middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives member
+MEMBER those arguments (for a command that is the same for every member).
 """
 
 from __future__ import annotations
@@ -153,4 +154,7 @@ def _die(run: Path, member: str, how: signal.Signals, mark: Path | None = None) 
 
 if __name__ == "__main__":
     lighthouse, run, member, starters, *kill = sys.argv[1:]
+    named = os.environ.get("FT_KILL", "").split(":")  # MEMBER:KILL_STEP:WHEN, one member's
+    if not kill and named[0] == member:
+        kill = named[1:]
     main(lighthouse, Path(run), member, int(starters), *(int(kill[0]), kill[1]) if kill else ())  # type: ignore[arg-type]

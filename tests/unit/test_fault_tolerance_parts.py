@@ -321,3 +321,50 @@ def test_a_lighthouse_address_where_none_runs_is_named_with_the_fix() -> None:
     address = f"http://127.0.0.1:{port}"
     with pytest.raises(DistributedError, match=rf"is `nn-handler lighthouse --port {port}`"):
         verdicts_of(address, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("command", "members", "restarts", "message"),
+    [
+        ([], 3, 3, r"supervise: no command; give it after --"),
+        (["python", "train.py"], 3, 3, r"does not name its member: put \{member\}"),
+        (["python", "train.py", "{member}"], 0, 3, r"members must be >= 1 and max_restarts >= 0"),
+        (["python", "train.py", "{member}"], 2, -1, r"members must be >= 1 and max_restarts >= 0"),
+    ],
+)
+def test_a_supervisor_given_a_command_it_cannot_run_says_why(
+    command: list[str], members: int, restarts: int, message: str
+) -> None:
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor
+
+    with pytest.raises(ConfigError, match=message):
+        Supervisor(command, members, max_restarts=restarts)
+
+
+def test_a_member_that_exits_is_said_in_words_and_restarted_until_its_restarts_run_out(
+    tmp_path: Any,
+) -> None:
+    """With a Lighthouse given (none started), a member that always fails is restarted
+    max_restarts times, then left; the run's status is 1. A program that is not there is a
+    ConfigError naming it."""
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor, exit_cause
+
+    assert exit_cause(-9) == "killed by SIGKILL" and exit_cause(3) == "exit 3"
+    assert exit_cause(-200) == "killed by signal 200"
+    failing = [sys.executable, "-c", "import sys; sys.exit(3)", "{member}", "{lighthouse}"]
+    supervisor = Supervisor(failing, 2, max_restarts=1, lighthouse="http://h:1", poll_s=0.01)
+    assert supervisor.run() == 1 and supervisor.restarts == {"m0": 1, "m1": 1}
+    missing = Supervisor([str(tmp_path / "nothing"), "{member}"], 1, lighthouse="http://h:1")
+    with pytest.raises(ConfigError, match=r"supervise: cannot start '.*nothing'"):
+        missing.run()
+
+
+def test_nn_handler_supervise_with_a_command_that_names_no_member_says_so_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from nn_handler import cli
+
+    assert cli.main(["supervise", "--members", "2", "--", "python", "train.py"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("nn-handler supervise: the command 'python train.py' does not name")
+    assert error.count("\n") == 1

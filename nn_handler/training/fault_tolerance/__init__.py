@@ -5,10 +5,12 @@ Built on torchft (the ``ft`` extra): its Lighthouse decides each step's membersh
 (lighthouse.py, a process no member lives in), its Manager and reconfigurable gloo group carry
 one member's steps (replica.py); collectives go through a Communicator over that group
 (communicator.py), and a member that joins receives the state verified with the checkpoints'
-checksums, never unpickled (transport.py)."""
+checksums, never unpickled (transport.py). On one machine, a Supervisor (supervisor.py,
+``nn-handler supervise``) starts the members and restarts only a dead one."""
 
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.lighthouse import Lighthouse, require_torchft
 from nn_handler.training.fault_tolerance.replica import Replica
+from nn_handler.training.fault_tolerance.supervisor import Supervisor
 
-__all__ = ["Lighthouse", "Replica", "ReplicaCommunicator", "require_torchft"]
+__all__ = ["Lighthouse", "Replica", "ReplicaCommunicator", "Supervisor", "require_torchft"]

@@ -1,0 +1,149 @@
+"""Supervisor: the launcher of a fault-tolerant run on one machine (``nn-handler supervise``).
+It starts a Lighthouse (unless given one) and N members, each a process of its own running
+the user's command, and restarts only the member that died (the others go on: torchrun would
+stop them all). A restarted member keeps its ``member_id``, so it finds its checkpoint folder,
+and joins the run where it is.
+
+The command names its member and the Lighthouse with ``{member}`` and ``{lighthouse}``, which
+each member's command line gets in its place:
+
+    nn-handler supervise --members 3 -- python train.py --lighthouse {lighthouse} --member {member}
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+from loguru import logger
+
+from nn_handler.errors import ConfigError
+from nn_handler.training.fault_tolerance.lighthouse import Lighthouse
+
+
+def exit_cause(code: int) -> str:
+    """A process's exit status in words (``-9``: killed by SIGKILL)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+class Supervisor:
+    """Runs ``members`` processes of ``command`` (``{member}``: ``m0``, ``m1``...;
+    ``{lighthouse}``: the Lighthouse's address) and restarts each one that fails, up to
+    ``max_restarts`` times per member.
+
+    Args:
+        lighthouse: the address of a Lighthouse already running (None: start one here, with
+            ``min_members``, ``join_timeout_s`` and ``host``).
+        poll_s: how often the members are looked at.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        members: int,
+        *,
+        max_restarts: int = 3,
+        lighthouse: str | None = None,
+        min_members: int = 1,
+        join_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+        poll_s: float = 0.2,
+    ) -> None:
+        if not command:
+            raise ConfigError(
+                "supervise: no command; give it after --, e.g. "
+                "`nn-handler supervise --members 3 -- python train.py --member {member}`."
+            )
+        if "{member}" not in " ".join(command):
+            raise ConfigError(
+                f"supervise: the command {' '.join(command)!r} does not name its member: put "
+                f"{{member}} where its member_id goes (each member needs its own, and a "
+                f"restarted one the same)."
+            )
+        if members < 1 or max_restarts < 0:
+            raise ConfigError(
+                f"supervise: members must be >= 1 and max_restarts >= 0, got {members} and "
+                f"{max_restarts}."
+            )
+        self.command = list(command)
+        self.members = members
+        self.max_restarts = max_restarts
+        self.lighthouse = lighthouse
+        self.min_members = min_members
+        self.join_timeout_s = join_timeout_s
+        self.host = host
+        self.poll_s = poll_s
+        #: How many times each member was restarted.
+        self.restarts: dict[str, int] = {}
+        self.log = logger.bind(rank=0)
+
+    def run(self) -> int:
+        """Until every member has ended: 0 when each one's last run succeeded, 1 otherwise.
+        Interrupted (Ctrl-C, SIGTERM), it stops every member and its Lighthouse."""
+        if self.lighthouse is not None:
+            return self._run(self.lighthouse)
+        with Lighthouse(
+            self.host, min_members=self.min_members, join_timeout_s=self.join_timeout_s
+        ) as lighthouse:
+            self.log.info("supervise: Lighthouse at {}", lighthouse.address)
+            return self._run(lighthouse.address)
+
+    def _run(self, address: str) -> int:
+        names = [f"m{i}" for i in range(self.members)]
+        procs = {name: self._start(name, address) for name in names}
+        self.restarts = dict.fromkeys(names, 0)
+        ended: dict[str, int] = {}
+        try:
+            while len(ended) < len(procs):
+                time.sleep(self.poll_s)
+                for name, proc in procs.items():
+                    code = proc.poll()
+                    if name in ended or code is None:
+                        continue
+                    if code == 0 or self.restarts[name] >= self.max_restarts:
+                        ended[name] = code
+                        self._ended(name, code)
+                        continue
+                    self.restarts[name] += 1
+                    self.log.warning(
+                        "supervise: member {} {}; restarted ({} of {}): it joins the run",
+                        name, exit_cause(code), self.restarts[name], self.max_restarts,
+                    )  # fmt: skip
+                    procs[name] = self._start(name, address)
+        finally:
+            for proc in procs.values():  # interrupted: no member outlives its supervisor
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs.values():
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        return 0 if all(code == 0 for code in ended.values()) else 1
+
+    def _start(self, name: str, address: str) -> subprocess.Popen[bytes]:
+        line = [p.replace("{member}", name).replace("{lighthouse}", address) for p in self.command]
+        try:
+            return subprocess.Popen(line)
+        except OSError as error:
+            raise ConfigError(f"supervise: cannot start {line[0]!r} ({error}).") from None
+
+    def _ended(self, name: str, code: int) -> None:
+        if code == 0:
+            self.log.info("supervise: member {} finished", name)
+        else:
+            self.log.error(
+                "supervise: member {} {}, after {} restart(s): not restarted again (the "
+                "others go on)",
+                name, exit_cause(code), self.max_restarts,
+            )  # fmt: skip
+
+
+__all__ = ["Supervisor", "exit_cause"]
