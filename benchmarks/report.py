@@ -28,6 +28,7 @@ ORDER = [
     "scaling",
     "fsdp_sharding",
     "reproducible",
+    "fault_tolerance",
     "memory_plan",
     "realistic",
 ]
@@ -433,6 +434,27 @@ def reproducible(data: dict[str, Any]) -> Table:
     ]
 
 
+def fault_tolerance(data: dict[str, Any]) -> Table:
+    rows = [
+        (
+            schedule,
+            *(
+                f"{r[mode]['steps_per_minute']:.0f} ({r[mode]['wall_s']:.1f} s, "
+                f"{r[mode]['kills']} kills)"
+                for mode in ("fault_tolerant", "torchrun_restart")
+            ),
+        )
+        for schedule, r in data["results"].items()
+    ]
+    return [
+        f"One job ({data['steps']} steps, {data['workers']} workers, a checkpoint every "
+        f"{data['checkpoint_every']} steps) under each kill schedule: committed steps per "
+        "minute (the wall time to the last step, kills made):",
+        "",
+        *_table(["kill schedule", "fault tolerant (supervise)", "torchrun restart"], rows),
+    ]
+
+
 def fsdp_sharding(data: dict[str, Any]) -> Table:
     ddp, fsdp = data["results"]["ddp"], data["results"]["fsdp"]
     ratio = data["fsdp_over_ddp"]
@@ -600,6 +622,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "scaling": scaling,
     "fsdp_sharding": fsdp_sharding,
     "reproducible": reproducible,
+    "fault_tolerance": fault_tolerance,
     "memory_plan": memory_plan,
     "realistic": realistic,
 }

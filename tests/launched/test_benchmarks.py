@@ -337,3 +337,13 @@ def test_a_forked_smoke_script_reports_its_exit_status_and_traceback(tmp_path: P
     assert done.stdout == "[3, 1, 0]\n", done.stdout  # and nothing from the scripts' stdout
     assert "ValueError: a broken benchmark" in done.stderr, done.stderr
     assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+
+
+def test_fault_tolerance_launches_the_job_both_ways_and_writes_its_fields(quick_run: Path) -> None:
+    results = run_quick("fault_tolerance.py", quick_run)
+    assert results["steps"] == 20 and results["workers"] == 3
+    for mode in ("fault_tolerant", "torchrun_restart"):
+        measured = results["results"]["no kill"][mode]
+        assert measured["kills"] == 0 and measured["wall_s"] > 0
+        assert measured["steps_per_minute"] == pytest.approx(20 * 60 / measured["wall_s"])
+    assert len(results["targets_met"]) == 1

@@ -368,3 +368,15 @@ def test_nn_handler_supervise_with_a_command_that_names_no_member_says_so_in_one
     error = capsys.readouterr().err
     assert error.startswith("nn-handler supervise: the command 'python train.py' does not name")
     assert error.count("\n") == 1
+
+
+def test_once_a_member_finished_the_run_a_member_that_dies_is_not_restarted() -> None:
+    """The run's last step is done when one member finished: a member that dies after that
+    is not restarted (it would train alone from its own checkpoint), and the run succeeded."""
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor
+
+    late = "import sys, time; sys.argv[1] == 'm0' or (time.sleep(0.5), sys.exit(3))"
+    supervisor = Supervisor(
+        [sys.executable, "-c", late, "{member}"], 2, lighthouse="http://h:1", poll_s=0.01
+    )
+    assert supervisor.run() == 0 and supervisor.restarts == {"m0": 0, "m1": 0}

@@ -12,6 +12,7 @@ each member's command line gets in its place:
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -85,7 +86,8 @@ class Supervisor:
         self.log = logger.bind(rank=0)
 
     def run(self) -> int:
-        """Until every member has ended: 0 when each one's last run succeeded, 1 otherwise.
+        """Until every member has ended: 0 when the run finished (a member ended it: the
+        others end with it, and one that dies then is not restarted), 1 otherwise.
         Interrupted (Ctrl-C, SIGTERM), it stops every member and its Lighthouse."""
         if self.lighthouse is not None:
             return self._run(self.lighthouse)
@@ -107,9 +109,10 @@ class Supervisor:
                     code = proc.poll()
                     if name in ended or code is None:
                         continue
-                    if code == 0 or self.restarts[name] >= self.max_restarts:
+                    over = any(c == 0 for c in ended.values())  # the run's last step is done
+                    if code == 0 or over or self.restarts[name] >= self.max_restarts:
                         ended[name] = code
-                        self._ended(name, code)
+                        self._ended(name, code, over)
                         continue
                     self.restarts[name] += 1
                     self.log.warning(
@@ -126,18 +129,26 @@ class Supervisor:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-        return 0 if all(code == 0 for code in ended.values()) else 1
+        return 0 if any(code == 0 for code in ended.values()) else 1
 
     def _start(self, name: str, address: str) -> subprocess.Popen[bytes]:
         line = [p.replace("{member}", name).replace("{lighthouse}", address) for p in self.command]
+        # torchft's Rust side logs every step at INFO unless told otherwise (the Lighthouse's
+        # own does the same): the members' logs keep to nn_handler's lines.
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         try:
-            return subprocess.Popen(line)
+            return subprocess.Popen(line, env=env)
         except OSError as error:
             raise ConfigError(f"supervise: cannot start {line[0]!r} ({error}).") from None
 
-    def _ended(self, name: str, code: int) -> None:
+    def _ended(self, name: str, code: int, over: bool = False) -> None:
         if code == 0:
             self.log.info("supervise: member {} finished", name)
+        elif over:
+            self.log.warning(
+                "supervise: member {} {} after the run's end: not restarted", name,
+                exit_cause(code),
+            )  # fmt: skip
         else:
             self.log.error(
                 "supervise: member {} {}, after {} restart(s): not restarted again (the "
