@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "launched/test_examples.py",
     "distributed/test_ray_train.py",
     "distributed/test_fault_tolerance.py",
+    "distributed/test_step_fault_tolerance.py",
     "launched/test_benchmarks.py",
     "distributed/test_launcher.py",
     "distributed/test_large_model_memory.py",

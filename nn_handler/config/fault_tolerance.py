@@ -37,7 +37,7 @@ class FaultToleranceConfig(ConfigModel):
     min_members: int = Field(default=1, ge=1, strict=True)
     start_members: int | None = Field(default=None, ge=1, strict=True)
     timeout_s: float = Field(default=10.0, gt=0)
-    quorum_timeout_s: float = Field(default=60.0, gt=0)
+    quorum_timeout_s: float = Field(default=90.0, gt=0)
     host: str = "127.0.0.1"
 
     def member_name(self) -> str:

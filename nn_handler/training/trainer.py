@@ -335,6 +335,7 @@ class Trainer(TrainerFacade):
             batches, first = epoch_batches(
                 loader, point, running, total, state, self.comm, self.device
             )
+            position.batches_done = first  # resumed: done, for a save inside the next step
             bar.update(first)
             if total is not None and train_limit(config) is not None:  # a limited epoch
                 batches = itertools.islice(batches, max(total - first, 0))

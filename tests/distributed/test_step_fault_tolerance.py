@@ -106,7 +106,7 @@ def test_members_killed_in_a_step_are_replaced_without_a_restart_and_the_bits_ho
     b = rng.randint(a + 6, STEPS - 4)
     deadline = time.monotonic() + scaled(90)
     with (
-        Lighthouse(min_members=2, join_timeout_s=1.0, heartbeat_timeout_s=1.0) as lighthouse,
+        Lighthouse(min_members=2, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
         _Members(lighthouse.address, tmp_path) as members,
     ):
         members.start("m0", 3)
@@ -146,7 +146,7 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     b = rng.randint(a + 4, 12)
     c = rng.randint(b + 3, STEPS - 3)
     deadline = time.monotonic() + scaled(90)
-    lighthouse = Lighthouse(min_members=1, join_timeout_s=1.0, heartbeat_timeout_s=1.0)
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path) as members:
         members.start("m0", 4, hold=c, least=1)
         members.start("m1", 4, str(a), "stop", least=1)
@@ -288,7 +288,8 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     rng = random.Random(int(os.environ.get("NN_HANDLER_FT_SEED", "53")))
     b = rng.randint(4, 6)
     deadline = time.monotonic() + scaled(150)
-    checkpoints = {"FT_CHECKPOINTS": "1", "FT_QUORUM_TIMEOUT_S": "3"}
+    # A member gives up a quorum after 6 s: the Lighthouse's death stops the run that soon.
+    checkpoints = {"FT_CHECKPOINTS": "1", "FT_QUORUM_TIMEOUT_S": "6"}
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
         kill = {"FT_KILL_LIGHTHOUSE": f"{lighthouse.pid}:{b + 1}:m1b"}
@@ -318,10 +319,11 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     for member in ("m0", "m1b", "m1"):
         (tmp_path / f"{member}.json").unlink(missing_ok=True)
         (tmp_path / f"ready-{member}").unlink(missing_ok=True)
+    restart = {"FT_START_MEMBERS": "3", "FT_QUORUM_TIMEOUT_S": "30"}  # all three, however slow
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
-        for member in ("m0", "m1b", "m1"):  # the whole run restarted
-            members.start(member, 3, least=1, **checkpoints)
+        for member in ("m0", "m1b", "m1"):  # the whole run restarted, its first step together
+            members.start(member, 3, least=1, **{**checkpoints, **restart})
         codes = members.wait(deadline)
     assert codes == {"m0": 0, "m1b": 0, "m1": 0}, members.logs()
     expected = _unfailed_trainer_digest()

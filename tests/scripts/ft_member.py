@@ -97,8 +97,8 @@ def main(
             end = time.monotonic() + 60
             while not (run / "release").exists() and time.monotonic() < end:
                 time.sleep(0.01)
-        try:
-            replica.begin_step()
+        try:  # the first step waits for the members that start together
+            replica.begin_step(starters if starters and not ledger and not redone else None)
         except DistributedError as error:  # no quorum: the Lighthouse is gone
             stopped = str(error)
             break

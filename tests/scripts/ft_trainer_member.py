@@ -8,10 +8,10 @@ step's sum, before its vote: the others wait for it) or 'save' (in the middle of
 periodic checkpoint after that step). With FT_CHECKPOINTS=1 in its environment it writes
 periodic checkpoints (every 3 steps) in RUN_DIR/checkpoints/<id> and resumes from them (resume
 'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER makes it kill the Lighthouse once JOINER joined,
-after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10).
-RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state, History), the
-attempts redone, the steps done and why it stopped early (exit 1) if it did. FT_MIN_MEMBERS in
-its environment sets min_members (default 1).
+after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10),
+FT_START_MEMBERS start_members. RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers,
+optimizer state, History), the attempts redone, the steps done and why it stopped early (exit 1)
+if it did. FT_MIN_MEMBERS in its environment sets min_members (default 1).
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def die_in_save(step: int) -> None:
 
 def kill_lighthouse(h: NNHandler, run: Path, pid: int, step: int, joiner: str) -> None:
     """Kill the Lighthouse (process ``pid``) once ``joiner`` joined the run: this member waits
-    in its first forward of ``step`` for the joiner's process to be up (so that the run does
-    not end before it joins), then kills it in the first forward after the join."""
+    in its first forward of ``step`` for the joiner's process to be up, then takes 0.5 s more
+    per forward until the joiner is in (so that the run does not end before it joins), and
+    kills it in the first forward after the join."""
     waited = False
 
     def forward(module: nn.Module, args: Any) -> None:
@@ -88,9 +89,11 @@ def kill_lighthouse(h: NNHandler, run: Path, pid: int, step: int, joiner: str) -
             while not (run / f"ready-{joiner}").exists() and time.monotonic() < end:
                 time.sleep(0.01)
             waited = True
-        elif "joined the run" in (run / f"{joiner}.log").read_text():
+        if "joined the run" in (run / f"{joiner}.log").read_text():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        else:  # slow steps until the joiner is in (its start can take seconds on a busy host)
+            time.sleep(0.5)
 
     h.trainer.module.register_forward_pre_hook(forward)
 
@@ -103,6 +106,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         "timeout_s": 3.0,
         "quorum_timeout_s": float(os.environ.get("FT_QUORUM_TIMEOUT_S", "10")),
     }
+    if os.environ.get("FT_START_MEMBERS"):
+        settings["start_members"] = int(os.environ["FT_START_MEMBERS"])
     folder = run / "checkpoints" if os.environ.get("FT_CHECKPOINTS") else None
     settings_of_run = config("cnn", folder, fault_tolerance=settings)
     if folder is not None:

@@ -380,3 +380,53 @@ def test_once_a_member_finished_the_run_a_member_that_dies_is_not_restarted() ->
         [sys.executable, "-c", late, "{member}"], 2, lighthouse="http://h:1", poll_s=0.01
     )
     assert supervisor.run() == 0 and supervisor.restarts == {"m0": 0, "m1": 0}
+
+
+class _FirstWins:
+    """The verdicts' store as compare_set sees it: the first value written stands."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.values.setdefault(key, desired.encode())
+
+
+def test_a_member_at_another_place_in_the_data_than_the_run_is_stopped_by_name() -> None:
+    """Members agree on their step's place in the data before they sum: one at another batch
+    of the epoch (which would sum other samples under the same step) stops, naming both, and
+    writes no emergency checkpoint of its wrong position."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.data.fixed_batches import StepBatch
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.replica import Replica
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    replica = object.__new__(Replica)
+    replica.manager, replica._verdicts, replica.member_id = _OneMemberLeft(), _FirstWins(), "m1b"
+    replica._quorum, replica._attempt = 7, 0
+    assert replica.position_of_run("batch 3 of its epoch") == "batch 3 of its epoch"  # first
+    assert replica.position_of_run("batch 1 of its epoch") == "batch 3 of its epoch"
+    config = FaultToleranceConfig(**_FT, member_id="m1b")
+    steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
+    saved: list[int] = []
+    steps.replica, steps._begun, steps._emergency = (
+        _AtStep41(replica),
+        True,
+        lambda: saved.append(1),
+    )
+    batch = StepBatch(step=0, micro=(), samples=16)
+    with pytest.raises(
+        DistributedError, match=r"m1b is at batch 1 of its epoch of step 42, the run at batch 3"
+    ):
+        steps.step(batch, lambda b: torch.zeros(()), 41)
+    assert saved == []
+
+
+class _AtStep41:
+    """A Replica at step 41 whose run is at batch 3 of its epoch."""
+
+    step = 41
+
+    def __init__(self, replica: Any) -> None:
+        self.position_of_run = replica.position_of_run

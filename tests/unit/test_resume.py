@@ -20,6 +20,7 @@ from nn_handler import (
 )
 from nn_handler.checkpoint import atomic_save, load_file
 from nn_handler.checkpoint.manager import LATEST
+from nn_handler.training.hooks import Hook
 from tests.resume_helpers import EPOCHS, SigtermAt, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
 
@@ -403,3 +404,33 @@ def test_loading_another_world_sizes_checkpoint_for_inference_says_nothing_until
         logger.remove(sink)
         logger.disable("nn_handler")
     assert len([m for m in seen if "written by 2 ranks" in m and "re-sharded" in m]) == 1, seen
+
+
+class _PositionInFirstStep(Hook):
+    """Records the batches done that a checkpoint taken in the first step would hold."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def before_step(self) -> None:
+        if not self.seen:
+            self.seen.append(self.trainer.checkpointing.state_dict()["trainer"]["batches_done"])
+
+
+def test_a_checkpoint_inside_the_first_step_after_a_mid_epoch_resume_keeps_its_position(
+    tmp_path: Path,
+) -> None:
+    """A save before the resumed loop's first step ends (a fault-tolerant member's emergency
+    checkpoint) holds the batches already done, not 0: resumed from it, the run would
+    otherwise train the epoch's first batches twice."""
+    config = {
+        "loader": {"batch_size": 8},
+        "trainer": {"progress_bar": False, "max_steps": 3},  # 3 of the epoch's 5 batches
+        "checkpoint": {"dir": str(tmp_path), "every_n_steps": 3, "every_n_epochs": None},
+    }
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as h:
+        h.train(regression_data(), epochs=1)
+    probe = _PositionInFirstStep()
+    with _simple(tmp_path, hooks=[probe], resume="auto") as h:
+        h.train(regression_data(), epochs=1)
+    assert probe.seen == [3]

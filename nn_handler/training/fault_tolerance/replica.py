@@ -177,6 +177,16 @@ class Replica:
                 f"run cannot go on step by step: restart it from its latest checkpoint."
             ) from error
 
+    def position_of_run(self, position: str) -> str:
+        """The place in the data the members of this attempt train (the first member's to
+        say it; this one's is ``position``): every member must be there, or it would sum
+        other samples under the same step."""
+        key = f"{self.step}/{self._quorum}/{self._attempt}/position"
+        try:
+            return str(self._verdicts.compare_set(key, "", position).decode())
+        except (RuntimeError, OSError) as error:
+            raise self._gone(f"the position of step {self.step}", error) from error
+
     def lost(self, error: BaseException) -> None:
         """A collective of this step failed: the step will not be committed. The group is
         aborted at once (its connections closed), so that members still waiting in a
@@ -260,9 +270,10 @@ class Replica:
         return committed
 
     def _gone(self, what: str, error: BaseException) -> DistributedError:
+        first = (str(error).strip().splitlines() or [""])[0]  # not torch's C++ frames
         return DistributedError(
             f"member {self.member_id}: {what} cannot be read ({type(error).__name__}: "
-            f"{error}): the Lighthouse at {self.lighthouse} is gone. The run cannot go on "
+            f"{first}): the Lighthouse at {self.lighthouse} is gone. The run cannot go on "
             f"step by step: restart it from its latest checkpoint."
         )
 

@@ -141,6 +141,14 @@ class FaultTolerantSteps:
                     f"member {self.member_id} is at step {global_step}, the run at step "
                     f"{replica.step}: every member must start from the same checkpoint."
                 )
+            position = f"batch {batch.step + 1} of its epoch"
+            if (run_at := replica.position_of_run(position)) != position:
+                self._behind = True  # its position is not the run's: no emergency save
+                raise DistributedError(
+                    f"member {self.member_id} is at {position} of step {global_step + 1}, "
+                    f"the run at {run_at}: its place in the data differs from the others'; "
+                    f"it stops (restart it: it joins the run where it is)."
+                )
             rank, members = replica.rank, replica.members
             mine = tuple(
                 m for m in batch.micro if rank is not None and owns(m.index, rank, members)
