@@ -8,7 +8,6 @@ nn_handler/strategies/) and ``hooks``. docs/training.md shows the loop line for 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import time
@@ -254,7 +253,7 @@ class Trainer(TrainerFacade):
                 self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
                 if self.reproducible is not None:  # after a resume: a member joins there
-                    self._begin_reproducible_fit()
+                    self.reproducible.begin_fit(state.global_step, self.checkpointing)
                 self._reconsider_early_stop()
                 self.optimization.warn_if_the_schedule_ends_early(train_loader, epochs)
                 state.epochs, state.max_steps = epochs, self.config.max_steps
@@ -275,20 +274,6 @@ class Trainer(TrainerFacade):
                 self.reproducible.end_fit()
             hooks.call_after_train(failed, self.log)
         return self.history
-
-    def _begin_reproducible_fit(self) -> None:
-        """The reproducible mode's start; a fault-tolerant member joins its run there, given
-        its checkpoint's state for a joiner, a way to load a member's, and an emergency save
-        (with a checkpoint folder)."""
-        checkpoints, source = self.checkpointing, "the state of a member of the run"
-        emergency = functools.partial(checkpoints.save_periodic, final=True)
-        assert self.reproducible is not None
-        self.reproducible.begin_fit(
-            self.state.global_step,
-            checkpoints.state_dict,
-            functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
-            emergency if checkpoints.manager is not None else None,
-        )
 
     def _reconsider_early_stop(self) -> None:
         """A resumed stop that early stopping decided stands, unless its settings changed."""

@@ -120,7 +120,7 @@ class FaultTolerantSteps:
         except DistributedError:  # the run cannot go on step by step: this member stops
             self._put_back(scales, buffers)
             if self._emergency is not None and not self._behind:
-                self._save_emergency(global_step)
+                self._save_emergency(self._emergency, global_step)
             raise
 
     def _committed(
@@ -169,12 +169,11 @@ class FaultTolerantSteps:
                 global_step + 1, why,
             )  # fmt: skip
 
-    def _save_emergency(self, global_step: int) -> None:
+    def _save_emergency(self, emergency: Callable[[], object], global_step: int) -> None:
         """This member's state at its last committed step, for a restart of the whole run (a
         failure to write it is said, and the run's own error raised)."""
-        assert self._emergency is not None
         try:
-            path = self._emergency()
+            path = emergency()
         except Exception as error:  # the run's error is the one to raise
             self.log.error(
                 "member {}: the emergency checkpoint of step {} could not be written ({}: {})",

@@ -4,6 +4,7 @@ through ExactStep (exact_step.py)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, Ste
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 from nn_handler.training.batch import is_scalar, move_to_device
+from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 from nn_handler.training.metrics import StatefulMetric
 from nn_handler.training.precision import Precision
@@ -147,18 +149,22 @@ class ReproducibleMode:
             batch, lambda mine: self.exact.run(mine, forward_backward, global_step), global_step
         )
 
-    def begin_fit(
-        self,
-        global_step: int,
-        state: Callable[[], Any] = dict,
-        load: Callable[[Any], None] | None = None,
-        emergency: Callable[[], object] | None = None,
-    ) -> None:
-        """A fit starts at ``global_step``: a fault-tolerant run's member joins the run, and
-        if it is behind, ``load``s the ``state()`` of a member that is not; ``emergency``
-        saves its state if the run cannot go on (see FaultTolerantSteps.begin_fit)."""
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.begin_fit(global_step, state, load, emergency)
+    def begin_fit(self, global_step: int, checkpoints: TrainerCheckpoints) -> None:
+        """A fit starts at ``global_step`` (after its own resume, if any): a fault-tolerant
+        run's member joins the run there. Behind it, the member loads the checkpoint state of
+        one that is not; when the run cannot go on, it saves an emergency checkpoint (with a
+        folder). See FaultTolerantSteps.begin_fit."""
+        if self.fault_tolerance is None:
+            return
+        source = "the state of a member of the run"
+        self.fault_tolerance.begin_fit(
+            global_step,
+            checkpoints.state_dict,
+            functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
+            functools.partial(checkpoints.save_periodic, final=True)
+            if checkpoints.manager is not None
+            else None,
+        )
 
     def end_fit(self) -> None:
         if self.fault_tolerance is not None:
