@@ -430,3 +430,46 @@ class _AtStep41:
 
     def __init__(self, replica: Any) -> None:
         self.position_of_run = replica.position_of_run
+
+
+class _LighthouseGone:
+    """A Replica whose run cannot agree on a step any more."""
+
+    step = 41
+
+    def begin_step(self, least: int | None = None) -> bool:
+        from nn_handler.errors import DistributedError
+
+        raise DistributedError("member m0: no agreement on the members of step 41")
+
+
+@pytest.mark.parametrize("disk_full", [False, True])
+def test_a_member_that_cannot_go_on_saves_an_emergency_checkpoint_or_says_why_not(
+    disk_full: bool, lines: list[str]
+) -> None:
+    """The run's DistributedError is raised either way, after the emergency save; a save that
+    fails is said in one line naming its cause, and does not replace the run's error."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.data.fixed_batches import StepBatch
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    saved: list[int] = []
+
+    def save() -> str:
+        if disk_full:
+            raise OSError(28, "No space left on device")
+        saved.append(41)
+        return "/ckpt/m0/ckpt-e0001-s00000041.pt"
+
+    config = FaultToleranceConfig(**_FT, member_id="m0")
+    steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
+    steps.replica, steps._emergency = _LighthouseGone(), save
+    with pytest.raises(DistributedError, match="no agreement on the members of step 41"):
+        steps.step(StepBatch(step=0, micro=(), samples=16), lambda b: torch.zeros(()), 41)
+    said = [line for line in lines if "emergency checkpoint" in line]
+    assert len(said) == 1
+    if disk_full:
+        assert saved == [] and "could not be written (OSError: [Errno 28] No space" in said[0]
+    else:
+        assert saved == [41] and "its 41 committed steps: /ckpt/m0/" in said[0]
