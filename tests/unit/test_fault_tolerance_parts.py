@@ -473,3 +473,48 @@ def test_a_member_that_cannot_go_on_saves_an_emergency_checkpoint_or_says_why_no
         assert saved == [] and "could not be written (OSError: [Errno 28] No space" in said[0]
     else:
         assert saved == [41] and "its 41 committed steps: /ckpt/m0/" in said[0]
+
+
+class _EveryAgreementFails(_OneMemberLeft):
+    """torchft's Manager when every change of group fails (its store unreachable)."""
+
+    class _Failed:
+        original_exception = RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection refused. "
+            "This is typically caused by a remote worker crashing.\nframe #0: ..."
+        )
+
+    def num_participants(self) -> int:
+        return 3
+
+    def errored(self) -> Any:
+        return self._Failed()
+
+
+class _Verdicts(_FirstWins):
+    """The verdicts' store: the first value written stands."""
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever() -> None:
+    """A state transfer or a group's change that fails is voted abort and agreed again; when
+    every agreement fails for quorum_timeout_s, the member stops naming the last cause in one
+    line (no endless loop: nothing hangs)."""
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica.manager = manager = _EveryAgreementFails()
+    replica._verdicts, replica.member_id, replica.lighthouse = _Verdicts(), "m2", "http://h:1"
+    replica.min_members, replica.quorum_timeout_s, replica.timeout_s = 1, 0.05, 1.0
+    with pytest.raises(DistributedError) as caught:
+        replica.begin_step()
+    message = str(caught.value)
+    assert message.startswith("member m2: every agreement on the members of step 42 failed for")
+    assert "(the last: Connection refused)" in message and "\n" not in message
+    assert manager.quorums >= 2 and replica._verdicts.values["41/7/0/verdict"] == b"abort"

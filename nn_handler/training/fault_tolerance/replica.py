@@ -138,6 +138,7 @@ class Replica:
         Every member must call this at the start of each step, redone ones included."""
         deadline = time.monotonic() + self.quorum_timeout_s
         least = self.min_members if least is None else least
+        failing_since: float | None = None
         while True:
             before = self.step
             self._quorum_once()
@@ -148,7 +149,16 @@ class Replica:
                 self.failure = failed.original_exception
                 self._verdict()
                 self.manager.should_commit()  # torchft's bookkeeping of the abort
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.quorum_timeout_s:
+                    raise DistributedError(
+                        f"member {self.member_id}: every agreement on the members of step "
+                        f"{self.step + 1} failed for {self.quorum_timeout_s:g} s (the last: "
+                        f"{_cause(self.failure)}). The run cannot go on step by step: restart "
+                        f"it from its latest checkpoint."
+                    )
                 continue  # agreed again at once, with the members left
+            failing_since = None
             self.manager.report_error(DistributedError("too few members"))
             self.manager.should_commit()  # nothing was done: torchft's step is not counted
             if time.monotonic() > deadline:
@@ -210,10 +220,7 @@ class Replica:
     def abandoned(self, what: str, error: BaseException) -> str:
         """What a collective's failure says: its cause in one line (gloo's without its source
         location and advice)."""
-        first = (str(error).strip().splitlines() or [""])[0]
-        cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
-        cause = cause or type(error).__name__
-        return f"{what} of step {self.step + 1} failed: a member was lost ({cause})"
+        return f"{what} of step {self.step + 1} failed: a member was lost ({_cause(error)})"
 
     def commit(self) -> bool:
         """Whether the step counts: every collective of it completed on every one of its
@@ -280,6 +287,13 @@ class Replica:
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""
         self.manager.shutdown(wait=False)
+
+
+def _cause(error: BaseException) -> str:
+    """An error's first line, without gloo's source location and advice."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+    return cause or type(error).__name__
 
 
 class _NoFlightRecorder(logging.Filter):
