@@ -89,7 +89,8 @@ def train(member: str | None, lighthouse: str | None, die_at: int | None) -> Non
         if handler.is_main_process:
             who = f"member {member}" if member else f"world size {handler.world_size}"
             line = f"{who}: val_accuracy={history.last['val_accuracy']:.4f} sha256={digest}"
-            print(line, flush=True)  # one write: the members print side by side
+            sys.stdout.write(line + "\n")  # one write (print's newline is another): the
+            sys.stdout.flush()  # members print side by side, into one pipe
 
 
 def fault_tolerant_demo() -> None:
@@ -97,6 +98,8 @@ def fault_tolerant_demo() -> None:
     from nn_handler.training.fault_tolerance import Lighthouse
 
     step = random.randint(5, 90)
+    # torchft's Rust side logs every step at INFO unless RUST_LOG says otherwise.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
     with Lighthouse(min_members=1) as lighthouse:
         members = [
             subprocess.Popen(
@@ -109,7 +112,7 @@ def fault_tolerant_demo() -> None:
                     lighthouse.address,
                     *(["--die-at-step", str(step)] if i == 1 else []),
                 ],
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                env=env,
             )
             for i in range(3)
         ]
