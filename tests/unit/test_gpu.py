@@ -103,7 +103,7 @@ def test_a_cuda_checkpoint_resumes_exactly_on_cuda_and_loads_on_cpu(tmp_path: An
         "trainer": {"progress_bar": False},
         "checkpoint": {"dir": str(tmp_path), "every_n_steps": 2, "keep_last": 10},
     }
-    data = regression_data()
+    data = regression_data(n=160)  # 5 steps an epoch: the resume below is mid-epoch
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as full:
         full.train(data, epochs=2)
         expected = {k: v.cpu() for k, v in full.model.state_dict().items()}

@@ -184,7 +184,15 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         if checked == "mean":
             raise ConfigError("all_reduce_async supports sum, min, max and product, not mean.")
         self._check_signature(f"all_reduce_async({tuple(tensor.shape)}, {tensor.dtype})")
-        return self._do_all_reduce_async(tensor.detach().clone(), op)
+        source = tensor.detach()
+        transport = _wire.reduce_transport(source.dtype)
+        # A copy on the communicator's device (nccl reduces CUDA tensors only); the result
+        # comes back on the input's device and dtype, as all_reduce's does.
+        buffer = source.to(device=self.device, dtype=transport, copy=True)
+        wait = self._do_all_reduce_async(buffer, op)
+        if buffer.device == source.device and transport == source.dtype:
+            return wait
+        return lambda: wait().to(device=source.device, dtype=source.dtype)
 
     def _do_all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp) -> Waiter:
         result = self._do_all_reduce(tensor, op)

@@ -1,0 +1,66 @@
+"""The reproducible mode on a CUDA device: a group of one and a gloo group of two ranks (both
+on cuda:0, the one GPU a test machine has) train the CNN and the transformer block to the same
+SHA-256 of weights, buffers, optimizer state and History, in fp32 and in bf16; and the mode
+refuses CUDA without deterministic kernels. Skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nn_handler import DistributedConfig, DistributedContext, NNHandler
+from nn_handler.errors import ConfigError
+from tests.conftest import cuda_only
+from tests.harness import run_group
+from tests.reproducible_helpers import WORKLOADS, config, digest, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed, cuda_only]
+
+#: cuBLAS's deterministic workspace (torch.use_deterministic_algorithms asks for it).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _handler(name: str, context: DistributedContext, precision: str) -> NNHandler:
+    model = WORKLOADS[name][0]
+    return NNHandler(
+        model(),
+        lambda p: torch.optim.Adam(p, lr=3e-3),
+        torch.nn.CrossEntropyLoss(),
+        config={**config(name), "precision": precision},
+        context=context,
+    )
+
+
+def _digests(rank: int, world_size: int) -> dict[str, Any]:
+    torch.use_deterministic_algorithms(True)
+    context = DistributedContext(DistributedConfig(device="cuda:0", backend="gloo")).setup()
+    out: dict[str, Any] = {}
+    for name in WORKLOADS:
+        for precision in ("32", "bf16"):
+            with _handler(name, context, precision) as h:
+                train(h, name)
+                assert next(h.model.parameters()).device == torch.device("cuda", 0)
+                out[f"{name}-{precision}"] = digest(h)
+    return out
+
+
+def test_cuda_gives_the_same_bits_at_world_sizes_1_and_2() -> None:
+    runs = {w: run_group(_digests, w, env=DETERMINISTIC_ENV, timeout=300) for w in (1, 2)}
+    for key in runs[1][0]:
+        seen = {(w, rank): result[key] for w, group in runs.items()
+                for rank, result in enumerate(group)}  # fmt: skip
+        assert len(set(seen.values())) == 1, (key, seen)
+    assert runs[1][0]["cnn-32"] != runs[1][0]["cnn-bf16"]  # bf16 really ran
+
+
+def test_cuda_without_deterministic_kernels_is_refused() -> None:
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        context = DistributedContext(DistributedConfig(device="cuda:0", enabled=False))
+        with pytest.raises(ConfigError, match="use_deterministic_algorithms"):
+            _handler("cnn", context, "32")
+    finally:
+        torch.use_deterministic_algorithms(was)
