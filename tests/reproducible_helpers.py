@@ -74,8 +74,13 @@ class StepCounter(nn.Module):
         return x
 
 
-def config(name: str, folder: Path | None = None, **trainer: Any) -> dict[str, Any]:
+def config(
+    name: str, folder: Path | None = None, tracked: Path | None = None, **trainer: Any
+) -> dict[str, Any]:
+    """The workload's settings: checkpoints in ``folder``, a CSV tracker writing every step's
+    loss in ``tracked``, ``trainer`` settings of the Trainer."""
     _, _, _, global_batch, micro = WORKLOADS[name]
+    csv = {"type": "csv", "dir": str(tracked), "every_n_steps": 1, "log_curves": False}
     # No allow_world_size_change: the mode resumes at any world size exactly.
     checkpoint = {"dir": str(folder), "every_n_steps": 3, "keep_last": 10}
     return {
@@ -86,6 +91,7 @@ def config(name: str, folder: Path | None = None, **trainer: Any) -> dict[str, A
             **trainer,
         },
         **({"checkpoint": checkpoint} if folder is not None else {}),
+        **({"logging": {"trackers": [csv]}} if tracked is not None else {}),
     }
 
 

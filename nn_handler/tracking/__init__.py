@@ -1,7 +1,8 @@
 """Experiment trackers: the ExperimentLogger protocol (tracking/base.py) and its CSV,
 TensorBoard, MLflow, Weights & Biases and Trackio implementations, chosen by
-``logging.trackers`` or passed as hooks. Each acts on rank 0 only; the packages of MLflow,
-W&B and Trackio are optional extras, imported when a tracker is built."""
+``logging.trackers`` or passed as hooks. Each acts on one process (rank 0, or a
+fault-tolerant run's first member); the packages of MLflow, W&B and Trackio are optional
+extras, imported when a tracker is built."""
 
 from nn_handler.tracking.base import ExperimentLogger
 from nn_handler.tracking.build import build_tracker, build_trackers

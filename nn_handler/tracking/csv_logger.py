@@ -13,12 +13,15 @@ from nn_handler.tracking.base import ExperimentLogger, plain_params
 
 class CSVLogger(ExperimentLogger):
     """``dir/metrics.csv`` (one row per ``log_metrics`` call: ``step`` then every key seen,
-    empty where a row has none), ``dir/hparams.json`` and ``dir/curves.png``; rank 0 only.
+    empty where a row has none), ``dir/hparams.json`` and ``dir/curves.png``; the reporting
+    process only.
 
     The file is rewritten whole (atomically) at each call. A resumed run keeps the rows up to
     the position it resumed from (the rows logged after its checkpoint are dropped, since the
     run does them again: a later step, or an epoch's record the checkpoint had not closed);
-    a new run (step 0) starts the file anew.
+    a new run (step 0) starts the file anew. A process that takes the run over (a
+    fault-tolerant run's member) reads the rows written so far, so a folder the members share
+    holds one run.
     """
 
     def __init__(self, dir: str | Path, every_n_steps: int = 50, log_curves: bool = True) -> None:
@@ -31,11 +34,10 @@ class CSVLogger(ExperimentLogger):
     def metrics_file(self) -> Path:
         return self.dir / "metrics.csv"
 
-    def before_train(self) -> None:
-        if self.trainer.is_main_process:
-            state = self.trainer.state
-            self._keep_rows_until(state.global_step, state.epoch)
-        super().before_train()
+    def open_run(self) -> None:
+        state = self.trainer.state
+        self._keep_rows_until(state.global_step, state.epoch)
+        super().open_run()
 
     def _keep_rows_until(self, step: int, epochs: int) -> None:
         """Keep the rows of steps up to ``step`` and of epochs up to ``epochs`` (the epoch's
@@ -68,6 +70,11 @@ class CSVLogger(ExperimentLogger):
             for row in self.rows:
                 writer.writerow({k: (int(v) if k == "step" else v) for k, v in row.items()})
         os.replace(temporary, self.metrics_file)
+
+    def replay(self, metrics: dict[str, float], step: int) -> None:
+        held = {k for row in self.rows if row["step"] == step for k in row}
+        if not set(metrics) <= held:
+            self.log_metrics(metrics, step)
 
     def log_figure(self, name: str, figure: Any, step: int) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from nn_handler.tracking.base import ExperimentLogger, plain_params, require
 #: MLflow's longest parameter value.
 MAX_PARAM_LENGTH = 6000
 _HOST, _PID = "nn_handler.host", "nn_handler.pid"
+#: The tag of a run that several processes may write in turn (Trainer.run_key).
+_KEY = "nn_handler.run_key"
 
 
 def _process_tags() -> dict[str, str]:
@@ -23,7 +25,8 @@ def _process_tags() -> dict[str, str]:
 
 
 class MLflowLogger(ExperimentLogger):
-    """One MLflow run: parameters, metrics by step, the curves as an artifact; rank 0 only.
+    """One MLflow run: parameters, metrics by step, the curves as an artifact; on the
+    reporting process only (rank 0).
 
     Args:
         tracking_uri: where MLflow stores runs (``sqlite:///runs/mlflow.db``, a server's
@@ -82,7 +85,8 @@ class MLflowLogger(ExperimentLogger):
         return self._client
 
     def _start(self) -> str:
-        """The run's id, creating the run on first use."""
+        """The run's id, creating the run on first use (or finding the run of the Trainer's
+        ``run_key``, which another member of a fault-tolerant run created)."""
         if self.run_id is None:
             found = self.client.get_experiment_by_name(self.experiment)
             experiment = (
@@ -92,11 +96,21 @@ class MLflowLogger(ExperimentLogger):
                     self.experiment, artifact_location=self._artifact_uri()
                 )
             )
+            key = self.run_key
+            if key is not None and (keyed := self._keyed(experiment, key)) is not None:
+                self.run_id = keyed
+                return keyed
             self._end_orphans(experiment)
-            tags = {**self.tags, **_process_tags()}
+            tags = {**self.tags, **_process_tags(), **({_KEY: key} if key else {})}
             run = self.client.create_run(experiment, tags=tags, run_name=self.run_name)
             self.run_id = str(run.info.run_id)
         return self.run_id
+
+    def _keyed(self, experiment: str, key: str) -> str | None:
+        """The id of the run tagged with ``key`` in ``experiment`` (None: none yet)."""
+        query = f"tags.`{_KEY}` = '{key}'"
+        runs = self.client.search_runs([experiment], filter_string=query, max_results=1)
+        return str(runs[0].info.run_id) if runs else None
 
     def _end_orphans(self, experiment: str) -> None:
         """Mark KILLED the RUNNING runs of ``experiment`` started by a process of this host
@@ -125,11 +139,13 @@ class MLflowLogger(ExperimentLogger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        # A run that exists already (resumed from a checkpoint, or an earlier train() of this
-        # handler) continues: running again, its parameters kept as first logged (MLflow
-        # refuses to change one; a learning rate a scheduler moved would be one).
-        continuing = self.run_id is not None
+        # A run that exists already (resumed from a checkpoint, an earlier train() of this
+        # handler, or another member's) continues: running again, its parameters kept as
+        # first logged (MLflow refuses to change one; a learning rate a scheduler moved would
+        # be one), the points it holds skipped.
+        known = self.run_id
         run_id = self._start()
+        continuing = known is not None or bool(self.client.get_run(run_id).data.params)
         values = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in plain_params(params).items()}
         if continuing:
             self.client.update_run(run_id, status="RUNNING")

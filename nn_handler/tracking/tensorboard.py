@@ -9,7 +9,8 @@ from nn_handler.tracking.base import ExperimentLogger, plain_params, require
 
 
 class TensorBoardLogger(ExperimentLogger):
-    """Scalars, the hyperparameters (as text) and the curves in ``log_dir``; rank 0 only.
+    """Scalars, the hyperparameters (as text) and the curves in ``log_dir``; the reporting
+    process only.
 
     Needs the tensorboard package: ``pip install 'nn_handler[tensorboard]'``.
     """
@@ -24,16 +25,16 @@ class TensorBoardLogger(ExperimentLogger):
         self._purge_step: int | None = None
         self._held: set[tuple[str, int]] = set()
 
-    def before_train(self) -> None:
+    def open_run(self) -> None:
         # A resumed run redoes the steps after its checkpoint: SummaryWriter's purge_step
         # drops the events a killed run wrote past it, and the points already held at the
         # checkpoint's own step (an epoch's record logged just before the kill) are skipped,
-        # so no step is shown twice.
+        # so no step is shown twice. A process taking the run over opens it the same way.
         step = self.trainer.state.global_step
         resumed = step > 0 and self._writer is None
         self._purge_step = step + 1 if resumed else None
         self._held = _scalars_at(self.log_dir, step) if resumed else set()
-        super().before_train()
+        super().open_run()
 
     def _get_writer(self) -> Any:
         if self._writer is None:
@@ -53,8 +54,15 @@ class TensorBoardLogger(ExperimentLogger):
             if (key, step) not in self._held:
                 writer.add_scalar(key, value, step)
 
+    def replay(self, metrics: dict[str, float], step: int) -> None:
+        held = {key for key, _ in _scalars_at(self.log_dir, step)}
+        self.log_metrics({k: v for k, v in metrics.items() if k not in held}, step)
+
     def log_figure(self, name: str, figure: Any, step: int) -> None:
         self._get_writer().add_figure(name, figure, step, close=False)
+
+    def release(self) -> None:
+        self.finish("success")
 
     def finish(self, status: str) -> None:
         if self._writer is not None:

@@ -8,8 +8,9 @@ from nn_handler.tracking.base import ExperimentLogger, plain_params, require
 
 
 class TrackioLogger(ExperimentLogger):
-    """One Trackio run: the config and metrics by step; rank 0 only. Trackio stores runs in
-    ``TRACKIO_DIR`` (default ``~/.cache/huggingface/trackio``); ``trackio show`` opens them.
+    """One Trackio run: the config and metrics by step; on the reporting process only (rank
+    0). Trackio stores runs in ``TRACKIO_DIR`` (default ``~/.cache/huggingface/trackio``);
+    ``trackio show`` opens them.
 
     Args:
         project: the Trackio project; name: the run's name (Trackio picks one when None).
@@ -33,11 +34,14 @@ class TrackioLogger(ExperimentLogger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         import trackio
 
+        # A fault-tolerant run's members write one trackio run in turn, named by their key.
+        key = self.run_key
+        name = self.name or (f"nn_handler-{key}" if key is not None else None)
         self.run = trackio.init(
             project=self.project,
-            name=self.name,
+            name=name,
             config=plain_params(params),
-            resume="allow" if self.name is not None else "never",
+            resume="allow" if name is not None else "never",
             auto_log_cpu=False,
             auto_log_gpu=False,
         )
@@ -46,6 +50,9 @@ class TrackioLogger(ExperimentLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:
             self.run.log(dict(metrics), step=step)
+
+    def release(self) -> None:
+        self.finish("success")
 
     def finish(self, status: str) -> None:
         if self.run is not None:

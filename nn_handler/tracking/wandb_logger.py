@@ -11,7 +11,8 @@ WandbMode = Literal["online", "offline", "disabled"]
 
 
 class WandbLogger(ExperimentLogger):
-    """One W&B run: the config, metrics by step, the curves as an image; rank 0 only.
+    """One W&B run: the config, metrics by step, the curves as an image; on the reporting
+    process only (rank 0).
 
     Args:
         project: the W&B project.
@@ -58,6 +59,8 @@ class WandbLogger(ExperimentLogger):
 
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
+        # A fault-tolerant run's members write one W&B run in turn: its id is their run key.
+        run_id = self.run_id or self.run_key
         self.run = wandb.init(
             project=self.project,
             name=self.name,
@@ -65,8 +68,8 @@ class WandbLogger(ExperimentLogger):
             mode=self.mode,
             entity=self.entity,
             tags=self.tags or None,
-            id=self.run_id,
-            resume="allow" if self.run_id is not None else None,
+            id=run_id,
+            resume="allow" if run_id is not None else None,
             config=plain_params(params),
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True),
@@ -77,11 +80,19 @@ class WandbLogger(ExperimentLogger):
         if self.run is not None:
             self.run.log(dict(metrics), step=step)
 
+    def replay(self, metrics: dict[str, float], step: int) -> None:
+        # A resumed W&B run continues after its last step and refuses earlier ones.
+        if self.run is not None and step >= int(getattr(self.run, "step", 0)):
+            self.log_metrics(metrics, step)
+
     def log_figure(self, name: str, figure: Any, step: int) -> None:
         import wandb
 
         if self.run is not None:
             self.run.log({name: wandb.Image(figure)}, step=step)
+
+    def release(self) -> None:
+        self.finish("success")
 
     def finish(self, status: str) -> None:
         if self.run is not None:

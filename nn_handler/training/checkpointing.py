@@ -155,8 +155,9 @@ class TrainerCheckpoints:
         """The user's own checkpointed state, by name (see ``track``)."""
         return dict(self._tracked)
 
-    def _own_run(self, run_id: str | None = None) -> str:
-        """Set (or create) this run's id; rotation then deletes only its checkpoints."""
+    def own_run(self, run_id: str | None = None) -> str:
+        """This run's id, set to ``run_id`` (or created when it has none; ``None`` keeps it);
+        rotation then deletes only its checkpoints."""
         if run_id is not None or self.run_id is None:
             self.run_id = run_id or new_run_id()
         if self.manager is not None:
@@ -189,7 +190,7 @@ class TrainerCheckpoints:
             **shared,
             "config": self.run_config,
             "ranks": ranks,
-            RUN: {"id": self._own_run(), "fingerprint": self._fingerprint()},
+            RUN: {"id": self.own_run(), "fingerprint": self._fingerprint()},
         }
         if skip:
             checkpoint[SHARDED] = list(skip)
@@ -248,7 +249,7 @@ class TrainerCheckpoints:
             self._load_shards(folder, sharded, source)
         if saved_world != world and self.position.resume is not None:
             self.position.resume.saved_world = saved_world
-        self._own_run(saved_run)
+        self.own_run(saved_run)
         self._first_fit = False
 
     def _check_run(self, ckpt: Mapping[str, Any], source: str, automatic: bool) -> str | None:
@@ -397,7 +398,7 @@ class TrainerCheckpoints:
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
         """Resume per the policy (first fit only) and check the loader against a checkpoint."""
         self._auto_resume()
-        self._own_run()
+        self.own_run()
         point = self.position.resume
         if point is None:
             self.position.state.should_stop = False

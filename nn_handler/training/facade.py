@@ -99,6 +99,22 @@ class TrainerFacade:
         return self.comm.rank == 0
 
     @property
+    def is_reporting_process(self) -> bool:
+        """Whether this process writes the run's experiment trackers: rank 0; in a
+        fault-tolerant run, the first member of the last step agreed on (when it is lost,
+        the next member takes over, continuing the same tracker run: ``run_key``)."""
+        steps = self.reproducible.fault_tolerance if self.reproducible is not None else None
+        return steps.reporting if steps is not None else self.is_main_process
+
+    @property
+    def run_key(self) -> str | None:
+        """The name by which every process that may write this run's trackers knows it: in a
+        fault-tolerant run, the run id its members agreed on (a tracker finds its run by it);
+        None otherwise (rank 0 alone writes, and keeps its run in its checkpoints)."""
+        steps = self.reproducible.fault_tolerance if self.reproducible is not None else None
+        return steps.run_id if steps is not None else None
+
+    @property
     def global_rank(self) -> int:
         """This process's rank in the whole run (Lightning's name)."""
         return self.comm.rank
@@ -141,7 +157,7 @@ class TrainerFacade:
         (reduce them first with ``self.comm``, on every rank, for a mean over ranks); on the
         other ranks the call does nothing (no host sync there). Values: numbers or
         one-element tensors."""
-        if not self.is_main_process:
+        if not self.is_reporting_process:
             return
         values = {str(key): scalar_value(key, value) for key, value in metrics.items()}
         done = self.state.global_step if step is None else step

@@ -43,7 +43,8 @@ class Hook:
     - ``after_validation(metrics)``: with the reduced validation metrics (same on every rank).
     - ``after_log(metrics, step)``: on rank 0 only, after the training code logged scalars
       with ``trainer.log_metrics`` (experiment trackers write them there).
-    Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only. They run
+    Hooks run on every rank; use ``trainer.is_main_process`` to act on rank 0 only
+    (``trainer.is_reporting_process`` for what a run writes once, as the trackers do). They run
     in ascending ``order`` (default 0), then in the order given: monitors that complete the
     epoch record have a negative order, experiment loggers that log it a positive one.
     ``self.trainer`` is the Trainer the hook is attached to (typed ``Any`` so that this module
@@ -96,7 +97,7 @@ class Hook:
         """After each validation run, with its reduced metrics."""
 
     def after_log(self, metrics: dict[str, float], step: int) -> None:
-        """On rank 0, after ``trainer.log_metrics(metrics, step)``."""
+        """On the reporting process (rank 0), after ``trainer.log_metrics(metrics, step)``."""
 
 
 class HookList:

@@ -9,6 +9,7 @@ of its own.)"""
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import random
@@ -255,22 +256,36 @@ def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run
 TRAINER_SCRIPT = SCRIPT.with_name("ft_trainer_member.py")
 
 
-def _unfailed_trainer_digest() -> str:
+def _unfailed_trainer_run(tracked: Path) -> str:
     """The SHA-256 of the reproducible CNN's run in one process that never failed, with the
-    members' one thread (another count of threads changes a CPU kernel's float sums)."""
+    members' one thread (another count of threads changes a CPU kernel's float sums); its CSV
+    tracker writes in ``tracked``."""
     from tests.reproducible_helpers import digest as run_digest
     from tests.reproducible_helpers import handler, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        h = handler("cnn", None)
+        h = handler("cnn", None, tracked=tracked)
         train(h, "cnn")
         found = run_digest(h)
         h.close()
     finally:
         torch.set_num_threads(threads)
     return found
+
+
+def _tracked_rows(folder: Path) -> list[dict[str, str]]:
+    """The CSV tracker's rows: the step, its loss, each epoch's losses and metrics (not the
+    timings, which differ between runs)."""
+    from tests.reproducible_helpers import COMPUTED
+
+    kept = ("step", "train_loss_step", *COMPUTED)
+    with (folder / "metrics.csv").open(newline="") as handle:
+        return [
+            {k: v for k, v in row.items() if v and (k in kept or k.startswith("val_"))}
+            for row in csv.DictReader(handle)
+        ]
 
 
 def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_unfailed_bits(
@@ -280,11 +295,15 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     dropout, Adam, validation each epoch), each member a process of its own writing periodic
     checkpoints (every 3 steps) in a folder of its own. m1 dies in the middle of writing its
     checkpoint of step 3; m1b, restarted, joins the run where it is; m2 dies after step b's
-    sum, before its vote; then the Lighthouse is killed: m0 and m1b stop, each with an
+    sum, before its vote; then the Lighthouse is killed: m9 and m1b stop, each with an
     emergency checkpoint of its committed steps. The whole run restarts from them (a new
-    Lighthouse; m0, m1b and m1, whose folder holds only the half-written file, removed): m1
+    Lighthouse; m9, m1b and m1, whose folder holds only the half-written file, removed): m1
     receives the others' state at the first step, and all three end with the SHA-256 of
-    weights, buffers, optimizer state and History of a run that never failed."""
+    weights, buffers, optimizer state and History of a run that never failed.
+
+    The members share one CSV tracker's folder, which the first member of each step (by
+    name) writes: m1 until it dies, then m2, then m1b from its join, m1 again after the
+    restart; the file ends with the rows of the unfailed run, each step once."""
     rng = random.Random(int(os.environ.get("NN_HANDLER_FT_SEED", "53")))
     b = rng.randint(4, 6)
     deadline = time.monotonic() + scaled(150)
@@ -293,41 +312,43 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
         kill = {"FT_KILL_LIGHTHOUSE": f"{lighthouse.pid}:{b + 1}:m1b"}
-        members.start("m0", 3, least=1, **checkpoints, **kill)
+        members.start("m9", 3, least=1, **checkpoints, **kill)
         members.start("m1", 3, "3", "save", least=1, **checkpoints)
         members.start("m2", 3, str(b), "vote", least=1, **checkpoints)
         members.wait(deadline, "m1")
         members.start("m1b", 0, least=1, **checkpoints)  # m1 restarted: it joins the run
         codes = members.wait(deadline)
-    assert codes == {"m0": 1, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m1b": 1}, (
+    assert codes == {"m9": 1, "m1": -signal.SIGKILL, "m2": -signal.SIGKILL, "m1b": 1}, (
         members.logs()
     )
-    first = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m0", "m1b")}
-    stopped = first["m0"]["step"]
+    first = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m9", "m1b")}
+    stopped = first["m9"]["step"]
     assert first["m1b"]["step"] == stopped and b < stopped < 12, members.logs()
-    assert "the Lighthouse at" in first["m0"]["stopped"]
+    assert "the Lighthouse at" in first["m9"]["stopped"]
     assert "member m1b joined the run at step" in (tmp_path / "m1b.log").read_text()
-    log = (tmp_path / "m0.log").read_text()
+    log = (tmp_path / "m9.log").read_text()
     abandoned = [line for line in log.splitlines() if "abandoned by the run" in line]
     assert f"step {b + 1}: abandoned by the run (a member failed it" in log
     assert len(abandoned) == len(set(abandoned)), log  # one line per event
     assert "emergency checkpoint of its" in log, log
     folders = tmp_path / "checkpoints"
     assert not list((folders / "m1").glob("ckpt-*.pt")), "m1 completed no checkpoint"
-    for member in ("m0", "m1b"):  # the emergency checkpoint: the last committed step
+    for member in ("m9", "m1b"):  # the emergency checkpoint: the last committed step
         assert list((folders / member).glob(f"ckpt-*-s{stopped:08d}*.pt")), member
-    for member in ("m0", "m1b", "m1"):
+    for member in ("m9", "m1b", "m1"):
         (tmp_path / f"{member}.json").unlink(missing_ok=True)
         (tmp_path / f"ready-{member}").unlink(missing_ok=True)
     restart = {"FT_START_MEMBERS": "3", "FT_QUORUM_TIMEOUT_S": "30"}  # all three, however slow
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
-        for member in ("m0", "m1b", "m1"):  # the whole run restarted, its first step together
+        for member in ("m9", "m1b", "m1"):  # the whole run restarted, its first step together
             members.start(member, 3, least=1, **{**checkpoints, **restart})
         codes = members.wait(deadline)
-    assert codes == {"m0": 0, "m1b": 0, "m1": 0}, members.logs()
-    expected = _unfailed_trainer_digest()
-    for member in ("m0", "m1b", "m1"):
+    assert codes == {"m9": 0, "m1b": 0, "m1": 0}, members.logs()
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    for member in ("m9", "m1b", "m1"):
         assert json.loads((tmp_path / f"{member}.json").read_text())["digest"] == expected
+    # One run in the tracker: each step once, the unfailed run's rows (losses, metrics).
+    assert _tracked_rows(tmp_path / "tracked") == _tracked_rows(tmp_path / "unfailed")
     log = (tmp_path / "m1.log").read_text()
     assert "left by an interrupted save" in log and "joined the run at step" in log

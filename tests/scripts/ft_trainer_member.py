@@ -9,7 +9,8 @@ periodic checkpoint after that step). With FT_CHECKPOINTS=1 in its environment i
 periodic checkpoints (every 3 steps) in RUN_DIR/checkpoints/<id> and resumes from them (resume
 'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER makes it kill the Lighthouse once JOINER joined,
 after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10),
-FT_START_MEMBERS start_members. RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers,
+FT_START_MEMBERS start_members. Every member has a CSV tracker in RUN_DIR/tracked (shared: the
+run's first member writes it). RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers,
 optimizer state, History), the attempts redone, the steps done and why it stopped early (exit 1)
 if it did. FT_MIN_MEMBERS in its environment sets min_members (default 1).
 """
@@ -109,7 +110,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     if os.environ.get("FT_START_MEMBERS"):
         settings["start_members"] = int(os.environ["FT_START_MEMBERS"])
     folder = run / "checkpoints" if os.environ.get("FT_CHECKPOINTS") else None
-    settings_of_run = config("cnn", folder, fault_tolerance=settings)
+    # One CSV tracker in a folder every member shares: the run's first member writes it.
+    settings_of_run = config("cnn", folder, run / "tracked", fault_tolerance=settings)
     if folder is not None:
         settings_of_run["checkpoint"]["resume"] = "auto"
     model = WORKLOADS["cnn"][0]

@@ -197,6 +197,14 @@ class Replica:
         except (RuntimeError, OSError) as error:
             raise self._gone(f"the position of step {self.step}", error) from error
 
+    def agree(self, name: str, proposal: str) -> str:
+        """The value of ``name`` for the whole run: the first member's to propose one (this
+        one's is ``proposal``), kept by the Lighthouse's store while it lives."""
+        try:
+            return str(self._verdicts.compare_set(f"agreed/{name}", "", proposal).decode())
+        except (RuntimeError, OSError) as error:
+            raise self._gone(f"the run's {name}", error) from error
+
     def lost(self, error: BaseException) -> None:
         """A collective of this step failed: the step will not be committed. The group is
         aborted at once (its connections closed), so that members still waiting in a

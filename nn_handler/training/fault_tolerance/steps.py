@@ -41,6 +41,11 @@ class FaultTolerantSteps:
         self._in_loop = self._behind = False
         self._emergency: Callable[[], object] | None = None
         self._begun = False  # begin_fit agreed on the first step's members
+        #: Whether this member writes the run's trackers: the first member of the last step
+        #: agreed on (another takes over when it is lost; see Trainer.is_reporting_process).
+        self.reporting = False
+        #: The run's id, the same on every member (agreed at begin_fit; None before).
+        self.run_id: str | None = None
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
         self.log = logger.bind(rank=0)
@@ -51,13 +56,17 @@ class FaultTolerantSteps:
         state: Callable[[], Any] = dict,
         load: Callable[[Any], None] | None = None,
         emergency: Callable[[], object] | None = None,
+        own_run: Callable[[str | None], str] | None = None,
     ) -> None:
         """Join the run as this member, at ``global_step``, and agree on the first step's
         members. A member behind the run (one restarted, or new) receives ``state()`` of one
         that is not (the whole checkpoint: model, optimizer, loop position...) and gives it to
         ``load`` before its loop starts, which then continues where the run is. When the run
         cannot go on step by step (too few members, the Lighthouse gone), ``emergency`` saves
-        this member's state, at its last committed step, before the error is raised."""
+        this member's state, at its last committed step, before the error is raised.
+        ``own_run(run_id)`` sets this member's run id and returns it (``None``: keep its own,
+        from its checkpoint or the state it received): the members agree on one (the first
+        to propose it), so that the trackers and checkpoints of every member name one run."""
         from nn_handler.training.fault_tolerance.replica import Replica
 
         config = self.config
@@ -77,6 +86,9 @@ class FaultTolerantSteps:
         self.exact.comm = replica.communicator
         # The first step waits for the members that start together (not for a joiner).
         replica.begin_step(config.start_members)
+        if own_run is not None:
+            self.run_id = own_run(replica.agree("run_id", own_run(None)))
+        self.reporting = replica.rank == 0
         self._begun = True
 
     def _join(self, state: Any) -> None:
@@ -160,6 +172,7 @@ class FaultTolerantSteps:
             except PeerLostError as error:
                 lost = error
             if replica.commit() and loss is not None:
+                self.reporting = rank == 0
                 return loss
             self.redone += 1
             self._put_back(scales, buffers)

@@ -164,6 +164,7 @@ class ReproducibleMode:
             functools.partial(checkpoints.save_periodic, final=True)
             if checkpoints.manager is not None
             else None,
+            checkpoints.own_run,
         )
 
     def end_fit(self) -> None:
