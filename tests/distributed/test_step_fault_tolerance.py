@@ -1,8 +1,9 @@
 """Per-step fault tolerance (nn_handler/training/fault_tolerance/) with real processes: members
 of a run SIGKILLed in a step, before and after its sum, hung, killed two at once, a member
-joining mid-run, the Lighthouse killed, and an NNHandler run losing two of its three members.
-The others go on in their processes, redo what was abandoned, and end with the same bits as a
-run that never failed; every step is committed once, with all of its samples.
+joining mid-run, the Lighthouse killed, an NNHandler run losing two of its three members (its
+shared CSV tracker written once per step across takeovers), and a member preempted. The others
+go on in their processes, redo what was abandoned, and end with the same bits as a run that
+never failed; every step is committed once, with all of its samples.
 (tests/scripts/ft_member.py and ft_trainer_member.py are members; the Lighthouse is a process
 of its own.)"""
 
@@ -352,3 +353,30 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     assert _tracked_rows(tmp_path / "tracked") == _tracked_rows(tmp_path / "unfailed")
     log = (tmp_path / "m1.log").read_text()
     assert "left by an interrupted save" in log and "joined the run at step" in log
+
+
+def test_a_preempted_member_leaves_the_run_with_its_checkpoint_and_the_others_go_on(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM (a node's preemption) reaches one member of an NNHandler run: it finishes
+    its step, writes a checkpoint of its committed steps in its own folder and exits with the
+    preemption status (75), in one line; the other redoes nothing (the member left at a step
+    boundary) and ends with the bits of a run that never failed."""
+    from nn_handler.errors import PREEMPTED_EXIT_CODE
+
+    deadline = time.monotonic() + scaled(90)
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    checkpoints = {"FT_CHECKPOINTS": "1", "FT_START_MEMBERS": "2"}
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 2, least=1, **checkpoints)
+        members.start("m1", 2, "4", "term", least=1, **checkpoints)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": PREEMPTED_EXIT_CODE}, members.logs()
+    log = (tmp_path / "m1.log").read_text()
+    said = [line for line in log.splitlines() if "preempted after optimizer step" in line]
+    assert len(said) == 1, log
+    step = int(said[0].split("preempted after optimizer step ")[1].split(":")[0])
+    assert 4 < step < 12 and list((tmp_path / "checkpoints" / "m1").glob(f"*-s{step:08d}.pt"))
+    survivor = json.loads((tmp_path / "m0.json").read_text())
+    assert survivor["redone"] == 0, members.logs()
+    assert survivor["digest"] == _unfailed_trainer_run(tmp_path / "unfailed")

@@ -4,8 +4,9 @@ BatchNorm and dropout, tests/reproducible_helpers.py), which may SIGKILL itself 
 
 Usage: python ft_trainer_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
 WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote' (after the
-step's sum, before its vote: the others wait for it) or 'save' (in the middle of writing the
-periodic checkpoint after that step). With FT_CHECKPOINTS=1 in its environment it writes
+step's sum, before its vote: the others wait for it), 'save' (in the middle of writing the
+periodic checkpoint after that step) or 'term' (a SIGTERM in the step's first forward: a
+preemption). With FT_CHECKPOINTS=1 in its environment it writes
 periodic checkpoints (every 3 steps) in RUN_DIR/checkpoints/<id> and resumes from them (resume
 'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER makes it kill the Lighthouse once JOINER joined,
 after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10),
@@ -43,6 +44,17 @@ def die_in_forward(h: NNHandler, step: int) -> None:
     def forward(module: nn.Module, args: Any) -> None:
         if h.trainer.state.global_step == step and module.training:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    h.trainer.module.register_forward_pre_hook(forward)
+
+
+def preempted_in_forward(h: NNHandler, step: int) -> None:
+    """A SIGTERM (a preemption) in the step's first forward: the step goes on, the member
+    stops after it."""
+
+    def forward(module: nn.Module, args: Any) -> None:
+        if h.trainer.state.global_step == step and module.training:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     h.trainer.module.register_forward_pre_hook(forward)
 
@@ -123,6 +135,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     )
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
+    elif kill and kill[1] == "term":
+        preempted_in_forward(h, int(kill[0]))
     elif kill and kill[1] == "save":
         die_in_save(int(kill[0]))
     elif kill:
