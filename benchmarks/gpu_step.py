@@ -11,8 +11,9 @@ variant (the mode needs them; the normal mode then pays the same). Workloads as 
 reproducible.py: ResNet-8 on 3x32x32 images (batch 256) and two TransformerEncoderLayers
 (batch 64), in fp32 and bf16. Variants: the normal mode (one batch a step), the mode with one
 micro-batch a step (the same samples per step) and with four micro-batches a step (a quarter
-each). Each trains epochs in alternation after one warm-up epoch; the ratio is the median of
-the per-epoch ratios. Peak memory: torch.cuda.max_memory_allocated over a variant's epochs.
+each), and with one micro-batch and a floating-point sum (``reduction: float``). Each trains
+epochs in alternation after one warm-up epoch; the ratio is the median of the per-epoch
+ratios. Peak memory: torch.cuda.max_memory_allocated over a variant's epochs.
 """
 
 from __future__ import annotations
@@ -37,15 +38,24 @@ CASES: dict[str, Any] = {
     "resnet8": (models.resnet8, lambda n: models.dataset((3, 32, 32), n), 256),
     "transformer": (models.transformer, lambda n: models.token_dataset(64, n), 64),
 }
-#: Variant: micro-batches a step (None: the normal mode).
-VARIANTS = {"normal": None, "reproducible": 1, "reproducible_4_micro": 4}
+#: Variant: (micro-batches a step, the mode's reduction); None: the normal mode.
+VARIANTS: dict[str, tuple[int, str] | None] = {
+    "normal": None,
+    "reproducible": (1, "exact"),
+    "reproducible_4_micro": (4, "exact"),
+    "reproducible_float": (1, "float"),
+}
 
 
-def _handler(build: Any, batch: int, micro: int | None, precision: str, device: str) -> NNHandler:
+def _handler(
+    build: Any, batch: int, variant: tuple[int, str] | None, precision: str, device: str
+) -> NNHandler:
     torch.manual_seed(0)
-    mode = (
-        None if micro is None else {"global_batch_size": batch, "micro_batch_size": batch // micro}
-    )
+    mode = None
+    if variant is not None:
+        micro, reduction = variant
+        mode = {"global_batch_size": batch, "micro_batch_size": batch // micro,
+                "reduction": reduction}  # fmt: skip
     return NNHandler(
         build(),
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -78,7 +88,8 @@ def _timed(
     build, make, batch = CASES[case]
     data = make(steps * batch)
     handlers = {
-        name: _handler(build, batch, micro, precision, device) for name, micro in VARIANTS.items()
+        name: _handler(build, batch, variant, precision, device)
+        for name, variant in VARIANTS.items()
     }
     times: dict[str, list[float]] = {name: [] for name in handlers}
     peaks: dict[str, int] = dict.fromkeys(handlers, 0)

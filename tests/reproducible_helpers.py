@@ -75,10 +75,14 @@ class StepCounter(nn.Module):
 
 
 def config(
-    name: str, folder: Path | None = None, tracked: Path | None = None, **trainer: Any
+    name: str,
+    folder: Path | None = None,
+    tracked: Path | None = None,
+    reduction: str = "exact",
+    **trainer: Any,
 ) -> dict[str, Any]:
     """The workload's settings: checkpoints in ``folder``, a CSV tracker writing every step's
-    loss in ``tracked``, ``trainer`` settings of the Trainer."""
+    loss in ``tracked``, the mode's ``reduction``, ``trainer`` settings of the Trainer."""
     _, _, _, global_batch, micro = WORKLOADS[name]
     csv = {"type": "csv", "dir": str(tracked), "every_n_steps": 1, "log_curves": False}
     # No allow_world_size_change: the mode resumes at any world size exactly.
@@ -87,7 +91,11 @@ def config(
         "loader": {"batch_size": 8, "seed": 3},
         "trainer": {
             "progress_bar": False,
-            "reproducible": {"global_batch_size": global_batch, "micro_batch_size": micro},
+            "reproducible": {
+                "global_batch_size": global_batch,
+                "micro_batch_size": micro,
+                "reduction": reduction,
+            },
             **trainer,
         },
         **({"checkpoint": checkpoint} if folder is not None else {}),

@@ -42,6 +42,7 @@ IDENTITY = (
     "trainer.reproducible.global_batch_size",
     "trainer.reproducible.micro_batch_size",
     "trainer.reproducible.seed",
+    "trainer.reproducible.reduction",
 )
 
 

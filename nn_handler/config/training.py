@@ -144,11 +144,17 @@ class ReproducibleConfig(ConfigModel):
             multiple of it.
         seed: the seed of every micro-batch's random stream (dropout), drawn from (seed,
             optimizer step, micro-batch index), never from the rank.
+        reduction: 'exact': the gradients summed in fixed point (int64), the same bits at any
+            world size; 'float': summed in floating point (float64, one all_reduce, no
+            scales), the mode's fixed batches and seeds kept: the weights at another world
+            size (or after a fault-tolerant run lost a member) match to float tolerance, not
+            bitwise. Faster where the quantisation weighs (small models, GPUs).
     """
 
     global_batch_size: int = Field(ge=1, strict=True)
     micro_batch_size: int = Field(ge=1, strict=True)
     seed: int = Field(default=0, ge=0, strict=True)
+    reduction: Literal["exact", "float"] = "exact"
 
     @model_validator(mode="after")
     def _check_sizes(self) -> ReproducibleConfig:
@@ -233,7 +239,8 @@ class TrainerConfig(ConfigModel):
         reproducible: bit-identical training at any world size (ReproducibleConfig); None:
             off (the normal mode, a floating-point all_reduce of the gradients).
         fault_tolerance: a member lost in a step is left out and its step redone by the
-            others, with no restart (FaultToleranceConfig; needs ``reproducible``); None: off.
+            others, with no restart (FaultToleranceConfig; needs ``reproducible``, with either
+            reduction); None: off.
     """
 
     epochs: int = Field(default=1, ge=1, strict=True)
@@ -285,9 +292,11 @@ class TrainerConfig(ConfigModel):
     def _check_reproducible(self) -> TrainerConfig:
         if self.fault_tolerance is not None and self.reproducible is None:
             raise ValueError(
-                "fault_tolerance: needs reproducible (a step redone by fewer members must sum "
-                "to the same bits): set trainer.reproducible (global_batch_size, "
-                "micro_batch_size)"
+                "fault_tolerance: needs reproducible (a step's samples must not depend on "
+                "the members, so that a step redone by fewer members uses each sample once): "
+                "set trainer.reproducible (global_batch_size, micro_batch_size; reduction "
+                "'float' for a floating-point sum, whose weights then match an unfailed run "
+                "to float tolerance instead of bitwise)"
             )
         if self.reproducible is None:
             return self

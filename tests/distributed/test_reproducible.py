@@ -2,7 +2,8 @@
 with BatchNorm, dropout and Adam, and a transformer block (LayerNorm, dropout), trained two
 epochs with validation, give the same SHA-256 over their weights, buffers, optimizer state and
 History at every world size; a run stopped mid-epoch at W=2 and resumed at W=3 ends with the
-same hash; each step makes exactly two collectives of its own."""
+same hash; each step makes exactly two collectives of its own. With ``reduction: float`` every
+rank holds the same bits and every world size is within float tolerance of one rank."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 h.resume(saved / "ckpt-e0001-s00000009.pt")  # mid-epoch, by 2 ranks
                 train(h, name)
                 out[f"{name}_resumed"] = digest(h)
+    with handler("cnn", context, reduction="float") as h:  # a floating-point sum
+        train(h, "cnn")
+        exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
+        out["cnn_float"] = {k: v.clone() for k, v in h.model.state_dict().items()}
+        out["cnn_float_collectives"] = (exact.collectives, h.trainer.state.global_step)
     if world_size == 2:  # last: a failure on the one rank that owns the step's micro-batch
         out["idle_rank"] = _idle_rank_trains(context)
         out["one_rank_fails"] = _one_rank_fails(context)
@@ -174,3 +180,19 @@ def test_a_rank_with_no_micro_batch_in_a_step_ends_cleanly(
     runs: dict[int, list[dict[str, Any]]],
 ) -> None:
     assert [r["idle_rank"] for r in runs[2]] == ["trained 4 steps"] * 2
+
+
+def test_a_float_sum_is_the_same_on_every_rank_and_close_at_every_world_size(
+    runs: dict[int, list[dict[str, Any]]],
+) -> None:
+    """``reduction: float``: one float64 sum a step (no scales, never a second); every rank
+    of a group holds the same bits, and every world size is within float tolerance of one
+    rank's run (the sums' order differs), not promised bitwise."""
+    one = runs[1][0]["cnn_float"]
+    for w, group in runs.items():
+        first = group[0]["cnn_float"]
+        for result in group:
+            assert all(torch.equal(result["cnn_float"][k], first[k]) for k in first), w
+            assert result["cnn_float_collectives"] == (6 * EPOCHS, 6 * EPOCHS), w
+        largest = max(float((first[k].double() - one[k].double()).abs().max()) for k in one)
+        assert largest < 1e-4, (w, largest)

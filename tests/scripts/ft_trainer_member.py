@@ -6,14 +6,15 @@ Usage: python ft_trainer_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_S
 WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote' (after the
 step's sum, before its vote: the others wait for it), 'save' (in the middle of writing the
 periodic checkpoint after that step) or 'term' (a SIGTERM in the step's first forward: a
-preemption). With FT_CHECKPOINTS=1 in its environment it writes
-periodic checkpoints (every 3 steps) in RUN_DIR/checkpoints/<id> and resumes from them (resume
-'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER makes it kill the Lighthouse once JOINER joined,
-after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10),
-FT_START_MEMBERS start_members. Every member has a CSV tracker in RUN_DIR/tracked (shared: the
-run's first member writes it). RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers,
-optimizer state, History), the attempts redone, the steps done and why it stopped early (exit 1)
-if it did. FT_MIN_MEMBERS in its environment sets min_members (default 1).
+preemption). Its environment: FT_CHECKPOINTS=1 writes periodic checkpoints (every 3 steps) in
+RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:
+JOINER kills the Lighthouse once JOINER joined, after STEP (see kill_lighthouse);
+FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10), FT_START_MEMBERS start_members,
+FT_MIN_MEMBERS min_members (default 1), FT_REDUCTION the mode's reduction ('exact' or
+'float'). Every member has a CSV tracker in RUN_DIR/tracked (shared: the run's first member
+writes it). RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state,
+History), the attempts redone, the steps done and why it stopped early (exit 1) if it did;
+RUN_DIR/<id>.pt its weights.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     settings_of_run = config("cnn", folder, run / "tracked", fault_tolerance=settings)
     if folder is not None:
         settings_of_run["checkpoint"]["resume"] = "auto"
+    if os.environ.get("FT_REDUCTION"):
+        settings_of_run["trainer"]["reproducible"]["reduction"] = os.environ["FT_REDUCTION"]
     model = WORKLOADS["cnn"][0]
     h = NNHandler(
         model(),
@@ -160,6 +163,7 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         "stopped": stopped,
     }
     (run / f"{member}.json").write_text(json.dumps(report))
+    torch.save(h.model.state_dict(), run / f"{member}.pt")  # the weights, for tolerances
     h.close()
     if stopped:
         sys.exit(1)

@@ -159,13 +159,19 @@ class ExactStep:
                 self.collectives += 1
             fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
         self.bytes_per_step = buffer.numel() * 8
-        flat = self._work.get("gradient", (size,), self._dtype)
+        return self._apply(gradient, rows)
+
+    def _apply(self, gradient: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The step's reduced ``gradient`` (flat) into every parameter's ``.grad``, its
+        reduced ``rows`` into the BatchNorm statistics; returns the step's loss."""
+        flat = self._work.get("gradient", gradient.shape, self._dtype)
         flat.copy_(gradient)  # the parameters' gradients are views of it until the next step
         for p, piece in zip(self.params, _pieces(flat, self._numels), strict=True):
             p.grad = piece.view_as(p) if p.dtype == flat.dtype else piece.view_as(p).to(p.dtype)
         self.norms.end_step(rows[:, _HEAD : self._maxima])
+        samples = [int(n) for n in rows[:, 0].tolist()]
         losses = rows[:, 1].tolist()
-        loss = math.fsum(n * losses[j] for j, n in enumerate(samples) if n) / max(count, 1)
+        loss = math.fsum(n * losses[j] for j, n in enumerate(samples) if n) / max(sum(samples), 1)
         return torch.tensor(loss, dtype=torch.float64, device=self.device)
 
     def _agreed_maxima(self, local: torch.Tensor) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 from nn_handler.training.metrics import StatefulMetric
 from nn_handler.training.precision import Precision
 from nn_handler.training.reproducible.exact_step import ExactStep
+from nn_handler.training.reproducible.float_step import FloatStep
 from nn_handler.training.step_output import loss_of
 
 _LOADER_FIX = (
@@ -48,7 +49,8 @@ class ReproducibleMode:
                 "reproducible: fp16 with a dynamic GradScaler skips steps and rescales on "
                 "overflows, which the mode cannot keep identical; use precision 'bf16' or '32'."
             )
-        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        exact = config.reduction == "exact"
+        if exact and device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             raise ConfigError(
                 "reproducible on CUDA needs deterministic kernels (some backward kernels sum "
                 "with atomics, in a different order each run): call "
@@ -58,7 +60,7 @@ class ReproducibleMode:
         self.config = config
         self.precision = precision
         self.device = device
-        self.exact = ExactStep(config, module, comm, device)
+        self.exact = (ExactStep if exact else FloatStep)(config, module, comm, device)
         #: The steps of a fault-tolerant run (TrainerConfig.fault_tolerance; None: off).
         self.fault_tolerance = (
             FaultTolerantSteps(fault_tolerance, self.exact, comm) if fault_tolerance else None
