@@ -6,7 +6,7 @@ import os
 import re
 import socket
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -24,6 +24,9 @@ class FaultToleranceConfig(ConfigModel):
         member_id: this member's name in the run (default: ``<hostname>-<pid>``).
         min_members: the fewest members a step may be committed with; with fewer the run
             waits for members up to ``quorum_timeout_s``, then stops.
+        max_members: the most members that train a step's micro-batches (None: every
+            member); the others, by rank, are spares: they hold the run's state, take part in
+            each step's sum with nothing of their own and train as soon as a member is lost.
         start_members: how many members the run's first step waits for (default
             ``min_members``); a member that starts while the run goes on joins it where it is
             (it receives the state of a live member).
@@ -35,10 +38,20 @@ class FaultToleranceConfig(ConfigModel):
     lighthouse: str
     member_id: str | None = None
     min_members: int = Field(default=1, ge=1, strict=True)
+    max_members: int | None = Field(default=None, ge=1, strict=True)
     start_members: int | None = Field(default=None, ge=1, strict=True)
     timeout_s: float = Field(default=10.0, gt=0)
     quorum_timeout_s: float = Field(default=90.0, gt=0)
     host: str = "127.0.0.1"
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> FaultToleranceConfig:
+        if self.max_members is not None and self.max_members < self.min_members:
+            raise ValueError(
+                f"max_members={self.max_members} is below min_members={self.min_members}: "
+                f"no step could be trained; raise max_members or lower min_members"
+            )
+        return self
 
     def member_name(self) -> str:
         """This member's name: ``member_id``, or ``<hostname>-<pid>``."""

@@ -518,3 +518,44 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
     assert message.startswith("member m2: every agreement on the members of step 42 failed for")
     assert "(the last: Connection refused)" in message and "\n" not in message
     assert manager.quorums >= 2 and replica._verdicts.values["41/7/0/verdict"] == b"abort"
+
+
+class _Member:
+    """A Replica at rank ``rank`` of ``members`` whose every attempt commits."""
+
+    step = 0
+
+    def __init__(self, rank: int, members: int) -> None:
+        self.rank, self.members = rank, members
+
+    def position_of_run(self, position: str) -> str:
+        return position
+
+    def commit(self) -> bool:
+        return True
+
+
+def test_members_beyond_max_members_are_spares_that_train_no_micro_batch() -> None:
+    """max_members=2 of 3: ranks 0 and 1 split the step's micro-batches as a run of two
+    would; rank 2 takes part in the sum with none of its own. max_members below
+    min_members is refused by name."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.data.fixed_batches import MicroBatch, StepBatch
+    from nn_handler.errors import ConfigError
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    config = FaultToleranceConfig(**_FT, member_id="m", max_members=2)
+    batch = StepBatch(step=0, micro=tuple(MicroBatch(i, 4, None) for i in range(4)), samples=16)
+    trained: dict[int, list[int]] = {}
+    for rank in range(3):
+        steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
+        steps.replica, steps._begun = _Member(rank, 3), True
+
+        def run(mine: StepBatch, rank: int = rank) -> torch.Tensor:
+            trained[rank] = [m.index for m in mine.micro]
+            return torch.zeros(())
+
+        steps.step(batch, run, 0)
+    assert trained == {0: [0, 2], 1: [1, 3], 2: []}
+    with pytest.raises(ConfigError, match="max_members=1 is below min_members=2"):
+        FaultToleranceConfig(**_FT, min_members=2, max_members=1)

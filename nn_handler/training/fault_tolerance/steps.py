@@ -161,9 +161,11 @@ class FaultTolerantSteps:
                     f"the run at {run_at}: its place in the data differs from the others'; "
                     f"it stops (restart it: it joins the run where it is)."
                 )
-            rank, members = replica.rank, replica.members
+            rank, members = replica.rank, self.training_members(replica.members)
             mine = tuple(
-                m for m in batch.micro if rank is not None and owns(m.index, rank, members)
+                m
+                for m in batch.micro
+                if rank is not None and rank < members and owns(m.index, rank, members)
             )
             loss: torch.Tensor | None = None
             lost: PeerLostError | None = None
@@ -181,6 +183,12 @@ class FaultTolerantSteps:
                 "step {}: abandoned by the run ({}); redone by the members left",
                 global_step + 1, why,
             )  # fmt: skip
+
+    def training_members(self, members: int) -> int:
+        """How many of a step's ``members`` train its micro-batches (ranks below it; the
+        others are spares, at most ``max_members`` train)."""
+        most = self.config.max_members
+        return members if most is None else min(members, most)
 
     def _save_emergency(self, emergency: Callable[[], object], global_step: int) -> None:
         """This member's state at its last committed step, for a restart of the whole run (a

@@ -109,8 +109,7 @@ class ExactStep:
                 row = rows[micro.index]
                 if parts:
                     torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=grads[i])
-                    largest = torch.stack([g.abs().amax() for g in parts]).double()
-                    row[self._maxima :] = largest * micro.size
+                    self._keep_maxima(row, parts, micro.size)
                 row[0] = micro.size
                 row[1] = loss.detach().double().reshape(())
                 row[_HEAD : self._maxima] = self.norms.after_micro().to(self.device)
@@ -126,6 +125,12 @@ class ExactStep:
             if self.norms.in_step:
                 self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
             raise
+
+    def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
+        """Each gradient tensor's largest magnitude (times the micro-batch's samples) into
+        its slots: the scales are set from them."""
+        largest = torch.stack([g.abs().amax() for g in parts]).double()
+        row[self._maxima :] = largest * samples
 
     def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),

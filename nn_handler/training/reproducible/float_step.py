@@ -21,6 +21,9 @@ from nn_handler.training.reproducible.exact_step import ExactStep
 class FloatStep(ExactStep):
     """ExactStep with a floating-point sum (see the module docstring)."""
 
+    def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
+        """No scales: the per-tensor maxima are not needed (their slots stay zero)."""
+
     def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One float64 sum of the sample-weighted gradients and the slots; NaN or inf in a
         gradient reaches every rank's sum (the non-finite policy then skips the step)."""
