@@ -392,6 +392,17 @@ class _FirstWins:
         return self.values.setdefault(key, desired.encode())
 
 
+def test_the_members_agree_on_the_first_run_id_proposed() -> None:
+    """The run's id (its trackers' run key): the first member's proposal stands."""
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica._verdicts = _FirstWins()
+    assert replica.agree("run_id", "a1") == "a1"
+    assert replica.agree("run_id", "b2") == "a1"  # a later member takes the run's
+    assert replica.agree("other", "b2") == "b2"
+
+
 def test_a_member_at_another_place_in_the_data_than_the_run_is_stopped_by_name() -> None:
     """Members agree on their step's place in the data before they sum: one at another batch
     of the epoch (which would sum other samples under the same step) stops, naming both, and

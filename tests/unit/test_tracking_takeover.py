@@ -140,21 +140,3 @@ def test_members_continue_one_mlflow_run_by_their_run_key(tmp_path: Path) -> Non
     history = a.client.get_metric_history(a.run_id, "train_loss_step")
     assert sorted(m.step for m in history) == [1, 2, 3]
     assert runs[0].data.params == {"lr": "0.1"} and runs[0].info.status == "FINISHED"
-
-
-class _FirstWins:
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self.values.setdefault(key, desired.encode())
-
-
-def test_the_members_agree_on_the_first_run_id_proposed() -> None:
-    from nn_handler.training.fault_tolerance.replica import Replica
-
-    replica = object.__new__(Replica)
-    replica._verdicts = _FirstWins()
-    assert replica.agree("run_id", "a1") == "a1"
-    assert replica.agree("run_id", "b2") == "a1"  # a later member takes the run's
-    assert replica.agree("other", "b2") == "b2"
