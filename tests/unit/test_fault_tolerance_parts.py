@@ -251,6 +251,10 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
         replica._verdict()
     with pytest.raises(DistributedError, match=r"m0: the verdicts cannot be read .* http://h:1"):
         replica._first_undecided(7)
+    with pytest.raises(
+        DistributedError, match=r"m0: the run's run_id cannot be read .* at http://h:1"
+    ):
+        replica.agree("run_id", "a1")
 
 
 class _TwoAbandoned:
