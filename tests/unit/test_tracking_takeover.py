@@ -140,3 +140,25 @@ def test_members_continue_one_mlflow_run_by_their_run_key(tmp_path: Path) -> Non
     history = a.client.get_metric_history(a.run_id, "train_loss_step")
     assert sorted(m.step for m in history) == [1, 2, 3]
     assert runs[0].data.params == {"lr": "0.1"} and runs[0].info.status == "FINISHED"
+
+
+def test_members_sharing_a_tensorboard_folder_write_each_step_once(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nn_handler.tracking.tensorboard import TensorBoardLogger
+
+    (a, ma), (b, mb) = _pair(lambda: TensorBoardLogger(tmp_path, 1, log_curves=False))
+    ma.is_reporting_process = True
+    a.before_train()
+    _step(1, (a, ma), (b, mb), first=ma)
+    _step(2, (a, ma), (b, mb), first=ma)  # a wrote step 2, then was lost
+    a.finish("success")  # its events on disk, as a killed writer's flushed ones
+    _step(3, (b, mb), first=mb)  # b replays step 2 (held: skipped), writes step 3
+    b.after_train()
+    steps = []
+    for folder in {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}:
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        events.Reload()
+        steps += [e.step for e in events.Scalars("train_loss_step")]
+    assert sorted(steps) == [1, 2, 3]
