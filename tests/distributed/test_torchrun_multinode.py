@@ -57,7 +57,11 @@ def test_a_failing_getitem_on_one_rank_is_reported_once_first() -> None:
     holds rank 1's traceback once, and rank 0 one brief RankFailedError naming rank 1's error
     and line, without gloo's 'Connection closed by peer' chain in front of it."""
     script = ROOT / "tests" / "scripts" / "torchrun_failing.py"
-    code, output = run_command(torchrun_command(script, "getitem"), timeout=120)
+    command = torchrun_command(script, "getitem")
+    # torchrun SIGTERMs the other workers at its first check after rank 1 exits (every 0.1 s
+    # by default): on a loaded machine rank 0 was stopped before it printed its line.
+    command.insert(3, "--monitor-interval=2")
+    code, output = run_command(command, timeout=120)
     assert code != 0
     ours = output.split("Traceback (most recent call last):\n  File")[0]  # before torchrun's
     assert ours.count("KeyError: 'sample") == 2, output  # rank 1's traceback, rank 0's line
