@@ -102,8 +102,7 @@ class ExperimentLogger(Hook, ABC):
     @property
     def run_key(self) -> str | None:
         """The attached Trainer's ``run_key`` (None: none, or not attached)."""
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        return getattr(trainer, "run_key", None)
+        return getattr(self.attached_trainer, "run_key", None)
 
     def release(self) -> None:
         """Let go of the run on this process, which stops reporting while the run goes on

@@ -61,10 +61,15 @@ class Hook:
 
     @property
     def trainer(self) -> Any:
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        trainer = self.attached_trainer
         if trainer is None:
             raise NNHandlerError(f"{type(self).__name__} is not attached to a live Trainer.")
         return trainer
+
+    @property
+    def attached_trainer(self) -> Any | None:
+        """The Trainer the hook is attached to, or None (not attached, or gone)."""
+        return self._trainer_ref() if self._trainer_ref is not None else None
 
     def attach(self, trainer: Any) -> None:
         self._trainer_ref = weakref.ref(trainer)

@@ -162,3 +162,11 @@ def test_members_sharing_a_tensorboard_folder_write_each_step_once(tmp_path: Pat
         events.Reload()
         steps += [e.step for e in events.Scalars("train_loss_step")]
     assert sorted(steps) == [1, 2, 3]
+
+
+def test_a_tracker_not_attached_has_no_run_key() -> None:
+    tracker = Recording()
+    assert tracker.attached_trainer is None and tracker.run_key is None
+    member = Member()
+    tracker.attach(member)
+    assert tracker.attached_trainer is member and tracker.run_key == "run-7"
