@@ -44,10 +44,18 @@ class _Members:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(
-        self, member: str, starters: int, *kill: str, hold: int = -1, least: int = 2, **env: str
+        self,
+        member: str,
+        starters: int,
+        *kill: str,
+        hold: tuple[int, ...] = (),
+        least: int = 2,
+        **env: str,
     ) -> None:
+        """Start ``member``; it waits before each step in ``hold`` until :meth:`release`."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_HOLD_AT": str(hold),
+               "PYTHONPATH": str(ROOT), "RUST_LOG": "error",
+               "FT_HOLD_AT": ",".join(map(str, hold)),
                "FT_MIN_MEMBERS": str(least), **env}  # fmt: skip
         command = [sys.executable, str(self.script), self.lighthouse, str(self.run), member]
         with open(self.run / f"{member}.log", "wb") as log:
@@ -67,6 +75,15 @@ class _Members:
             if time.monotonic() > deadline or self.procs[member].poll() is not None:
                 pytest.fail(f"{member} never reached step {step}:\n{self.logs()}")
             time.sleep(0.02)
+
+    def release(self, step: int, deadline: float, once_ready: str = "") -> None:
+        """Let the members held before ``step`` go on, once ``once_ready`` (if given) has its
+        replica (it heartbeats to the Lighthouse, so the quorum at ``step`` waits for it)."""
+        while once_ready and not (self.run / f"ready-{once_ready}").exists():
+            if time.monotonic() > deadline or self.procs[once_ready].poll() is not None:
+                pytest.fail(f"{once_ready} never had its replica:\n{self.logs()}")
+            time.sleep(0.02)
+        (self.run / f"release-{step}").touch()
 
     def wait(self, deadline: float, *only: str) -> dict[str, int]:
         for member, proc in self.procs.items():
@@ -151,13 +168,13 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     deadline = time.monotonic() + scaled(90)
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     with lighthouse, _Members(lighthouse.address, tmp_path) as members:
-        members.start("m0", 4, hold=c, least=1)
+        members.start("m0", 4, hold=(c,), least=1)
         members.start("m1", 4, str(a), "stop", least=1)
         members.start("m2", 4, str(b), "before", least=1)
         members.start("m3", 4, str(b), "before", least=1)
         members.wait_for("m0", c, deadline)
         lighthouse.kill()
-        (tmp_path / "release").touch()
+        members.release(c, deadline)
         codes = members.wait(deadline, "m0", "m2", "m3")
         assert members.procs["m1"].poll() is None, "m1 is stopped, not gone"
     assert codes == {"m0": 1, "m2": -signal.SIGKILL, "m3": -signal.SIGKILL}, (
@@ -195,12 +212,16 @@ def test_a_state_transfer_cut_by_the_death_of_its_receiver_then_of_its_sender(
         Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
         _Members(lighthouse.address, tmp_path) as members,
     ):
+        # The members wait before steps 10 and 40 until the joiner has its replica, so that
+        # m3 joins by step 10 and m4 by step 40, before its slow step, however slow a start.
         for member in ("m0", "m1", "m2"):
-            members.start(member, 3, least=1, **env)
+            members.start(member, 3, hold=(10, 40), least=1, **env)
         members.wait_for("m0", 3, deadline)
         members.start("m3", 0, least=1, **{**env, "FT_DIE_IN_TRANSFER": "receive"})
+        members.release(10, deadline, once_ready="m3")
         members.wait(deadline, "m3")
         members.start("m4", 0, str(slow), "slow", least=1, **env)
+        members.release(40, deadline, once_ready="m4")
         codes = members.wait(deadline)
     senders = [m for m in ("m0", "m1", "m2") if codes[m] == -signal.SIGKILL]
     assert codes["m3"] == -signal.SIGKILL and len(senders) == 1, members.logs()

@@ -11,11 +11,11 @@ before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits ea
 and time as it comes; RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger
 of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned and
 redone, the addresses this process listens on besides its replica group's store, and why it
-stopped early (exit 1) if it did. With FT_HOLD_AT=N in its environment it waits before step N
-until RUN_DIR/release exists; FT_STEPS and FT_STEP_S set the run's steps and a step's sleep,
-FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die in the
-middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives member
-MEMBER those arguments (for a command that is the same for every member).
+stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
+step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
+sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die
+in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
+member MEMBER those arguments (for a command that is the same for every member).
 """
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def main(
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
     ledger, redone, stopped, slowed = [], 0, "", False
-    hold = int(os.environ.get("FT_HOLD_AT", "-1"))
+    holds = {int(step) for step in os.environ.get("FT_HOLD_AT", "").split(",") if step}
     while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
-        if replica.step == hold:  # until the test has done what it waits for
+        if replica.step in holds:  # until the test has done what it waits for
             end = time.monotonic() + 60
-            while not (run / "release").exists() and time.monotonic() < end:
+            while not (run / f"release-{replica.step}").exists() and time.monotonic() < end:
                 time.sleep(0.01)
         try:  # the first step waits for the members that start together
             replica.begin_step(starters if starters and not ledger and not redone else None)
