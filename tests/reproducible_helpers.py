@@ -132,6 +132,29 @@ def digest(h: NNHandler) -> str:
     return sha.hexdigest()
 
 
+def full_digest(h: NNHandler) -> str:
+    """``digest`` over the whole state, whatever the strategy: the model and the optimizer
+    gathered to rank 0 and keyed by parameter name (torch.distributed.checkpoint.state_dict),
+    so that a sharded run and a replicated one compare. Every rank must call this; rank 0's
+    is the run's (the others hash what they were given: nothing)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    module = h.trainer.module
+    sha = hashlib.sha256()
+    _feed(sha, dict(get_model_state_dict(module, options=whole)))
+    optimizer = h.trainer.optimizer
+    if optimizer is not None:
+        _feed(sha, dict(get_optimizer_state_dict(module, optimizer, options=whole)))
+    for record in h.history:
+        _feed(sha, {k: v for k, v in record.items() if k in COMPUTED or k.startswith("val_")})
+    return sha.hexdigest()
+
+
 def _feed(sha: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         sha.update(f"{value.dtype}{tuple(value.shape)}".encode())

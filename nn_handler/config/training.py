@@ -307,11 +307,21 @@ class TrainerConfig(ConfigModel):
                 "micro_batch_size); leave accumulate_grad_batches at 1",
             ),
             "strategy": (
-                self.strategy in ("fsdp", "single"),
-                f"strategy {self.strategy!r} is not supported: the mode replicates the model "
-                f"on every rank and reduces gradients exactly itself; use 'auto' or 'ddp' "
-                f"(FSDP2's reduce-scatter is a floating-point sum: docs/reproducible.md says "
-                f"what an exact one would take)",
+                self.strategy == "single",
+                "strategy 'single' is not supported: the mode sums gradients over the ranks "
+                "itself; use 'auto' or 'ddp' (the model replicated) or 'fsdp' (sharded)",
+            ),
+            "reduction": (
+                self.strategy == "fsdp" and self.reproducible.reduction == "float",
+                "'float' with strategy 'fsdp' is FSDP2's own reduce-scatter: leave "
+                "reproducible unset for it, or keep reduction 'exact' (an exact int64 "
+                "reduce-scatter)",
+            ),
+            "fault_tolerance": (
+                self.strategy == "fsdp" and self.fault_tolerance is not None,
+                "a member that joins receives the whole state from one live member, and with "
+                "strategy 'fsdp' no member holds it whole: use 'auto' or 'ddp' (replicated), "
+                "or leave fault_tolerance unset (a sharded run restarts from its checkpoint)",
             ),
             "limit_val_batches": (
                 self.limit_val_batches is not None,

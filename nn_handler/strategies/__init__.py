@@ -25,9 +25,9 @@ def select_strategy(
     rank and a process group, one device otherwise (a test double of several ranks without a
     group trains its one replica as it is). ``precision`` is the run's resolved precision
     ('32', 'bf16', 'fp16'), which a sharded strategy applies to its communication."""
-    if config.reproducible is not None:  # its exact reduction replaces DDP's (config refuses fsdp)
-        return ReplicatedStrategy(comm, device, config, precision)
     name = config.strategy
+    if config.reproducible is not None and name != "fsdp":  # its exact sum replaces DDP's
+        return ReplicatedStrategy(comm, device, config, precision)
     if name == "auto":
         import torch.distributed as dist
 

@@ -29,6 +29,7 @@ from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.strategies.activation_checkpointing import checkpoint_blocks
 from nn_handler.strategies.activation_estimate import meta_twin
 from nn_handler.strategies.blocks import blocks_of
+from nn_handler.strategies.exact_gradients import ExactGradients, ReplicatedGradients
 from nn_handler.strategies.meta_init import (
     load_weights_file,
     materialize,
@@ -185,6 +186,11 @@ class Strategy(ABC):
         """A context around an evaluation pass (every rank enters it), in which ranks may run
         different numbers of forwards without a collective per forward."""
         return contextlib.nullcontext()
+
+    def exact_gradients(self, params: list[nn.Parameter]) -> ExactGradients:
+        """Where the reproducible mode reads, sums and puts ``params``' gradients: whole on
+        every rank, one all_reduce (a sharded strategy sums each shard: fsdp_gradients.py)."""
+        return ReplicatedGradients(params)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context in which backward accumulates gradients without synchronising them (the

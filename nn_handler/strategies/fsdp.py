@@ -40,6 +40,8 @@ from nn_handler.distributed.env import parse_distributed_env
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.base import Strategy, check_loaded
 from nn_handler.strategies.blocks import shard_blocks
+from nn_handler.strategies.exact_gradients import ExactGradients
+from nn_handler.strategies.fsdp_gradients import ShardedGradients
 from nn_handler.strategies.mesh import build_mesh, mesh_shape
 from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -216,6 +218,11 @@ class FSDP2Strategy(Strategy):
         if not is_named(state):  # written by the single-device or DDP strategy
             state = to_named(state, module, optimizer)
         set_optimizer_state_dict(module, optimizer, dict(state), options=LOAD_FULL)
+
+    def exact_gradients(self, params: list[nn.Parameter]) -> ExactGradients:
+        """The reproducible mode's exact sum, shard by shard (FSDP2's own gradient reduction
+        turned off): one int64 reduce-scatter a step (and an all_reduce across HSDP's copies)."""
+        return ShardedGradients(self._setup_module(), params)
 
     def _fsdp_module(self) -> FSDPModule:
         module = self._setup_module()

@@ -297,6 +297,7 @@ def test_reproducible_quick_mode_writes_its_fields(quick_run: Path) -> None:
         # int64 per parameter against DDP's float32, plus the slots
         assert found["bytes_per_step_reproducible"] > 2 * found["bytes_per_step_ddp"] > 0
         assert found["ratio_median"] > 0 and found["steps_per_epoch"] >= 1
+        assert found["fsdp_ratio_median"] > 0 and found["epoch_seconds_reproducible_fsdp"] > 0
     assert set(results["digits_val_accuracy"]) == {"normal", "reproducible"}
 
 

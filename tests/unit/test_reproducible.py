@@ -40,7 +40,14 @@ def _handler(model: nn.Module | None = None, **trainer: Any) -> NNHandler:
     [
         ({"reproducible": {"global_batch_size": 10, "micro_batch_size": 4}}, "not a multiple"),
         ({"accumulate_grad_batches": 2}, "accumulate_grad_batches: the mode cuts"),
-        ({"strategy": "fsdp"}, "strategy 'fsdp' is not supported"),
+        (
+            {"strategy": "fsdp", "reproducible": {**MODE, "reduction": "float"}},
+            "reduction: 'float' with strategy 'fsdp' is FSDP2's own",
+        ),
+        (
+            {"strategy": "fsdp", "fault_tolerance": {"lighthouse": "http://127.0.0.1:1"}},
+            "fault_tolerance: a member that joins receives the whole state",
+        ),
         ({"strategy": "single"}, "strategy 'single' is not supported"),
         ({"sync_batchnorm": True}, "sync_batchnorm: SyncBatchNorm averages"),
         ({"limit_val_batches": 2}, "limit_val_batches: it limits each rank's share"),

@@ -30,6 +30,7 @@ from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import StepBatch
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.strategies.exact_gradients import ExactGradients, ReplicatedGradients
 from nn_handler.training.reproducible import fixed_point
 from nn_handler.training.reproducible.norm_statistics import NormStatistics
 
@@ -62,6 +63,7 @@ class ExactStep:
         self.module = module
         self.norms = NormStatistics(module)
         self.params: list[nn.Parameter] = []
+        self.gradients: ExactGradients = ReplicatedGradients([])
         self.bytes_per_step = 0
         #: Collectives made (one per step, two on the first and on a rescale) and rescales.
         self.collectives = 0
@@ -72,14 +74,27 @@ class ExactStep:
         self._dtype = torch.float32
         self._maxima = _HEAD + self.norms.width  # where a row's per-tensor maxima start
         self._work = _Workspace(device)
+        self._template: Any = None  # a micro-batch seen, for filler passes (``_fill``)
         self._width = self._maxima
 
-    def adopt(self, params: list[nn.Parameter]) -> None:
-        """The parameters that train (after ``configure_optimizers``)."""
+    def adopt(self, params: list[nn.Parameter], gradients: ExactGradients | None = None) -> None:
+        """The parameters that train (after ``configure_optimizers``) and where their
+        gradients are read and summed (the strategy's; default: replicated)."""
         self.params = params
+        self.gradients = gradients if gradients is not None else ReplicatedGradients(params)
         self._numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
         self._width = self._maxima + len(params)
         self.scale.numels = self._numels
+        if self.gradients.balanced and self.config.micro_batches < self.comm.world_size:
+            raise ConfigError(
+                f"reproducible with sharded parameters: a step has {self.config.micro_batches} "
+                f"micro-batches (global_batch_size / micro_batch_size) for "
+                f"{self.comm.world_size} ranks, and every rank must run a forward and backward "
+                f"of its own (the parameters are gathered in each); make global_batch_size at "
+                f"least {self.comm.world_size} x micro_batch_size."
+            )
+        if self.gradients.local_numels != self._numels.tolist():
+            self.scale.local_numels = torch.tensor(self.gradients.local_numels)
         dtypes = {p.dtype for p in params}
         if any(not d.is_floating_point for d in dtypes):
             raise ConfigError("the reproducible mode trains floating-point parameters only.")
@@ -92,7 +107,7 @@ class ExactStep:
         reduction: every parameter's ``.grad`` is the step's gradient, the same on every
         rank. Returns the step's loss (float64, sample-weighted over the global batch).
         Every rank must call this for every step, with or without micro-batches."""
-        params, total = self.params, int(self._numels.sum())
+        total = int(self._numels.sum())
         rows = torch.zeros(
             (self.config.micro_batches, self._width), dtype=torch.float64, device=self.device
         )
@@ -101,11 +116,10 @@ class ExactStep:
         self.norms.begin_step()
         try:
             for i, micro in enumerate(step.micro):
-                for p in params:
-                    p.grad = None
+                self.gradients.clear()
                 with _seeded(self.device, micro_seed(self.config.seed, global_step, micro.index)):
                     loss = forward_backward(micro.batch)
-                parts = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                parts = self.gradients.gradients()
                 row = rows[micro.index]
                 if parts:
                     torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=grads[i])
@@ -113,6 +127,7 @@ class ExactStep:
                 row[0] = micro.size
                 row[1] = loss.detach().double().reshape(())
                 row[_HEAD : self._maxima] = self.norms.after_micro().to(self.device)
+            self._fill(step, forward_backward, global_step)
         except BaseException:
             self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
             raise
@@ -125,6 +140,34 @@ class ExactStep:
             if self.norms.in_step:
                 self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
             raise
+
+    def _fill(
+        self, step: StepBatch, forward_backward: Callable[[Any], torch.Tensor], global_step: int
+    ) -> None:
+        """With sharded parameters every rank must run as many forwards and backwards as
+        the rank with the most micro-batches (each gathers the parameters with the others):
+        a rank with fewer runs filler passes over a micro-batch it has seen (its random
+        streams seeded apart), and drops their gradients and statistics."""
+        if step.micro:
+            self._template = step.micro[-1].batch
+        if not self.gradients.balanced:
+            return
+        size, world = self.config.micro_batch_size, self.comm.world_size
+        fillers = math.ceil(math.ceil(step.samples / size) / world) - len(step.micro)
+        if fillers > 0 and self._template is None:
+            raise ConfigError(
+                f"reproducible with sharded parameters: rank {self.comm.rank} owns no "
+                f"micro-batch of step {global_step} and has seen none to run the forward and "
+                f"backward the other ranks gather parameters for; use a world size of at "
+                f"most {self.config.micro_batches} (the micro-batches of a step)."
+            )
+        for k in range(fillers):
+            self.gradients.clear()
+            index = self.config.micro_batches + k  # beyond the step's own micro-batches
+            with _seeded(self.device, micro_seed(self.config.seed, global_step, index)):
+                forward_backward(self._template)
+            self.norms.after_micro()  # the filler's statistics: not the step's
+        self.gradients.clear()
 
     def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
         """Each gradient tensor's largest magnitude (times the micro-batch's samples) into
@@ -144,24 +187,24 @@ class ExactStep:
         buffer = self._work.get("sum", (size + rows.numel(),), torch.int64)
         self._quantized(step, grads, local, buffer[:size])
         buffer[size:] = fixed_point.as_slots(rows).reshape(-1)
-        self.comm.all_reduce_(buffer, "sum")
-        self.collectives += 1
-        rows = fixed_point.from_slots(buffer[size:]).reshape(rows.shape)
+        summed = self.gradients.sum_(buffer, rows.numel(), self.comm)
+        self.collectives += self.gradients.collectives_per_sum
+        rows = fixed_point.from_slots(summed[-rows.numel() :]).reshape(rows.shape)
         samples = [int(n) for n in rows[:, 0].tolist()]
         count = sum(samples)
         present = rows[[j for j, n in enumerate(samples) if n], self._maxima :]
         maxima = present.amax(0) if len(present) else rows.new_zeros(len(self.params))
-        total = buffer[:size]
-        gradient = self._work.get("float64", (size,), torch.float64)
+        total = summed[: sum(self.gradients.local_numels)]
+        gradient = self._work.get("float64", total.shape, torch.float64)
         if not bool(torch.isfinite(maxima).all()):  # NaN/inf somewhere: the step skips
             gradient.fill_(math.nan)
         else:
             if not self.scale.holds(maxima):  # a gradient outgrew its scale: sum again
                 self.scale.recenter(maxima)
                 self.rescaled_steps += 1
-                self._quantized(step, grads, local, total)
-                self.comm.all_reduce_(total, "sum")
-                self.collectives += 1
+                self._quantized(step, grads, local, buffer[:size])
+                total = self.gradients.sum_(buffer[:size], 0, self.comm)
+                self.collectives += self.gradients.collectives_per_sum
             fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
         self.bytes_per_step = buffer.numel() * 8
         return self._apply(gradient, rows)
@@ -170,9 +213,8 @@ class ExactStep:
         """The step's reduced ``gradient`` (flat) into every parameter's ``.grad``, its
         reduced ``rows`` into the BatchNorm statistics; returns the step's loss."""
         flat = self._work.get("gradient", gradient.shape, self._dtype)
-        flat.copy_(gradient)  # the parameters' gradients are views of it until the next step
-        for p, piece in zip(self.params, _pieces(flat, self._numels), strict=True):
-            p.grad = piece.view_as(p) if p.dtype == flat.dtype else piece.view_as(p).to(p.dtype)
+        flat.copy_(gradient)  # replicated: the gradients are views of it until the next step
+        self.gradients.assign(flat)
         self.norms.end_step(rows[:, _HEAD : self._maxima])
         samples = [int(n) for n in rows[:, 0].tolist()]
         losses = rows[:, 1].tolist()
@@ -256,10 +298,6 @@ class _Workspace:
             kept = torch.empty(shape, dtype=dtype, device=self.device)
             self._kept[name] = kept
         return kept[: shape[0]]
-
-
-def _pieces(flat: torch.Tensor, numels: torch.Tensor) -> list[torch.Tensor]:
-    return list(torch.split(flat, [int(n) for n in numels.tolist()]))
 
 
 def _other_buffers(module: nn.Module, norms: NormStatistics) -> dict[str, torch.Tensor]:

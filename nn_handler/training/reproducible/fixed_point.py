@@ -75,7 +75,10 @@ class Scale:
     def __init__(self, terms: int, device: torch.device) -> None:
         self.bits = headroom(terms)
         self.device = device
+        #: Each tensor's elements, and those of the part of its sum this rank receives (its
+        #: shard when sharded; None: the whole tensor).
         self.numels = torch.zeros(0, dtype=torch.int64)
+        self.local_numels: torch.Tensor | None = None
         self.exponents: torch.Tensor | None = None
         self.per_element = torch.zeros(0, dtype=torch.float64)
         self.inverse = torch.zeros(0, dtype=torch.float64)
@@ -86,7 +89,9 @@ class Scale:
             one = torch.ones(len(exponents), dtype=torch.float64, device=self.device)
             scale = torch.ldexp(one, exponents.to(self.device))
             self.per_element = torch.repeat_interleave(scale, self.numels.to(self.device))
-            self.inverse = torch.reciprocal(self.per_element)  # powers of two: exact
+            local = self.numels if self.local_numels is None else self.local_numels
+            received = torch.repeat_interleave(scale, local.to(self.device))
+            self.inverse = torch.reciprocal(received)  # powers of two: exact
 
     def recenter(self, maxima: torch.Tensor) -> None:
         """Scales that leave ``MARGIN`` bits above each tensor's largest term (a tensor whose

@@ -17,6 +17,7 @@ from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, StepBatch
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
+from nn_handler.strategies.exact_gradients import ExactGradients
 from nn_handler.training.batch import is_scalar, move_to_device
 from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
@@ -77,17 +78,24 @@ class ReproducibleMode:
         automatic: bool,
         metrics: Mapping[str, Any],
         fault_tolerance: FaultToleranceConfig | None = None,
+        gradients: Callable[[list[nn.Parameter]], ExactGradients] | None = None,
     ) -> ReproducibleMode | None:
         """A Trainer's mode (None: ``config`` is None), its checks made now, before the first
-        step; after ``configure_optimizers`` (the parameters that train)."""
+        step; after ``configure_optimizers`` (the parameters that train). ``gradients``: the
+        strategy's (Strategy.exact_gradients; default: replicated)."""
         if config is None:
             return None
         mode = cls(config, module, comm, device, precision, fault_tolerance)
-        mode.adopt([p for p in module.parameters() if p.requires_grad], automatic, metrics)
+        params = [p for p in module.parameters() if p.requires_grad]
+        mode.adopt(params, automatic, metrics, gradients)
         return mode
 
     def adopt(
-        self, params: list[nn.Parameter], automatic: bool, metrics: Mapping[str, Any]
+        self,
+        params: list[nn.Parameter],
+        automatic: bool,
+        metrics: Mapping[str, Any],
+        gradients: Callable[[list[nn.Parameter]], ExactGradients] | None = None,
     ) -> None:
         """After ``configure_optimizers``: the parameters that train; manual optimization and
         metrics that reduce themselves are refused."""
@@ -103,7 +111,7 @@ class ReproducibleMode:
                 f"themselves (not exactly); pass functions of (outputs, targets) that return "
                 f"per-batch means."
             )
-        self.exact.adopt(params)
+        self.exact.adopt(params, gradients(params) if gradients is not None else None)
 
     @staticmethod
     def check_loaders(train: Iterable[Any], val: Iterable[Any] | None) -> None:
