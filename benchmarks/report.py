@@ -429,8 +429,33 @@ def reproducible(data: dict[str, Any]) -> Table:
             rows,
         ),
         "",
+        *_sharded_rows(data),
         f"Digits CNN (BatchNorm), 12 epochs: validation accuracy {digits['normal']:.4f} normal, "
         f"{digits['reproducible']:.4f} reproducible.",
+    ]
+
+
+def _sharded_rows(data: dict[str, Any]) -> Table:
+    """The sharded mode against FSDP2 (results written before it was measured have none)."""
+    results = data["results"]
+    if not all("fsdp_ratio_median" in r for r in results.values()):
+        return []
+    rows = [
+        (
+            case,
+            f"{r['epoch_seconds_fsdp']:.3f}",
+            f"{r['epoch_seconds_reproducible_fsdp']:.3f}",
+            f"{_x(r['fsdp_ratio_median'])} "
+            f"({_x(r['fsdp_ratio_spread'][0])}-{_x(r['fsdp_ratio_spread'][1])})",
+        )
+        for case, r in results.items()
+    ]
+    return [
+        "Sharded: FSDP2 against the mode with `strategy: fsdp` (an int64 reduce-scatter), the "
+        "same runs:",
+        "",
+        *_table(["workload", "FSDP2 s", "mode (fsdp) s", "ratio (range)"], rows),
+        "",
     ]
 
 

@@ -49,6 +49,9 @@ class ExactGradients(Protocol):
         slots): this rank's part of the gradients (``local_numels``) and every slot. Every
         rank must call this."""
 
+    def held_bytes(self) -> int:
+        """The bytes this side of the sum holds from step to step (beyond the gradients)."""
+
     def assign(self, flat: torch.Tensor) -> None:
         """This rank's part of the summed gradient (``local_numels``, float) into the
         parameters' ``.grad``."""
@@ -74,6 +77,9 @@ class ReplicatedGradients:
     def sum_(self, vector: torch.Tensor, slots: int, comm: Communicator) -> torch.Tensor:
         comm.all_reduce_(vector, "sum")
         return vector
+
+    def held_bytes(self) -> int:
+        return 0
 
     def assign(self, flat: torch.Tensor) -> None:
         pieces = torch.split(flat, self.local_numels)

@@ -69,6 +69,7 @@ class ShardedGradients:
         self.local_numels = [s.padded * s.cols for s in self._layout]
         self.collectives_per_sum = 1 + (self._copies_group is not None)
         self._input: torch.Tensor | None = None
+        self._received: torch.Tensor | None = None
         for unit in module.modules():  # the mode sums the gradients itself
             if isinstance(unit, FSDPModule):
                 unit.set_requires_gradient_sync(False, recurse=False)
@@ -102,13 +103,21 @@ class ShardedGradients:
                     sent[r, offset : offset + (high - low) * s.cols] = whole[low:high].reshape(-1)
             start, offset = start + s.rows * s.cols, offset + s.padded * s.cols
         sent[:, chunk:] = vector[start:]
-        received = torch.empty(chunk + slots, dtype=torch.int64, device=vector.device)
+        if self._received is None or self._received.shape != (chunk + slots,):
+            self._received = torch.empty(chunk + slots, dtype=torch.int64, device=vector.device)
+        received = self._received
         # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor: deprecated)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         scatter(received, sent.view(-1), group=self._shard_group)
         if self._copies_group is not None:
             dist.all_reduce(received, group=self._copies_group)
         return received
+
+    def held_bytes(self) -> int:
+        """The reduce-scatter's buffers and the whole gradients FSDP2 keeps unsharded."""
+        held = [t for t in (self._input, self._received) if t is not None]
+        held += [g for g in self.gradients() if g.data_ptr()]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def assign(self, flat: torch.Tensor) -> None:
         offset = 0

@@ -85,6 +85,8 @@ class Layout:
             with FSDP2's bf16 mixed precision on fp32 parameters).
         foreach: whether the optimizer steps every tensor at once (CUDA; the CPU steps them
             one by one).
+        exact_micro_batches: in the reproducible mode, the most micro-batches one rank runs
+            in a step (0: not the mode).
     """
 
     strategy: str
@@ -93,6 +95,7 @@ class Layout:
     activation_checkpointing: str = "none"
     gathered_dtype_bytes: float = 1.0
     foreach: bool = False
+    exact_micro_batches: int = 0
 
     def describe(self) -> str:
         if self.strategy != "fsdp":
@@ -211,6 +214,8 @@ def plan_memory(
         )
     elif layout.strategy == "ddp" and layout.replicate > 1:
         items.append(("communication buffers", sizes.trainable, "DDP's gradient buckets"))
+    if layout.exact_micro_batches:
+        items.append(("reproducible mode", *exact_mode_bytes(sizes.trainable, layout)))
     if activations is not None:
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
@@ -218,6 +223,24 @@ def plan_memory(
         if validation:
             items.append((VALIDATION, activations.full, EVALUATION_NOTE))
     return MemoryPlan(layout, tuple(items))
+
+
+def exact_mode_bytes(trainable: int, layout: Layout) -> tuple[int, str]:
+    """What the reproducible mode's exact sum holds beyond the layout's own items, for
+    ``trainable`` bytes of float32 parameters (T): each micro-batch's whole gradient kept until
+    the step's sum (m x T), the int64 vector and a float64 workspace (2T each), the per-element
+    scales (2T) and their inverses on this rank's part (2T, or 2T/shard); sharded, also the
+    whole unsharded gradients FSDP2 keeps for it (T), the reduce-scatter's int64 input (2T)
+    and what it receives (2T/shard). Measured against the buffers a step allocates in
+    tests/distributed/test_reproducible_sharded.py."""
+    m, t, shard = layout.exact_micro_batches, trainable, layout.shard
+    if layout.strategy != "fsdp":
+        return (m + 8) * t, f"{m} micro-batch gradient(s) kept, int64 sum, float64 scales"
+    held = (m + 9) * t + 4 * t // shard
+    return held, (
+        f"{m} micro-batch gradient(s) kept whole, FSDP2's unsharded gradients, int64 "
+        f"reduce-scatter, float64 scales"
+    )
 
 
 def _split(shard: int) -> str:
@@ -288,6 +311,7 @@ __all__ = [
     "MemoryPlan",
     "ModelSizes",
     "check_budget",
+    "exact_mode_bytes",
     "fitting_layout",
     "gib",
     "optimizer_slots",

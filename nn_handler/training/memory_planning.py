@@ -8,6 +8,7 @@ names a layout that would fit."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,6 +150,8 @@ def _gib(size: int | None) -> str:
 def _layout_of(strategy: Strategy, config: TrainerConfig, device: torch.device) -> Layout:
     settings = config.fsdp
     world = strategy.comm.world_size
+    mode = config.reproducible
+    exact = math.ceil(mode.micro_batches / world) if mode and mode.reduction == "exact" else 0
     if strategy.name == "fsdp":
         replicate, shard = getattr(strategy, "mesh_shape", (1, world))
         mixed = strategy.precision == "bf16" and settings.mixed_precision
@@ -159,6 +162,7 @@ def _layout_of(strategy: Strategy, config: TrainerConfig, device: torch.device) 
             activation_checkpointing=settings.activation_checkpointing,
             gathered_dtype_bytes=0.5 if mixed else 1.0,
             foreach=device.type == "cuda",
+            exact_micro_batches=exact,
         )
     return Layout(
         strategy.name,
@@ -166,6 +170,7 @@ def _layout_of(strategy: Strategy, config: TrainerConfig, device: torch.device) 
         replicate=world,
         activation_checkpointing=settings.activation_checkpointing,
         foreach=device.type == "cuda",
+        exact_micro_batches=exact,
     )
 
 

@@ -85,6 +85,9 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
                 steps = h.trainer.state.global_step
                 out[f"{name}_{layout}_calls"] = (dict(counted.calls), steps, exact.rescaled_steps)
+                plan = h.trainer.memory.plan
+                planned = {item: size for item, size, _ in plan.items} if plan else {}
+                out[f"{name}_{layout}_memory"] = (exact.held_bytes(), planned)
     saved = Path(folder)
     if world_size == 2:
         out["too_few"] = _too_few_micro_batches(context)
@@ -182,3 +185,20 @@ def test_a_sharded_step_makes_one_int64_reduce_scatter_and_no_float_one(
                         "all_reduce(float64)": 1 + EPOCHS,
                     }, (w, layout, name, rank, calls)
                     assert steps == 6 * EPOCHS and rescales <= steps // 4, (w, layout, name)
+
+
+def test_the_memory_plan_states_the_buffers_the_mode_holds(
+    runs: dict[int, list[dict[str, Any]]],
+) -> None:
+    """The plan's "reproducible mode" item against the bytes a rank's exact sum holds after
+    training (its workspace, scales, and sharded: the reduce-scatter's buffers and FSDP2's
+    unsharded gradients): within 30% above (the slots, one row per micro-batch, and the
+    shards' padding are not in the plan; the tiny CNN on 4 ranks makes them weigh 25%, the
+    transformer block 0.5-4%)."""
+    for w, group in runs.items():
+        for layout in LAYOUTS[w]:
+            for name in WORKLOADS:
+                for rank, result in enumerate(group):
+                    held, planned = result[f"{name}_{layout}_memory"]
+                    item = planned["reproducible mode"]
+                    assert item <= held <= 1.3 * item, (w, layout, name, rank, held, item)

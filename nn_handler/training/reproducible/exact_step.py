@@ -245,6 +245,13 @@ class ExactStep:
         for i, micro in enumerate(step.micro[1:], start=1):
             out.add_(fixed_point.scaled(grads[i], micro.size, scale, work).to(torch.int64))
 
+    def held_bytes(self) -> int:
+        """What the exact sum holds from step to step beyond the parameters' gradients (the
+        memory plan's "reproducible mode" item: strategies/memory_plan.py)."""
+        kept = [t for name, t in self._work.kept.items() if name != "gradient"]
+        kept += [self.scale.per_element, self.scale.inverse]
+        return sum(t.numel() * t.element_size() for t in kept) + self.gradients.held_bytes()
+
     def state_dict(self) -> dict[str, Any]:
         """The fixed-point scales (the next step's depend on them: a resume keeps them)."""
         return {"exponents": self.scale.exponents}
@@ -288,15 +295,16 @@ class _Workspace:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._kept: dict[str, torch.Tensor] = {}
+        #: The buffers, by name.
+        self.kept: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A buffer of ``shape`` (its first dimension may be larger: a prefix is returned)."""
-        kept = self._kept.get(name)
+        kept = self.kept.get(name)
         fits = kept is not None and kept.dtype == dtype and kept.shape[1:] == shape[1:]
         if kept is None or not fits or kept.shape[0] < shape[0]:
             kept = torch.empty(shape, dtype=dtype, device=self.device)
-            self._kept[name] = kept
+            self.kept[name] = kept
         return kept[: shape[0]]
 
 
