@@ -450,11 +450,32 @@ def _sharded_rows(data: dict[str, Any]) -> Table:
         )
         for case, r in results.items()
     ]
-    return [
+    lines = [
         "Sharded: FSDP2 against the mode with `strategy: fsdp` (an int64 reduce-scatter), the "
         "same runs:",
         "",
         *_table(["workload", "FSDP2 s", "mode (fsdp) s", "ratio (range)"], rows),
+        "",
+    ]
+    if not all("mode_memory_bytes" in r for r in results.values()):
+        return lines
+    memory = [
+        (
+            f"{case}, {layout}",
+            f"{m['gradients'] / 2**20:.2f}",
+            f"{m['held'] / 2**20:.2f}",
+            f"{m['planned'] / 2**20:.2f}",
+            f"{m['held'] / m['planned']:.3f}" if m["planned"] else "-",
+        )
+        for case, r in results.items()
+        for layout, m in r["mode_memory_bytes"].items()
+    ]
+    return [
+        *lines,
+        "The mode's memory per rank beyond the gradients: held after training against the "
+        "memory plan's `reproducible mode` item (MiB):",
+        "",
+        *_table(["workload, layout", "gradients", "held", "planned", "held / planned"], memory),
         "",
     ]
 

@@ -11,7 +11,8 @@ blocks: ResNet-8's BasicBlocks, the encoder layers) against the mode with ``stra
 (an int64 reduce-scatter instead of FSDP2's float one). Workloads: ResNet-8 with BatchNorm on
 3x16x16 images (batch 32 per rank) and two TransformerEncoderLayers (d_model 128, 64 tokens,
 batch 8 per rank), as in realistic.py. Also reported: the bytes a step sends per rank (the
-mode's int64 sum, its slots and maxima, against DDP's float32 gradients), and the digits CNN
+mode's int64 sum, its slots and maxima, against DDP's float32 gradients), the bytes the mode
+holds per rank beyond the gradients against its memory plan's item, and the digits CNN
 (BatchNorm) trained 12 epochs in each mode: the final validation accuracy, to show that the
 fixed-point reduction trains like the floating-point one.
 
@@ -91,6 +92,7 @@ def _timed(case: str, samples: int, repeats: int) -> dict[str, Any]:
                 times[name].append(time.perf_counter() - start)
     mode = handlers["reproducible"].trainer.reproducible
     params = sum(p.numel() for p in handlers["normal"].model.parameters())
+    memory = {name: _mode_memory(handlers[name]) for name in ("reproducible", "reproducible_fsdp")}
     steps = -(-samples // (2 * batch))
     for handler in handlers.values():
         handler.close()
@@ -109,6 +111,21 @@ def _timed(case: str, samples: int, repeats: int) -> dict[str, Any]:
         "fsdp_ratio_spread": [min(sharded), max(sharded)],
         "bytes_per_step_reproducible": mode.bytes_per_step if mode is not None else None,
         "bytes_per_step_ddp": params * 4,
+        "mode_memory_bytes": memory,
+    }
+
+
+def _mode_memory(handler: NNHandler) -> dict[str, int]:
+    """What the mode's exact sum holds on this rank after training (``held``), what the
+    memory plan says (``planned``), and the gradients' own bytes (``gradients``)."""
+    trainer = handler.trainer
+    exact = trainer.reproducible.exact if trainer.reproducible is not None else None
+    plan = trainer.memory.plan
+    items = {name: size for name, size, _ in plan.items} if plan is not None else {}
+    return {
+        "held": exact.held_bytes() if exact is not None else 0,
+        "planned": items.get("reproducible mode", 0),
+        "gradients": items.get("gradients", 0),
     }
 
 

@@ -298,6 +298,8 @@ def test_reproducible_quick_mode_writes_its_fields(quick_run: Path) -> None:
         assert found["bytes_per_step_reproducible"] > 2 * found["bytes_per_step_ddp"] > 0
         assert found["ratio_median"] > 0 and found["steps_per_epoch"] >= 1
         assert found["fsdp_ratio_median"] > 0 and found["epoch_seconds_reproducible_fsdp"] > 0
+        for layout, memory in found["mode_memory_bytes"].items():  # the plan states the mode's
+            assert memory["planned"] <= memory["held"] <= 1.1 * memory["planned"], layout
     assert set(results["digits_val_accuracy"]) == {"normal", "reproducible"}
 
 
