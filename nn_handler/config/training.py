@@ -236,7 +236,8 @@ class TrainerConfig(ConfigModel):
         non_blocking: copy batches to the device asynchronously (with pinned memory).
         profile: profile a few training steps with torch.profiler (ProfileConfig: Chrome
             traces per rank, a table of the top operators); None: off.
-        reproducible: bit-identical training at any world size (ReproducibleConfig); None:
+        reproducible: bit-identical training at any world size (ReproducibleConfig), the
+            model replicated or sharded (``strategy: fsdp``: an int64 reduce-scatter); None:
             off (the normal mode, a floating-point all_reduce of the gradients).
         fault_tolerance: a member lost in a step is left out and its step redone by the
             others, with no restart (FaultToleranceConfig; needs ``reproducible``, with either
