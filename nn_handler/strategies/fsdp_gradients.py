@@ -9,6 +9,10 @@ the shard group (then an int64 all_reduce across HSDP's copies) gives each rank 
 sum of its own shard. Parameters are still gathered by FSDP2 for forward and backward, the
 optimizer steps on the shards, and a shard's gradient is the same bits at any world size.
 
+It reads FSDP2's own records of each parameter (``FSDPParam``: the unsharded gradient, the
+shard's size, the DTensor of a shard), which torch does not promise to keep: the real-group
+tests (tests/distributed/test_reproducible_sharded.py) fail on a torch that changes them.
+
 The layout of the reduce-scatter's input follows FSDP2's sharding: a parameter's dim 0 cut
 in ``shard`` chunks of ``ceil(rows / shard)`` rows (the last ones shorter or empty), each
 rank's chunk padded to that size; every rank's part ends with a copy of the slots, so that
@@ -129,11 +133,17 @@ class ShardedGradients:
 
 
 def _fsdp_params(module: nn.Module) -> dict[int, FSDPParam]:
-    """Each FSDP2-sharded parameter's FSDPParam, by the parameter's id."""
+    """Each FSDP2-sharded parameter's FSDPParam, by the parameter's id (torch 2.13 keeps a
+    unit's parameter groups in a list; earlier releases kept one group)."""
     found: dict[int, FSDPParam] = {}
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
+            state = unit._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else []
+            for group in groups:
                 for owner in group.fsdp_params:
                     found[id(owner.sharded_param)] = owner
     return found

@@ -44,6 +44,11 @@ def test_parameters_fsdp2_does_not_shard_are_named() -> None:
         ShardedGradients(model, list(model.parameters()))
 
 
+def test_a_model_with_nothing_to_train_is_refused_when_sharded() -> None:
+    with pytest.raises(ConfigError, match="no sharded parameter to train"):
+        ShardedGradients(nn.Linear(3, 2), [])
+
+
 def test_a_parameter_sharded_on_another_dim_is_refused() -> None:
     owner: Any = SimpleNamespace(fsdp_placement=SimpleNamespace(dim=1))
     with pytest.raises(ConfigError, match=r"shape \(4, 6\) is sharded on dim 1.*dim-0"):
