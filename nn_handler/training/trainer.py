@@ -374,6 +374,12 @@ class Trainer(TrainerFacade):
         the gradient is the window's mean. Returns the detached loss."""
         optimization = self.optimization
         if self.reproducible is not None:  # one whole step, reduced exactly
+            micro = getattr(batch, "micro", ())  # the plan's activations: a micro-batch's
+            if micro:
+                first = micro[0].batch
+                self.memory.before_first_step(
+                    lambda: self.split_batch(move_to_device(first, self.device))[0]
+                )
             optimization.open_window()
             loss = self.reproducible.step(batch, self.training_step, self.state.global_step)
             self.optimizer_step()
