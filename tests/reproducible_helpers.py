@@ -103,6 +103,18 @@ def config(
     }
 
 
+#: The units FSDP2 shards in each workload: every layer of the CNN, the transformer's
+#: encoder layer (attention reads its parameters outside its own forward) and the root.
+BLOCKS = {"cnn": ["Conv2d", "Linear"], "transformer": ["TransformerEncoderLayer"]}
+
+
+def sharded(name: str, fsdp: dict[str, Any] | None) -> dict[str, Any]:
+    """TrainerConfig settings: ``name``'s blocks sharded with ``fsdp`` (None: replicated)."""
+    if fsdp is None:
+        return {}
+    return {"strategy": "fsdp", "fsdp": {"blocks": BLOCKS[name], **fsdp}}
+
+
 def handler(name: str, context: DistributedContext | None, **kw: Any) -> NNHandler:
     model, _, _, _, _ = WORKLOADS[name]
     return NNHandler(

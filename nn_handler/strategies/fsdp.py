@@ -103,6 +103,15 @@ class FSDP2Strategy(Strategy):
         mesh = build_mesh(self.device.type, *self.mesh_shape)
         offload: OffloadPolicy = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
         mixed = self.mixed_precision()
+        if mixed.param_dtype is not None:  # first: units nest inside the blocks' units
+            for norm in _batch_norms(module, self.blocks):
+                fully_shard(
+                    norm,
+                    mesh=mesh,
+                    reshard_after_forward=settings.reshard_after_forward,
+                    offload_policy=offload,
+                    mp_policy=MixedPrecisionPolicy(),
+                )
         for block in self.blocks:
             fully_shard(
                 block,
@@ -120,7 +129,9 @@ class FSDP2Strategy(Strategy):
         """With ``precision: bf16`` (and ``fsdp.mixed_precision``), FSDP2 casts each block's
         gathered parameters to bf16 for forward and backward (half the all-gather bytes) and
         reduces the gradients in fp32; the sharded parameters, gradients and optimizer state
-        stay fp32. Otherwise the parameters keep their dtype (fp16 runs use autocast and the
+        stay fp32. BatchNorm layers are units of their own that stay fp32 (bf16 inputs, as
+        under autocast): CUDA's batch norm refuses bf16 weights beside fp32 running
+        statistics. Otherwise the parameters keep their dtype (fp16 runs use autocast and the
         GradScaler, as under DDP)."""
         if self.precision == "bf16" and self.config.fsdp.mixed_precision:
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -234,6 +245,18 @@ class FSDP2Strategy(Strategy):
 def _local_world_size() -> int:
     """The ranks on this machine, as the launcher's environment says (for ``auto`` sizes)."""
     return parse_distributed_env(os.environ).local_world_size
+
+
+def _batch_norms(module: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The BatchNorm layers of ``module`` with parameters (affine) that are not blocks."""
+    units = {id(block) for block in blocks}
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.weight is not None
+        and id(m) not in units
+    ]
 
 
 __all__ = ["FSDP2Strategy", "shard_blocks"]

@@ -165,17 +165,24 @@ def _ema(strategy: str, val: Any, folder: Path) -> dict[str, Any]:
 
 
 def _bf16(world_size: int, mixed: bool) -> dict[str, Any]:
-    """precision bf16: the dtype a block's weight has inside its forward, and the shards'."""
+    """precision bf16: the dtype a block's weight has inside its forward, and the shards';
+    a BatchNorm layer's weight inside its forward (fp32: CUDA's batch norm refuses bf16
+    weights beside its fp32 running statistics)."""
     trainer = {**SHARDED, "fsdp": {"blocks": ["Linear"], "mixed_precision": mixed}}
     config = _config(EQUIVALENCE, world_size, **trainer).model_dump()
     config["precision"] = "bf16"
     inside: set[str] = set()
-    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as h:
-        block = next(m for m in h.trainer.module.modules() if isinstance(m, nn.Linear))
+    norm: set[str] = set()
+    with NNHandler(mlp(batchnorm=True), sgd, nn.CrossEntropyLoss(), config=config) as h:
+        modules = list(h.trainer.module.modules())
+        block = next(m for m in modules if isinstance(m, nn.Linear))
         block.register_forward_pre_hook(lambda m, _: inside.add(str(m.weight.dtype)))
+        layer = next(m for m in modules if isinstance(m, nn.BatchNorm1d))
+        layer.register_forward_pre_hook(lambda m, _: norm.add(str(m.weight.dtype)))
         h.train(regression_data(), epochs=1)
         shard = next(h.trainer.module.parameters())
-        return {"inside": inside, "shard": str(shard.dtype), "loss": h.history.last["train_loss"]}
+        loss = h.history.last["train_loss"]
+        return {"inside": inside, "norm": norm, "shard": str(shard.dtype), "loss": loss}
 
 
 def _gan(rank: int, strategy: str) -> dict[str, torch.Tensor]:
@@ -253,11 +260,13 @@ def test_bf16_gathers_bf16_parameters_and_keeps_fp32_shards(
 ) -> None:
     """FSDP2's MixedPrecisionPolicy with precision bf16: each block computes with bf16
     parameters (half the all-gather bytes); the shards (and so the gradients and optimizer
-    state) stay fp32; fsdp.mixed_precision=False keeps fp32 parameters under autocast."""
+    state) stay fp32; fsdp.mixed_precision=False keeps fp32 parameters under autocast.
+    BatchNorm layers compute with fp32 parameters either way."""
     for seen in results:
         mixed, plain = seen["bf16"][True], seen["bf16"][False]
         assert mixed["inside"] == {"torch.bfloat16"} and mixed["shard"] == "torch.float32"
         assert plain["inside"] == {"torch.float32"} and plain["shard"] == "torch.float32"
+        assert mixed["norm"] == plain["norm"] == {"torch.float32"}
         assert abs(mixed["loss"] - plain["loss"]) < 0.05  # both bf16 matmuls under autocast
 
 

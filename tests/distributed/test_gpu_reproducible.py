@@ -1,8 +1,9 @@
 """The reproducible mode on a CUDA device: a group of one and a gloo group of two ranks (both
 on cuda:0, the one GPU a test machine has) train the CNN and the transformer block to the same
-SHA-256 of weights, buffers, optimizer state and History, in fp32 and in bf16; and the mode
-refuses CUDA without deterministic kernels, except with a float sum (which promises no bits).
-Skipped cleanly without CUDA."""
+SHA-256 of weights, buffers, optimizer state and History, in fp32 and in bf16; sharded by FSDP2
+(a group of one on nccl, two ranks on gloo) they end with the replicated rank's SHA-256; and the
+mode refuses CUDA without deterministic kernels, except with a float sum (which promises no
+bits). Skipped cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from nn_handler import DistributedConfig, DistributedContext, NNHandler
 from nn_handler.errors import ConfigError
 from tests.conftest import cuda_only
 from tests.harness import run_group
-from tests.reproducible_helpers import WORKLOADS, config, digest, train
+from tests.reproducible_helpers import (
+    WORKLOADS,
+    config,
+    digest,
+    full_digest,
+    sharded,
+    train,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, cuda_only]
 
@@ -24,14 +32,18 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _handler(
-    name: str, context: DistributedContext, precision: str, reduction: str = "exact"
+    name: str,
+    context: DistributedContext,
+    precision: str,
+    reduction: str = "exact",
+    **trainer: Any,
 ) -> NNHandler:
     model = WORKLOADS[name][0]
     return NNHandler(
         model(),
         lambda p: torch.optim.Adam(p, lr=3e-3),
         torch.nn.CrossEntropyLoss(),
-        config={**config(name, reduction=reduction), "precision": precision},
+        config={**config(name, reduction=reduction, **trainer), "precision": precision},
         context=context,
     )
 
@@ -56,6 +68,35 @@ def test_cuda_gives_the_same_bits_at_world_sizes_1_and_2() -> None:
                 for rank, result in enumerate(group)}  # fmt: skip
         assert len(set(seen.values())) == 1, (key, seen)
     assert runs[1][0]["cnn-32"] != runs[1][0]["cnn-bf16"]  # bf16 really ran
+
+
+def _sharded_digests(rank: int, world_size: int, backend: str) -> dict[str, str]:
+    """fp32: replicated (one rank only) and sharded by FSDP2; bf16: sharded."""
+    torch.use_deterministic_algorithms(True)
+    config = DistributedConfig(device="cuda:0", backend=backend, enabled=True)
+    context = DistributedContext(config).setup()
+    out: dict[str, str] = {}
+    for name in WORKLOADS:
+        layouts = {"fsdp": sharded(name, {})} | ({"replicated": {}} if world_size == 1 else {})
+        for layout, settings in layouts.items():
+            precisions = ("32", "bf16") if layout == "fsdp" else ("32",)
+            for precision in precisions:
+                with _handler(name, context, precision, **settings) as h:
+                    train(h, name)
+                    out[f"{name}-{layout}-{precision}"] = full_digest(h)
+    return out
+
+
+def test_cuda_sharded_by_fsdp2_gives_the_bits_of_one_replicated_rank() -> None:
+    one = run_group(_sharded_digests, 1, args=("nccl",), init="env", env=DETERMINISTIC_ENV,
+                    timeout=300)[0]  # fmt: skip
+    two = run_group(_sharded_digests, 2, args=("gloo",), env=DETERMINISTIC_ENV, timeout=300)
+    for name in WORKLOADS:
+        assert one[f"{name}-fsdp-32"] == one[f"{name}-replicated-32"], name
+        for precision in ("32", "bf16"):
+            key = f"{name}-fsdp-{precision}"
+            assert {one[key], two[0][key], two[1][key]} == {one[key]}, key
+        assert one[f"{name}-fsdp-bf16"] != one[f"{name}-fsdp-32"]  # bf16 really ran
 
 
 def test_cuda_without_deterministic_kernels_is_refused_unless_the_sum_is_float() -> None:

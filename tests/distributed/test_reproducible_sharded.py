@@ -22,13 +22,10 @@ from torch import nn
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.errors import ConfigError
 from tests.harness import run_group
-from tests.reproducible_helpers import EPOCHS, WORKLOADS, full_digest, handler, train
+from tests.reproducible_helpers import EPOCHS, WORKLOADS, full_digest, handler, sharded, train
 
 pytestmark = pytest.mark.distributed
 
-#: The units FSDP2 shards in each workload: every layer of the CNN, the transformer's
-#: encoder layer (attention reads its parameters outside its own forward) and the root.
-BLOCKS = {"cnn": ["Conv2d", "Linear"], "transformer": ["TransformerEncoderLayer"]}
 #: The layouts each world size trains: (name, FsdpConfig settings; None: replicated).
 LAYOUTS: dict[int, dict[str, dict[str, Any] | None]] = {
     1: {"replicated": None},
@@ -36,13 +33,6 @@ LAYOUTS: dict[int, dict[str, dict[str, Any] | None]] = {
     3: {},
     4: {"fsdp": {}, "hsdp": {"replicate": 2, "shard": 2}},
 }
-
-
-def sharded(name: str, fsdp: dict[str, Any] | None) -> dict[str, Any]:
-    """TrainerConfig settings: ``name``'s blocks sharded with ``fsdp`` (None: replicated)."""
-    if fsdp is None:
-        return {}
-    return {"strategy": "fsdp", "fsdp": {"blocks": BLOCKS[name], **fsdp}}
 
 
 class _Counted:
