@@ -147,7 +147,7 @@ class Trainer(TrainerFacade):
         self.reproducible = ReproducibleMode.build(
             config.reproducible, self.module, comm, self.device, self.precision,
             self.automatic_optimization, self.metrics, config.fault_tolerance,
-            self.strategy.exact_gradients,
+            self.strategy.exact_gradients, self._non_blocking,
         )  # fmt: skip
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
         if self.reproducible is not None:

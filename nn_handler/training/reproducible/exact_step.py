@@ -34,9 +34,6 @@ from nn_handler.strategies.exact_gradients import ExactGradients, ReplicatedGrad
 from nn_handler.training.reproducible import fixed_point
 from nn_handler.training.reproducible.norm_statistics import NormStatistics
 
-#: Slot columns per micro-batch before the BatchNorm statistics: samples, loss.
-_HEAD = 2
-
 
 def micro_seed(seed: int, step: int, index: int) -> int:
     """The seed of micro-batch ``index`` of optimizer step ``step`` (63 bits, well mixed)."""
@@ -72,7 +69,12 @@ class ExactStep:
         self._checked = False
         self._numels = torch.zeros(0, dtype=torch.int64)
         self._dtype = torch.float32
-        self._maxima = _HEAD + self.norms.width  # where a row's per-tensor maxima start
+        # A row (one per micro-batch): its samples and each BatchNorm layer's elements per
+        # channel (the host knows them: copied in once per step), its loss, the BatchNorm
+        # statistics (norms.after_micro), the per-tensor maxima.
+        self._loss = 1 + len(self.norms.layers)
+        self._stats = self._loss + 1
+        self._maxima = self._stats + self.norms.width  # where a row's per-tensor maxima start
         self._work = _Workspace(device)
         self._template: Any = None  # a micro-batch seen, for filler passes (``_fill``)
         self._width = self._maxima
@@ -113,6 +115,7 @@ class ExactStep:
         )
         grads = self._work.get("grads", (max(len(step.micro), 1), total), self._dtype)
         others = None if self._checked else _other_buffers(self.module, self.norms)
+        known = torch.zeros((self.config.micro_batches, self._loss), dtype=torch.float64)
         self.norms.begin_step()
         try:
             for i, micro in enumerate(step.micro):
@@ -124,12 +127,15 @@ class ExactStep:
                 if parts:
                     torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=grads[i])
                     self._keep_maxima(row, parts, micro.size)
-                row[0] = micro.size
-                row[1] = loss.detach().double().reshape(())
-                row[_HEAD : self._maxima] = self.norms.after_micro().to(self.device)
+                row[self._loss].copy_(loss.detach().reshape(()))
+                stats, counts = self.norms.after_micro()
+                if len(stats):
+                    row[self._stats : self._maxima].copy_(stats)
+                known[micro.index] = torch.tensor([micro.size, *counts], dtype=torch.float64)
+            rows[:, : self._loss].copy_(_pinned(known, self.device), non_blocking=True)
             self._fill(step, forward_backward, global_step)
         except BaseException:
-            self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
+            self.norms.abort()
             raise
         if others is not None:
             _check_unchanged(self.module, others)
@@ -138,7 +144,7 @@ class ExactStep:
             return self._reduce(step, grads, rows)
         except BaseException:  # a lost member (fault tolerance): the statistics as they were
             if self.norms.in_step:
-                self.norms.end_step(torch.zeros_like(rows[:, _HEAD : self._maxima]))
+                self.norms.abort()
             raise
 
     def _fill(
@@ -172,8 +178,7 @@ class ExactStep:
     def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
         """Each gradient tensor's largest magnitude (times the micro-batch's samples) into
         its slots: the scales are set from them."""
-        largest = torch.stack([g.abs().amax() for g in parts]).double()
-        row[self._maxima :] = largest * samples
+        row[self._maxima :] = fixed_point.largest_magnitudes(parts).mul_(samples)
 
     def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),
@@ -190,16 +195,16 @@ class ExactStep:
         summed = self.gradients.sum_(buffer, rows.numel(), self.comm)
         self.collectives += self.gradients.collectives_per_sum
         rows = fixed_point.from_slots(summed[-rows.numel() :]).reshape(rows.shape)
-        samples = [int(n) for n in rows[:, 0].tolist()]
-        count = sum(samples)
-        present = rows[[j for j, n in enumerate(samples) if n], self._maxima :]
-        maxima = present.amax(0) if len(present) else rows.new_zeros(len(self.params))
+        head = rows[:, : self._stats].tolist()  # one host read: samples, counts, losses
+        count = sum(int(row[0]) for row in head)
+        maxima = rows[:, self._maxima :].amax(0)  # absent micro-batches' rows are zeros
         total = summed[: sum(self.gradients.local_numels)]
         gradient = self._work.get("float64", total.shape, torch.float64)
-        if not bool(torch.isfinite(maxima).all()):  # NaN/inf somewhere: the step skips
+        finite, _, holds = self.scale.verdict(maxima)  # one host read
+        if not finite:  # NaN/inf somewhere: the step skips
             gradient.fill_(math.nan)
         else:
-            if not self.scale.holds(maxima):  # a gradient outgrew its scale: sum again
+            if not holds:  # a gradient outgrew its scale: sum again
                 self.scale.recenter(maxima)
                 self.rescaled_steps += 1
                 self._quantized(step, grads, local, buffer[:size])
@@ -207,19 +212,22 @@ class ExactStep:
                 self.collectives += self.gradients.collectives_per_sum
             fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
         self.bytes_per_step = buffer.numel() * 8
-        return self._apply(gradient, rows)
+        return self._apply(gradient, rows, head)
 
-    def _apply(self, gradient: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _apply(
+        self, gradient: torch.Tensor, rows: torch.Tensor, head: list[list[float]]
+    ) -> torch.Tensor:
         """The step's reduced ``gradient`` (flat) into every parameter's ``.grad``, its
-        reduced ``rows`` into the BatchNorm statistics; returns the step's loss."""
+        reduced ``rows`` into the BatchNorm statistics; returns the step's loss (from
+        ``head``: the rows' first columns, read to the host)."""
         flat = self._work.get("gradient", gradient.shape, self._dtype)
         flat.copy_(gradient)  # replicated: the gradients are views of it until the next step
         self.gradients.assign(flat)
-        self.norms.end_step(rows[:, _HEAD : self._maxima])
-        samples = [int(n) for n in rows[:, 0].tolist()]
-        losses = rows[:, 1].tolist()
-        loss = math.fsum(n * losses[j] for j, n in enumerate(samples) if n) / max(sum(samples), 1)
-        return torch.tensor(loss, dtype=torch.float64, device=self.device)
+        self.norms.end_step(rows[:, self._stats : self._maxima], rows[:, 1 : self._loss])
+        samples = [int(row[0]) for row in head]
+        loss = math.fsum(n * row[self._loss] for n, row in zip(samples, head, strict=True) if n)
+        value = torch.tensor(loss / max(sum(samples), 1), dtype=torch.float64)
+        return _pinned(value, self.device).to(self.device, non_blocking=True)
 
     def _agreed_maxima(self, local: torch.Tensor) -> torch.Tensor | None:
         """Every rank's largest magnitude per tensor (None: some are not finite)."""
@@ -237,7 +245,7 @@ class ExactStep:
     ) -> None:
         """This rank's micro-batches' gradients in fixed point, summed into ``out`` (zeros
         when one would not fit the scale: the agreed maxima then say so on every rank)."""
-        if not len(step.micro) or not self.scale.fits(local):
+        if not len(step.micro) or not self.scale.verdict(local)[1]:
             out.zero_()
             return
         scale, work = self.scale.per_element, self._work.get("float64", out.shape, torch.float64)
@@ -277,6 +285,12 @@ class ExactStep:
                 f"the checkpoint was not written by this model in the reproducible mode."
             )
         self.scale.set(None if exponents is None else exponents.to(self.device))
+
+
+def _pinned(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` (on the host) in pinned memory when ``device`` is a GPU: copied with
+    ``non_blocking=True``, they make no host sync (a pageable copy waits for the stream)."""
+    return values.pin_memory() if device.type == "cuda" else values
 
 
 @contextlib.contextmanager

@@ -102,20 +102,35 @@ class Scale:
         shift = self.bits - self.MARGIN - exponent.to(torch.int64)
         self.set(torch.where(usable, shift, torch.zeros_like(shift)))
 
+    def verdict(self, maxima: torch.Tensor) -> tuple[bool, bool, bool]:
+        """Whether ``maxima`` are finite, whether terms up to them fit in fixed point at
+        these scales, and whether the scales also keep enough bits of them (``holds``), in
+        one read to the host."""
+        finite = torch.isfinite(maxima).all()
+        if self.exponents is None:
+            return bool(finite), False, False
+        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
+        fits = (scaled < 2.0**self.bits).all()
+        coarse = ((maxima > 0) & (scaled < 2.0 ** (self.bits - 3 * self.MARGIN))).any()
+        is_finite, is_fitting, is_coarse = torch.stack([finite, fits, coarse]).tolist()
+        fitting = bool(is_finite and is_fitting)
+        return bool(is_finite), fitting, fitting and not is_coarse
+
     def fits(self, maxima: torch.Tensor) -> bool:
         """Whether terms up to ``maxima`` fit in fixed point at these scales."""
-        if self.exponents is None or not bool(torch.isfinite(maxima).all()):
-            return False
-        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
-        return bool((scaled < 2.0**self.bits).all())
+        return self.verdict(maxima)[1]
 
     def holds(self, maxima: torch.Tensor) -> bool:
         """Whether these scales fit the agreed ``maxima`` and keep enough bits of them."""
-        if not self.fits(maxima) or self.exponents is None:
-            return False
-        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
-        coarse = (maxima > 0) & (scaled < 2.0 ** (self.bits - 3 * self.MARGIN))
-        return not bool(coarse.any())
+        return self.verdict(maxima)[2]
+
+
+def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest magnitude (NaN if it holds one, 0 if empty), float64: one
+    fused pass (torch's foreach infinity norm, as clip_grad_norm_ uses) rather than two
+    kernels per tensor."""
+    filled = [t if t.numel() else t.new_zeros(1) for t in tensors]
+    return torch.stack(torch._foreach_norm(filled, math.inf)).to(torch.float64)
 
 
 def as_slots(values: torch.Tensor) -> torch.Tensor:
@@ -128,4 +143,13 @@ def from_slots(slots: torch.Tensor) -> torch.Tensor:
     return slots.contiguous().view(torch.float64)
 
 
-__all__ = ["Scale", "as_slots", "dequantize", "from_slots", "headroom", "quantize", "scaled"]
+__all__ = [
+    "Scale",
+    "as_slots",
+    "dequantize",
+    "from_slots",
+    "headroom",
+    "largest_magnitudes",
+    "quantize",
+    "scaled",
+]

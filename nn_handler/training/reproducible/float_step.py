@@ -38,8 +38,9 @@ class FloatStep(ExactStep):
         self.collectives += 1
         self.bytes_per_step = buffer.numel() * 8
         rows = buffer[size:].reshape(rows.shape)
-        count = max(int(rows[:, 0].sum().item()), 1)
-        return self._apply(total.div_(count), rows)
+        head = rows[:, : self._stats].tolist()  # one host read: samples, counts, losses
+        count = max(sum(int(row[0]) for row in head), 1)
+        return self._apply(total.div_(count), rows, head)
 
 
 __all__ = ["FloatStep"]

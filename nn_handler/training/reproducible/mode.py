@@ -44,6 +44,7 @@ class ReproducibleMode:
         device: torch.device,
         precision: Precision,
         fault_tolerance: FaultToleranceConfig | None = None,
+        non_blocking: bool = False,
     ) -> None:
         if precision.scaler is not None:
             raise ConfigError(
@@ -61,6 +62,8 @@ class ReproducibleMode:
         self.config = config
         self.precision = precision
         self.device = device
+        #: Micro-batches copied to the device asynchronously (TrainerConfig.non_blocking).
+        self.non_blocking = non_blocking
         self.exact = (ExactStep if exact else FloatStep)(config, module, comm, device)
         #: The steps of a fault-tolerant run (TrainerConfig.fault_tolerance; None: off).
         self.fault_tolerance = (
@@ -79,13 +82,15 @@ class ReproducibleMode:
         metrics: Mapping[str, Any],
         fault_tolerance: FaultToleranceConfig | None = None,
         gradients: Callable[[list[nn.Parameter]], ExactGradients] | None = None,
+        non_blocking: bool = False,
     ) -> ReproducibleMode | None:
         """A Trainer's mode (None: ``config`` is None), its checks made now, before the first
         step; after ``configure_optimizers`` (the parameters that train). ``gradients``: the
-        strategy's (Strategy.exact_gradients; default: replicated)."""
+        strategy's (Strategy.exact_gradients; default: replicated); ``non_blocking``: copy
+        micro-batches to a GPU asynchronously (from pinned memory)."""
         if config is None:
             return None
-        mode = cls(config, module, comm, device, precision, fault_tolerance)
+        mode = cls(config, module, comm, device, precision, fault_tolerance, non_blocking)
         params = [p for p in module.parameters() if p.requires_grad]
         mode.adopt(params, automatic, metrics, gradients)
         return mode
@@ -139,7 +144,7 @@ class ReproducibleMode:
             )
 
         def forward_backward(micro: Any) -> torch.Tensor:
-            micro = move_to_device(micro, self.device)
+            micro = move_to_device(micro, self.device, self.non_blocking)
             with self.precision.autocast():
                 output = training_step(micro)
                 loss = loss_of(output)
