@@ -1,9 +1,12 @@
 """The reproducible mode on a CUDA device: a group of one and a gloo group of two ranks (both
 on cuda:0, the one GPU a test machine has) train the CNN and the transformer block to the same
 SHA-256 of weights, buffers, optimizer state and History, in fp32 and in bf16; sharded by FSDP2
-(a group of one on nccl, two ranks on gloo) they end with the replicated rank's SHA-256; and the
-mode refuses CUDA without deterministic kernels, except with a float sum (which promises no
-bits). Skipped cleanly without CUDA."""
+over an nccl group of one (its int64 reduce-scatter really runs) they end with the replicated
+rank's SHA-256 in fp32, and train in bf16 (BatchNorm included); and the mode refuses CUDA
+without deterministic kernels, except with a float sum (which promises no bits). Skipped
+cleanly without CUDA. (FSDP2 over gloo with CUDA tensors is not a torch configuration: two
+ranks on the one GPU crashed in it, so the sharded layouts' agreement across world sizes is
+tested on gloo CPU groups, tests/distributed/test_reproducible_sharded.py.)"""
 
 from __future__ import annotations
 
@@ -70,15 +73,14 @@ def test_cuda_gives_the_same_bits_at_world_sizes_1_and_2() -> None:
     assert runs[1][0]["cnn-32"] != runs[1][0]["cnn-bf16"]  # bf16 really ran
 
 
-def _sharded_digests(rank: int, world_size: int, backend: str) -> dict[str, str]:
-    """fp32: replicated (one rank only) and sharded by FSDP2; bf16: sharded."""
+def _sharded_digests(rank: int, world_size: int) -> dict[str, str]:
+    """fp32: replicated and sharded by FSDP2 over an nccl group of one; bf16: sharded."""
     torch.use_deterministic_algorithms(True)
-    config = DistributedConfig(device="cuda:0", backend=backend, enabled=True)
+    config = DistributedConfig(device="cuda:0", backend="nccl", enabled=True)
     context = DistributedContext(config).setup()
     out: dict[str, str] = {}
     for name in WORKLOADS:
-        layouts = {"fsdp": sharded(name, {})} | ({"replicated": {}} if world_size == 1 else {})
-        for layout, settings in layouts.items():
+        for layout, settings in {"fsdp": sharded(name, {}), "replicated": {}}.items():
             precisions = ("32", "bf16") if layout == "fsdp" else ("32",)
             for precision in precisions:
                 with _handler(name, context, precision, **settings) as h:
@@ -88,14 +90,9 @@ def _sharded_digests(rank: int, world_size: int, backend: str) -> dict[str, str]
 
 
 def test_cuda_sharded_by_fsdp2_gives_the_bits_of_one_replicated_rank() -> None:
-    one = run_group(_sharded_digests, 1, args=("nccl",), init="env", env=DETERMINISTIC_ENV,
-                    timeout=300)[0]  # fmt: skip
-    two = run_group(_sharded_digests, 2, args=("gloo",), env=DETERMINISTIC_ENV, timeout=300)
+    one = run_group(_sharded_digests, 1, init="env", env=DETERMINISTIC_ENV, timeout=300)[0]
     for name in WORKLOADS:
         assert one[f"{name}-fsdp-32"] == one[f"{name}-replicated-32"], name
-        for precision in ("32", "bf16"):
-            key = f"{name}-fsdp-{precision}"
-            assert {one[key], two[0][key], two[1][key]} == {one[key]}, key
         assert one[f"{name}-fsdp-bf16"] != one[f"{name}-fsdp-32"]  # bf16 really ran
 
 

@@ -5,6 +5,8 @@ the sharded side and its filler passes raise, naming the culprit and the way out
 
 from __future__ import annotations
 
+import copy
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,3 +110,37 @@ def test_a_rank_with_no_micro_batch_and_none_seen_names_itself_and_the_fix() -> 
     assert calls == []  # one micro-batch each: no filler
     step._fill(short, forward_backward, 7)
     assert len(calls) == 1 and torch.equal(calls[0], torch.ones(4, 3))  # the one it saw
+
+
+def test_a_gradient_that_outgrows_its_scale_is_summed_again_and_nan_skips() -> None:
+    """The kept scale is used without a host check before the sum: a step whose gradients
+    grow a billionfold makes meaningless integers first, and the agreed maxima then sum it
+    again at new scales (the result is the float64 gradient); a NaN gradient gives NaN."""
+    config = ReproducibleConfig(global_batch_size=8, micro_batch_size=4)
+    model = nn.Linear(3, 2)
+    step = ExactStep(config, model, NullCommunicator(), torch.device("cpu"))
+    step.adopt(list(model.parameters()))
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    batch = StepBatch(step=0, micro=(MicroBatch(0, 4, x[:4]), MicroBatch(1, 4, x[4:])), samples=8)
+    for index, factor in enumerate([1.0, 2.0, 1e9, math.nan, 3.0]):
+
+        def forward_backward(micro: Any, factor: float = factor) -> torch.Tensor:
+            loss = factor * model(micro).pow(2).mean()
+            loss.backward()
+            return loss.detach()
+
+        rescaled = step.rescaled_steps
+        loss = step.run(batch, forward_backward, index)
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        reference = copy.deepcopy(model).double()
+        (factor * reference(x.double()).pow(2).mean()).backward()
+        if math.isnan(factor):
+            assert all(bool(g.isnan().all()) for g in grads)
+            continue
+        for got, want in zip(grads, reference.parameters(), strict=True):
+            torch.testing.assert_close(got.double(), want.grad, rtol=1e-6, atol=0.0)
+        with torch.no_grad():
+            expected = factor * float(model(x).pow(2).mean())
+        assert math.isclose(float(loss), expected, rel_tol=1e-6)
+        # The first step sets the scales; 1e9 outgrows them; 3.0 after it is too coarse.
+        assert step.rescaled_steps == rescaled + (factor in (1e9, 3.0)), factor

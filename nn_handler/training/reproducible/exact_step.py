@@ -183,31 +183,35 @@ class ExactStep:
     def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),
         then the gradients, statistics and loss from it, the same on every rank."""
-        local = rows[:, self._maxima :].amax(0) if len(step.micro) else rows.new_zeros(0)
         if self.scale.exponents is None:  # the first step: agree on the maxima first
+            local = rows[:, self._maxima :].amax(0) if len(step.micro) else rows.new_zeros(0)
             agreed = self._agreed_maxima(local)
             if agreed is not None:
                 self.scale.recenter(agreed)
         size = grads.shape[1]
         buffer = self._work.get("sum", (size + rows.numel(),), torch.int64)
-        self._quantized(step, grads, local, buffer[:size])
+        self._quantized(step, grads, buffer[:size])
         buffer[size:] = fixed_point.as_slots(rows).reshape(-1)
         summed = self.gradients.sum_(buffer, rows.numel(), self.comm)
         self.collectives += self.gradients.collectives_per_sum
         rows = fixed_point.from_slots(summed[-rows.numel() :]).reshape(rows.shape)
-        head = rows[:, : self._stats].tolist()  # one host read: samples, counts, losses
-        count = sum(int(row[0]) for row in head)
         maxima = rows[:, self._maxima :].amax(0)  # absent micro-batches' rows are zeros
+        flags = self.scale.flags(maxima)
+        # The step's one host read: samples, counts and losses, and the scales' verdict.
+        read = torch.cat([rows[:, : self._stats].reshape(-1), flags]).tolist()
+        width = self._stats
+        head = [read[j * width : (j + 1) * width] for j in range(rows.shape[0])]
+        finite, _, holds = fixed_point.Scale.verdict_of(read[-len(flags) :])
+        count = sum(int(row[0]) for row in head)
         total = summed[: sum(self.gradients.local_numels)]
         gradient = self._work.get("float64", total.shape, torch.float64)
-        finite, _, holds = self.scale.verdict(maxima)  # one host read
         if not finite:  # NaN/inf somewhere: the step skips
             gradient.fill_(math.nan)
         else:
             if not holds:  # a gradient outgrew its scale: sum again
                 self.scale.recenter(maxima)
                 self.rescaled_steps += 1
-                self._quantized(step, grads, local, buffer[:size])
+                self._quantized(step, grads, buffer[:size])
                 total = self.gradients.sum_(buffer[:size], 0, self.comm)
                 self.collectives += self.gradients.collectives_per_sum
             fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
@@ -240,12 +244,12 @@ class ExactStep:
         self.collectives += 1
         return None if bool(head[-1] > 0) else head[:-1]
 
-    def _quantized(
-        self, step: StepBatch, grads: torch.Tensor, local: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """This rank's micro-batches' gradients in fixed point, summed into ``out`` (zeros
-        when one would not fit the scale: the agreed maxima then say so on every rank)."""
-        if not len(step.micro) or not self.scale.verdict(local)[1]:
+    def _quantized(self, step: StepBatch, grads: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's micro-batches' gradients in fixed point, summed into ``out``. Not
+        checked here (a host sync): a value that does not fit the scale, or is not finite,
+        makes meaningless integers, and the agreed maxima, which bound this rank's, then
+        say so on every rank, which sums again at new scales or skips the step."""
+        if not len(step.micro) or self.scale.exponents is None:
             out.zero_()
             return
         scale, work = self.scale.per_element, self._work.get("float64", out.shape, torch.float64)

@@ -102,19 +102,31 @@ class Scale:
         shift = self.bits - self.MARGIN - exponent.to(torch.int64)
         self.set(torch.where(usable, shift, torch.zeros_like(shift)))
 
+    def flags(self, maxima: torch.Tensor) -> torch.Tensor:
+        """On ``maxima``'s device, no host read: (finite, fits, coarse) as float64 0/1, for
+        ``verdict_of``. Terms up to ``maxima`` fit in fixed point at these scales; coarse:
+        the scales keep too few bits of some maximum."""
+        finite = torch.isfinite(maxima).all()
+        if self.exponents is None:
+            no = torch.zeros((), dtype=torch.bool, device=maxima.device)
+            return torch.stack([finite, no, no]).to(torch.float64)
+        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
+        fits = (scaled < 2.0**self.bits).all()
+        coarse = ((maxima > 0) & (scaled < 2.0 ** (self.bits - 3 * self.MARGIN))).any()
+        return torch.stack([finite, fits, coarse]).to(torch.float64)
+
+    @staticmethod
+    def verdict_of(flags: list[float]) -> tuple[bool, bool, bool]:
+        """``flags``, read to the host: finite, fits, holds (fits, with enough bits)."""
+        finite, fits, coarse = (bool(flag) for flag in flags)
+        fitting = finite and fits
+        return finite, fitting, fitting and not coarse
+
     def verdict(self, maxima: torch.Tensor) -> tuple[bool, bool, bool]:
         """Whether ``maxima`` are finite, whether terms up to them fit in fixed point at
         these scales, and whether the scales also keep enough bits of them (``holds``), in
         one read to the host."""
-        finite = torch.isfinite(maxima).all()
-        if self.exponents is None:
-            return bool(finite), False, False
-        scaled = torch.ldexp(maxima.to(torch.float64), self.exponents)
-        fits = (scaled < 2.0**self.bits).all()
-        coarse = ((maxima > 0) & (scaled < 2.0 ** (self.bits - 3 * self.MARGIN))).any()
-        is_finite, is_fitting, is_coarse = torch.stack([finite, fits, coarse]).tolist()
-        fitting = bool(is_finite and is_fitting)
-        return bool(is_finite), fitting, fitting and not is_coarse
+        return self.verdict_of(self.flags(maxima).tolist())
 
     def fits(self, maxima: torch.Tensor) -> bool:
         """Whether terms up to ``maxima`` fit in fixed point at these scales."""
