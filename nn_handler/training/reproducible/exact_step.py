@@ -204,7 +204,7 @@ class ExactStep:
         finite, _, holds = fixed_point.Scale.verdict_of(read[-len(flags) :])
         count = sum(int(row[0]) for row in head)
         total = summed[: sum(self.gradients.local_numels)]
-        gradient = self._work.get("float64", total.shape, torch.float64)
+        gradient = self._work.get("gradient", total.shape, self._dtype)
         if not finite:  # NaN/inf somewhere: the step skips
             gradient.fill_(math.nan)
         else:
@@ -214,7 +214,8 @@ class ExactStep:
                 self._quantized(step, grads, buffer[:size])
                 total = self.gradients.sum_(buffer[:size], 0, self.comm)
                 self.collectives += self.gradients.collectives_per_sum
-            fixed_point.dequantize(total, self.scale.inverse, count, out=gradient)
+            work = self._work.get("float64", total.shape, torch.float64)
+            fixed_point.dequantize(total, self.scale.factors(count), out=gradient, work=work)
         self.bytes_per_step = buffer.numel() * 8
         return self._apply(gradient, rows, head)
 
@@ -224,8 +225,9 @@ class ExactStep:
         """The step's reduced ``gradient`` (flat) into every parameter's ``.grad``, its
         reduced ``rows`` into the BatchNorm statistics; returns the step's loss (from
         ``head``: the rows' first columns, read to the host)."""
-        flat = self._work.get("gradient", gradient.shape, self._dtype)
-        flat.copy_(gradient)  # replicated: the gradients are views of it until the next step
+        flat = gradient  # replicated: the gradients are views of it until the next step
+        if gradient.dtype != self._dtype:
+            flat = self._work.get("gradient", gradient.shape, self._dtype).copy_(gradient)
         self.gradients.assign(flat)
         self.norms.end_step(rows[:, self._stats : self._maxima], rows[:, 1 : self._loss])
         samples = [int(row[0]) for row in head]

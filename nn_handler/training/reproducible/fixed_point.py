@@ -38,7 +38,7 @@ def scaled(
     integer below 2**29 times a power of two fits a float64's 53 bits."""
     if out is None:
         out = torch.empty(values.shape, dtype=torch.float64, device=values.device)
-    torch.mul(values, scale, out=out)
+    out.copy_(values).mul_(scale)  # faster than one mixed-dtype multiply on the CPU
     if weight != 1:
         out.mul_(weight)
     return out.round_()
@@ -50,13 +50,20 @@ def quantize(values: torch.Tensor, weight: int, scale: torch.Tensor) -> torch.Te
 
 
 def dequantize(
-    total: torch.Tensor, inverse: torch.Tensor, divisor: int, out: torch.Tensor | None = None
+    total: torch.Tensor,
+    factors: torch.Tensor,
+    out: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The float64 value of the fixed-point ``total`` (``inverse``: the scales' inverses, per
-    element, exact powers of two), divided by ``divisor`` (into ``out``)."""
-    if out is None:
-        out = torch.empty(total.shape, dtype=torch.float64, device=total.device)
-    return torch.mul(total, inverse, out=out).div_(divisor)
+    """The value of the fixed-point ``total`` times ``factors`` (per element, float64: the
+    scale's inverse over the divisor, ``Scale.factors``), computed in float64 (in ``work``)
+    and rounded into ``out`` (any float dtype; default: ``work``). Three plain passes: on
+    the CPU torch's mixed-dtype multiply (int64 by float64 into float32) is five times
+    slower than all three."""
+    if work is None:
+        work = torch.empty(total.shape, dtype=torch.float64, device=total.device)
+    work.copy_(total).mul_(factors)
+    return work if out is None else out.copy_(work)
 
 
 class Scale:
@@ -81,7 +88,9 @@ class Scale:
         self.local_numels: torch.Tensor | None = None
         self.exponents: torch.Tensor | None = None
         self.per_element = torch.zeros(0, dtype=torch.float64)
+        #: Per element of the part this rank receives: 2**-e / ``_divisor`` (``factors``).
         self.inverse = torch.zeros(0, dtype=torch.float64)
+        self._divisor = 1
 
     def set(self, exponents: torch.Tensor | None) -> None:
         self.exponents = exponents
@@ -89,9 +98,26 @@ class Scale:
             one = torch.ones(len(exponents), dtype=torch.float64, device=self.device)
             scale = torch.ldexp(one, exponents.to(self.device))
             self.per_element = torch.repeat_interleave(scale, self.numels.to(self.device))
-            local = self.numels if self.local_numels is None else self.local_numels
-            received = torch.repeat_interleave(scale, local.to(self.device))
-            self.inverse = torch.reciprocal(received)  # powers of two: exact
+            self._divisor = 1
+            self.inverse = self._received(1)
+
+    def _received(self, divisor: int) -> torch.Tensor:
+        """2**-e / ``divisor`` (one float64 rounding per tensor) for each element this rank
+        receives."""
+        if self.exponents is None:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        one = torch.ones(len(self.exponents), dtype=torch.float64, device=self.device)
+        inverse = torch.ldexp(one, -self.exponents.to(self.device)) / divisor
+        local = self.numels if self.local_numels is None else self.local_numels
+        return torch.repeat_interleave(inverse, local.to(self.device))
+
+    def factors(self, divisor: int) -> torch.Tensor:
+        """Per element received, 2**-e / ``divisor`` (float64): ``dequantize``'s factors,
+        kept while the scales and the divisor (a step's samples) stay."""
+        if divisor != self._divisor:
+            self.inverse = self._received(divisor)
+            self._divisor = divisor
+        return self.inverse
 
     def recenter(self, maxima: torch.Tensor) -> None:
         """Scales that leave ``MARGIN`` bits above each tensor's largest term (a tensor whose
@@ -138,11 +164,14 @@ class Scale:
 
 
 def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's largest magnitude (NaN if it holds one, 0 if empty), float64: one
-    fused pass (torch's foreach infinity norm, as clip_grad_norm_ uses) rather than two
-    kernels per tensor."""
+    """Each tensor's largest magnitude (NaN if it holds one, 0 if empty), float64. On a GPU
+    one fused pass (torch's foreach infinity norm, as clip_grad_norm_ uses: two kernels per
+    tensor cost more in launches than in work); on the CPU a max of magnitudes per tensor
+    (the foreach norm falls back to a per-tensor norm there, eight times slower)."""
     filled = [t if t.numel() else t.new_zeros(1) for t in tensors]
-    return torch.stack(torch._foreach_norm(filled, math.inf)).to(torch.float64)
+    if filled and filled[0].device.type == "cuda":
+        return torch.stack(torch._foreach_norm(filled, math.inf)).to(torch.float64)
+    return torch.stack([t.abs().amax() for t in filled]).to(torch.float64)
 
 
 def as_slots(values: torch.Tensor) -> torch.Tensor:
