@@ -145,14 +145,8 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         needs a floating-point or complex tensor; bool tensors sum and average as int64, and the
         result is written back as bool (nonzero).
         """
-        self._require_tensor(tensor, "all_reduce_")
-        checked = self._check_op(op)
+        checked = self._check_in_place(tensor, op)
         mean = checked == "mean"
-        if mean and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise ConfigError(
-                f"all_reduce_(op='mean') cannot write a mean into a {tensor.dtype} tensor; pass "
-                f"a floating-point tensor, or use all_reduce (it returns float64 means)."
-            )
         self._check_signature(f"all_reduce_({tuple(tensor.shape)}, {tensor.dtype}, op={op})")
         target = tensor.detach()
         direct = (
@@ -171,6 +165,17 @@ class Communicator(ObjectCollectives, WatchedCollectives, ABC):
         if buffer is not target:
             target.copy_(buffer)
         return tensor
+
+    def _check_in_place(self, tensor: torch.Tensor, op: ReduceOp) -> ReduceOp:
+        """``all_reduce_``'s arguments: a tensor, a known op, a mean only into floats."""
+        self._require_tensor(tensor, "all_reduce_")
+        checked = self._check_op(op)
+        if checked == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ConfigError(
+                f"all_reduce_(op='mean') cannot write a mean into a {tensor.dtype} tensor; pass "
+                f"a floating-point tensor, or use all_reduce (it returns float64 means)."
+            )
+        return checked
 
     @collective
     def all_reduce_async(self, tensor: torch.Tensor, op: BackendReduceOp = "sum") -> Waiter:

@@ -59,6 +59,13 @@ class NullCommunicator(Communicator):
         return result  # type: ignore[return-value]
 
     @override
+    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """One tensor's sum, min, max, product and mean is itself: nothing is copied (the
+        base class would copy a tensor on another device than this communicator's)."""
+        self._check_in_place(tensor, op)
+        return tensor
+
+    @override
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._require_tensor(tensor, "all_gather")
         return [tensor.detach().clone()]
