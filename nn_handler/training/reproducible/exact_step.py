@@ -11,7 +11,8 @@ whose agreed maxima no longer fit them is summed again at new scales (every rank
 from the same agreed values). Every rank then holds the same gradient (the sample-weighted
 mean over the global batch), loss and statistics, and the optimizer steps as usual
 (Optimization.step). Other buffers must not change in a training forward: the first step
-checks it.
+checks it. A step reads the device to the host once (after the sum: samples, losses and the
+scales' verdict; the first step twice), so a GPU's queue stays full.
 """
 
 from __future__ import annotations
