@@ -227,19 +227,19 @@ def plan_memory(
 
 def exact_mode_bytes(trainable: int, layout: Layout) -> tuple[int, str]:
     """What the reproducible mode's exact sum holds beyond the layout's own items, for
-    ``trainable`` bytes of float32 parameters (T): each micro-batch's whole gradient kept until
-    the step's sum (m x T), the int64 vector and a float64 workspace (2T each), the per-element
-    scales (2T) and their inverses on this rank's part (2T, or 2T/shard); sharded, also the
-    whole unsharded gradients FSDP2 keeps for it (T), the reduce-scatter's int64 input (2T)
-    and what it receives (2T/shard). Measured against the buffers a step allocates in
-    tests/distributed/test_reproducible_sharded.py."""
-    m, t, shard = layout.exact_micro_batches, trainable, layout.shard
+    ``trainable`` bytes of float32 parameters (T): one micro-batch's gradient in one flat
+    buffer (T), the int64 accumulator the micro-batches are summed into as their backwards
+    end, a float64 workspace and the per-element scales (2T each), and the scales' inverses
+    on this rank's part (2T, or 2T/shard); sharded, also the whole unsharded gradients FSDP2
+    keeps for it (T) and what the reduce-scatter receives (2T/shard). Measured against the
+    buffers a step allocates in tests/distributed/test_reproducible_sharded.py."""
+    t, shard = trainable, layout.shard
     if layout.strategy != "fsdp":
-        return (m + 8) * t, f"{m} micro-batch gradient(s) kept, int64 sum, float64 scales"
-    held = (m + 9) * t + 4 * t // shard
+        return 9 * t, "one int64 accumulator, one micro-batch's gradient, float64 scales"
+    held = 10 * t + 4 * t // shard
     return held, (
-        f"{m} micro-batch gradient(s) kept whole, FSDP2's unsharded gradients, int64 "
-        f"reduce-scatter, float64 scales"
+        "one int64 accumulator (whole), one micro-batch's gradient, FSDP2's unsharded "
+        "gradients, float64 scales"
     )
 
 

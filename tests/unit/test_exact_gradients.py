@@ -132,15 +132,57 @@ def test_a_gradient_that_outgrows_its_scale_is_summed_again_and_nan_skips() -> N
         rescaled = step.rescaled_steps
         loss = step.run(batch, forward_backward, index)
         grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-        reference = copy.deepcopy(model).double()
-        (factor * reference(x.double()).pow(2).mean()).backward()
         if math.isnan(factor):
             assert all(bool(g.isnan().all()) for g in grads)
             continue
-        for got, want in zip(grads, reference.parameters(), strict=True):
-            torch.testing.assert_close(got.double(), want.grad, rtol=1e-6, atol=0.0)
+        # The reference: each micro-batch's float32 gradient, their mean in float64.
+        expected = [torch.zeros_like(g, dtype=torch.float64) for g in grads]
+        for micro in batch.micro:
+            twin = copy.deepcopy(model)
+            twin.zero_grad(set_to_none=True)
+            (factor * twin(micro.batch).pow(2).mean()).backward()
+            for total, p in zip(expected, twin.parameters(), strict=True):
+                total += micro.size * p.grad.double() / batch.samples  # type: ignore[union-attr]
+        for got, want in zip(grads, expected, strict=True):
+            # Fixed point keeps at least 35 bits of a tensor's largest element.
+            small = 2.0**-30 * float(want.abs().max())
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=small)
         with torch.no_grad():
             expected = factor * float(model(x).pow(2).mean())
         assert math.isclose(float(loss), expected, rel_tol=1e-6)
         # The first step sets the scales; 1e9 outgrows them; 3.0 after it is too coarse.
         assert step.rescaled_steps == rescaled + (factor in (1e9, 3.0)), factor
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_one_accumulator_whatever_the_micro_batches_and_the_passes_it_takes(micro: int) -> None:
+    """The micro-batches' gradients go into one int64 accumulator as their backwards end:
+    the buffers a step holds do not grow with the micro-batches a rank runs. A run's first
+    step passes twice (the maxima agreed first), a step at the kept scale once, a step that
+    outgrew it twice; each pass over the same micro-batches gives the same gradients."""
+    config = ReproducibleConfig(global_batch_size=8, micro_batch_size=8 // micro)
+    model = nn.Linear(3, 2)
+    step = ExactStep(config, model, NullCommunicator(), torch.device("cpu"))
+    step.adopt(list(model.parameters()))
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    size = 8 // micro
+    batch = StepBatch(
+        step=0,
+        micro=tuple(MicroBatch(i, size, x[i * size : (i + 1) * size]) for i in range(micro)),
+        samples=8,
+    )
+    calls: list[int] = []
+    for index, factor in enumerate([1.0, 1.5, 1e9]):
+
+        def forward_backward(batch: Any, factor: float = factor, at: int = index) -> torch.Tensor:
+            calls.append(at)
+            loss = factor * model(batch).pow(2).mean()
+            loss.backward()
+            return loss.detach()
+
+        step.run(batch, forward_backward, index)
+    assert [calls.count(i) for i in range(3)] == [2 * micro, micro, 2 * micro]
+    numel = sum(p.numel() for p in model.parameters())
+    # flat float32 gradient, int64 sum (+ slots), float64 workspace, two float64 scales
+    slots = config.micro_batches * step._width
+    assert step.held_bytes() == 4 * numel + 8 * (numel + slots) + 8 * numel + 16 * numel

@@ -2,13 +2,15 @@
 
 For each micro-batch this rank owns (data/fixed_batches.py), in order: the random streams are
 seeded from (seed, optimizer step, micro-batch index), never from the rank; forward and
-backward run alone (fresh gradients); the gradients are kept, with each tensor's largest
-magnitude (times the micro-batch's samples). Then one int64 sum, on every rank whatever it
-owns, carries the gradients in fixed point (at the scales of ``fixed_point.Scale``) and, in
-slots only the owner fills, each micro-batch's samples, loss, BatchNorm statistics and maxima.
-A run's first step agrees on the maxima first (a max all_reduce) to set the scales; a step
-whose agreed maxima no longer fit them is summed again at new scales (every rank decides it
-from the same agreed values). Every rank then holds the same gradient (the sample-weighted
+backward run alone (fresh gradients); the gradients go, in fixed point at the scales kept
+from the last step (``fixed_point.Scale``), into one int64 accumulator, and each tensor's
+largest magnitude (times the micro-batch's samples) is kept. Then one int64 sum, on every
+rank whatever it owns, carries the accumulator and, in slots only the owner fills, each
+micro-batch's samples, loss, BatchNorm statistics and maxima. A run's first step agrees on
+the maxima first (a max all_reduce) to set the scales, and a step whose agreed maxima no
+longer fit them sets new ones (every rank decides it from the same agreed values): both pass
+over their micro-batches again (the same seeds, data and parameters: the same gradients) and
+sum again. Every rank then holds the same gradient (the sample-weighted
 mean over the global batch), loss and statistics, and the optimizer steps as usual
 (Optimization.step). Other buffers must not change in a training forward: the first step
 checks it. A step reads the device to the host once (after the sum: samples, losses and the
@@ -18,6 +20,7 @@ scales' verdict; the first step twice), so a GPU's queue stays full.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -110,31 +113,17 @@ class ExactStep:
         reduction: every parameter's ``.grad`` is the step's gradient, the same on every
         rank. Returns the step's loss (float64, sample-weighted over the global batch).
         Every rank must call this for every step, with or without micro-batches."""
-        total = int(self._numels.sum())
         rows = torch.zeros(
             (self.config.micro_batches, self._width), dtype=torch.float64, device=self.device
         )
-        grads = self._work.get("grads", (max(len(step.micro), 1), total), self._dtype)
+        buffer = self._buffer(int(self._numels.sum()) + rows.numel())
         others = None if self._checked else _other_buffers(self.module, self.norms)
         known = torch.zeros((self.config.micro_batches, self._loss), dtype=torch.float64)
+        passes = StepPasses(step, forward_backward, global_step)
         self.norms.begin_step()
         try:
-            for i, micro in enumerate(step.micro):
-                self.gradients.clear()
-                with _seeded(self.device, micro_seed(self.config.seed, global_step, micro.index)):
-                    loss = forward_backward(micro.batch)
-                parts = self.gradients.gradients()
-                row = rows[micro.index]
-                if parts:
-                    torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=grads[i])
-                    self._keep_maxima(row, parts, micro.size)
-                row[self._loss].copy_(loss.detach().reshape(()))
-                stats, counts = self.norms.after_micro()
-                if len(stats):
-                    row[self._stats : self._maxima].copy_(stats)
-                known[micro.index] = torch.tensor([micro.size, *counts], dtype=torch.float64)
+            self._pass(passes, buffer, rows, known, accumulate=self._accumulating())
             rows[:, : self._loss].copy_(_pinned(known, self.device), non_blocking=True)
-            self._fill(step, forward_backward, global_step)
         except BaseException:
             self.norms.abort()
             raise
@@ -142,11 +131,80 @@ class ExactStep:
             _check_unchanged(self.module, others)
             self._checked = True
         try:
-            return self._reduce(step, grads, rows)
+            return self._reduce(passes, buffer, rows)
         except BaseException:  # a lost member (fault tolerance): the statistics as they were
             if self.norms.in_step:
                 self.norms.abort()
             raise
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """The step's int64 sum: the gradients' accumulator, then the slots."""
+        return self._work.get("sum", (size,), torch.int64)
+
+    def _accumulating(self) -> bool:
+        """Whether the first pass accumulates the gradients (a kept scale: yes; a run's
+        first step agrees on the maxima first, then passes again)."""
+        return self.scale.exponents is not None
+
+    def _pass(
+        self,
+        passes: StepPasses,
+        buffer: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        known: torch.Tensor | None = None,
+        accumulate: bool = True,
+    ) -> None:
+        """Forward and backward of this rank's micro-batches (and filler passes): each
+        micro-batch's gradient accumulated into ``buffer`` as soon as its backward ends (one
+        accumulator, no copy per micro-batch); the first pass of a step also fills its
+        ``rows`` (maxima, loss, statistics) and ``known`` (samples, counts). A pass again
+        (``rows`` None: a run's first step, or a rescaled one) computes the same gradients:
+        the same seeds, data and parameters, deterministic kernels."""
+        step = passes.step
+        size = int(self._numels.sum())
+        flat = self._work.get("flat", (size,), self._dtype)
+        accumulator = buffer[:size]
+        if accumulate and not step.micro:
+            accumulator.zero_()
+        for i, micro in enumerate(step.micro):
+            self.gradients.clear()
+            seed = micro_seed(self.config.seed, passes.global_step, micro.index)
+            with _seeded(self.device, seed):
+                loss = passes.forward_backward(micro.batch)
+            parts = self.gradients.gradients()
+            if parts:
+                torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=flat)
+            else:
+                flat.zero_()
+            stats, counts = self.norms.after_micro()
+            if rows is not None and known is not None:
+                row = rows[micro.index]
+                if parts:
+                    self._keep_maxima(row, parts, micro.size)
+                row[self._loss].copy_(loss.detach().reshape(()))
+                if len(stats):
+                    row[self._stats : self._maxima].copy_(stats)
+                known[micro.index] = torch.tensor([micro.size, *counts], dtype=torch.float64)
+            if accumulate:
+                self._accumulate(flat, micro.size, accumulator, first=i == 0)
+        self._fill(step, passes.forward_backward, passes.global_step)
+
+    def _accumulate(
+        self, flat: torch.Tensor, samples: int, accumulator: torch.Tensor, first: bool
+    ) -> None:
+        """One micro-batch's gradient in fixed point, into the int64 ``accumulator``. Not
+        checked here (a host sync): a value that does not fit the scale, or is not finite,
+        makes meaningless integers, and the agreed maxima, which bound this rank's, then say
+        so on every rank, which passes again at new scales or skips the step."""
+        if self.scale.exponents is None:  # no agreed scale (a non-finite first step)
+            accumulator.zero_()
+            return
+        work = self._work.get("float64", flat.shape, torch.float64)
+        scaled = fixed_point.scaled(flat, samples, self.scale.per_element, work)  # exact
+        if first:
+            accumulator.copy_(scaled)
+        else:
+            accumulator.add_(scaled.to(torch.int64))
 
     def _fill(
         self, step: StepBatch, forward_backward: Callable[[Any], torch.Tensor], global_step: int
@@ -181,17 +239,17 @@ class ExactStep:
         its slots: the scales are set from them."""
         row[self._maxima :] = fixed_point.largest_magnitudes(parts).mul_(samples)
 
-    def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, passes: StepPasses, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One int64 sum (two on a run's first step, and when a gradient outgrew its scale),
         then the gradients, statistics and loss from it, the same on every rank."""
-        if self.scale.exponents is None:  # the first step: agree on the maxima first
+        step = passes.step
+        size = buffer.numel() - rows.numel()
+        if self.scale.exponents is None:  # the first step: agree on the maxima, pass again
             local = rows[:, self._maxima :].amax(0) if len(step.micro) else rows.new_zeros(0)
             agreed = self._agreed_maxima(local)
             if agreed is not None:
                 self.scale.recenter(agreed)
-        size = grads.shape[1]
-        buffer = self._work.get("sum", (size + rows.numel(),), torch.int64)
-        self._quantized(step, grads, buffer[:size])
+            self._pass(passes, buffer)
         buffer[size:] = fixed_point.as_slots(rows).reshape(-1)
         summed = self.gradients.sum_(buffer, rows.numel(), self.comm)
         self.collectives += self.gradients.collectives_per_sum
@@ -209,10 +267,10 @@ class ExactStep:
         if not finite:  # NaN/inf somewhere: the step skips
             gradient.fill_(math.nan)
         else:
-            if not holds:  # a gradient outgrew its scale: sum again
+            if not holds:  # a gradient outgrew its scale: pass again, sum again
                 self.scale.recenter(maxima)
                 self.rescaled_steps += 1
-                self._quantized(step, grads, buffer[:size])
+                self._pass(passes, buffer)
                 total = self.gradients.sum_(buffer[:size], 0, self.comm)
                 self.collectives += self.gradients.collectives_per_sum
             work = self._work.get("float64", total.shape, torch.float64)
@@ -247,19 +305,6 @@ class ExactStep:
         self.collectives += 1
         return None if bool(head[-1] > 0) else head[:-1]
 
-    def _quantized(self, step: StepBatch, grads: torch.Tensor, out: torch.Tensor) -> None:
-        """This rank's micro-batches' gradients in fixed point, summed into ``out``. Not
-        checked here (a host sync): a value that does not fit the scale, or is not finite,
-        makes meaningless integers, and the agreed maxima, which bound this rank's, then
-        say so on every rank, which sums again at new scales or skips the step."""
-        if not len(step.micro) or self.scale.exponents is None:
-            out.zero_()
-            return
-        scale, work = self.scale.per_element, self._work.get("float64", out.shape, torch.float64)
-        out.copy_(fixed_point.scaled(grads[0], step.micro[0].size, scale, work))  # exact
-        for i, micro in enumerate(step.micro[1:], start=1):
-            out.add_(fixed_point.scaled(grads[i], micro.size, scale, work).to(torch.int64))
-
     def held_bytes(self) -> int:
         """What the exact sum holds from step to step beyond the parameters' gradients (the
         memory plan's "reproducible mode" item: strategies/memory_plan.py)."""
@@ -292,6 +337,16 @@ class ExactStep:
                 f"the checkpoint was not written by this model in the reproducible mode."
             )
         self.scale.set(None if exponents is None else exponents.to(self.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPasses:
+    """What a pass over a step's micro-batches runs again: the step, the forward and
+    backward, the optimizer step's index (the micro-batches' seeds)."""
+
+    step: StepBatch
+    forward_backward: Callable[[Any], torch.Tensor]
+    global_step: int
 
 
 def _pinned(values: torch.Tensor, device: torch.device) -> torch.Tensor:

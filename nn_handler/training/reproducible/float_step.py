@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nn_handler.data.fixed_batches import StepBatch
-from nn_handler.training.reproducible.exact_step import ExactStep
+from nn_handler.training.reproducible.exact_step import ExactStep, StepPasses
 
 
 class FloatStep(ExactStep):
@@ -24,15 +23,26 @@ class FloatStep(ExactStep):
     def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
         """No scales: the per-tensor maxima are not needed (their slots stay zero)."""
 
-    def _reduce(self, step: StepBatch, grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, size: int) -> torch.Tensor:
+        """The step's float64 sum: the weighted gradients, then the slots."""
+        return self._work.get("float_sum", (size,), torch.float64)
+
+    def _accumulating(self) -> bool:
+        return True  # no scales to agree on
+
+    def _accumulate(
+        self, flat: torch.Tensor, samples: int, accumulator: torch.Tensor, first: bool
+    ) -> None:
+        """One micro-batch's gradient weighted by its samples, added in float64."""
+        if first:
+            accumulator.copy_(flat).mul_(samples)
+        else:
+            accumulator.add_(flat, alpha=samples)
+
+    def _reduce(self, passes: StepPasses, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One float64 sum of the sample-weighted gradients and the slots; NaN or inf in a
         gradient reaches every rank's sum (the non-finite policy then skips the step)."""
-        size = grads.shape[1]
-        buffer = self._work.get("float_sum", (size + rows.numel(),), torch.float64)
-        total = buffer[:size]
-        total.zero_()
-        for i, micro in enumerate(step.micro):
-            total.add_(grads[i], alpha=micro.size)
+        size = buffer.numel() - rows.numel()
         buffer[size:] = rows.reshape(-1)
         self.comm.all_reduce_(buffer, "sum")
         self.collectives += 1
@@ -40,7 +50,7 @@ class FloatStep(ExactStep):
         rows = buffer[size:].reshape(rows.shape)
         head = rows[:, : self._stats].tolist()  # one host read: samples, counts, losses
         count = max(sum(int(row[0]) for row in head), 1)
-        return self._apply(total.div_(count), rows, head)
+        return self._apply(buffer[:size].div_(count), rows, head)
 
 
 __all__ = ["FloatStep"]
