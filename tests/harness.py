@@ -84,21 +84,42 @@ def _below_ephemeral() -> tuple[int, int]:
     return 20000, max(first, 20001)
 
 
+#: Ports this process handed out: never handed out twice (a port is free again the moment
+#: free_port returns, until the rank it is meant for binds it, seconds later).
+_GIVEN: set[int] = set()
+
+
+def _worker_share(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's own part of [low, high) (gw0 the first of as many parts as
+    there are workers): two workers never pick the same port between picking and binding it
+    (the stall watchdog's scenarios once lost a rendezvous so, its rank 0 unable to listen)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1 or not worker[2:].isdigit():
+        return low, high
+    index, width = int(worker[2:]) % count, (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 now, from [low, high) (by default: below the kernel's
-    ephemeral range), tried from a random place in it: two suites running at once must not
-    both take the lowest. Never an ephemeral port: between this call and the rank that binds
-    it, any process's outgoing connection can take one of those (two suites at once: a
-    rendezvous failed on a MASTER_PORT that was free a moment before)."""
+    """A TCP port free on 127.0.0.1 now, from [low, high) (by default: this xdist worker's
+    share of the ports below the kernel's ephemeral range), tried from a random place in it:
+    two suites running at once must not both take the lowest; never one this process handed
+    out before. Never an ephemeral port: between this call and the rank that binds it, any
+    process's outgoing connection can take one of those (two suites at once: a rendezvous
+    failed on a MASTER_PORT that was free a moment before)."""
     if low is None or high is None:
-        low, high = _below_ephemeral()
+        low, high = _worker_share(*_below_ephemeral())
     start = random.randrange(low, high)
     for port in [*range(start, high), *range(low, start)]:
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return int(sock.getsockname()[1])
     raise RuntimeError(f"no free port in [{low}, {high})")
 
