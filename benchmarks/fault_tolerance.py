@@ -52,8 +52,9 @@ def _launch(mode: str, run: Path, steps: int) -> subprocess.Popen[bytes]:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
         command = [torchrun, "--standalone", "--nproc-per-node", str(WORKERS),
                    "--max-restarts", "50", *job[1:]]  # fmt: skip
+    path = [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": str(HERE.parent)}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join(path)}  # fmt: skip
     with open(run / "launcher.log", "wb") as log:  # the launcher's and the workers' output
         return subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from nn_handler.distributed.local_groups import LOCAL_GROUPS
+from tests.interpreters import python_path
 from tests.timeouts import SCALE, scaled
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,6 +30,9 @@ RAY_ENV = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, value in RAY_ENV.items():
         os.environ.setdefault(name, value)
+    # Every interpreter the tests start exits without the garbage collector's last walks
+    # (tests/fast_exit/sitecustomize.py); a test that sets PYTHONPATH uses python_path too.
+    os.environ["PYTHONPATH"] = python_path(*os.environ.get("PYTHONPATH", "").split(os.pathsep))
 
 
 #: The files that take longest (worker-seconds in `make test`, tests/README.md), in that order:

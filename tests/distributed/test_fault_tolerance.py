@@ -20,12 +20,13 @@ from nn_handler import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from nn_handler.checkpoint import load_file
 from tests.forked import Script, run_scripts
 from tests.harness import free_port, run_command, torchrun_command
+from tests.interpreters import python_path
 
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_fault.py"
 ROOT = SCRIPT.parents[2]
-ENV = {"PYTHONPATH": str(ROOT)}
+ENV = {"PYTHONPATH": python_path(ROOT)}
 KILL_AFTER_STEP = 7
 EVERY_N_STEPS = 3
 TOTAL_STEPS = 24  # 64 samples, batch 4 on 2 ranks, 3 epochs

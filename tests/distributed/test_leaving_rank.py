@@ -11,6 +11,7 @@ import pytest
 
 from tests.forked import Script, run_scripts
 from tests.harness import free_port
+from tests.interpreters import python_path
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +59,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], 
         folder.mkdir()
         folders[(mode, leaver)] = folder
         scripts += _scripts(folder, mode, leaver)
-    results = run_scripts(scripts, timeout=100, env={"PYTHONPATH": str(ROOT)})
+    results = run_scripts(scripts, timeout=100, env={"PYTHONPATH": python_path(ROOT)})
     for folder, index in zip(folders.values(), range(0, len(results), 2), strict=True):
         (folder / "output.txt").write_text(
             "\n".join(f"--- exit {code} ---\n{text}" for code, text in results[index : index + 2])

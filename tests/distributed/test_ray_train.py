@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.harness import run_command, torchrun_command
+from tests.interpreters import python_path
 from tests.resume_helpers import TIMING_KEYS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -41,7 +42,7 @@ def ray_cluster() -> Iterator[Any]:
     ray.init(
         num_cpus=2,
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"}},
     )
     try:
         assert ray.util.get_node_ip_address() == "127.0.0.1"
@@ -101,7 +102,7 @@ def under_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same train_loop under torchrun, 2 ranks: the reference run."""
     tmp = tmp_path_factory.mktemp("torchrun")
     settings = {"dir": str(tmp / "local"), "out": str(tmp / "out.pt")}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"}
     code, output = run_command(
         torchrun_command(HELPERS, json.dumps(settings)), timeout=180, env=env
     )

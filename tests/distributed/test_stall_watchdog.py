@@ -16,6 +16,7 @@ import pytest
 
 from tests.forked import Script, run_scripts
 from tests.harness import free_port, run_commands, torchrun_command
+from tests.interpreters import python_path
 from tests.timeouts import scaled_now
 
 # The module fixture runs two batches of jobs, each bounded at 120 s by run_commands (which
@@ -83,7 +84,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
         folders[scenario].mkdir()
         port = free_port()
         scripts += [_script(folders[scenario], scenario, rank, port) for rank in (0, 1)]
-    env = {"PYTHONPATH": str(ROOT)}
+    env = {"PYTHONPATH": python_path(ROOT)}
     results = run_scripts(scripts, timeout=120, env=env)
     found = {
         scenario: Outcome(folders[scenario], results[2 * i : 2 * i + 2])

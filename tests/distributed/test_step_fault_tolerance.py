@@ -28,6 +28,7 @@ pytest.importorskip("torchft")
 
 from nn_handler.training.fault_tolerance import Lighthouse
 from tests.ft_helpers import BATCH, STEPS, batch_of, digest, unfailed
+from tests.interpreters import python_path
 from tests.timeouts import scaled
 
 pytestmark = pytest.mark.distributed
@@ -54,7 +55,7 @@ class _Members:
     ) -> None:
         """Start ``member``; it waits before each step in ``hold`` until :meth:`release`."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": str(ROOT), "RUST_LOG": "error",
+               "PYTHONPATH": python_path(ROOT), "RUST_LOG": "error",
                "FT_HOLD_AT": ",".join(map(str, hold)),
                "FT_MIN_MEMBERS": str(least), **env}  # fmt: skip
         command = [sys.executable, str(self.script), self.lighthouse, str(self.run), member]
@@ -248,9 +249,9 @@ def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run
     name, and it joins the run where it is while the others go on. Every member ends with the
     bits of a run that never failed; the supervisor says the restart in one line, exits 0."""
     steps = 40
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUST_LOG": "error",
-           "FT_STEPS": str(steps), "FT_STEP_S": "0.1", "FT_KILL": "m1:5:before",
-           "FT_MIN_MEMBERS": "1"}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
+           "RUST_LOG": "error", "FT_STEPS": str(steps), "FT_STEP_S": "0.1",
+           "FT_KILL": "m1:5:before", "FT_MIN_MEMBERS": "1"}  # fmt: skip
     command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "3",
                "--join-timeout-s", "10", "--", sys.executable, str(SCRIPT), "{lighthouse}",
                str(tmp_path), "{member}", "3"]  # fmt: skip

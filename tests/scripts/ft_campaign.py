@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 
 from nn_handler.training.fault_tolerance import Lighthouse
 from tests.ft_helpers import BATCH, batch_of, digest, unfailed
+from tests.interpreters import python_path
 
 ROOT = Path(__file__).parents[2]
 MEMBER = ROOT / "tests" / "scripts" / "ft_member.py"
@@ -52,7 +53,7 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
     steps = int(kills * 3.0 / STEP_S)  # about 3 s of steps per kill
     run = Path(tempfile.mkdtemp(prefix="ft-campaign-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": str(ROOT), "RUST_LOG": "error", "FT_STEPS": str(steps),
+           "PYTHONPATH": python_path(ROOT), "RUST_LOG": "error", "FT_STEPS": str(steps),
            "FT_STEP_S": str(STEP_S)}  # fmt: skip
     procs: dict[str, subprocess.Popen[bytes]] = {}
     events: list[dict[str, Any]] = []

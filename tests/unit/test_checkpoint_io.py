@@ -37,6 +37,7 @@ from nn_handler.checkpoint.manager import LATEST, periodic_name
 from nn_handler.checkpoint.store.lease import LOCK
 from nn_handler.checkpoint.verify import verify_records
 from nn_handler.distributed.communicator import NullCommunicator
+from tests.interpreters import python_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +76,7 @@ def test_sigkill_during_saves_leaves_a_complete_checkpoint(tmp_path: Path) -> No
     """A writer saving 16 MiB checkpoints in a loop is SIGKILLed at an arbitrary moment: the
     target is always one complete version, and the next start removes the orphan."""
     target = tmp_path / "ckpt.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT)}
     writer = subprocess.Popen(
         [sys.executable, "-c", KILLED_WRITER, str(target)], stdout=subprocess.PIPE, env=env
     )

@@ -34,6 +34,7 @@ from nn_handler import (
 )
 from nn_handler.errors import ConfigError
 from nn_handler.tracking import build_trackers
+from tests.interpreters import python_path
 from tests.training_helpers import mlp, regression_data, sgd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -454,7 +455,7 @@ print("RESULT", json.dumps({"history": handler.history.records, "logs": logs}, d
 
 def test_trackio_round_trip_in_its_database(tmp_path: Path) -> None:
     # Trackio reads TRACKIO_DIR when imported: a process of its own keeps it in tmp_path.
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": python_path(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TRACKIO_SCRIPT)],
         env=env,
