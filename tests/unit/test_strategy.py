@@ -91,12 +91,13 @@ def test_configure_optimizers_runs_once_the_trainer_parts_exist() -> None:
 
 def test_importing_nn_handler_leaves_fsdp_and_dcp_unimported() -> None:
     """torch.distributed.checkpoint takes about a second to import, torch.distributed.tensor
-    (with sympy) 0.4 s, in every process a run spawns: they are imported when strategy 'fsdp'
-    is chosen or a DTensor is met, not with nn_handler."""
+    (with sympy) 0.4 s, torchft (with opentelemetry and protobuf) 0.1 s, in every process a
+    run spawns: they are imported when strategy 'fsdp' is chosen, a DTensor is met or a
+    fault-tolerant member starts, not with nn_handler."""
     import subprocess
     import sys
 
-    heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy")
+    heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "torchft")
     probe = (
         "import sys, nn_handler, nn_handler.strategies as s; "
         f"print(sorted(m for m in {(*heavy, 'nn_handler.strategies.fsdp')!r} "

@@ -32,7 +32,6 @@ from torch._C._distributed_c10d import TCPStore
 from nn_handler.errors import DistributedError, NNHandlerError
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.lighthouse import require_torchft, verdicts_of
-from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 
 
 class Replica:
@@ -65,6 +64,8 @@ class Replica:
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
+
+        from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 
         _quiet_torchft()
 
