@@ -115,16 +115,17 @@ def _both_raise(outcome: Outcome, error: str) -> list[str]:
     return messages
 
 
-def _printed_once(outcome: Outcome, raised: dict[str, Any]) -> None:
+def _printed_once(outcome: Outcome, raised: dict[str, Any], raisers: int = 2) -> None:
     """A stall's error says the report's first line and who printed it; the job's output
-    holds the whole report once, printed by the rank that made it, before any traceback."""
+    holds the whole report once, printed by the rank that made it, before any traceback
+    (``raisers``: the ranks whose error the output shows)."""
     report: str = raised["report"]
     headline, *rest = report.splitlines()
     message = raised["message"].splitlines()
     assert message[0] == headline and len(message) == 2, raised["message"]
     assert re.fullmatch(r"\(the whole report, .* was printed by rank [01] when it .*\)", message[1])
     assert outcome.output.count(rest[-1]) == 1, outcome.output  # its last line, once
-    assert outcome.output.count(headline) == 3, outcome.output  # the report's, two errors'
+    assert outcome.output.count(headline) == 1 + raisers, outcome.output  # report's, errors'
     if len(outcome.codes) == 1:  # under torchrun: one output, in the order printed
         assert outcome.output.index(report) < outcome.output.index("Traceback"), outcome.output
 
@@ -234,6 +235,21 @@ def test_under_torchrun_the_job_fails_with_the_report(
         return
     assert "exitcode  : 1" in outcome.output
     error = "CollectiveMismatchError" if scenario == "dtype" else "CollectiveStallError"
+    # torchrun stops the other ranks (SIGTERM) as soon as the first one exits: a rank that
+    # could raise only once its peer left the group (blocked inside gloo until then) may be
+    # stopped before it does, most often on a loaded machine. So here: the first rank out
+    # raised the report, and the other raised the same or was stopped by torchrun. (Run by
+    # hand, without an agent, both ranks always raise it: the tests above.)
+    raised = [outcome.raised(rank) for rank in (0, 1)]
+    stopped = [r is None for r in raised]
+    assert not all(stopped), outcome.output
+    if any(stopped):
+        assert "exitcode  : -15" in outcome.output, outcome.output  # torchrun's SIGTERM
+        first = next(r for r in raised if r is not None)
+        assert first["type"] == error, (first, outcome.output)
+        if error == "CollectiveStallError":
+            _printed_once(outcome, first, raisers=1)
+        return
     _both_raise(outcome, error)
 
 
