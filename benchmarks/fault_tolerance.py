@@ -19,8 +19,8 @@ the first one period after the 3 workers are up. The number: ``steps * 60 / wall
 time from the launch to the job's end, its last step committed (the first worker done; every
 worker's start included, as a restart pays it).
 
-``--quick``: 20 steps, no kill (a smoke test of both launches; the kills' paths are tested in
-tests/distributed/: test_step_fault_tolerance.py, test_fault_tolerance.py).
+``--quick``: 20 steps, 2 workers, no kill (a smoke test of both launches; the kills' paths are
+tested in tests/distributed/: test_step_fault_tolerance.py, test_fault_tolerance.py).
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ JOB = HERE / "ft_job.py"
 WORKERS = 3
 
 
-def _launch(mode: str, run: Path, steps: int) -> subprocess.Popen[bytes]:
+def _launch(mode: str, run: Path, steps: int, workers: int) -> subprocess.Popen[bytes]:
     job = [sys.executable, str(JOB), str(run), str(steps)]
     if mode == "fault_tolerant":
         command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members",
-                   str(WORKERS), "--max-restarts", "50", "--join-timeout-s", "10", "--", *job,
+                   str(workers), "--max-restarts", "50", "--join-timeout-s", "10", "--", *job,
                    "{lighthouse}", "{member}"]  # fmt: skip
     else:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        command = [torchrun, "--standalone", "--nproc-per-node", str(WORKERS),
+        command = [torchrun, "--standalone", "--nproc-per-node", str(workers),
                    "--max-restarts", "50", *job[1:]]  # fmt: skip
     path = [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error", "GLOO_SOCKET_IFNAME": "lo",
@@ -75,14 +75,19 @@ def _live(run: Path) -> list[int]:
 
 
 def measure(
-    mode: str, steps: int, period: float | None, seed: int, most: int = 1_000
+    mode: str,
+    steps: int,
+    period: float | None,
+    seed: int,
+    most: int = 1_000,
+    workers: int = WORKERS,
 ) -> dict[str, Any]:
     """One run of the job under ``mode`` with a kill every ``period`` s (None: none), at most
     ``most`` kills."""
     rng = random.Random(seed)
     run = Path(tempfile.mkdtemp(prefix=f"ft-bench-{mode}-"))
     started = time.monotonic()
-    launcher = _launch(mode, run, steps)
+    launcher = _launch(mode, run, steps, workers)
     up, kills, end = None, 0, None
     try:
         while end is None and launcher.poll() is None:
@@ -92,7 +97,7 @@ def measure(
                 break
             if time.monotonic() - started > 900:
                 raise RuntimeError(f"{mode}: the job did not end in 900 s ({run})")
-            if up is None and len(_live(run)) >= WORKERS:
+            if up is None and len(_live(run)) >= workers:
                 up = time.monotonic()
             if up is None or period is None or time.monotonic() < up + period * (kills + 1):
                 continue
@@ -115,7 +120,7 @@ def measure(
 
 def main() -> None:
     args = common.parse_args(__doc__ or "")
-    steps = 20 if args.quick else 600
+    steps, workers = (20, 2) if args.quick else (600, WORKERS)
     schedules: dict[str, tuple[float | None, int]] = (
         {"no kill": (None, 0)}
         if args.quick
@@ -128,7 +133,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for n, (name, (period, most)) in enumerate(schedules.items()):
         results[name] = {
-            mode: measure(mode, steps, period, seed=51 + n, most=most)
+            mode: measure(mode, steps, period, seed=51 + n, most=most, workers=workers)
             for mode in ("fault_tolerant", "torchrun_restart")
         }
     worst = results[list(schedules)[-1]]
@@ -140,7 +145,7 @@ def main() -> None:
         {
             "benchmark": "fault_tolerance",
             "steps": steps,
-            "workers": WORKERS,
+            "workers": workers,
             "micro_batch_s": 0.03,
             "checkpoint_every": 20,
             "results": results,
