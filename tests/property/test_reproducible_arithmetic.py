@@ -64,6 +64,33 @@ def test_the_sum_is_the_same_however_the_terms_are_split_and_ordered(
     assert bool(((value - exact).abs() <= tolerance).all())
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=8),
+    st.integers(1, 2**12),
+    st.integers(1, 2**12),
+    st.integers(-60, 60),
+)
+def test_a_scale_that_holds_the_usual_weight_quantises_every_weight_to_the_same_integers(
+    values: list[float], weight: int, unit: int, exponent: int
+) -> None:
+    """``Scale.per_element`` holds the unit weight (a micro-batch's samples) to save a
+    multiply; a term of any weight still becomes ``round(values * weight * 2**e)`` exactly."""
+    tensor = torch.tensor(values, dtype=torch.float32)
+    plain = fixed_point.Scale(terms=8, device=torch.device("cpu"))
+    held = fixed_point.Scale(terms=8, device=torch.device("cpu"), unit=unit)
+    for scale in (plain, held):
+        scale.numels = torch.tensor([len(values)])
+        scale.set(torch.tensor([exponent]))
+    expected = torch.round(tensor.double() * weight * 2.0**exponent)  # exact: 53 bits
+    found = fixed_point.scaled(tensor, weight, held.per_element, unit=unit)
+    assert found.view(torch.int64).tolist() == expected.view(torch.int64).tolist()
+    assert torch.equal(
+        fixed_point.quantize(tensor, weight, held.per_element, unit=unit),
+        fixed_point.quantize(tensor, weight, plain.per_element),
+    )
+
+
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), max_size=16))
 def test_slots_carry_every_bit_through_a_sum_with_zeros(values: list[float]) -> None:
     """Only one rank fills a slot: the others add int64 zeros, which keep every bit (NaN

@@ -69,7 +69,7 @@ class ExactStep:
         #: Collectives made (one per step, two on the first and on a rescale) and rescales.
         self.collectives = 0
         self.rescaled_steps = 0
-        self.scale = fixed_point.Scale(config.micro_batches, device)
+        self.scale = fixed_point.Scale(config.micro_batches, device, unit=config.micro_batch_size)
         self._checked = False
         self._numels = torch.zeros(0, dtype=torch.int64)
         self._dtype = torch.float32
@@ -200,7 +200,8 @@ class ExactStep:
             accumulator.zero_()
             return
         work = self._work.get("float64", flat.shape, torch.float64)
-        scaled = fixed_point.scaled(flat, samples, self.scale.per_element, work)  # exact
+        scale = self.scale
+        scaled = fixed_point.scaled(flat, samples, scale.per_element, work, scale.unit)  # exact
         if first:
             accumulator.copy_(scaled)
         else:

@@ -31,22 +31,30 @@ def headroom(terms: int) -> int:
 
 
 def scaled(
-    values: torch.Tensor, weight: int, scale: torch.Tensor, out: torch.Tensor | None = None
+    values: torch.Tensor,
+    weight: int,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    unit: int = 1,
 ) -> torch.Tensor:
-    """``round(values * weight * scale)`` in float64 (into ``out``), an exact integer value
-    (``scale``: per element, powers of two). Exact up to the rounding: a float32 times an
-    integer below 2**29 times a power of two fits a float64's 53 bits."""
+    """``round(values * weight * 2**e)`` in float64 (into ``out``), an exact integer value;
+    ``scale``: per element ``2**e * unit`` (``Scale.per_element``), so that a term whose
+    weight is the unit takes one multiply. Exact up to the rounding, and the same bits for any
+    unit: a float32 times an integer below 2**29 times a power of two fits a float64's 53
+    bits, so dividing by the unit and multiplying by the weight are exact too."""
     if out is None:
         out = torch.empty(values.shape, dtype=torch.float64, device=values.device)
     out.copy_(values).mul_(scale)  # faster than one mixed-dtype multiply on the CPU
-    if weight != 1:
+    if weight != unit:
+        if unit != 1:
+            out.div_(unit)
         out.mul_(weight)
     return out.round_()
 
 
-def quantize(values: torch.Tensor, weight: int, scale: torch.Tensor) -> torch.Tensor:
+def quantize(values: torch.Tensor, weight: int, scale: torch.Tensor, unit: int = 1) -> torch.Tensor:
     """``scaled`` as int64."""
-    return scaled(values, weight, scale).to(torch.int64)
+    return scaled(values, weight, scale, unit=unit).to(torch.int64)
 
 
 def dequantize(
@@ -59,7 +67,7 @@ def dequantize(
     scale's inverse over the divisor, ``Scale.factors``), computed in float64 (in ``work``)
     and rounded into ``out`` (any float dtype; default: ``work``). Three plain passes: on
     the CPU torch's mixed-dtype multiply (int64 by float64 into float32) is five times
-    slower than all three."""
+    slower than all three, and into float64 no faster in a training step."""
     if work is None:
         work = torch.empty(total.shape, dtype=torch.float64, device=total.device)
     work.copy_(total).mul_(factors)
@@ -79,14 +87,17 @@ class Scale:
 
     MARGIN = 8
 
-    def __init__(self, terms: int, device: torch.device) -> None:
+    def __init__(self, terms: int, device: torch.device, unit: int = 1) -> None:
         self.bits = headroom(terms)
         self.device = device
+        #: The weight most terms have (a micro-batch's samples): ``per_element`` holds it.
+        self.unit = unit
         #: Each tensor's elements, and those of the part of its sum this rank receives (its
         #: shard when sharded; None: the whole tensor).
         self.numels = torch.zeros(0, dtype=torch.int64)
         self.local_numels: torch.Tensor | None = None
         self.exponents: torch.Tensor | None = None
+        #: Per element: 2**e * ``unit`` (``scaled``'s scale).
         self.per_element = torch.zeros(0, dtype=torch.float64)
         #: Per element of the part this rank receives: 2**-e / ``_divisor`` (``factors``).
         self.inverse = torch.zeros(0, dtype=torch.float64)
@@ -95,8 +106,9 @@ class Scale:
     def set(self, exponents: torch.Tensor | None) -> None:
         self.exponents = exponents
         if exponents is not None:
-            one = torch.ones(len(exponents), dtype=torch.float64, device=self.device)
-            scale = torch.ldexp(one, exponents.to(self.device))
+            unit = torch.full((len(exponents),), float(self.unit), dtype=torch.float64,
+                              device=self.device)  # fmt: skip
+            scale = torch.ldexp(unit, exponents.to(self.device))
             self.per_element = torch.repeat_interleave(scale, self.numels.to(self.device))
             self._divisor = 1
             self.inverse = self._received(1)
@@ -166,12 +178,16 @@ class Scale:
 def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's largest magnitude (NaN if it holds one, 0 if empty), float64. On a GPU
     one fused pass (torch's foreach infinity norm, as clip_grad_norm_ uses: two kernels per
-    tensor cost more in launches than in work); on the CPU a max of magnitudes per tensor
-    (the foreach norm falls back to a per-tensor norm there, eight times slower)."""
+    tensor cost more in launches than in work); on the CPU each tensor's smallest and largest
+    element in one pass (no copy of its magnitudes; the foreach norm falls back to a
+    per-tensor norm there, eight times slower)."""
     filled = [t if t.numel() else t.new_zeros(1) for t in tensors]
     if filled and filled[0].device.type == "cuda":
         return torch.stack(torch._foreach_norm(filled, math.inf)).to(torch.float64)
-    return torch.stack([t.abs().amax() for t in filled]).to(torch.float64)
+    if not filled:
+        return torch.zeros(0, dtype=torch.float64)
+    ends = torch.stack([torch.stack(torch.aminmax(t)).to(torch.float64) for t in filled])
+    return ends.abs_().amax(1)
 
 
 def as_slots(values: torch.Tensor) -> torch.Tensor:
