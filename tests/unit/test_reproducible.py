@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader
 from nn_handler import ConfigError, NNHandler, Trainer, TrainerConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader
 from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.training.reproducible import exact_step
 from nn_handler.training.reproducible.mode import ReproducibleMode
+from tests.conftest import cuda_only
 from tests.reproducible_helpers import StepCounter, cnn, images
 
 MODE = {"global_batch_size": 16, "micro_batch_size": 4}
@@ -385,3 +387,32 @@ def test_a_resume_with_other_reproducible_settings_is_refused_by_field(
     )
     assert "skipped or trained twice" in str(error.value)
     assert {f"trainer.reproducible.{k}" for k in ("global_batch_size", "seed")} <= set(IDENTITY)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])]
+)
+def test_a_micro_batch_draws_from_its_seeded_streams_and_leaves_the_others(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside: the streams torch.manual_seed(seed) gives (CPU, and the GPU's on a CUDA
+    device); outside: the streams as they were. No other device is seeded (nor, on a CPU,
+    is a stack trace formatted to queue a lazy CUDA seeding: a cost per micro-batch)."""
+    where = torch.device(device)
+
+    def draws() -> torch.Tensor:
+        return torch.cat([torch.rand(4), torch.rand(4, device=where).cpu()])
+
+    torch.manual_seed(11)
+    expected_inside = draws()
+    torch.manual_seed(5)
+    expected_after = draws()
+    torch.manual_seed(5)
+    if device == "cpu":
+        monkeypatch.setattr(
+            "traceback.format_stack", lambda *a, **k: pytest.fail("another device was seeded")
+        )
+    with exact_step._seeded(where, 11):
+        inside = draws()
+    assert torch.equal(inside, expected_inside)
+    assert torch.equal(draws(), expected_after)
