@@ -367,7 +367,7 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
     1 ms a micro-batch on a CPU)."""
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type=device.type):
-        torch.random.default_generator.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         if cuda:
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
