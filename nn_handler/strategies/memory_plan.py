@@ -227,19 +227,18 @@ def plan_memory(
 
 def exact_mode_bytes(trainable: int, layout: Layout) -> tuple[int, str]:
     """What the reproducible mode's exact sum holds beyond the layout's own items, for
-    ``trainable`` bytes of float32 parameters (T): one micro-batch's gradient in one flat
-    buffer (T), the int64 accumulator the micro-batches are summed into as their backwards
-    end, a float64 workspace and the per-element scales (2T each), and the scales' inverses
-    on this rank's part (2T, or 2T/shard); sharded, also the whole unsharded gradients FSDP2
-    keeps for it (T) and what the reduce-scatter receives (2T/shard). Measured against the
-    buffers a step allocates in tests/distributed/test_reproducible_sharded.py."""
+    ``trainable`` bytes of float32 parameters (T): the int64 accumulator the micro-batches
+    are summed into as their backwards end and a float64 workspace (2T each; the scales are
+    one float per tensor); sharded, also the whole unsharded gradients FSDP2 keeps for it
+    (T), the reduce-scatter's padded input (2T) and what it receives (2T/shard). Measured
+    against the buffers a step allocates in tests/distributed/test_reproducible_sharded.py."""
     t, shard = trainable, layout.shard
     if layout.strategy != "fsdp":
-        return 9 * t, "one int64 accumulator, one micro-batch's gradient, float64 scales"
-    held = 10 * t + 4 * t // shard
+        return 4 * t, "one int64 accumulator, one float64 workspace"
+    held = 7 * t + 2 * t // shard
     return held, (
-        "one int64 accumulator (whole), one micro-batch's gradient, FSDP2's unsharded "
-        "gradients, float64 scales"
+        "one int64 accumulator (whole) and its reduce-scatter's buffers, one float64 "
+        "workspace, FSDP2's unsharded gradients"
     )
 
 

@@ -17,9 +17,10 @@ floats = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32)
 
 
 def _sum(terms: list[torch.Tensor], weights: list[int], scale: fixed_point.Scale) -> torch.Tensor:
+    """The fixed-point sum of ``terms`` (each two tensors of 2 and 3 elements, flattened)."""
     total = torch.zeros(terms[0].numel(), dtype=torch.int64)
     for values, weight in zip(terms, weights, strict=True):
-        total += fixed_point.quantize(values, weight, scale.per_element)
+        total += fixed_point.quantize([values[:2], values[2:]], scale.multipliers(weight))
     return total
 
 
@@ -35,9 +36,7 @@ def test_the_sum_is_the_same_however_the_terms_are_split_and_ordered(
 ) -> None:
     terms = [torch.tensor(row, dtype=torch.float32) for row in rows]
     weights = weights[: len(terms)]
-    numels = torch.tensor([2, 3])  # two tensors of 2 and 3 elements
     scale = fixed_point.Scale(terms=8, device=torch.device("cpu"))
-    scale.numels = numels
     maxima = torch.stack([
         torch.stack([t[:2].abs().max() * w, t[2:].abs().max() * w])
         for t, w in zip(terms, weights, strict=True)
@@ -59,36 +58,43 @@ def test_the_sum_is_the_same_however_the_terms_are_split_and_ordered(
     # Precision: within half a unit of each term's last place, at least 35 bits of the max.
     count = sum(weights)
     exact = sum(t.double() * w for t, w in zip(terms, weights, strict=True)) / count
-    value = fixed_point.dequantize(whole, scale.factors(count))
-    tolerance = len(terms) * 0.5 * scale.factors(count) * (1 + 1e-12) + 1e-300
+    value = fixed_point.dequantize(whole, [2, 3], scale.factors(count))
+    unit = torch.tensor(scale.factors(count), dtype=torch.float64).repeat_interleave(
+        torch.tensor([2, 3])
+    )  # each element's 2**-e / count
+    tolerance = len(terms) * 0.5 * unit * (1 + 1e-12) + 1e-300
     assert bool(((value - exact).abs() <= tolerance).all())
 
 
 @settings(max_examples=80, deadline=None)
 @given(
-    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=8),
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=2, max_size=9),
     st.integers(1, 2**12),
+    st.lists(st.integers(-60, 60), min_size=2, max_size=2),
     st.integers(1, 2**12),
-    st.integers(-60, 60),
 )
-def test_a_scale_that_holds_the_usual_weight_quantises_every_weight_to_the_same_integers(
-    values: list[float], weight: int, unit: int, exponent: int
+def test_each_tensor_is_scaled_by_its_own_power_of_two_exactly(
+    values: list[float], weight: int, exponents: list[int], divisor: int
 ) -> None:
-    """``Scale.per_element`` holds the unit weight (a micro-batch's samples) to save a
-    multiply; a term of any weight still becomes ``round(values * weight * 2**e)`` exactly."""
+    """``scaled`` multiplies each tensor by its ``weight * 2**e`` (one float per tensor) and
+    rounds: exactly ``round(values * weight * 2**e)``; ``dequantize`` multiplies each tensor
+    by its ``2**-e / divisor``, as a per-element multiply would."""
     tensor = torch.tensor(values, dtype=torch.float32)
-    plain = fixed_point.Scale(terms=8, device=torch.device("cpu"))
-    held = fixed_point.Scale(terms=8, device=torch.device("cpu"), unit=unit)
-    for scale in (plain, held):
-        scale.numels = torch.tensor([len(values)])
-        scale.set(torch.tensor([exponent]))
-    expected = torch.round(tensor.double() * weight * 2.0**exponent)  # exact: 53 bits
-    found = fixed_point.scaled(tensor, weight, held.per_element, unit=unit)
+    cut = len(values) // 2
+    parts, sizes = [tensor[:cut], tensor[cut:]], [cut, len(values) - cut]
+    scale = fixed_point.Scale(terms=8, device=torch.device("cpu"))
+    scale.set(torch.tensor(exponents))
+    per_element = torch.tensor([2.0**e for e in exponents], dtype=torch.float64)
+    per_element = per_element.repeat_interleave(torch.tensor(sizes))
+    expected = torch.round(tensor.double() * weight * per_element)  # exact: 53 bits
+    out = torch.empty(len(values), dtype=torch.float64)
+    found = fixed_point.scaled(parts, scale.multipliers(weight), out)
     assert found.view(torch.int64).tolist() == expected.view(torch.int64).tolist()
-    assert torch.equal(
-        fixed_point.quantize(tensor, weight, held.per_element, unit=unit),
-        fixed_point.quantize(tensor, weight, plain.per_element),
-    )
+    whole = found.to(torch.int64)
+    back = fixed_point.dequantize(whole, sizes, scale.factors(divisor))
+    inverse = torch.ldexp(torch.ones(2, dtype=torch.float64), -torch.tensor(exponents)) / divisor
+    element = whole.double() * inverse.repeat_interleave(torch.tensor(sizes))
+    assert back.view(torch.int64).tolist() == element.view(torch.int64).tolist()
 
 
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), max_size=16))

@@ -69,7 +69,7 @@ class ExactStep:
         #: Collectives made (one per step, two on the first and on a rescale) and rescales.
         self.collectives = 0
         self.rescaled_steps = 0
-        self.scale = fixed_point.Scale(config.micro_batches, device, unit=config.micro_batch_size)
+        self.scale = fixed_point.Scale(config.micro_batches, device)
         self._checked = False
         self._numels = torch.zeros(0, dtype=torch.int64)
         self._dtype = torch.float32
@@ -90,7 +90,6 @@ class ExactStep:
         self.gradients = gradients if gradients is not None else ReplicatedGradients(params)
         self._numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
         self._width = self._maxima + len(params)
-        self.scale.numels = self._numels
         if self.gradients.balanced and self.config.micro_batches < self.comm.world_size:
             raise ConfigError(
                 f"reproducible with sharded parameters: a step has {self.config.micro_batches} "
@@ -99,8 +98,6 @@ class ExactStep:
                 f"of its own (the parameters are gathered in each); make global_batch_size at "
                 f"least {self.comm.world_size} x micro_batch_size."
             )
-        if self.gradients.local_numels != self._numels.tolist():
-            self.scale.local_numels = torch.tensor(self.gradients.local_numels)
         dtypes = {p.dtype for p in params}
         if any(not d.is_floating_point for d in dtypes):
             raise ConfigError("the reproducible mode trains floating-point parameters only.")
@@ -162,7 +159,6 @@ class ExactStep:
         the same seeds, data and parameters, deterministic kernels."""
         step = passes.step
         size = int(self._numels.sum())
-        flat = self._work.get("flat", (size,), self._dtype)
         accumulator = buffer[:size]
         if accumulate and not step.micro:
             accumulator.zero_()
@@ -172,10 +168,6 @@ class ExactStep:
             with _seeded(self.device, seed):
                 loss = passes.forward_backward(micro.batch)
             parts = self.gradients.gradients()
-            if parts:
-                torch.cat([g.reshape(-1).to(self._dtype) for g in parts], out=flat)
-            else:
-                flat.zero_()
             stats, counts = self.norms.after_micro()
             if rows is not None and known is not None:
                 row = rows[micro.index]
@@ -186,22 +178,22 @@ class ExactStep:
                     row[self._stats : self._maxima].copy_(stats)
                 known[micro.index] = torch.tensor([micro.size, *counts], dtype=torch.float64)
             if accumulate:
-                self._accumulate(flat, micro.size, accumulator, first=i == 0)
+                self._accumulate(parts, micro.size, accumulator, first=i == 0)
         self._fill(step, passes.forward_backward, passes.global_step)
 
     def _accumulate(
-        self, flat: torch.Tensor, samples: int, accumulator: torch.Tensor, first: bool
+        self, parts: list[torch.Tensor], samples: int, accumulator: torch.Tensor, first: bool
     ) -> None:
-        """One micro-batch's gradient in fixed point, into the int64 ``accumulator``. Not
+        """One micro-batch's gradient (``parts``: each parameter's) in fixed point, into the
+        int64 ``accumulator``, read from the gradients themselves (no flat copy). Not
         checked here (a host sync): a value that does not fit the scale, or is not finite,
         makes meaningless integers, and the agreed maxima, which bound this rank's, then say
         so on every rank, which passes again at new scales or skips the step."""
         if self.scale.exponents is None:  # no agreed scale (a non-finite first step)
             accumulator.zero_()
             return
-        work = self._work.get("float64", flat.shape, torch.float64)
-        scale = self.scale
-        scaled = fixed_point.scaled(flat, samples, scale.per_element, work, scale.unit)  # exact
+        work = self._work.get("float64", accumulator.shape, torch.float64)
+        scaled = fixed_point.scaled(parts, self.scale.multipliers(samples), work)  # exact
         if first:
             accumulator.copy_(scaled)
         else:
@@ -275,7 +267,8 @@ class ExactStep:
                 total = self.gradients.sum_(buffer[:size], 0, self.comm)
                 self.collectives += self.gradients.collectives_per_sum
             work = self._work.get("float64", total.shape, torch.float64)
-            fixed_point.dequantize(total, self.scale.factors(count), out=gradient, work=work)
+            sizes, factors = self.gradients.local_numels, self.scale.factors(count)
+            fixed_point.dequantize(total, sizes, factors, out=gradient, work=work)
         self.bytes_per_step = buffer.numel() * 8
         return self._apply(gradient, rows, head)
 
@@ -310,7 +303,6 @@ class ExactStep:
         """What the exact sum holds from step to step beyond the parameters' gradients (the
         memory plan's "reproducible mode" item: strategies/memory_plan.py)."""
         kept = [t for name, t in self._work.kept.items() if name != "gradient"]
-        kept += [self.scale.per_element, self.scale.inverse]
         return sum(t.numel() * t.element_size() for t in kept) + self.gradients.held_bytes()
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ only one rank fills, so the sum across ranks adds zeros to them and keeps every 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -31,46 +32,44 @@ def headroom(terms: int) -> int:
 
 
 def scaled(
-    values: torch.Tensor,
-    weight: int,
-    scale: torch.Tensor,
-    out: torch.Tensor | None = None,
-    unit: int = 1,
+    parts: Sequence[torch.Tensor], multipliers: Sequence[float], out: torch.Tensor
 ) -> torch.Tensor:
-    """``round(values * weight * 2**e)`` in float64 (into ``out``), an exact integer value;
-    ``scale``: per element ``2**e * unit`` (``Scale.per_element``), so that a term whose
-    weight is the unit takes one multiply. Exact up to the rounding, and the same bits for any
-    unit: a float32 times an integer below 2**29 times a power of two fits a float64's 53
-    bits, so dividing by the unit and multiplying by the weight are exact too."""
-    if out is None:
-        out = torch.empty(values.shape, dtype=torch.float64, device=values.device)
-    out.copy_(values).mul_(scale)  # faster than one mixed-dtype multiply on the CPU
-    if weight != unit:
-        if unit != 1:
-            out.div_(unit)
-        out.mul_(weight)
+    """``round(parts[i] * multipliers[i])``, the tensors flattened one after another into
+    ``out`` (float64, as many elements as the parts): exact integer values. Exact up to the
+    rounding when each multiplier is an integer below 2**29 times a power of two (``Scale.
+    multipliers``): a float32 times it fits a float64's 53 bits. One copy and one multiply
+    per tensor, each a single foreach call (no per-element scale is read or kept)."""
+    if parts:
+        views = torch.split(out, [p.numel() for p in parts])
+        torch._foreach_copy_(views, [p.reshape(-1) for p in parts])
+        torch._foreach_mul_(views, list(multipliers))
     return out.round_()
 
 
-def quantize(values: torch.Tensor, weight: int, scale: torch.Tensor, unit: int = 1) -> torch.Tensor:
+def quantize(parts: Sequence[torch.Tensor], multipliers: Sequence[float]) -> torch.Tensor:
     """``scaled`` as int64."""
-    return scaled(values, weight, scale, unit=unit).to(torch.int64)
+    total = sum(p.numel() for p in parts)
+    device = parts[0].device if parts else None
+    out = torch.empty(total, dtype=torch.float64, device=device)
+    return scaled(parts, multipliers, out).to(torch.int64)
 
 
 def dequantize(
     total: torch.Tensor,
-    factors: torch.Tensor,
+    sizes: Sequence[int],
+    factors: Sequence[float],
     out: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The value of the fixed-point ``total`` times ``factors`` (per element, float64: the
-    scale's inverse over the divisor, ``Scale.factors``), computed in float64 (in ``work``)
-    and rounded into ``out`` (any float dtype; default: ``work``). Three plain passes: on
-    the CPU torch's mixed-dtype multiply (int64 by float64 into float32) is five times
-    slower than all three, and into float64 no faster in a training step."""
+    """The value of the fixed-point ``total`` (tensors of ``sizes`` elements one after
+    another) times each tensor's factor (the scale's inverse over the divisor, ``Scale.
+    factors``), computed in float64 (in ``work``) and rounded into ``out`` (any float dtype;
+    default: ``work``). A copy, a foreach multiply, a copy: on the CPU torch's mixed-dtype
+    multiply (int64 by float64 into float32) is five times slower."""
     if work is None:
         work = torch.empty(total.shape, dtype=torch.float64, device=total.device)
-    work.copy_(total).mul_(factors)
+    work.copy_(total)
+    torch._foreach_mul_(list(torch.split(work, list(sizes))), list(factors))
     return work if out is None else out.copy_(work)
 
 
@@ -82,54 +81,49 @@ class Scale:
     ``holds`` for a later step while that step's largest term fits (below
     ``2**headroom(terms)``) and keeps at least ``headroom - 3 * MARGIN`` bits (51 and 35 with
     8 terms); otherwise the step is summed again with the scale set anew. A step summed with a
-    kept scale needs no exchange of maxima first: one collective per step.
+    kept scale needs no exchange of maxima first: one collective per step. The scales apply
+    per tensor (``multipliers``, ``factors``: one float each), so nothing per element is kept.
     """
 
     MARGIN = 8
 
-    def __init__(self, terms: int, device: torch.device, unit: int = 1) -> None:
+    def __init__(self, terms: int, device: torch.device) -> None:
         self.bits = headroom(terms)
         self.device = device
-        #: The weight most terms have (a micro-batch's samples): ``per_element`` holds it.
-        self.unit = unit
-        #: Each tensor's elements, and those of the part of its sum this rank receives (its
-        #: shard when sharded; None: the whole tensor).
-        self.numels = torch.zeros(0, dtype=torch.int64)
-        self.local_numels: torch.Tensor | None = None
         self.exponents: torch.Tensor | None = None
-        #: Per element: 2**e * ``unit`` (``scaled``'s scale).
-        self.per_element = torch.zeros(0, dtype=torch.float64)
-        #: Per element of the part this rank receives: 2**-e / ``_divisor`` (``factors``).
-        self.inverse = torch.zeros(0, dtype=torch.float64)
-        self._divisor = 1
+        self._host: torch.Tensor = torch.zeros(0, dtype=torch.int64)
+        self._multipliers: dict[int, list[float]] = {}
+        self._factors: dict[int, list[float]] = {}
 
     def set(self, exponents: torch.Tensor | None) -> None:
+        """The scales' exponents (one per tensor; None: none agreed yet). Read to the host
+        once here (a run's first step, a rescale, a resume), never per step."""
         self.exponents = exponents
-        if exponents is not None:
-            unit = torch.full((len(exponents),), float(self.unit), dtype=torch.float64,
-                              device=self.device)  # fmt: skip
-            scale = torch.ldexp(unit, exponents.to(self.device))
-            self.per_element = torch.repeat_interleave(scale, self.numels.to(self.device))
-            self._divisor = 1
-            self.inverse = self._received(1)
+        self._host = (
+            exponents.to("cpu", torch.int64)
+            if exponents is not None
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        self._multipliers.clear()
+        self._factors.clear()
 
-    def _received(self, divisor: int) -> torch.Tensor:
-        """2**-e / ``divisor`` (one float64 rounding per tensor) for each element this rank
-        receives."""
-        if self.exponents is None:
-            return torch.zeros(0, dtype=torch.float64, device=self.device)
-        one = torch.ones(len(self.exponents), dtype=torch.float64, device=self.device)
-        inverse = torch.ldexp(one, -self.exponents.to(self.device)) / divisor
-        local = self.numels if self.local_numels is None else self.local_numels
-        return torch.repeat_interleave(inverse, local.to(self.device))
+    def multipliers(self, weight: int) -> list[float]:
+        """Each tensor's ``weight * 2**e`` (``scaled``'s multipliers for a term of
+        ``weight``, its samples), kept per weight until the scales change."""
+        found = self._multipliers.get(weight)
+        if found is None:
+            weights = torch.full(self._host.shape, float(weight), dtype=torch.float64)
+            found = self._multipliers[weight] = torch.ldexp(weights, self._host).tolist()
+        return found
 
-    def factors(self, divisor: int) -> torch.Tensor:
-        """Per element received, 2**-e / ``divisor`` (float64): ``dequantize``'s factors,
-        kept while the scales and the divisor (a step's samples) stay."""
-        if divisor != self._divisor:
-            self.inverse = self._received(divisor)
-            self._divisor = divisor
-        return self.inverse
+    def factors(self, divisor: int) -> list[float]:
+        """Each tensor's ``2**-e / divisor`` (float64: one rounding; ``dequantize``'s
+        factors), kept per divisor (a step's samples) until the scales change."""
+        found = self._factors.get(divisor)
+        if found is None:
+            one = torch.ones(self._host.shape, dtype=torch.float64)
+            found = self._factors[divisor] = (torch.ldexp(one, -self._host) / divisor).tolist()
+        return found
 
     def recenter(self, maxima: torch.Tensor) -> None:
         """Scales that leave ``MARGIN`` bits above each tensor's largest term (a tensor whose

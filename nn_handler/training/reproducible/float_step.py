@@ -31,13 +31,19 @@ class FloatStep(ExactStep):
         return True  # no scales to agree on
 
     def _accumulate(
-        self, flat: torch.Tensor, samples: int, accumulator: torch.Tensor, first: bool
+        self, parts: list[torch.Tensor], samples: int, accumulator: torch.Tensor, first: bool
     ) -> None:
-        """One micro-batch's gradient weighted by its samples, added in float64."""
+        """One micro-batch's gradient (each parameter's) weighted by its samples, added in
+        float64."""
+        if not parts:
+            return
+        views = torch.split(accumulator, [p.numel() for p in parts])
+        flat = [p.reshape(-1) for p in parts]
         if first:
-            accumulator.copy_(flat).mul_(samples)
+            torch._foreach_copy_(views, flat)
+            torch._foreach_mul_(views, float(samples))
         else:
-            accumulator.add_(flat, alpha=samples)
+            torch._foreach_add_(views, flat, alpha=samples)
 
     def _reduce(self, passes: StepPasses, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One float64 sum of the sample-weighted gradients and the slots; NaN or inf in a
