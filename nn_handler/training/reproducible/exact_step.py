@@ -14,7 +14,8 @@ sum again. Every rank then holds the same gradient (the sample-weighted
 mean over the global batch), loss and statistics, and the optimizer steps as usual
 (Optimization.step). Other buffers must not change in a training forward: the first step
 checks it. A step reads the device to the host once (after the sum: samples, losses and the
-scales' verdict; the first step twice), so a GPU's queue stays full.
+scales' verdict), so a GPU's queue stays full; the first step and a rescaled one read more
+(the agreed maxima, and the new scales' exponents: one float per tensor on the host).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Scale:
 
     def __init__(self, terms: int, device: torch.device) -> None:
         self.bits = headroom(terms)
-        self.device = device
+        self.device = device  # where the exponents live (the maxima's device)
         self.exponents: torch.Tensor | None = None
         self._host: torch.Tensor = torch.zeros(0, dtype=torch.int64)
         self._multipliers: dict[int, list[float]] = {}
