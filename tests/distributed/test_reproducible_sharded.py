@@ -80,9 +80,10 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 # The slots (a row per micro-batch: samples, loss, statistics, maxima), not
                 # in the plan: in the sum, and sharded in each shard's row of the
                 # reduce-scatter's input and in what it receives.
-                shards = getattr(exact.gradients, "_shards", None)
+                width = 2 + len(exact.norms.layers) + exact.norms.width + len(exact.params)
+                shards = None if fsdp is None else fsdp.get("shard", world_size)
                 copies = 1 if shards is None else 2 + shards
-                slots = 8 * exact._width * exact.config.micro_batches * copies
+                slots = 8 * width * exact.config.micro_batches * copies
                 out[f"{name}_{layout}_memory"] = (exact.held_bytes(), planned, slots)
     saved = Path(folder)
     if world_size == 2:
