@@ -34,7 +34,7 @@ from nn_handler.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class _Sharding:
+class Sharding:
     """One parameter's place in the reduce-scatter: ``rows`` of ``cols`` elements, cut in
     chunks of ``padded`` rows; this rank holds ``held`` of them."""
 
@@ -98,14 +98,8 @@ class ShardedGradients:
         shape = (self._shards, chunk + slots)
         if self._input is None or self._input.shape != shape:  # padding stays zero
             self._input = torch.zeros(shape, dtype=torch.int64, device=vector.device)
-        sent, start, offset = self._input, 0, 0
-        for s in self._layout:
-            whole = vector[start : start + s.rows * s.cols].view(s.rows, s.cols)
-            for r in range(self._shards):
-                low, high = r * s.padded, min((r + 1) * s.padded, s.rows)
-                if high > low:
-                    sent[r, offset : offset + (high - low) * s.cols] = whole[low:high].reshape(-1)
-            start, offset = start + s.rows * s.cols, offset + s.padded * s.cols
+        sent = self._input
+        start = pack(sent, vector, self._layout)
         sent[:, chunk:] = vector[start:]
         if self._received is None or self._received.shape != (chunk + slots,):
             self._received = torch.empty(chunk + slots, dtype=torch.int64, device=vector.device)
@@ -132,6 +126,25 @@ class ShardedGradients:
             offset += s.padded * s.cols
 
 
+def pack(sent: torch.Tensor, vector: torch.Tensor, layout: list[Sharding]) -> int:
+    """Each parameter's whole gradient (one after another in ``vector``) into the rows of
+    ``sent`` (one row per shard: that shard's chunk of every parameter, each padded to
+    ``padded`` rows; the padding is left as it is, zero). At most two copies a parameter,
+    whatever the number of shards. Returns where the parameters end in ``vector``."""
+    start, offset = 0, 0
+    for s in layout:
+        whole = vector[start : start + s.rows * s.cols]
+        width = s.padded * s.cols
+        full = min(s.rows // s.padded, sent.shape[0]) if s.padded else 0  # shards filled
+        if full:
+            sent[:full, offset : offset + width] = whole[: full * width].view(full, width)
+        rest = s.rows * s.cols - full * width  # the next shard's fewer rows
+        if rest > 0:
+            sent[full, offset : offset + rest] = whole[full * width :]
+        start, offset = start + s.rows * s.cols, offset + width
+    return start
+
+
 def _fsdp_params(module: nn.Module) -> dict[int, FSDPParam]:
     """Each FSDP2-sharded parameter's FSDPParam, by the parameter's id (torch 2.13 keeps a
     unit's parameter groups in a list; earlier releases kept one group)."""
@@ -149,7 +162,7 @@ def _fsdp_params(module: nn.Module) -> dict[int, FSDPParam]:
     return found
 
 
-def _sharding(p: nn.Parameter, owner: FSDPParam, shards: int, rank: int) -> _Sharding:
+def _sharding(p: nn.Parameter, owner: FSDPParam, shards: int, rank: int) -> Sharding:
     dim = getattr(getattr(owner, "fsdp_placement", None), "dim", 0)
     if dim != 0:
         raise ConfigError(
@@ -161,7 +174,7 @@ def _sharding(p: nn.Parameter, owner: FSDPParam, shards: int, rank: int) -> _Sha
     cols = p.numel() // max(rows, 1)
     padded = -(-rows // shards)
     held = max(0, min(padded, rows - rank * padded))
-    return _Sharding(rows, cols, padded, held)
+    return Sharding(rows, cols, padded, held)
 
 
-__all__ = ["ShardedGradients"]
+__all__ = ["ShardedGradients", "Sharding", "pack"]

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nn_handler.data.fixed_batches import epoch_order, micro_batches, owns, steps_per_epoch
+from nn_handler.strategies.fsdp_gradients import Sharding, pack
 from nn_handler.training.reproducible import fixed_point
 
 floats = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32)
@@ -134,3 +135,32 @@ def test_a_steps_micro_batches_are_fixed_and_each_runs_on_one_rank(
         assert all(len(o) == 1 for o in owners)  # each micro-batch on exactly one rank
         seen += [i for m in cut for i in m]
     assert seen == order  # every sample once per epoch, in the epoch's order
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4)), min_size=1, max_size=6),
+    st.integers(1, 5),
+)
+def test_the_sharded_sum_packs_each_parameter_as_fsdp2_shards_it(
+    shapes: list[tuple[int, int]], shards: int
+) -> None:
+    """``pack`` (the exact reduce-scatter's input, at most two copies a parameter) puts the
+    same elements where one copy per parameter and shard does: shard r holds rows
+    [r * padded, (r + 1) * padded) of each parameter, padded with zeros."""
+    layout = [Sharding(rows, cols, -(-rows // shards), 0) for rows, cols in shapes]
+    total = sum(rows * cols for rows, cols in shapes)
+    width = sum(s.padded * s.cols for s in layout)
+    vector = torch.arange(1, total + 1, dtype=torch.int64)
+    found = torch.zeros((shards, width), dtype=torch.int64)
+    assert pack(found, vector, layout) == total
+    expected = torch.zeros((shards, width), dtype=torch.int64)
+    start = offset = 0
+    for s in layout:
+        whole = vector[start : start + s.rows * s.cols].view(s.rows, s.cols)
+        for r in range(shards):
+            low, high = r * s.padded, min((r + 1) * s.padded, s.rows)
+            if high > low:
+                expected[r, offset : offset + (high - low) * s.cols] = whole[low:high].reshape(-1)
+        start, offset = start + s.rows * s.cols, offset + s.padded * s.cols
+    assert torch.equal(found, expected)
