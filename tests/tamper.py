@@ -9,12 +9,15 @@ import os
 import pickle
 import subprocess
 import sys
+import zipfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nn_handler.checkpoint.checksum import mapped
 from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
+from nn_handler.checkpoint.integrity import data_start
 from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
 from nn_handler.checkpoint.sharded import dcp_save
 from nn_handler.checkpoint.store.local import folder_manifest
@@ -128,3 +131,16 @@ __all__ = [
     "segments",
     "truncate",
 ]
+
+
+def record_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each record of the torch.save zip file ``path``: (offset of its data, size), by name."""
+    with zipfile.ZipFile(path) as archive:
+        records = archive.infolist()
+    spans: dict[str, tuple[int, int]] = {}
+    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
+        for record in records:
+            start = data_start(view, record.header_offset)
+            if start is not None:
+                spans[record.filename] = (start, record.file_size)
+    return spans

@@ -6,14 +6,10 @@ checks them; the verifier does (checkpoint/verify.py ``verify_records``).
 from __future__ import annotations
 
 import struct
-import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from nn_handler.checkpoint.checksum import mapped
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 
@@ -33,19 +29,6 @@ class BadRecord:
             f"record {self.name!r} ({kind}, {self.size} bytes): CRC-32 {self.actual:08x}, "
             f"stored {self.stored:08x}"
         )
-
-
-def record_spans(path: Path) -> dict[str, tuple[int, int]]:
-    """Each record's (offset of its data in the file, size), by record name."""
-    with zipfile.ZipFile(path) as archive:
-        records = archive.infolist()
-    spans: dict[str, tuple[int, int]] = {}
-    with open(path, "rb") as handle, mapped(handle.fileno(), path.stat().st_size) as view:
-        for record in records:
-            start = data_start(view, record.header_offset)
-            if start is not None:
-                spans[record.filename] = (start, record.file_size)
-    return spans
 
 
 def data_start(view: memoryview, offset: int) -> int | None:
@@ -71,4 +54,4 @@ def tensors_of(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-__all__ = ["BadRecord", "data_start", "record_spans", "tensors_of"]
+__all__ = ["BadRecord", "data_start", "tensors_of"]

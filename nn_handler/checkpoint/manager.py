@@ -288,26 +288,6 @@ class CheckpointManager:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)
 
-    def update_best(
-        self,
-        value: float,
-        source: Path | None,
-        checkpoint: Any = None,
-        write: Callable[[Path], Path] | None = None,
-    ) -> bool:
-        """If ``value`` improves on the best so far, make best.pt (``best/``) this checkpoint:
-        hard links to ``source``, or ``write(path)`` (default: rank 0 writes ``checkpoint``).
-        Every rank must call this with the same value; returns whether it improved."""
-        if math.isnan(value) or not self.improves(value):
-            return False
-        self.best_value = value
-        self.keep(
-            Ranking(best=True, top=None, dropped=[]),
-            source,
-            write or (lambda target: self.write(checkpoint, target)),
-        )
-        return True
-
     def _link(self, source: Path, target: Path) -> None:
         """``target`` becomes hard links to the checkpoint ``source`` (rank 0; every rank
         agrees on the outcome)."""

@@ -32,8 +32,8 @@ from nn_handler import (
     UnevenDataError,
 )
 from nn_handler.checkpoint import load_file
-from nn_handler.checkpoint.integrity import record_spans
 from tests.harness import run_group
+from tests.tamper import record_spans
 from tests.training_helpers import mlp, regression_data, sgd
 
 pytestmark = pytest.mark.distributed

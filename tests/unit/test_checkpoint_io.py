@@ -31,13 +31,13 @@ from nn_handler.checkpoint import (
     restore_rng,
     strip_wrapper_prefixes,
 )
-from nn_handler.checkpoint.integrity import record_spans
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import LATEST, periodic_name
 from nn_handler.checkpoint.store.lease import LOCK
 from nn_handler.checkpoint.verify import verify_records
 from nn_handler.distributed.communicator import NullCommunicator
 from tests.interpreters import python_path
+from tests.tamper import record_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -362,10 +362,12 @@ def test_no_checkpoint_means_none(tmp_path: Path) -> None:
 def test_best_is_a_link_to_the_improving_checkpoint(tmp_path: Path) -> None:
     manager = _manager(tmp_path, save_best=True, mode="max", keep_last=2)
     first = _periodic(manager, 1, 5)
-    assert manager.update_best(0.5, first)
+    ranking = manager.rank(0.5, 1, 5)
+    assert ranking.best
+    manager.keep(ranking, first, write=lambda target: pytest.fail(f"wrote {target}"))
     assert (tmp_path / "best.pt").stat().st_ino == first.stat().st_ino  # no second write
-    second = _periodic(manager, 2, 10)
-    assert not manager.update_best(0.4, second)
+    _periodic(manager, 2, 10)
+    assert not manager.rank(0.4, 2, 10).best
     _periodic(manager, 3, 15)  # rotates the first periodic file away; best.pt stays
     assert not first.exists()
     assert load_file(tmp_path / "best.pt")["step"] == 5
