@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.async_staging import CachedStager
+from nn_handler.checkpoint.async_staging import STAGED, CachedStager
 from nn_handler.checkpoint.io import load_file, write_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
@@ -115,6 +115,8 @@ class _Save:
     #: The DCP write (None: it already finished) and this rank's puts once it has.
     written: Future[Any] | None = None
     put: Future[dict[str, Entry]] | None = None
+    #: This rank's failure before the background write began (told when it is waited for).
+    error: str | None = None
 
 
 class ShardedWriter:
@@ -182,25 +184,30 @@ class ShardedWriter:
         target = Path(target)
         staging = store.staging(target, folder=True)
         error = _prepare(staging, rest, store, target) if self.comm.rank == 0 else None
-        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank puts
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
         process = self._process if asynchronous else None
         save = _Save(staging, target, store, _writer(staging, process), _run_of(rest), then)
         if asynchronous:
+            staged = shards
             try:
-                save.written = dcp_async_save(
-                    shards, save.writer, {**options, "async_stager": self._stager}
-                )
+                staged = self._stager.stage(shards)
+            except Exception as caught:  # (shared memory full, say): told when it is waited for
+                error = error or f"copying this rank's state: {type(caught).__name__}: {caught}"
+            if store.uploads:  # before any rank puts: rank 0 removed an old commit of the name
+                agree_on(self.comm, error, f"staging checkpoint {target}")
+            try:
+                save.written = dcp_async_save(staged, save.writer, options)
             except dcp_errors() as caught:
-                error = save_failure(caught, target, shards)
-            agree_on(self.comm, error, f"staging checkpoint {target}")
+                error = error or save_failure(caught, target, shards)
+            save.error = error
             if store.uploads:
                 if self._puts is None:
                     self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
                 save.put = self._puts.submit(self._put, save)
             self._pending = save
             return target
+        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank writes
         try:
             dcp_save(shards, save.writer, options)
         except dcp_errors() as caught:
@@ -212,6 +219,8 @@ class ShardedWriter:
         """This rank's files of the folder, put in its store (after they are written)."""
         if save.written is not None:
             save.written.result()
+        if save.error is not None:
+            return {}  # never committed: nothing to send
         names = list(getattr(save.writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
         known = getattr(save.writer, "entries", {})  # checksummed as they were written
         files = [save.staging / name for name in names]
@@ -220,21 +229,23 @@ class ShardedWriter:
     def _finish(self, save: _Save, error: str | None, what: str) -> None:
         """Every rank: put its files (unless done in the background) and agree on the writes
         and puts; then rank 0 has the store commit the folder, with every rank's entries,
-        and runs ``then``."""
+        and runs ``then``, and every rank learns the outcome."""
         store, target = save.store, save.target
         objects: dict[str, Entry] = {}
-        if store.uploads:
-            try:
-                if error is None:
-                    objects = save.put.result() if save.put is not None else self._put(save)
-            except Exception as caught:  # never skip the agreement below: the others wait in it
-                error = error or f"{type(caught).__name__}: {caught}"
-            with self.comm.patient():  # ranks upload at their own pace
-                agree_on(self.comm, error, f"uploading checkpoint {target} to {store.where}")
+        try:
+            if error is None and store.uploads:
+                objects = save.put.result() if save.put is not None else self._put(save)
+        except Exception as caught:  # never skip the agreement below: the others wait in it
+            error = f"{type(caught).__name__}: {caught}"
+        # Before the commit: a failure may be one rank's own (its copy of the state, rank 0's
+        # preparation of an asynchronous save), which no other rank has seen.
+        uploading = f"uploading checkpoint {target} to {store.where}"
+        with self.comm.patient():  # ranks write and upload at their own pace
+            agree_on(self.comm, error, uploading if store.uploads else what)
         every = [objects]
         if store.uploads and self.comm.world_size > 1:
             every = self.comm.gather_object(objects, dst=0) or []
-        if error is None and self.comm.rank == 0:
+        if self.comm.rank == 0:
             merged = {key: entry for part in every for key, entry in part.items()}
             for name, entry in getattr(save.writer, "files", {}).items():
                 key = f"{target.name}/{name}"
@@ -255,12 +266,12 @@ class ShardedWriter:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        error: str | None = None
+        error = pending.error
         try:
             if pending.written is not None:
                 pending.written.result()
         except dcp_errors() as caught:
-            error = save_failure(caught, pending.target, None)
+            error = error or save_failure(caught, pending.target, None)
         self._finish(pending, error, f"writing checkpoint {pending.target} (in the background)")
         return pending.target
 
@@ -351,11 +362,15 @@ def dcp_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> No
         save(shards, storage_writer=writer, **options)
 
 
-def dcp_async_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> Future[Any]:
+def dcp_async_save(staged: dict[str, Any], writer: Any, options: dict[str, Any]) -> Future[Any]:
+    """DCP's asynchronous save of a state already copied (CachedStager.stage): its writes
+    and planning collectives run in a background thread."""
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
     with _one_process(options["no_dist"]):
-        return async_save(shards, storage_writer=writer, **options)  # type: ignore[return-value]
+        return async_save(  # type: ignore[return-value]
+            staged, storage_writer=writer, async_stager=STAGED, **options
+        )
 
 
 def _serve_writes() -> Callable[[Any], None]:
@@ -381,7 +396,7 @@ def _prepare(
         store.prepare(target.name)
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, exist_ok=True)  # (another rank's DCP may have made it)
         write_file({**rest, CHECKSUMS: MANIFEST}, staging / REST, name=target / REST)
     except Exception as caught:
         return f"{type(caught).__name__}: {caught}"

@@ -197,7 +197,65 @@ def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, 
         out["from_one_epoch"] = h.trainer.state.epoch
         h.train(DATA, epochs=2)
         out["from_one_trained"] = h.trainer.state.epoch
+    out["copy_failure"] = _a_copy_that_fails_on_rank_1(rank, folder / "copy-failure")
     return out
+
+
+class _Recording:
+    """A communicator that records every method called through it (its collectives)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.calls = comm, []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.comm, name)
+        if not callable(found):
+            return found
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return found(*args, **kwargs)
+
+        return call
+
+
+def _a_copy_that_fails_on_rank_1(rank: int, folder: Path) -> dict[str, Any]:
+    """Asynchronous saves into a local folder on the checkpoint's own group: each returns
+    without a collective of the loop's communicator; rank 1's copy of its state fails in the
+    first, which both ranks' wait raises alike, committing nothing; the next one commits."""
+    import torch.distributed as dist
+
+    from nn_handler.checkpoint.sharded import ShardedWriter
+    from nn_handler.checkpoint.store import LocalStore
+    from nn_handler.distributed.communicator import TorchCommunicator
+
+    group = dist.new_group(backend="gloo")
+    comm = _Recording(TorchCommunicator())
+    writer, store = ShardedWriter(comm, lambda: group), LocalStore(folder)  # type: ignore[arg-type]
+    shards = {"model": {"w": torch.full((4,), float(rank))}}
+    rest = {"format": "x"} if rank == 0 else None
+    stage = writer._stager.stage
+    if rank == 1:
+        writer._stager.stage = _no_memory_left  # type: ignore[method-assign]
+    failed, committed = folder / "ckpt-e0001-s00000001", folder / "ckpt-e0002-s00000002"
+    writer.save(rest, shards, failed, store, asynchronous=True)
+    out: dict[str, Any] = {"calls_in_save": list(comm.calls)}
+    writer._stager.stage = stage  # type: ignore[method-assign]
+    try:
+        writer.wait()
+    except Exception as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+    out["failed_committed"] = failed.exists()
+    comm.calls.clear()
+    writer.save(rest, shards, committed, store, asynchronous=True)
+    out["calls_in_next_save"] = list(comm.calls)
+    out["next"] = writer.wait() == committed and is_sharded(committed)
+    writer.close()
+    return out
+
+
+def _no_memory_left(state: Any) -> Any:
+    raise RuntimeError("no shared memory left")
 
 
 def _three_ranks(rank: int, world: int, folder: str, ledger: str) -> dict[str, Any]:
@@ -238,6 +296,18 @@ def test_every_rank_writes_its_shards_into_one_committed_folder(runs: dict[str, 
     rest = read_rest(runs["base"] / "sync" / "ckpt-e0003-s00000009")
     assert rest["world_size"] == 2 and len(rest["ranks"]) == 2
     assert rest["sharded"] == ["model", "optimizer", "ema"]
+
+
+def test_an_async_save_blocks_for_no_collective_and_a_failed_copy_fails_every_rank(
+    runs: dict[str, Any],
+) -> None:
+    for seen in runs["ranks"]:
+        found = seen["copy_failure"]
+        assert found["calls_in_save"] == [] and found["calls_in_next_save"] == []
+        assert found["error"].startswith("CheckpointError: writing checkpoint"), found
+        assert "failed on rank(s) [1]" in found["error"]
+        assert "copying this rank's state: RuntimeError: no shared memory left" in found["error"]
+        assert not found["failed_committed"] and found["next"]
 
 
 def test_a_sharded_resume_is_bit_identical(runs: dict[str, Any]) -> None:

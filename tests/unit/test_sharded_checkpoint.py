@@ -259,6 +259,43 @@ def test_the_async_stager_copies_into_the_same_buffers_until_the_layout_changes(
     assert third["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
 
 
+def test_an_asynchronous_save_that_fails_before_writing_is_told_when_waited_for(
+    tmp_path: Path,
+) -> None:
+    """An asynchronous save returns once the state is copied, with no collective before it
+    does: a failure before the background write (rank 0's preparation, this rank's copy) is
+    raised by the wait, as a failed write is, and nothing is committed; the next save works."""
+    from nn_handler.checkpoint.sharded import ShardedWriter
+    from nn_handler.checkpoint.store import LocalStore
+    from nn_handler.distributed.communicator import NullCommunicator
+
+    writer, store = ShardedWriter(NullCommunicator(), lambda: None), LocalStore(tmp_path)
+    shards = {"model": {"w": torch.ones(2)}}
+    first = tmp_path / "ckpt-e0001-s00000001"
+    assert writer.save(None, shards, first, store, asynchronous=True) == first
+    assert writer.pending == first
+    with pytest.raises(CheckpointError, match=r"no checkpoint contents were given on rank 0"):
+        writer.wait()
+    assert writer.pending is None and not first.exists()
+
+    def full(state: Any) -> Any:
+        raise RuntimeError("no shared memory left")
+
+    stage, writer._stager.stage = writer._stager.stage, full  # type: ignore[method-assign]
+    second = tmp_path / "ckpt-e0002-s00000002"
+    writer.save({"format": "x"}, shards, second, store, asynchronous=True)
+    with pytest.raises(
+        CheckpointError,
+        match=r"\(in the background\).*copying this rank's state: RuntimeError: no shared",
+    ):
+        writer.wait()
+    assert not second.exists()
+    writer._stager.stage = stage  # type: ignore[method-assign]
+    third = tmp_path / "ckpt-e0003-s00000003"
+    writer.save({"format": "x"}, shards, third, store, asynchronous=True)
+    assert writer.wait() == third and is_sharded(third)
+
+
 def test_sharded_checkpoints_of_several_ranks_need_a_process_group() -> None:
     from types import SimpleNamespace
 

@@ -242,3 +242,26 @@ def test_an_item_the_stream_did_not_see_is_read_back(tmp_path: Path) -> None:
     read_back = checksum_results(tmp_path, seen, {})
     crcs = [result.storage_data.crc32 for result in as_written]
     assert crcs == [result.storage_data.crc32 for result in read_back] and len(crcs) >= 3
+
+
+def test_a_name_written_again_loses_its_old_manifest_first_and_a_new_one_costs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a checkpoint is written under a name the store has committed (a run resumed
+    before a checkpoint that its killed predecessor committed), that name's manifest is
+    deleted, so that it never vouches for new objects; a name never committed (every
+    periodic one) costs no request to the store."""
+    store = _open_store("object store", tmp_path)
+    assert isinstance(store, ObjectStore) and store.start(is_checkpoint_name) is None
+    try:
+        removed: list[str] = []
+        remove = store.store.remove
+        monkeypatch.setattr(store.store, "remove", lambda key: (removed.append(key), remove(key)))
+        folder = _write_folder(store)
+        store.flush()
+        assert removed == [] and store.exists(folder)
+        store.prepare(FOLDER)
+        assert removed == [manifest_name(FOLDER)]
+        assert store.store.read(manifest_name(FOLDER)) is None and not store.exists(folder)
+    finally:
+        store.release()

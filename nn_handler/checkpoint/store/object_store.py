@@ -217,10 +217,13 @@ class ObjectStore(LocalStore):
         """Before the checkpoint ``name`` is uploaded again (a run resumed before a
         checkpoint that its killed predecessor committed writes that name anew): its
         manifest goes first, once the changes before it have landed, so that an old
-        manifest never describes new objects. Waits; raises the first failure."""
-        self._known.pop(name, None)
+        manifest never describes new objects. Waits; raises the first failure. A name not
+        committed (every periodic one) costs no request: a manifest that the start could not
+        read vouches for nothing, and the commit replaces it."""
+        committed = self._known.pop(name, None) is not None
         self.flush()
-        self.store.remove(manifest_name(name))
+        if committed:
+            self.store.remove(manifest_name(name))
 
     def put(
         self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
