@@ -10,24 +10,17 @@ import torch
 
 
 class CachedStager:
-    """Stages a state for DCP's asynchronous save into CPU buffers kept between saves (a
-    ``torch.distributed.checkpoint.staging.AsyncStager``): the first save allocates them (pinned
-    when CUDA is there), later ones only copy, so returning to training costs one copy of this
-    rank's state, without fresh allocations. The buffers are rebuilt when the state's layout
-    changes. The writer waits for the previous save before staging the next one, so a buffer
-    is never overwritten while it is written."""
-
-    _synchronize_after_execute = False
+    """Copies a state for an asynchronous save into CPU buffers kept between saves: the first
+    save allocates them (pinned when CUDA is there), later ones only copy, so returning to
+    training costs one copy of this rank's state, without fresh allocations. The buffers are
+    rebuilt when the state's layout changes. The writer waits for the previous save before
+    staging the next one, so a buffer is never overwritten while it is written."""
 
     def __init__(self, shared: bool = False) -> None:
         """``shared``: the buffers in shared memory (a writer process reads them in place)."""
         self._shared = shared
         self._cache: dict[str, Any] | None = None
         self._layout: list[tuple[Any, ...]] = []
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -40,32 +33,6 @@ class CachedStager:
             )
             self._layout = layout
         return _copy_state_dict(state_dict, self._cache, type_check=False)
-
-    def synchronize_staging(self) -> None:
-        """Staging is a blocking copy: nothing to wait for."""
-
-    def close(self) -> None:
-        self._cache = None
-
-
-class _Staged:
-    """The stager of a save whose state was copied before it began: nothing left to do."""
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        """Nothing runs."""
-
-    def close(self) -> None:
-        """Nothing is held."""
-
-
-#: The stager DCP's asynchronous save is given once CachedStager.stage has copied the state.
-STAGED = _Staged()
 
 
 def _layout(value: Any, path: str = "") -> list[tuple[Any, ...]]:
@@ -80,4 +47,4 @@ def _layout(value: Any, path: str = "") -> list[tuple[Any, ...]]:
     return [(path, type(value).__name__)]
 
 
-__all__ = ["STAGED", "CachedStager"]
+__all__ = ["CachedStager"]

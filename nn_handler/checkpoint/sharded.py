@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.async_staging import STAGED, CachedStager
+from nn_handler.checkpoint.async_staging import CachedStager
 from nn_handler.checkpoint.io import load_file, write_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
@@ -142,7 +142,9 @@ class ShardedWriter:
         self._pending: _Save | None = None
         self._process = WriterProcess(_serve_writes()) if in_process else None
         self._stager = CachedStager(shared=in_process)
-        self._puts: ThreadPoolExecutor | None = None  # made at the first asynchronous put
+        # Made at the first asynchronous save: its DCP writes, and its puts to a store.
+        self._writes: ThreadPoolExecutor | None = None
+        self._puts: ThreadPoolExecutor | None = None
 
     @property
     def in_process(self) -> bool:
@@ -150,7 +152,12 @@ class ShardedWriter:
         return self._process is not None
 
     def close(self) -> None:
-        """Stop the writer process, if any (after ``wait``). Every rank may call it."""
+        """Stop the writer process and threads, if any (after ``wait``). Every rank may call
+        it."""
+        for pool in (self._writes, self._puts):
+            if pool is not None:
+                pool.shutdown()
+        self._writes = self._puts = None
         if self._process is not None:
             self._process.close()
 
@@ -196,10 +203,9 @@ class ShardedWriter:
                 error = error or f"copying this rank's state: {type(caught).__name__}: {caught}"
             if store.uploads:  # before any rank puts: rank 0 removed an old commit of the name
                 agree_on(self.comm, error, f"staging checkpoint {target}")
-            try:
-                save.written = dcp_async_save(staged, save.writer, options)
-            except dcp_errors() as caught:
-                error = error or save_failure(caught, target, shards)
+            if self._writes is None:
+                self._writes = ThreadPoolExecutor(1, "nn_handler-checkpoint")
+            save.written = self._writes.submit(dcp_save, staged, save.writer, options, False)
             save.error = error
             if store.uploads:
                 if self._puts is None:
@@ -348,29 +354,26 @@ def load_shards(
 
 @contextlib.contextmanager
 def _one_process(alone: bool) -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process, which is what we asked for."""
+    """Silence DCP's warning that it runs in one process, which is what we asked for (only
+    in the training thread: the filters are the process's, and a background thread restoring
+    them could undo the training thread's)."""
+    if not alone:
+        yield
+        return
     with warnings.catch_warnings():
-        if alone:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def dcp_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> None:
+def dcp_save(
+    shards: dict[str, Any], writer: Any, options: dict[str, Any], quiet: bool = True
+) -> None:
+    """DCP's save of ``shards`` through ``writer`` (its collectives on ``options``' group);
+    ``quiet``: without its one-process warning (the training thread only)."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    with _one_process(options["no_dist"]):
+    with _one_process(quiet and options["no_dist"]):
         save(shards, storage_writer=writer, **options)
-
-
-def dcp_async_save(staged: dict[str, Any], writer: Any, options: dict[str, Any]) -> Future[Any]:
-    """DCP's asynchronous save of a state already copied (CachedStager.stage): its writes
-    and planning collectives run in a background thread."""
-    from torch.distributed.checkpoint.state_dict_saver import async_save
-
-    with _one_process(options["no_dist"]):
-        return async_save(  # type: ignore[return-value]
-            staged, storage_writer=writer, async_stager=STAGED, **options
-        )
 
 
 def _serve_writes() -> Callable[[Any], None]:

@@ -106,6 +106,7 @@ def test_async_saves_quick_mode_writes_its_fields(quick_run: Path) -> None:
         assert list(rows) == [
             "memcpy",
             "async save, local folder: blocked",
+            "async save, local folder: its commit at the next wait",
             "synchronous save",
             "fsync'd write",
             "async save, s3://: blocked",
