@@ -578,7 +578,14 @@ def fsdp_sharding(data: dict[str, Any]) -> Table:
         *checksum_lines,
         "",
         "Asynchronous sharded save, as a fraction of a synchronous sharded save: back to "
-        f"training after {ckpt['async_return_fraction_of_sync_save']:.0%} of it; the next "
+        f"training after {ckpt['async_return_fraction_of_sync_save']:.0%} of it"
+        + (
+            f" (the first save, which allocates the buffers kept between saves: "
+            f"{ckpt['first_async_return_s']:.3f} s)"
+            if "first_async_return_s" in ckpt
+            else ""
+        )
+        + "; the next "
         f"epoch took {ckpt['async_stall_s']:+.3f} s longer than one without a save in the "
         f"background ({ckpt['async_stall_fraction_of_sync_save']:+.0%}).",
     ]
