@@ -21,11 +21,11 @@ def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -
     try:
         comm.raise_if_any_failed(cause, what)
     except RankFailedError as failed:
-        details = "; ".join(
-            f"rank {rank}: {message.strip().removeprefix(_PREFIX)}"
-            for rank, message in failed.rank_messages.items()
-        )
+        said = {r: m.strip().removeprefix(_PREFIX) for r, m in failed.rank_messages.items()}
         raised = error if isinstance(error, BaseException) else None
+        if len(said) == comm.world_size and len(set(said.values())) == 1:  # one error everywhere
+            raise CheckpointError(f"{what} failed: {said[0]}") from raised  # (DCP's: it names)
+        details = "; ".join(f"rank {rank}: {message}" for rank, message in said.items())
         raise CheckpointError(f"{what} failed on rank(s) {failed.failed_ranks}: {details}") from (
             raised
         )

@@ -28,6 +28,7 @@ from torch.futures import Future
 from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.safe_dcp import INDEX
 from nn_handler.checkpoint.verify import Passing, item_entries
+from nn_handler.errors import CheckpointError
 
 
 @dataclass
@@ -114,6 +115,15 @@ class ChecksummingWriter(FileSystemWriter):
         super().__init__(*args, **kwargs)
         self.fs = self.streams = _PassingFileSystem()
         self.process = process
+        #: Why this rank's part of the save must not go on (its state could not be copied,
+        #: rank 0's preparation failed): raised in DCP's local planning, which DCP reports
+        #: to every rank before any of them writes.
+        self.refusal: str | None = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.refusal is not None:
+            raise CheckpointError(self.refusal)
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.process is not None:

@@ -115,8 +115,6 @@ class _Save:
     #: The DCP write (None: it already finished) and this rank's puts once it has.
     written: Future[Any] | None = None
     put: Future[dict[str, Entry]] | None = None
-    #: This rank's failure before the background write began (told when it is waited for).
-    error: str | None = None
 
 
 class ShardedWriter:
@@ -124,7 +122,7 @@ class ShardedWriter:
 
     ``group`` returns the process group DCP's collectives use (the strategy's
     ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
-    save returns once every rank has copied its state; the files are written (and put in the
+    save returns once this rank has copied its state; the files are written (and put in the
     store) in background threads, and the next ``save`` or ``wait`` waits for them and has the
     store commit the folder. ``in_process``: an asynchronous save's items are serialized,
     written and checksummed by a child process of this rank (checkpoint/writer_process.py),
@@ -185,8 +183,9 @@ class ShardedWriter:
         """Write the folder ``target`` for ``store`` to commit: ``rest`` (used on rank 0) as
         its REST file and every rank's ``shards`` through DCP; ``then(target)`` runs on rank
         0 once it is committed (a failure in it fails the save). Every rank must call this;
-        all raise the same CheckpointError if any failed. Asynchronous: returns once the
-        state is staged."""
+        all raise the same CheckpointError if any failed. Asynchronous: returns once this
+        rank's state is copied, with no collective; a failure is raised by the ``wait`` that
+        would commit it."""
         self.wait()
         target = Path(target)
         staging = store.staging(target, folder=True)
@@ -199,14 +198,14 @@ class ShardedWriter:
             staged = shards
             try:
                 staged = self._stager.stage(shards)
-            except Exception as caught:  # (shared memory full, say): told when it is waited for
+            except Exception as caught:  # (shared memory full, say)
                 error = error or f"copying this rank's state: {type(caught).__name__}: {caught}"
-            if store.uploads:  # before any rank puts: rank 0 removed an old commit of the name
-                agree_on(self.comm, error, f"staging checkpoint {target}")
+            # No collective of the loop's here: a failure so far is raised in DCP's planning,
+            # which reports it to every rank before any writes or puts, and fails the wait.
+            save.writer.refusal = error
             if self._writes is None:
                 self._writes = ThreadPoolExecutor(1, "nn_handler-checkpoint")
             save.written = self._writes.submit(dcp_save, staged, save.writer, options, False)
-            save.error = error
             if store.uploads:
                 if self._puts is None:
                     self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
@@ -225,8 +224,6 @@ class ShardedWriter:
         """This rank's files of the folder, put in its store (after they are written)."""
         if save.written is not None:
             save.written.result()
-        if save.error is not None:
-            return {}  # never committed: nothing to send
         names = list(getattr(save.writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
         known = getattr(save.writer, "entries", {})  # checksummed as they were written
         files = [save.staging / name for name in names]
@@ -235,23 +232,21 @@ class ShardedWriter:
     def _finish(self, save: _Save, error: str | None, what: str) -> None:
         """Every rank: put its files (unless done in the background) and agree on the writes
         and puts; then rank 0 has the store commit the folder, with every rank's entries,
-        and runs ``then``, and every rank learns the outcome."""
+        and runs ``then``."""
         store, target = save.store, save.target
         objects: dict[str, Entry] = {}
-        try:
-            if error is None and store.uploads:
-                objects = save.put.result() if save.put is not None else self._put(save)
-        except Exception as caught:  # never skip the agreement below: the others wait in it
-            error = f"{type(caught).__name__}: {caught}"
-        # Before the commit: a failure may be one rank's own (its copy of the state, rank 0's
-        # preparation of an asynchronous save), which no other rank has seen.
-        uploading = f"uploading checkpoint {target} to {store.where}"
-        with self.comm.patient():  # ranks write and upload at their own pace
-            agree_on(self.comm, error, uploading if store.uploads else what)
+        if store.uploads:
+            try:
+                if error is None:
+                    objects = save.put.result() if save.put is not None else self._put(save)
+            except Exception as caught:  # never skip the agreement below: the others wait in it
+                error = error or f"{type(caught).__name__}: {caught}"
+            with self.comm.patient():  # ranks upload at their own pace
+                agree_on(self.comm, error, f"uploading checkpoint {target} to {store.where}")
         every = [objects]
         if store.uploads and self.comm.world_size > 1:
             every = self.comm.gather_object(objects, dst=0) or []
-        if self.comm.rank == 0:
+        if error is None and self.comm.rank == 0:
             merged = {key: entry for part in every for key, entry in part.items()}
             for name, entry in getattr(save.writer, "files", {}).items():
                 key = f"{target.name}/{name}"
@@ -272,12 +267,12 @@ class ShardedWriter:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        error = pending.error
+        error: str | None = None
         try:
             if pending.written is not None:
                 pending.written.result()
         except dcp_errors() as caught:
-            error = error or save_failure(caught, pending.target, None)
+            error = save_failure(caught, pending.target, None)
         self._finish(pending, error, f"writing checkpoint {pending.target} (in the background)")
         return pending.target
 

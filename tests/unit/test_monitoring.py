@@ -5,6 +5,7 @@ stalls, measured FLOPs and MFU, the peak table, peak memory; and the profiler's 
 from __future__ import annotations
 
 import json
+import mmap
 import time
 from pathlib import Path
 from typing import Any
@@ -185,10 +186,15 @@ def test_peak_memory_follows_each_epoch() -> None:
     class Allocate(Hook):
         def before_step(self) -> None:
             if self.trainer.state.epoch == 1 and not hasattr(self, "block"):
-                self.block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+                # 64 MiB of fresh pages, touched: an anonymous mapping (a tensor may be served
+                # from memory the allocator already holds, resident, which raises no peak).
+                self.block = mmap.mmap(-1, 64 * 2**20)
+                self.block.write(b"\x01" * len(self.block))
 
         def after_epoch(self) -> None:
-            self.__dict__.pop("block", None)
+            block = self.__dict__.pop("block", None)
+            if block is not None:
+                block.close()
 
     handler = _run(mlp(), regression_data(), Allocate(), epochs=3)
     first, second, third = (r["peak_mem_mb"] for r in handler.history.records)
