@@ -33,7 +33,8 @@ def agree_on(comm: Communicator, error: str | BaseException | None, what: str) -
         if isinstance(error, CheckpointError):
             raise error from error.__cause__
         raised = error if isinstance(error, BaseException) else None
-        raise CheckpointError(f"{what} failed on rank(s) [0]: rank 0: {text}") from raised
+        own = text if str(text).startswith("rank 0: ") else f"rank 0: {text}"  # (DCP's say)
+        raise CheckpointError(f"{what} failed on rank(s) [0]: {own}") from raised
 
 
 def _text(error: BaseException) -> str:

@@ -27,8 +27,8 @@ from torch.futures import Future
 
 from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.safe_dcp import INDEX
+from nn_handler.checkpoint.sharded_errors import SaveRefused
 from nn_handler.checkpoint.verify import Passing, item_entries
-from nn_handler.errors import CheckpointError
 
 
 @dataclass
@@ -122,7 +122,7 @@ class ChecksummingWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.refusal is not None:
-            raise CheckpointError(self.refusal)
+            raise SaveRefused(self.refusal)
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

@@ -11,6 +11,11 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.io import write_failure
+from nn_handler.errors import CheckpointError
+
+
+class SaveRefused(CheckpointError):
+    """A rank's part of a save refused before it began; its text is the cause, with its type."""
 
 
 def dcp_errors() -> tuple[type[BaseException], ...]:
@@ -29,7 +34,8 @@ def failure_text(error: BaseException) -> str:
     lines = []
     for rank, wrapped in sorted(failures.items()):
         cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        lines.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        said = str(cause) if isinstance(cause, SaveRefused) else f"{type(cause).__name__}: {cause}"
+        lines.append(f"rank {rank}: {said}")
     return "; ".join(lines)
 
 
@@ -70,4 +76,4 @@ def _local_tensors(value: Any) -> Any:
     return value
 
 
-__all__ = ["causes_of", "dcp_errors", "failure_text", "save_failure"]
+__all__ = ["SaveRefused", "causes_of", "dcp_errors", "failure_text", "save_failure"]

@@ -306,7 +306,7 @@ def test_an_async_save_blocks_for_no_collective_and_a_failed_copy_fails_every_ra
         assert found["calls_in_save"] == [] and found["calls_in_next_save"] == []
         error = found["error"]
         assert error.startswith("CheckpointError: writing checkpoint"), found
-        said = "(in the background) failed: rank 1: CheckpointError: copying this rank's state"
+        said = "(in the background) failed: rank 1: copying this rank's state: RuntimeError: no"
         assert said in error, error
         assert error.count("no shared memory left") == 1, error  # said once, by its rank
         assert not found["failed_committed"] and found["next"]

@@ -6,6 +6,7 @@ checkpoint is opened; a manifest that cannot be read gets nothing deleted."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,5 +264,35 @@ def test_a_name_written_again_loses_its_old_manifest_first_and_a_new_one_costs_n
         store.prepare(FOLDER)
         assert removed == [manifest_name(FOLDER)]
         assert store.store.read(manifest_name(FOLDER)) is None and not store.exists(folder)
+    finally:
+        store.release()
+
+
+def test_an_async_save_that_cannot_begin_uploads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's preparation of an asynchronous save failed (the store refused to drop an old
+    commit, say): DCP's planning refuses the save, so no object is uploaded, the wait raises
+    the cause, and the next save commits."""
+    store = _open_store("object store", tmp_path)
+    assert isinstance(store, ObjectStore) and store.start(is_checkpoint_name) is None
+    try:
+
+        def refused(name: str) -> None:
+            raise CheckpointError(f"the store kept the old commit of {name}")
+
+        monkeypatch.setattr(store, "prepare", refused)
+        writer = ShardedWriter(NullCommunicator(), lambda: None)
+        shards = {"model": {"w": WEIGHTS}}
+        writer.save({"format": "x"}, shards, store.dir / FOLDER, store, asynchronous=True)
+        said = "failed on rank(s) [0]: rank 0: CheckpointError: the store kept the old commit of"
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            writer.wait()
+        assert [key for key in store.store.listing() if key.startswith("ckpt")] == []
+        monkeypatch.undo()
+        writer.save({"format": "x"}, shards, store.dir / FOLDER, store, asynchronous=True)
+        assert writer.wait() == store.dir / FOLDER
+        store.flush()
+        assert store.exists(store.dir / FOLDER)
     finally:
         store.release()
