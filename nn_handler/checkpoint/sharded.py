@@ -153,8 +153,8 @@ class ShardedWriter:
         """Stop the writer process and threads, if any (after ``wait``). Every rank may call
         it."""
         for pool in (self._writes, self._puts):
-            if pool is not None:
-                pool.shutdown()
+            if pool is not None:  # not waited for: after a failure a write may still hang
+                pool.shutdown(wait=False)
         self._writes = self._puts = None
         if self._process is not None:
             self._process.close()
