@@ -210,11 +210,16 @@ class TrainerConfig(ConfigModel):
         find_unused_parameters: passed to DistributedDataParallel.
         nonfinite: what to do when any rank's loss or gradients are NaN/inf before a step:
             'skip' the step on every rank (and log it), 'raise' on every rank, or 'off'.
-            A skipped step leaves the weights and every buffer (BatchNorm statistics) as they
-            were before it, and its losses are left out of the epoch's train_loss.
+            A skipped step leaves the weights, the optimizer's state and every buffer
+            (BatchNorm statistics) as they were before it, and its losses are left out of the
+            epoch's train_loss; the global step, a per-step schedule and the EMA go on. With
+            a fused optimizer ('skip' only) the step is skipped on the device, with no host
+            read, and counted at the next log step; otherwise the verdict costs one host read
+            per optimizer step.
         max_consecutive_skipped_steps: with nonfinite='skip', raise NonFiniteError on every
             rank after this many skipped optimizer steps in a row (None: never), so a run
-            that has diverged stops instead of skipping every step silently.
+            that has diverged stops instead of skipping every step silently (a verdict
+            decided on the device: at the log step after the limit).
         early_stopping: stop on a monitored metric (None: never).
         max_steps: stop once this many optimizer steps are done in total (None: no limit),
             also in the middle of an epoch.
@@ -230,8 +235,9 @@ class TrainerConfig(ConfigModel):
             of each epoch only.
         fast_dev_run: a smoke run of the whole loop: this many training and validation
             batches, one epoch, and no checkpoint written or resumed (0: off).
-        log_every_n_steps: how often the rank-0 progress bar shows the running loss (the only
-            host synchronisation the loop adds for display).
+        log_every_n_steps: how often the rank-0 progress bar shows the running loss and the
+            host reads the non-finite guard's verdicts decided on the device (the loop's host
+            synchronisations with a fused optimizer).
         progress_bar: a tqdm bar on rank 0.
         non_blocking: copy batches to the device asynchronously (with pinned memory).
         profile: profile a few training steps with torch.profiler (ProfileConfig: Chrome

@@ -43,8 +43,9 @@ class RunningLoss:
 
     ``add(loss, n)`` only appends the detached loss tensor; ``end_window(k, skipped)`` closes
     an optimizer step of ``k`` micro-batches: when the step was skipped its losses are left
-    out of the mean (on every rank alike, finite or not), and every ``fold_every`` batches the
-    pending values are folded into a device sum and count in a few tensor ops. Non-finite
+    out of the mean (on every rank alike, finite or not; ``skipped`` may be a device flag,
+    applied when the values are folded, with no host read), and every ``fold_every`` batches
+    the pending values are folded into a device sum and count in a few tensor ops. Non-finite
     losses are left out of the mean too; skipped samples still count in ``samples``.
     ``compute(comm)`` reduces sum, count and samples in one all_reduce. ``extras`` holds the
     other scalars ``training_step`` returned (sample-weighted); they are reduced only when some
@@ -55,6 +56,7 @@ class RunningLoss:
         self.fold_every = fold_every
         self._pending: list[torch.Tensor] = []
         self._sizes: list[int] = []
+        self._flags: list[tuple[int, int, torch.Tensor]] = []  # pending[start:end] skipped if set
         self._sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
         self.samples = 0
@@ -65,21 +67,44 @@ class RunningLoss:
         self._sizes.append(n)
         self.samples += n
 
-    def end_window(self, micro_batches: int, skipped: bool) -> None:
+    def end_window(self, micro_batches: int, skipped: bool | torch.Tensor) -> None:
         """The last ``micro_batches`` losses made one optimizer step; ``skipped``: it was
-        skipped, so they leave the mean. Folds when enough values are pending."""
-        if skipped:
-            pending = self._pending
-            for i in range(max(len(pending) - micro_batches, 0), len(pending)):
+        skipped (True, or a device flag that is nonzero), so they leave the mean. Folds when
+        enough values are pending."""
+        pending = self._pending
+        start = max(len(pending) - micro_batches, 0)
+        if isinstance(skipped, torch.Tensor):
+            self._flags.append((start, len(pending), skipped))
+        elif skipped:
+            for i in range(start, len(pending)):
                 pending[i] = torch.full_like(pending[i], math.nan)
         if len(self._pending) >= self.fold_every:
             self.fold()
+
+    def _apply_flags(self) -> None:
+        """The device flags of skipped windows made NaN losses (no host read)."""
+        if not self._flags:
+            return
+        pending, nan = self._pending, math.nan
+        for start, end, flag in self._flags:
+            skipped = flag.reshape(()).bool()
+            for i in range(start, end):
+                pending[i] = torch.where(skipped, nan, pending[i])
+        self._flags.clear()
 
     def fold(self) -> None:
         if not self._pending:
             return
         losses = torch.stack(self._pending).to(torch.float64)
-        sizes = torch.tensor(self._sizes, dtype=torch.float64, device=losses.device)
+        if self._flags:  # the skipped windows' losses leave the mean: one mask, no host read
+            zero = self._flags[0][2].new_zeros(())
+            marks = [zero] * len(self._pending)
+            for start, end, flag in self._flags:
+                marks[start:end] = [flag.reshape(())] * (end - start)
+            losses = losses.masked_fill(torch.stack(marks).to(losses.device) > 0, math.nan)
+            self._flags.clear()
+        sizes = torch.tensor(self._sizes, dtype=torch.float64)  # copied without a host wait
+        sizes = sizes.to(losses.device, non_blocking=True)
         finite = torch.isfinite(losses)
         total = torch.where(finite, losses * sizes, 0.0).sum()
         count = (finite * sizes).sum()
@@ -97,6 +122,7 @@ class RunningLoss:
 
     def state_dict(self) -> dict[str, Any]:
         """The exact partial state (pending values unfolded, so a resumed epoch sums alike)."""
+        self._apply_flags()
         return {
             "pending": [t.detach() for t in self._pending],
             "sizes": list(self._sizes),

@@ -3,7 +3,9 @@ no, the buffers (BatchNorm statistics) put back as they were before the step.
 
 Uses torch's fused AMP kernel (``torch._amp_foreach_non_finite_check_and_unscale_``, what
 GradScaler runs) with a scale of 1, over gradients grouped once by device and dtype. Run on
-gradients DDP has already averaged, it gives the same answer on every rank.
+gradients DDP has already averaged, it gives the same answer on every rank. The answer is read
+on the host (``all_finite``) or kept on the device (``found_nonfinite``: a flag that an
+optimizer which skips on the device takes, as GradScaler hands it to torch's fused optimizers).
 """
 
 from __future__ import annotations
@@ -56,6 +58,35 @@ class GradientFiniteCheck:
             if tensors and not self._check(tensors, found_inf, one):
                 finite = False
         return finite and all(bool(torch.isfinite(t).all()) for t in pending)
+
+    def found_nonfinite(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``all_finite``'s answer left on the device, with no host read: a new float32 tensor
+        of shape (), 1.0 when some gradient (or a tensor of ``extra``) is NaN/inf, else 0.0,
+        on the first group's device. A zero fill and the fused check per device/dtype group
+        (``extra`` joins the kernel of its device's group), plus an op per other device."""
+        flags: dict[torch.device, torch.Tensor] = {}
+        pending = list(extra)
+        for members, _, one in self._groups:
+            device = one.device
+            flag = flags.get(device)
+            if flag is None:  # the kernel only ever sets the flag: a device's groups share it
+                flag = flags[device] = torch.zeros((), device=device)
+            tensors = self._grads(members)
+            if pending:
+                tensors += [t for t in pending if t.device == device]
+                pending = [t for t in pending if t.device != device]
+            if tensors:
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
+        if not flags:
+            device = pending[0].device if pending else torch.device("cpu")
+            flags[device] = torch.zeros((), device=device)
+        main = next(iter(flags.values()))
+        others = [flag for flag in flags.values() if flag is not main]
+        for flag in others:
+            main.add_(flag.to(main.device, non_blocking=True))
+        for tensor in pending:  # on a device without gradients
+            main.add_(torch.isfinite(tensor).all().logical_not().to(main.device))
+        return main.clamp_(max=1.0) if others or pending else main
 
     @staticmethod
     def _params(
@@ -111,6 +142,15 @@ class BufferSnapshot:
     def restore(self) -> None:
         if self._buffers and self.taken:
             torch._foreach_copy_(self._buffers, self._saved)
+        self.taken = False
+
+    def restore_where(self, skipped: torch.Tensor) -> None:
+        """``restore`` decided on the device: each buffer becomes its snapshot where
+        ``skipped`` (a 0-dim bool tensor) is true, and stays as it is otherwise. One kernel
+        per buffer, no host read."""
+        if self._buffers and self.taken:
+            for buffer, saved in zip(self._buffers, self._saved, strict=True):
+                torch.where(skipped, saved, buffer, out=buffer)
         self.taken = False
 
 

@@ -20,11 +20,11 @@ from torch import nn
 
 from nn_handler.checkpoint.registry import Part
 from nn_handler.config.training import EmaConfig, TrainerConfig
-from nn_handler.errors import ConfigError, NonFiniteError
+from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy
 from nn_handler.training.ema import ModelEma
 from nn_handler.training.history import Record
-from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
+from nn_handler.training.nonfinite_guard import NonFiniteGuard, Verdict
 from nn_handler.training.optimization_parts import ema_part, optimizer_parts, scheduler_parts
 from nn_handler.training.precision import Precision
 from nn_handler.training.schedules import (
@@ -75,9 +75,9 @@ class Optimization:
         self._deferred: Callable[[Any, int], Any] | None = None
         self._pending_scheduler_state: Any = None
         self._params: list[nn.Parameter] = []
-        self._guard = False
-        self._finite = GradientFiniteCheck([])
-        self._buffers: BufferSnapshot | None = None
+        self.guard = NonFiniteGuard(config, state, self.log)
+        #: The last step's verdict: skipped (a bool, or a device flag read at a log step).
+        self.skipped: Verdict = False
         self._window_losses: list[torch.Tensor] = []
         self._window_open = False  # the next micro-batch opens an optimizer step
 
@@ -145,10 +145,8 @@ class Optimization:
             sharded = strategy.collective_state
             self.ema = ShardedEma(module, ema, strategy) if sharded else ModelEma(module, ema)
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._guard = self.config.nonfinite != "off" and self.precision.scaler is None
-        self._finite = GradientFiniteCheck(self._params)
-        snapshot = BufferSnapshot(module)
-        self._buffers = snapshot if self._guard and snapshot.has_buffers else None
+        scaled = self.precision.scaler is not None
+        self.guard.adopt(self._params, module, self.optimizer, self.strategy, scaled)
 
     def _check_manual(self) -> None:
         config, reasons = self.config, []
@@ -199,7 +197,8 @@ class Optimization:
         """Backward of one micro-batch of a ``window``-batch accumulation window (the loss is
         divided by it: the gradient is the window's mean). Returns the detached loss."""
         scaler = self.precision.scaler
-        if self._guard and self.strategy.reduces_gradients:
+        guarded = self.guard.enabled
+        if guarded and self.strategy.reduces_gradients:
             # Backward seeded with 0 * loss + 1/window: NaN when the loss is NaN/inf, so this
             # rank's gradients turn NaN and DDP's averaging carries that to every rank; one
             # check of the synchronised gradients then decides for all ranks.
@@ -208,7 +207,7 @@ class Optimization:
         scaled = loss / window if window > 1 else loss
         (scaled if scaler is None else scaler.scale(scaled)).backward()  # type: ignore[no-untyped-call]
         detached = loss.detach()
-        if self._guard:  # without DDP the window's losses join the gradients' finite check
+        if guarded:  # without DDP the window's losses join the gradients' finite check
             self._window_losses.append(detached)
         return detached
 
@@ -220,46 +219,46 @@ class Optimization:
             return
         self._window_open = True
         self.require_optimizer().zero_grad(set_to_none=True)
-        if self._buffers is not None:
-            self._buffers.take()
+        self.guard.open_window()
 
     def step(self) -> bool:
-        """Unscale, clip, check, then step (or skip) on every rank alike; returns whether the
-        optimizer stepped. Then the EMA and a per-step scheduler, and the window closes: the
-        gradients stay until the next window's first micro-batch (readable in
-        ``after_optimizer_step`` hooks)."""
-        optimizer, state = self.require_optimizer(), self.state
-        scaler = self.precision.scaler
-        if scaler is not None:
+        """Unscale, clip, check, then step (or skip) on every rank alike; returns False when the
+        guard skipped the step on the host (a step the guard decides on the device, or fp16's
+        GradScaler, returns True and skips there: nonfinite_guard.py). Then the EMA and a
+        per-step scheduler, skipped steps included, and the window closes: the gradients stay
+        until the next window's first micro-batch (readable in ``after_optimizer_step``
+        hooks). No host read here unless the guard decides on the host."""
+        optimizer, state, guard = self.require_optimizer(), self.state, self.guard
+        if self.precision.scaler is not None:
             self.precision.unscale(optimizer)
         if self.config.gradient_clip_val is not None:
             self.strategy.clip_grad_norm(
                 self._params, self.config.gradient_clip_val, self.config.gradient_clip_norm_type
             )
-        stepped = self._finite.all_finite(self._window_losses) if self._guard else True
-        if self._guard and self.strategy.shards_gradients:  # each rank checked its shard
-            stepped = self.strategy.agree(stepped)
+        skipped = self.skipped = guard.decide(self.strategy, self._window_losses)
         self._window_losses.clear()
-        if stepped:
-            if scaler is not None:
-                scale = scaler.get_scale()
-                self.precision.step(optimizer)
-                stepped = scaler.get_scale() >= scale
-            else:
-                optimizer.step()
-            state.skipped_in_a_row = 0
+        if isinstance(skipped, torch.Tensor):
+            guard.step_unless(optimizer, skipped)
+        elif skipped:
+            guard.skip()
         else:
-            if self._buffers is not None:
-                self._buffers.restore()
-            self._on_nonfinite()
-        if stepped:
-            if self.ema is not None:
-                self.ema.update()
-            if self.scheduler is not None and self.config.scheduler_interval == "step":
-                self.scheduler.step()
+            self.precision.step(optimizer)
+            guard.took()
+        # A skipped step is still a step: the EMA averages the unchanged weights and the
+        # schedule goes on, as for a step GradScaler skips (and as timm's EMA does).
+        if self.ema is not None:
+            self.ema.update()
+        if self.scheduler is not None and self.config.scheduler_interval == "step":
+            self.scheduler.step()
         self._window_open = False
         state.global_step += 1
-        return stepped
+        return skipped is not True
+
+    def settle(self, check: bool = True) -> None:
+        """Count the skipped steps the guard decided on the device since the last call (one
+        host read; none when there are none). Every rank must call it at the same steps: the
+        loop does at every log step and at the end of an epoch. May raise NonFiniteError."""
+        self.guard.settle(check)
 
     def after_manual_step(self) -> None:
         """Manual optimization advances once per batch: the EMA, every per-step scheduler and
@@ -274,29 +273,10 @@ class Optimization:
 
     def reset_window(self) -> None:
         """A new epoch: nothing left of an epoch that raised (its partial window's gradients
-        are zeroed when the next window opens)."""
+        are zeroed when the next window opens, its unread verdicts forgotten)."""
         self._window_losses.clear()
         self._window_open = False
-
-    def _on_nonfinite(self) -> None:
-        state = self.state
-        where = f"epoch {state.epoch + 1}, optimizer step {state.global_step + 1}"
-        if self.config.nonfinite == "raise":
-            raise NonFiniteError(
-                f"the loss or gradients were NaN/inf on at least one rank at {where}; every "
-                f"rank stops here. Use TrainerConfig(nonfinite='skip') to skip such steps."
-            )
-        state.skipped_steps += 1
-        state.skipped_in_a_row += 1
-        limit = self.config.max_consecutive_skipped_steps
-        if limit is not None and state.skipped_in_a_row >= limit:
-            raise NonFiniteError(
-                f"the loss or gradients were NaN/inf on at least one rank for "
-                f"{state.skipped_in_a_row} optimizer steps in a row (the last at {where}); the "
-                f"run has diverged, so every rank stops here. Lower the learning rate, check the "
-                f"data, or raise TrainerConfig(max_consecutive_skipped_steps=...)."
-            )
-        self.log.warning("skipped the optimizer step at {}: NaN/inf loss or gradients", where)
+        self.guard.discard()
 
     # ----------------------------------------------------------------- checkpoints
     def parts(self) -> list[Part]:

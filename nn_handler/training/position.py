@@ -15,7 +15,7 @@ losses continue exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,10 @@ class ResumePoint:
     skipped_steps: int = 0
     data: dict[str, Any] = field(default_factory=dict)
     saved_world: int | None = None
+
+
+def _nothing() -> None:
+    return None
 
 
 def describe_loader(loader: Iterable[Any]) -> dict[str, Any]:
@@ -89,6 +93,9 @@ class LoopPosition:
         self.resume: ResumePoint | None = None
         #: Whether early stopping (not a hook) set ``state.should_stop``.
         self.stopped_early = False
+        #: Called before the position is recorded (the Trainer's: count the skipped steps
+        #: decided on the device, so ``state`` is up to date; no collective).
+        self.before_save: Callable[[], None] = _nothing
 
     # ----------------------------------------------------------------- the loop's calls
     def start_epoch(self, loader: Iterable[Any]) -> None:
@@ -113,6 +120,7 @@ class LoopPosition:
         the partial loss restored."""
         if self.running is None:
             return
+        self.before_save()
         self.resume = ResumePoint(
             start_rng=self.epoch_rng,
             step_rng=capture_rng(),
@@ -169,6 +177,7 @@ class LoopPosition:
     # (saved between a resume and the fit: a fault-tolerant member sends its state to a
     # joining one there) is that position, not the loop's own, which has not moved yet.
     def _save_position(self) -> dict[str, Any]:
+        self.before_save()
         state, point = self.state, self.resume
         return {
             "epoch": state.epoch,

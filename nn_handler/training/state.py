@@ -18,9 +18,11 @@ class TrainerState:
         epoch: epochs completed (during an epoch: its 0-based index).
         global_step: optimizer steps taken, skipped ones included.
         batch_index: the batch within the epoch.
-        skipped_steps: optimizer steps skipped for non-finite values, in this epoch.
-        skipped_in_a_row: optimizer steps skipped in a row, up to the last one (0 after a
-            step that was taken).
+        skipped_steps: optimizer steps skipped for non-finite values, in this epoch (when the
+            optimizer skips on the device: as of the last log step, the epoch's end or the
+            last checkpoint).
+        skipped_in_a_row: optimizer steps skipped in a row, up to the last one counted (0
+            after a step that was taken).
         step_synced: whether the last batch ended an accumulation window (an optimizer step).
         last_loss: the last batch's loss, a detached device tensor (``float()`` syncs).
         last_scalars: the other scalars the last batch's ``training_step`` returned (detached

@@ -126,6 +126,8 @@ class Trainer(TrainerFacade):
             own.append(self.checkpointing.hook)
         self.hooks = HookList([*hooks, *own], self)
         self.optimization = Optimization(config, self.precision, self.strategy, self.state, ema)
+        # A position written mid-epoch counts the skipped steps the device has not told yet.
+        self.position.before_save = lambda: self.optimization.settle(check=False)
         self.evaluator = Evaluator(
             config, self.strategy, self.optimization, self.hooks, metrics, self._use_model
         )
@@ -338,13 +340,14 @@ class Trainer(TrainerFacade):
                 running.add(loss, batch_size_of(batch))
                 if synced:
                     position.batches_done = index + 1
-                    running.end_window(end - start, state.skipped_in_a_row > 0)
+                    running.end_window(end - start, self.optimization.skipped)
                 hooks.call("after_step")
                 bar.update()
+                log_step = (index + 1) % config.log_every_n_steps == 0
+                if log_step:  # the host reads the device's verdicts on skipped steps here
+                    self.optimization.settle()
                 if bar.active and (
-                    index == first
-                    or index + 1 == total
-                    or (index + 1) % config.log_every_n_steps == 0
+                    index == first or index + 1 == total or log_step
                 ):  # from the first batch on (a short epoch too), then every n and at its end
                     bar.show_running(running, started)
                 if not synced:
@@ -361,6 +364,7 @@ class Trainer(TrainerFacade):
             bar.close()
             position.running = running if partial else None  # kept: the epoch goes on later
             state.batch = None
+        self.optimization.settle()
         keys, skipped = self._train_keys, state.skipped_steps
         comm = self.comm if self.reproducible is None else NullCommunicator()  # replicated
         record = epoch_record(running, comm, self.device, keys, started, skipped)

@@ -357,14 +357,19 @@ def test_fault_tolerance_launches_the_job_both_ways_and_writes_its_fields(quick_
 def test_gpu_step_measures_every_variant_and_skips_without_cuda(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """benchmarks/gpu_step.py runs by hand where a GPU is lent: here its timing loop on the
+    """benchmarks/gpu_step.py runs by hand where a GPU is lent: here its timing loops on the
     CPU (one workload, one step an epoch), and its main, which says it measured nothing."""
     import gpu_step
 
     row = gpu_step._timed("transformer", "32", steps=1, repeats=1, device="cpu")
     assert set(row) == {"batch", "steps_per_epoch", *gpu_step.VARIANTS}
     assert all(row[name]["ms_per_step"] > 0 for name in gpu_step.VARIANTS)
-    assert row["reproducible"]["ratio_median"] > 0 and "ratio_median" not in row["normal"]
+    for name, baseline in gpu_step.BASELINES.items():
+        assert row[name]["against"] == baseline and row[name]["ratio_median"] > 0
+    assert all("ratio_median" not in row[name] for name in ("normal", "normal_4_micro"))
+    raw = gpu_step._against_raw("transformer", "bf16", 1, 1, "cpu", compiled=False)
+    assert raw["nn_handler"]["against"] == "raw" and raw["nn_handler"]["ratio_median"] > 0
+    assert raw["nn_handler_plain_sgd"]["against"] == "raw_plain_sgd"
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["gpu_step.py", "--quick"])
         gpu_step.main()

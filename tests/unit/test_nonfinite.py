@@ -64,3 +64,23 @@ def test_a_buffer_snapshot_puts_batchnorm_statistics_back() -> None:
     assert not snapshot.taken
     snapshot.restore()  # nothing taken: a no-op
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float32, torch.float64)])
+def test_the_device_flag_says_what_all_finite_says_and_is_new_each_time(
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
+    params = _params(*dtypes)
+    check = GradientFiniteCheck(params)
+    finite = check.found_nonfinite([torch.tensor(0.5)])
+    assert finite.shape == () and finite.dtype == torch.float32 and float(finite) == 0.0
+    params[-1].grad[0] = float("inf")
+    found = check.found_nonfinite()
+    assert float(found) == 1.0 and float(finite) == 0.0, "an earlier flag must not change"
+    params[-1].grad = torch.ones_like(params[-1])
+    assert float(check.found_nonfinite()) == 0.0
+    assert float(check.found_nonfinite([torch.tensor(float("nan"))])) == 1.0
+    params[0].grad = None
+    params[-1].grad = None
+    assert float(check.found_nonfinite()) == 0.0  # no gradients at all: finite
+    assert float(GradientFiniteCheck([]).found_nonfinite([torch.tensor(float("inf"))])) == 1.0
