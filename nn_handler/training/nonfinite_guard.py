@@ -121,7 +121,7 @@ class NonFiniteGuard:
         and keep the flag for ``settle``."""
         step_unless(optimizer, found_inf)
         if self._buffers is not None:
-            self._buffers.restore_where(found_inf.bool())
+            self._buffers.restore_where(found_inf)
         state = self.state
         self._pending.append((state.epoch, state.global_step, found_inf))
 

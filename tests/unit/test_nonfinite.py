@@ -66,6 +66,33 @@ def test_a_buffer_snapshot_puts_batchnorm_statistics_back() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("skipped", [1.0, 0.0])
+def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(skipped: float) -> None:
+    # float32, float64, bfloat16 and int64 buffers (four integer widths of the bits), some
+    # NaN after the forward: where the flag is set, the snapshot comes back, bits and all;
+    # where it is not, the buffers stay as the forward left them.
+    module = nn.Sequential(
+        nn.BatchNorm1d(4), nn.BatchNorm1d(4).double(), nn.BatchNorm1d(4).bfloat16()
+    )
+    module.register_buffer("mask", torch.tensor([True, False]))
+    snapshot = BufferSnapshot(module)
+    for _ in range(2):  # the views of the bits are built once, then reused
+        before = {k: v.clone() for k, v in module.named_buffers()}
+        snapshot.take()
+        module[0](torch.full((5, 4), float("nan")))
+        module[1](torch.randn(5, 4, dtype=torch.float64))
+        module[2](torch.randn(5, 4, dtype=torch.bfloat16))
+        module.mask.logical_not_()
+        forward = {k: v.clone() for k, v in module.named_buffers()}
+        snapshot.restore_where(torch.tensor(skipped))
+        expected = before if skipped else forward
+        for key, value in module.named_buffers():
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            width = bits[value.element_size()]
+            assert torch.equal(value.view(width), expected[key].view(width)), key
+        assert not snapshot.taken
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float32, torch.float64)])
 def test_the_device_flag_says_what_all_finite_says_and_is_new_each_time(
     dtypes: tuple[torch.dtype, ...],
