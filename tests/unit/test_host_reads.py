@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nn_handler import Hook, NNHandler
 from tests.training_helpers import mlp, regression_data
@@ -273,3 +274,66 @@ def test_a_checkpoint_counts_the_skipped_steps_the_device_has_not_told_yet(
     (step_5,) = tmp_path.glob("ckpt-e0000-s00000005.pt")
     saved = torch.load(step_5, weights_only=True)["trainer"]
     assert (saved["global_step"], saved["skipped_steps"]) == (5, 1)
+
+
+# ----------------------------------------------------------------- what the guard launches
+class Operations(TorchDispatchMode):
+    """Counts the operations torch dispatches (on a GPU, roughly its kernel launches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountingOperations(Hook):
+    """Operations per batch over batches 10 to 29."""
+
+    def __init__(self) -> None:
+        self.operations = Operations()
+
+    def before_step(self) -> None:
+        index = self.trainer.state.batch_index
+        if index == 10:
+            self.operations.__enter__()
+        elif index == 30:
+            self.operations.__exit__(None, None, None)
+
+
+def _operations_per_step(model: nn.Module, nonfinite: str) -> float:
+    hook = CountingOperations()
+    handler = NNHandler(
+        model,
+        fused_sgd,
+        nn.CrossEntropyLoss(),
+        hooks=[hook],
+        config={
+            "loader": {"batch_size": 2},
+            "trainer": {"progress_bar": False, "nonfinite": nonfinite, "log_every_n_steps": 100},
+            "logging": {"monitor": False},
+        },
+    )
+    handler.train(regression_data(n=80))
+    return hook.operations.count / 20
+
+
+def test_the_guard_adds_the_same_few_operations_however_many_buffers() -> None:
+    # On a GPU each operation is a kernel launch, and a small model's step is bound by them:
+    # the guard adds 2 (a zeroed flag, the fused check) and, for the buffers, 9 (the
+    # snapshot's copy, the flag as integers twice, three kernels per integer width: float32
+    # and int64 here), whether the model has one BatchNorm layer or three.
+    def with_norms(layers: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 16), *[nn.BatchNorm1d(16) for _ in range(layers)], nn.Linear(16, 3)
+        )
+
+    added = {
+        layers: _operations_per_step(with_norms(layers), "skip")
+        - _operations_per_step(with_norms(layers), "off")
+        for layers in (0, 1, 3)
+    }
+    assert added == {0: 2.0, 1: 11.0, 3: 11.0}, added
