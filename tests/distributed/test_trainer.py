@@ -178,6 +178,35 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     )
     history = handler.train(regression_data())
     out["nan_skip"] = {"skipped": history["skipped_steps"], "model": state_of(handler.model)}
+    # The same with torch's fused SGD, which skips on the device (no host read: the flags are
+    # read at the epoch's end), and with its device-side skip hidden (the host decides): the
+    # same counts, the same bits for the weights and SyncBatchNorm's statistics on both ranks.
+    synced = nan_config.model_copy(
+        update={"trainer": nan_config.trainer.model_copy(update={"sync_batchnorm": True})}
+    )
+    for name, hide in (("nan_skip_on_device", False), ("nan_skip_on_host", True)):
+
+        def fused(params: Any, hide: bool = hide) -> torch.optim.Optimizer:
+            optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+            optimizer._step_supports_amp_scaling = not hide  # type: ignore[attr-defined]
+            return optimizer
+
+        torch.manual_seed(0)
+        handler = NNHandler(
+            mlp(batchnorm=True),
+            fused,
+            nn.CrossEntropyLoss(),
+            config=synced,
+            trainer_class=NaNOnRankOne,
+            context=context,
+        )
+        history = handler.train(regression_data())
+        out[name] = {
+            "decided_on_device": handler.trainer.optimization.guard.on_device,
+            "skipped": history["skipped_steps"],
+            "train_loss": history["train_loss"],
+            "model": state_of(handler.model),
+        }
     raise_config = nan_config.model_copy(
         update={"trainer": nan_config.trainer.model_copy(update={"nonfinite": "raise"})}
     )
@@ -436,6 +465,20 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(results: list[dict[str, Any]
     zero, one = results[0]["nan_skip"]["model"], results[1]["nan_skip"]["model"]
     assert max_difference(zero, one) == 0.0
     assert all(torch.isfinite(v).all() for v in zero.values())
+
+
+def test_a_fused_optimizer_skips_the_nan_step_on_the_device_as_the_host_would(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        device, host = results[rank]["nan_skip_on_device"], results[rank]["nan_skip_on_host"]
+        assert device["decided_on_device"] and not host["decided_on_device"], f"rank {rank}"
+        assert device["skipped"] == host["skipped"] == [1.0, 0.0], f"rank {rank}"
+        assert device["train_loss"] == host["train_loss"], f"rank {rank}"
+        assert max_difference(device["model"], host["model"]) == 0.0, f"rank {rank}"
+    zero, one = (results[rank]["nan_skip_on_device"]["model"] for rank in (0, 1))
+    assert max_difference(zero, one) == 0.0
+    assert all(torch.isfinite(v.double()).all() for v in zero.values())
 
 
 def test_a_nan_on_one_rank_raises_on_every_rank_when_configured(
