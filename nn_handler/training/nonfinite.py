@@ -116,6 +116,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+_ByteGroups = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class BufferSnapshot:
     """The module's buffers as they were at the start of an optimizer step, so a skipped step
     can leave them untouched (a NaN batch would otherwise poison BatchNorm's running
@@ -128,7 +132,7 @@ class BufferSnapshot:
     def __init__(self, module: torch.nn.Module) -> None:
         self._buffers = [b for b in module.buffers() if b.numel()]
         self._saved = [torch.empty_like(b) for b in self._buffers]
-        self._as_bits: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._as_bytes: tuple[_ByteGroups, _Pairs] | None = None
         self.taken = False
 
     @property
@@ -147,36 +151,39 @@ class BufferSnapshot:
 
     def restore_where(self, skipped: torch.Tensor) -> None:
         """``restore`` decided on the device: the buffers become their snapshot where
-        ``skipped`` (a 0-dim tensor on their device, 1 or 0) is set, and stay otherwise, with
-        no host read. The bits are selected as integers (a buffer viewed as an integer of its
-        width, times 1 or 0, plus the snapshot's times 0 or 1: exact for any value, NaN
-        included), three fused kernels per width instead of one per buffer."""
+        ``skipped`` (a 0-dim tensor, 1 or 0) is set, and stay otherwise, with no host read.
+        The bytes are selected as integers (each buffer's bytes times 1 or 0, plus the
+        snapshot's times 0 or 1: exact for any value, NaN included): five fused kernels for
+        all the buffers of a device, whatever their number and dtypes (torch's fused path
+        wants the byte tensors and the 0-dim factor of one dtype)."""
         if not (self._buffers and self.taken):
             self.taken = False
             return
-        skip = skipped.to(torch.int64)  # 0-dim: it takes each buffer's integer type
-        keep = 1 - skip
-        for buffers, saved in self._bits():
+        groups, scattered = self._bytes()
+        for buffers, saved in groups:
+            skip = skipped.to(buffers[0].device, torch.uint8)
+            keep = 1 - skip
             torch._foreach_mul_(buffers, keep)
             torch._foreach_add_(buffers, torch._foreach_mul(saved, skip))
+        for buffer, saved_buffer in scattered:  # a buffer whose bytes are not one block
+            torch.where(skipped.to(buffer.device).bool(), saved_buffer, buffer, out=buffer)
         self.taken = False
 
-    def _bits(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """The buffers and their snapshot as integers of their width, grouped by device and
-        width (built once)."""
-        if self._as_bits is None:
-            groups: dict[tuple[torch.device, int], tuple[list[torch.Tensor], list[torch.Tensor]]]
-            groups = defaultdict(lambda: ([], []))
+    def _bytes(self) -> tuple[_ByteGroups, _Pairs]:
+        """The contiguous buffers and their snapshot as uint8 views, grouped by device, and the
+        others (built once)."""
+        if self._as_bytes is None:
+            groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            scattered: _Pairs = []
             for buffer, saved in zip(self._buffers, self._saved, strict=True):
-                width = _INTEGER_OF_WIDTH[buffer.element_size()]
-                buffers, snapshot = groups[(buffer.device, buffer.element_size())]
-                buffers.append(buffer.view(width))
-                snapshot.append(saved.view(width))
-            self._as_bits = list(groups.values())
-        return self._as_bits
-
-
-_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+                if not (buffer.is_contiguous() and saved.is_contiguous()):
+                    scattered.append((buffer, saved))
+                    continue
+                buffers, snapshot = groups.setdefault(buffer.device, ([], []))
+                buffers.append(buffer.reshape(-1).view(torch.uint8))
+                snapshot.append(saved.reshape(-1).view(torch.uint8))
+            self._as_bytes = (list(groups.values()), scattered)
+        return self._as_bytes
 
 
 __all__ = ["BufferSnapshot", "GradientFiniteCheck"]

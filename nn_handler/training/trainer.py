@@ -343,9 +343,8 @@ class Trainer(TrainerFacade):
                     running.end_window(end - start, self.optimization.skipped)
                 hooks.call("after_step")
                 bar.update()
-                log_step = (index + 1) % config.log_every_n_steps == 0
-                if log_step:  # the host reads the device's verdicts on skipped steps here
-                    self.optimization.settle()
+                if log_step := (index + 1) % config.log_every_n_steps == 0:
+                    self.optimization.settle()  # the device's verdicts on skipped steps
                 if bar.active and (
                     index == first or index + 1 == total or log_step
                 ):  # from the first batch on (a short epoch too), then every n and at its end
@@ -409,7 +408,8 @@ class Trainer(TrainerFacade):
         return loss
 
     def optimizer_step(self) -> bool:
-        """Unscale, clip, NaN/inf check, step (or skip), EMA, scheduler; whether it stepped."""
+        """Unscale, clip, NaN/inf check, step (or skip), EMA, scheduler; False when skipped on
+        the host (one the device skips returns True and is counted at the next log step)."""
         return self.optimization.step()
 
     def _end_epoch(self, record: Record, val_loader: Iterable[Any] | None, epochs: int) -> None:

@@ -68,29 +68,33 @@ def test_a_buffer_snapshot_puts_batchnorm_statistics_back() -> None:
 
 @pytest.mark.parametrize("skipped", [1.0, 0.0])
 def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(skipped: float) -> None:
-    # float32, float64, bfloat16 and int64 buffers (four integer widths of the bits), some
+    # float32, float64, bfloat16, int64 (0-dim) and bool buffers, one not contiguous, some
     # NaN after the forward: where the flag is set, the snapshot comes back, bits and all;
     # where it is not, the buffers stay as the forward left them.
     module = nn.Sequential(
         nn.BatchNorm1d(4), nn.BatchNorm1d(4).double(), nn.BatchNorm1d(4).bfloat16()
     )
     module.register_buffer("mask", torch.tensor([True, False]))
+    module.register_buffer("strided", torch.zeros(3, 2).t())
     snapshot = BufferSnapshot(module)
-    for _ in range(2):  # the views of the bits are built once, then reused
+    for _ in range(2):  # the byte views are built once, then reused
         before = {k: v.clone() for k, v in module.named_buffers()}
         snapshot.take()
         module[0](torch.full((5, 4), float("nan")))
         module[1](torch.randn(5, 4, dtype=torch.float64))
         module[2](torch.randn(5, 4, dtype=torch.bfloat16))
         module.mask.logical_not_()
+        module.strided.add_(float("nan"))
         forward = {k: v.clone() for k, v in module.named_buffers()}
         snapshot.restore_where(torch.tensor(skipped))
         expected = before if skipped else forward
         for key, value in module.named_buffers():
-            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-            width = bits[value.element_size()]
-            assert torch.equal(value.view(width), expected[key].view(width)), key
+            assert _bytes(value) == _bytes(expected[key]), key
         assert not snapshot.taken
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float32, torch.float64)])
