@@ -17,6 +17,7 @@ import torch
 
 from nn_handler.checkpoint.manifest import MANIFEST, Manifest, manifest_name, read_manifest
 from nn_handler.checkpoint.naming import is_checkpoint_name
+from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded import ShardedWriter
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
 from nn_handler.checkpoint.store.object_store import ObjectStore
@@ -70,7 +71,8 @@ def _write_file(store: CheckpointStore, name: str = FILE, commit: bool = True) -
 def _write_folder(store: CheckpointStore) -> Path:
     writer = ShardedWriter(NullCommunicator(), lambda: None)
     target = store.dir / FOLDER
-    return writer.save({"format": "x", "n": 1}, {"model": {"w": WEIGHTS}}, target, store)
+    rest = {"format": "x", "n": 1, RUN: {"id": "run-1"}}  # the run the manifest names
+    return writer.save(rest, {"model": {"w": WEIGHTS}}, target, store)
 
 
 def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore) -> None:
@@ -83,7 +85,7 @@ def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore
     opened = store.open(folder)
     assert opened.folder is not None and opened.contents["n"] == 1
     local = read_manifest(folder)  # one format, inside a local folder...
-    assert (local is not None and local.run == "run-1") or (local is not None and local.run is None)
+    assert local is not None and local.run == "run-1"
     assert set(local.files()) == {"__0_0.distcp", ".metadata", "trainer.pt"}
     if isinstance(store, ObjectStore):  # ... and beside each checkpoint on the store
         for name in (FILE, FOLDER):
