@@ -64,6 +64,16 @@ class GradientFiniteCheck:
         of shape (), 1.0 when some gradient (or a tensor of ``extra``) is NaN/inf, else 0.0,
         on the first group's device. A zero fill and the fused check per device/dtype group
         (``extra`` joins the kernel of its device's group), plus an op per other device."""
+        if len(self._groups) == 1:  # the common case, one device and dtype: no sorting
+            members, _, one = self._groups[0]
+            device = one.device
+            if all(t.device == device for t in extra):
+                flag = torch.zeros((), device=device)
+                tensors = self._grads(members)
+                tensors.extend(extra)
+                if tensors:
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
+                return flag
         flags: dict[torch.device, torch.Tensor] = {}
         pending = list(extra)
         for members, _, one in self._groups:
@@ -126,12 +136,20 @@ class BufferSnapshot:
     statistics, on every rank with SyncBatchNorm).
 
     ``take`` copies them (one fused copy per step, only for modules with buffers);
-    ``restore`` copies them back. Both are no-ops for a module without buffers.
+    ``restore`` copies them back; ``restore_where`` does it on the device where a flag is set.
+    All are no-ops for a module without buffers. ``fused``: ``restore_where`` selects the
+    bytes of all the buffers in four fused kernels (the default on CUDA, where each kernel is a
+    launch), else with a ``torch.where`` per buffer (faster on a CPU, whose foreach kernels
+    loop over the tensors anyway).
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, fused: bool | None = None) -> None:
         self._buffers = [b for b in module.buffers() if b.numel()]
         self._saved = [torch.empty_like(b) for b in self._buffers]
+        self._pairs: _Pairs = list(zip(self._buffers, self._saved, strict=True))
+        if fused is None:
+            fused = any(b.device.type == "cuda" for b in self._buffers)
+        self.fused = fused
         self._as_bytes: tuple[_ByteGroups, _Pairs] | None = None
         self.taken = False
 
@@ -152,21 +170,25 @@ class BufferSnapshot:
     def restore_where(self, skipped: torch.Tensor) -> None:
         """``restore`` decided on the device: the buffers become their snapshot where
         ``skipped`` (a 0-dim tensor, 1 or 0) is set, and stay otherwise, with no host read.
-        The bytes are selected as integers (each buffer's bytes times 1 or 0, plus the
-        snapshot's times 0 or 1: exact for any value, NaN included): five fused kernels for
-        all the buffers of a device, whatever their number and dtypes (torch's fused path
-        wants the byte tensors and the 0-dim factor of one dtype)."""
+        Fused, the bytes are selected as unsigned integers (each buffer's bytes plus
+        ``skipped`` times the snapshot's bytes minus them, modulo 256: exact for any value,
+        NaN included), four kernels for all the buffers of a device whatever their number and
+        dtypes (torch's fused path wants one dtype, the factor's included)."""
         if not (self._buffers and self.taken):
             self.taken = False
             return
-        groups, scattered = self._bytes()
+        groups, scattered = self._bytes() if self.fused else ([], self._pairs)
         for buffers, saved in groups:
             skip = skipped.to(buffers[0].device, torch.uint8)
-            keep = 1 - skip
-            torch._foreach_mul_(buffers, keep)
-            torch._foreach_add_(buffers, torch._foreach_mul(saved, skip))
-        for buffer, saved_buffer in scattered:  # a buffer whose bytes are not one block
-            torch.where(skipped.to(buffer.device).bool(), saved_buffer, buffer, out=buffer)
+            differences = torch._foreach_sub(saved, buffers)
+            torch._foreach_mul_(differences, skip)
+            torch._foreach_add_(buffers, differences)
+        if scattered:
+            flag = skipped.bool()
+            for buffer, saved_buffer in scattered:
+                if buffer.device != flag.device:
+                    flag = flag.to(buffer.device)
+                torch.where(flag, saved_buffer, buffer, out=buffer)
         self.taken = False
 
     def _bytes(self) -> tuple[_ByteGroups, _Pairs]:
@@ -175,7 +197,7 @@ class BufferSnapshot:
         if self._as_bytes is None:
             groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             scattered: _Pairs = []
-            for buffer, saved in zip(self._buffers, self._saved, strict=True):
+            for buffer, saved in self._pairs:
                 if not (buffer.is_contiguous() and saved.is_contiguous()):
                     scattered.append((buffer, saved))
                     continue

@@ -3,9 +3,12 @@ with several groups, and it forgets a hit once reported."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nn_handler.training.nonfinite import BufferSnapshot, GradientFiniteCheck
 
@@ -66,8 +69,11 @@ def test_a_buffer_snapshot_puts_batchnorm_statistics_back() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per buffer"])
 @pytest.mark.parametrize("skipped", [1.0, 0.0])
-def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(skipped: float) -> None:
+def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(
+    skipped: float, fused: bool
+) -> None:
     # float32, float64, bfloat16, int64 (0-dim) and bool buffers, one not contiguous, some
     # NaN after the forward: where the flag is set, the snapshot comes back, bits and all;
     # where it is not, the buffers stay as the forward left them.
@@ -76,7 +82,7 @@ def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(skipped: float
     )
     module.register_buffer("mask", torch.tensor([True, False]))
     module.register_buffer("strided", torch.zeros(3, 2).t())
-    snapshot = BufferSnapshot(module)
+    snapshot = BufferSnapshot(module, fused=fused)
     for _ in range(2):  # the byte views are built once, then reused
         before = {k: v.clone() for k, v in module.named_buffers()}
         snapshot.take()
@@ -95,6 +101,32 @@ def test_restoring_on_the_device_selects_every_buffer_bit_for_bit(skipped: float
 
 def _bytes(tensor: torch.Tensor) -> bytes:
     return bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+class _Operations(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [1, 3, 9])
+def test_the_fused_restore_is_four_kernels_however_many_buffers(layers: int) -> None:
+    # CUDA's route (a kernel launch each): the flag as bytes, then one subtraction, one
+    # multiplication and one addition over every buffer's bytes. Counted here on the CPU.
+    module = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(layers)])
+    snapshot = BufferSnapshot(module, fused=True)
+    snapshot.take()
+    snapshot.restore_where(torch.tensor(1.0))  # the byte views are built on the first call
+    snapshot.take()
+    flag = torch.tensor(1.0)
+    with _Operations() as operations:
+        snapshot.restore_where(flag)
+    assert operations.names == ["_to_copy", "_foreach_sub", "_foreach_mul_", "_foreach_add_"]
+    assert not BufferSnapshot(module).fused  # on a CPU a torch.where per buffer is faster
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float32, torch.float64)])
