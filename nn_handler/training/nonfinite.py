@@ -68,12 +68,12 @@ class GradientFiniteCheck:
             members, _, one = self._groups[0]
             device = one.device
             if all(t.device == device for t in extra):
-                flag = torch.zeros((), device=device)
+                found = torch.zeros((), device=device)
                 tensors = self._grads(members)
                 tensors.extend(extra)
                 if tensors:
-                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
-                return flag
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+                return found
         flags: dict[torch.device, torch.Tensor] = {}
         pending = list(extra)
         for members, _, one in self._groups:
