@@ -91,12 +91,18 @@ class WatchdogRegistry:
         return None if watchdog is None else watchdog.finish()
 
     def incident(self) -> BaseException | None:
-        """The stall or mismatch reported in this group, if any: this rank's copy, or the
+        """The stall or mismatch reported in this group, if any (or this worker's
+        LauncherGoneError when its launcher is gone, looked at now): this rank's copy, or the
         store's report when this rank's watchdog has not read it yet. Marks it raised."""
         watchdog = self._watchdog  # kept after the group is destroyed: the report outlives it
         if watchdog is None:
             return None
         ledger = watchdog.ledger
+        if ledger.incident is None and ledger.launcher_check is not None:
+            # An orphan's own reason first: torchrun's agent killed takes the store with it,
+            # and a rank that meets the dead store before its watchdog's next look would
+            # otherwise blame the store's host (seen under load).
+            ledger.launcher_check()
         if ledger.incident is None:
             ledger.incident = _read_report(watchdog.store, watchdog.prefix)
         if ledger.incident is not None:
