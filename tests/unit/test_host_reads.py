@@ -337,3 +337,38 @@ def test_the_guard_adds_a_few_operations_a_step() -> None:
         for layers in (0, 1, 3)
     }
     assert added == {0: 2.0, 1: 2.0 + 2 + 3, 3: 2.0 + 2 + 9}, added
+
+
+def test_a_divergence_counted_while_a_checkpoint_is_written_is_raised_by_the_next_look() -> None:
+    # settle(check=False) (a checkpoint recording the position) counts but must not raise in
+    # the middle of a save: the NonFiniteError comes from the loop's next settle, once; and an
+    # epoch that raised forgets its unread verdicts.
+    from types import SimpleNamespace
+
+    from loguru import logger
+
+    from nn_handler import NonFiniteError
+    from nn_handler.config.training import TrainerConfig
+    from nn_handler.training.nonfinite_guard import NonFiniteGuard
+    from nn_handler.training.state import TrainerState
+
+    param = nn.Parameter(torch.zeros(3))
+    param.grad = torch.ones(3)
+    optimizer = fused_sgd([param])
+    state = TrainerState()
+    guard = NonFiniteGuard(TrainerConfig(max_consecutive_skipped_steps=2), state, logger)
+    guard.adopt([param], nn.Identity(), optimizer, SimpleNamespace(shards_gradients=False), False)
+    assert guard.on_device
+    for _ in range(2):
+        guard.step_unless(optimizer, torch.ones(()))
+        state.global_step += 1
+    guard.settle(check=False)
+    assert (state.skipped_steps, state.skipped_in_a_row) == (2, 2)
+    assert torch.equal(param, torch.zeros(3)), "a skipped step moved the weights"
+    with pytest.raises(NonFiniteError, match=r"2 optimizer steps in a row .*optimizer step 2\)"):
+        guard.settle()
+    guard.settle()  # raised once
+    guard.step_unless(optimizer, torch.ones(()))
+    guard.discard()
+    guard.settle()
+    assert state.skipped_steps == 2
