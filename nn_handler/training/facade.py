@@ -148,7 +148,8 @@ class TrainerFacade:
     def estimated_stepping_batches(self, loader: Iterable[Any], epochs: int | None = None) -> int:
         """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
         ends (steps done included; limits, accumulation and max_steps applied)."""
-        return estimated_steps(self.config, self.state, loader, epochs)
+        done = self.position.epoch_batches_done
+        return estimated_steps(self.config, self.state, loader, epochs, done)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Write scalars to every experiment tracker now, at ``step`` (default: the optimizer

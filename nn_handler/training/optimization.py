@@ -29,10 +29,10 @@ from nn_handler.training.optimization_parts import ema_part, optimizer_parts, sc
 from nn_handler.training.precision import Precision
 from nn_handler.training.schedules import (
     check_schedulers,
+    check_the_schedule_length,
     estimated_steps,
     required_positional,
     step_per_epoch,
-    warn_if_the_schedule_ends_early,
 )
 from nn_handler.training.sharded_ema import ShardedEma
 from nn_handler.training.state import TrainerState
@@ -184,9 +184,15 @@ class Optimization:
             if pending is not None and self.scheduler is not None:
                 self.scheduler.load_state_dict(pending)
 
-    def warn_if_the_schedule_ends_early(self, loader: Iterable[Any], epochs: int) -> None:
-        """Warn when the schedule would end before the run does (after a resume)."""
-        warn_if_the_schedule_ends_early(self.scheduler, self.config, self.state, loader, epochs)
+    def check_the_schedule_length(
+        self, loader: Iterable[Any], epochs: int, batches_done: int = 0
+    ) -> None:
+        """Warn when the schedule would end before the run does (after a resume), refuse
+        it where torch would raise past its end; ``batches_done``: the current epoch's
+        batches already trained."""
+        check_the_schedule_length(
+            self.scheduler, self.config, self.state, loader, epochs, batches_done
+        )
 
     def step_per_epoch(self, record: Record) -> None:
         """The epoch's end: step every scheduler stepped per epoch (scheduler_interval)."""

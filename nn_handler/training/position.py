@@ -109,6 +109,12 @@ class LoopPosition:
         self.batches_done = 0
 
     @property
+    def epoch_batches_done(self) -> int:
+        """The batches of the current epoch trained so far, by this fit or before a resume,
+        a join or a held epoch (0: between epochs)."""
+        return self.resume.batches_done if self.resume is not None else self.batches_done
+
+    @property
     def mid_epoch(self) -> bool:
         """Whether an epoch is in progress (between ``train_epoch``s: one that max_steps
         ended before its last batch)."""

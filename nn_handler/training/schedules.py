@@ -15,7 +15,7 @@ from nn_handler.config.training import TrainerConfig
 from nn_handler.errors import ConfigError
 from nn_handler.training.batch import loader_length
 from nn_handler.training.history import Record
-from nn_handler.training.limits import limited, stepping_batches
+from nn_handler.training.limits import limited, optimizer_steps_per_epoch, stepping_batches
 from nn_handler.training.state import TrainerState
 
 
@@ -25,11 +25,17 @@ def train_limit(config: TrainerConfig) -> int | float | None:
 
 
 def estimated_steps(
-    config: TrainerConfig, state: TrainerState, loader: Iterable[Any], epochs: int | None
+    config: TrainerConfig,
+    state: TrainerState,
+    loader: Iterable[Any],
+    epochs: int | None,
+    batches_done: int = 0,
 ) -> int:
     """The optimizer steps ``fit(loader, epochs=epochs)`` will have taken in total when it
     ends (steps already done included; limit_train_batches, accumulation and max_steps
-    applied): the length a per-step LR schedule needs. ``loader`` must have len()."""
+    applied): the length a per-step LR schedule needs. ``batches_done``: the batches of the
+    current epoch already trained (a resume or a join mid-epoch), whose steps
+    ``state.global_step`` counts already. ``loader`` must have len()."""
     batches = limited(loader_length(loader), train_limit(config))
     if batches is None:
         raise ConfigError(
@@ -39,12 +45,13 @@ def estimated_steps(
     epochs = epochs if epochs is not None else config.epochs
     if config.fast_dev_run:
         epochs = state.epoch + 1
+    accumulate = config.accumulate_grad_batches
     return stepping_batches(
         batches,
-        config.accumulate_grad_batches,
+        accumulate,
         epochs,
         epochs_done=state.epoch,
-        steps_done=state.global_step,
+        steps_done=state.global_step - optimizer_steps_per_epoch(batches_done, accumulate),
         max_steps=config.max_steps,
     )
 
@@ -58,16 +65,18 @@ def check_schedulers(schedulers: list[Any], config: TrainerConfig) -> None:
         )
 
 
-def warn_if_the_schedule_ends_early(
+def check_the_schedule_length(
     scheduler: Any,
     config: TrainerConfig,
     state: TrainerState,
     loader: Iterable[Any],
     epochs: int,
+    batches_done: int = 0,
 ) -> None:
     """An LR schedule with a horizon (T_max, total_steps, total_iters) that this fit would
-    step past: it does not stretch to the run (a finished cosine rises again), so say so
-    before training, e.g. when a resumed run's epochs are extended."""
+    step past (e.g. a resumed run's epochs extended): a warning where it goes on with its own
+    formula (a finished cosine rises again), a ConfigError before training where torch would
+    raise once past it (OneCycleLR). ``batches_done`` as for ``estimated_steps``."""
     horizon = next(
         (
             (name, int(getattr(scheduler, name)))
@@ -84,16 +93,25 @@ def warn_if_the_schedule_ends_early(
     if config.scheduler_interval == "step":
         if loader_length(loader) is None:
             return
-        total = estimated_steps(config, state, loader, epochs)
+        total = estimated_steps(config, state, loader, epochs, batches_done)
         unit = "optimizer steps"
     if total <= length:
         return
+    kind = type(scheduler).__name__
+    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+        raise ConfigError(
+            f"the LR scheduler OneCycleLR has total_steps={length} but this run goes to "
+            f"{total} {unit}: torch's OneCycleLR raises one step past its end. Train to at "
+            f"most {length} {unit} (epochs, or trainer.max_steps={length}), or build it for "
+            f"{total} (a resumed run keeps the saved total_steps: start a new schedule for a "
+            f"longer run)."
+        )
     logger.warning(
         "the LR scheduler {} has {}={} but this run goes to {} {}: past its end it goes on "
         "with its own formula (a cosine schedule's learning rate rises again). Build it "
         "for {} {} to anneal over the whole run (extending epochs on resume keeps the "
         "saved {}).",
-        type(scheduler).__name__,
+        kind,
         name,
         length,
         total,
@@ -134,9 +152,9 @@ def required_positional(fn: Callable[..., Any]) -> int:
 
 __all__ = [
     "check_schedulers",
+    "check_the_schedule_length",
     "estimated_steps",
     "required_positional",
     "step_per_epoch",
     "train_limit",
-    "warn_if_the_schedule_ends_early",
 ]

@@ -125,7 +125,21 @@ def test_limits_are_validated() -> None:
         _handler(limit_train_batches=1.5)
 
 
-def test_a_deferred_scheduler_resumes_its_state(tmp_path: Path) -> None:
+class _Estimate(Hook):
+    """What ``estimated_stepping_batches`` says after each step."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def after_step(self) -> None:
+        loader = torch.utils.data.DataLoader(DATA, batch_size=4)  # the run's 10 batches
+        self.seen.add(self.trainer.estimated_stepping_batches(loader, epochs=2))
+
+
+def test_a_deferred_scheduler_resumes_its_state(tmp_path: Path, lines: list[str]) -> None:
+    """Resumed mid-epoch (step 5 of 10), the schedule's length is the run's (20 steps): no
+    warning that it ends early (the estimate once counted the resumed epoch as whole: 25),
+    and ``estimated_stepping_batches`` says 20 at every step."""
     from nn_handler import TrainingPreempted
     from tests.resume_helpers import SigtermAt
 
@@ -148,11 +162,37 @@ def test_a_deferred_scheduler_resumes_its_state(tmp_path: Path) -> None:
 
     with handler([SigtermAt(5)]) as first, pytest.raises(TrainingPreempted):
         first.train(DATA, epochs=2)
-    with handler() as second:
+    estimate = _Estimate()
+    with handler([estimate]) as second:
         second.resume("latest")  # before train: the scheduler does not exist yet
         second.train(DATA, epochs=2)
         scheduler = second.trainer.scheduler
         assert scheduler is not None and scheduler.last_epoch == 20  # 5 restored + 15 more
+    assert not [line for line in lines if "LR scheduler" in line], lines
+    assert estimate.seen == {20}
+
+
+def test_extending_a_finished_one_cycle_run_is_refused_before_training(tmp_path: Path) -> None:
+    """OneCycleLR raises one step past its end (torch): a resumed run extended past it is
+    refused before its first step, naming the lengths and the fix; nothing is trained."""
+    settings = {
+        "loader": {"batch_size": 4},
+        "trainer": {"progress_bar": False, "scheduler_interval": "step"},
+        "checkpoint": {"dir": str(tmp_path), "resume": "auto"},
+    }
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total_steps)
+
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), one_cycle, config=settings) as first:
+        first.train(DATA, epochs=2)  # 20 steps: the schedule's whole length
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), one_cycle, config=settings) as second:
+        with pytest.raises(ConfigError) as refused:
+            second.train(DATA, epochs=3)
+        assert second.trainer.state.global_step == 20
+    message = str(refused.value)
+    assert "OneCycleLR has total_steps=20 but this run goes to 30 optimizer steps" in message
+    assert "trainer.max_steps=20" in message
 
 
 @given(st.integers(1, 300), st.integers(1, 9))
