@@ -1,6 +1,7 @@
 """A DataLoader worker stuck in the dataset's ``__getitem__`` (the fault campaign's item 8): the
 stall report names the worker that owes the late batch, with its pid, on 2 real gloo ranks
-(ranks started by the harness, a 2 s stall timeout, one loader worker per rank)."""
+(ranks started by the harness, a 6 s stall timeout scaled by the machine's load, one loader
+worker per rank)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from torch.utils.data import Dataset
 
 from nn_handler import CollectiveStallError, NNHandler
 from tests.harness import run_group
-from tests.timeouts import scaled_now
+from tests.timeouts import scaled, scaled_now
 from tests.training_helpers import regression_data
 
 pytestmark = pytest.mark.distributed
 STUCK_INDEX = 5  # rank 1's third sample (the DistributedSampler way, no shuffle)
-#: The process group's timeout and the stuck read, both far beyond the stall timeout (2 s) and
-#: the report's bound even on a loaded machine: a report that comes in time is the watchdog's.
+#: The process group's timeout and the stuck read, both far beyond the stall timeout and the
+#: report's bound even on a loaded machine: a report that comes in time is the watchdog's.
 GROUP_TIMEOUT_S = 300.0
+#: The stall timeout: longer than the two ranks' loader workers may start apart (each worker
+#: is a new interpreter importing torch; on a loaded 2-core machine rank 0's first batch came
+#: 11.7 s after its setup, after rank 1 had waited 2 s in the first step: a 2 s stall timeout
+#: then reported rank 0's slow start instead of rank 1's stuck read).
+STALL_TIMEOUT_S = 6.0
 STUCK_S = 600.0
 
 
@@ -42,11 +48,11 @@ class StuckAt(Dataset[Any]):
         return self.x[index], self.y[index]
 
 
-def _ranks(rank: int, world: int) -> dict[str, Any]:
+def _ranks(rank: int, world: int, stall_timeout: float) -> dict[str, Any]:
     config = {
         "loader": {"batch_size": 1, "shuffle": False, "num_workers": 1},
         "trainer": {"progress_bar": False},
-        "distributed": {"stall_timeout": 2.0, "timeout": GROUP_TIMEOUT_S},
+        "distributed": {"stall_timeout": stall_timeout, "timeout": GROUP_TIMEOUT_S},
     }
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     # The loader's worker starts from a forkserver, not forked from the rank (a torchrun rank's
@@ -67,7 +73,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_the_stall_report_names_the_worker_that_owes_the_batch() -> None:
-    ranks = run_group(_ranks, 2, timeout=120, daemon=False)
+    ranks = run_group(_ranks, 2, args=(scaled(STALL_TIMEOUT_S),), timeout=120, daemon=False)
     for seen in ranks:
         assert seen["report"] is not None, seen
         # The watchdog's report, not the stuck read's end nor the process group's timeout
