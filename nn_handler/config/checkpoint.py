@@ -6,7 +6,7 @@ import difflib
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 from nn_handler.config.training import Mode
@@ -51,7 +51,9 @@ class CheckpointConfig(ConfigModel):
         monitor: the History key save_best watches (e.g. 'val_loss', 'val_accuracy').
         mode: 'min' when lower is better, 'max' when higher is better.
         resume: 'on_restart' resumes from the latest checkpoint when torchrun or SLURM
-            restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0) and
+            restarted the job (TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT > 0; a
+            fault-tolerant member restarted by ``nn-handler supervise``:
+            NN_HANDLER_RESTART_COUNT) and
             refuses (ConfigError) a fresh start over committed checkpoints, which would make
             a shorter run the latest; 'auto' resumes whenever ``dir`` holds one, 'never'
             starts afresh (keeping what is there). Both resume only a checkpoint of
@@ -104,25 +106,25 @@ class CheckpointConfig(ConfigModel):
     storage_options: dict[str, Any] | None = Field(default=None, exclude=True, repr=False)
     upload_workers: int = Field(default=8, ge=1, strict=True)
     store_timeout_s: float = Field(default=120.0, gt=0)
-    save_last: bool = True
+    save_last: StrictBool = True
     every_n_epochs: int | None = Field(default=1, ge=1, strict=True)
     every_n_steps: int | None = Field(default=None, ge=1, strict=True)
     keep_last: int = Field(default=1, ge=1, strict=True)
-    save_best: bool = False
+    save_best: StrictBool = False
     save_top_k: int = Field(default=1, ge=1, strict=True)
     monitor: str = "val_loss"
     mode: Mode = "min"
     resume: ResumePolicy = "on_restart"
-    allow_world_size_change: bool = False
-    handle_sigterm: bool = True
-    handle_sigint: bool = True
+    allow_world_size_change: StrictBool = False
+    handle_sigterm: StrictBool = True
+    handle_sigint: StrictBool = True
     preemption_check_interval_s: float = Field(default=0.5, gt=0)
     preemption_budget_s: float | None = Field(default=None, gt=0)
     preemption_exit_code: int = Field(default=75, ge=1, le=255, strict=True)
     preemption_notice: str | None = Field(default=None, min_length=1)
     preemption_notice_interval_s: float = Field(default=5.0, gt=0)
     format: CheckpointFormat = "auto"
-    async_save: bool = False
+    async_save: StrictBool = False
     async_writer: AsyncWriter = "thread"
 
     @field_validator("dir")

@@ -51,6 +51,13 @@ class FaultToleranceConfig(ConfigModel):
                 f"max_members={self.max_members} is below min_members={self.min_members}: "
                 f"no step could be trained; raise max_members or lower min_members"
             )
+        if self.start_members is not None and self.start_members < self.min_members:
+            raise ValueError(
+                f"start_members={self.start_members} is below min_members={self.min_members}: "
+                f"the first step waits for {self.start_members} member(s) but needs "
+                f"{self.min_members}; raise start_members (or leave it out: min_members) or "
+                f"lower min_members"
+            )
         return self
 
     def member_name(self) -> str:

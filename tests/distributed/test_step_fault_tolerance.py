@@ -280,6 +280,52 @@ def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run
         _check_ledger(report["ledger"], first, steps)
 
 
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found.update(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_supervisor_killed_with_sigkill_leaves_no_lighthouse_and_no_member_behind() -> None:
+    """Issue 69's third bug: `nn-handler supervise` SIGKILLed (no cleanup of its own runs) left
+    its Lighthouse, re-parented to PID 1, running on. Its three children (the Lighthouse and
+    two members that would sleep for two minutes) end within seconds of it."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "{member}", "{lighthouse}"]
+    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "2", "--",
+               *sleeper]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT), "RUST_LOG": "error"}
+    supervisor = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # everything killed at the end, whatever happened
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + scaled(60)
+        while len(children := _children(supervisor.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 3, children  # the Lighthouse, then its two members
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + scaled(15)
+        while any(map(_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if _running(pid)], "left running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)
+
+
 TRAINER_SCRIPT = SCRIPT.with_name("ft_trainer_member.py")
 
 
@@ -380,6 +426,43 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     assert _tracked_rows(tmp_path / "tracked") == _tracked_rows(tmp_path / "unfailed")
     log = (tmp_path / "m1.log").read_text()
     assert "left by an interrupted save" in log and "joined the run at step" in log
+
+
+def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
+    tmp_path: Path,
+) -> None:
+    """Issue 69's first bug: `nn-handler supervise` over two NNHandler members with periodic
+    checkpoints (every 3 steps) and the default ``resume: on_restart``. m1 is SIGKILLed in
+    step 4's forward, after its checkpoint of step 3: restarted, it is told it is a restart
+    (NN_HANDLER_RESTART_COUNT), resumes from its own folder instead of being refused as a
+    fresh start over committed checkpoints, joins the run, and both members end with the bits
+    of a run that never failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
+           "RUST_LOG": "error", "FT_CHECKPOINTS": "1", "FT_RESUME": "on_restart",
+           "FT_KILL": "m1:4:forward", "FT_AWAIT_RESTART": "m1:5"}  # fmt: skip
+    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "2",
+               "--join-timeout-s", "10", "--", sys.executable, str(TRAINER_SCRIPT),
+               "{lighthouse}", str(tmp_path), "{member}", "2"]  # fmt: skip
+    supervisor = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # the members too: all killed if it hangs
+    )  # fmt: skip
+    try:
+        output, _ = supervisor.communicate(timeout=scaled(150))
+    except subprocess.TimeoutExpired:
+        os.killpg(supervisor.pid, signal.SIGKILL)
+        pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
+    assert supervisor.returncode == 0, output
+    restarts = [line for line in output.splitlines() if "; restarted (" in line]
+    assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    resumed = [line for line in output.splitlines() if "resume='on_restart': resumed from" in line]
+    assert len(resumed) == 1 and "ckpt-e0000-s00000003.pt" in resumed[0], output
+    assert "not a restart" not in output and (tmp_path / "restarted-m1").exists(), output
+    assert "member m1 joined the run at step" in output, output
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    for member in ("m0", "m1"):
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == expected, (member, output)
 
 
 def test_a_float_sum_run_loses_a_member_to_a_kill_and_one_to_a_preemption(tmp_path: Path) -> None:

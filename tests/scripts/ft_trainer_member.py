@@ -7,7 +7,11 @@ WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote
 step's sum, before its vote: the others wait for it), 'save' (in the middle of writing the
 periodic checkpoint after that step) or 'term' (a SIGTERM in the step's first forward: a
 preemption). Its environment: FT_CHECKPOINTS=1 writes periodic checkpoints (every 3 steps) in
-RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto'); FT_KILL_LIGHTHOUSE=PID:STEP:
+RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto', or FT_RESUME's);
+FT_KILL=MEMBER:STEP:WHEN the kill for that member only, on its first start (a command that
+`nn-handler supervise` gives every member, and again to a restarted one);
+FT_AWAIT_RESTART=MEMBER:STEP slows every other member's steps from STEP on until MEMBER,
+restarted, has taken a step (RUN_DIR/restarted-MEMBER; at most 60 s); FT_KILL_LIGHTHOUSE=PID:STEP:
 JOINER kills the Lighthouse once JOINER joined, after STEP (see kill_lighthouse);
 FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10), FT_START_MEMBERS start_members,
 FT_MIN_MEMBERS min_members (default 1), FT_REDUCTION the mode's reduction ('exact' or
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from nn_handler import NNHandler
-from nn_handler.checkpoint import single_file
+from nn_handler.checkpoint import restart_count, single_file
 from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance.replica import Replica
 from tests.reproducible_helpers import WORKLOADS, config, digest, train
@@ -112,6 +116,27 @@ def kill_lighthouse(h: NNHandler, run: Path, pid: int, step: int, joiner: str) -
     h.trainer.module.register_forward_pre_hook(forward)
 
 
+def await_restart(h: NNHandler, run: Path, member: str, awaited: str, step: int) -> None:
+    """The restarted ``awaited`` member says when it trains (its first forward: it is in the
+    run); the others wait for that in their forwards from ``step`` on (0.2 s each), so that
+    the run does not end before it joins (a new interpreter: seconds on a busy host)."""
+    marker = run / f"restarted-{awaited}"
+    if member == awaited:
+        if restart_count(os.environ) > 0:
+            h.trainer.module.register_forward_pre_hook(
+                lambda module, args: marker.touch() if module.training else None
+            )
+        return
+    end = time.monotonic() + 60
+
+    def forward(module: nn.Module, args: Any) -> None:
+        waiting = h.trainer.state.global_step >= step and not marker.exists()
+        if waiting and module.training and time.monotonic() < end:
+            time.sleep(0.2)
+
+    h.trainer.module.register_forward_pre_hook(forward)
+
+
 def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> None:
     settings: dict[str, Any] = {
         "lighthouse": lighthouse,
@@ -126,7 +151,7 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     # One CSV tracker in a folder every member shares: the run's first member writes it.
     settings_of_run = config("cnn", folder, run / "tracked", fault_tolerance=settings)
     if folder is not None:
-        settings_of_run["checkpoint"]["resume"] = "auto"
+        settings_of_run["checkpoint"]["resume"] = os.environ.get("FT_RESUME", "auto")
     if os.environ.get("FT_REDUCTION"):
         settings_of_run["trainer"]["reproducible"]["reduction"] = os.environ["FT_REDUCTION"]
     model = WORKLOADS["cnn"][0]
@@ -136,6 +161,9 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         nn.CrossEntropyLoss(),
         config=settings_of_run,
     )
+    if os.environ.get("FT_KILL") and restart_count(os.environ) == 0:
+        target, *when = os.environ["FT_KILL"].split(":")
+        kill = tuple(when) if target == member else ()
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
     elif kill and kill[1] == "term":
@@ -144,6 +172,9 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         die_in_save(int(kill[0]))
     elif kill:
         die_before_voting(int(kill[0]))
+    if os.environ.get("FT_AWAIT_RESTART"):
+        awaited, step = os.environ["FT_AWAIT_RESTART"].split(":")
+        await_restart(h, run, member, awaited, int(step))
     if os.environ.get("FT_KILL_LIGHTHOUSE"):
         pid, step, joiner = os.environ["FT_KILL_LIGHTHOUSE"].split(":")
         kill_lighthouse(h, run, int(pid), int(step), joiner)

@@ -390,19 +390,23 @@ def test_checkpoint_config_validation_names_the_field() -> None:
 @given(
     torchrun=st.one_of(st.none(), st.integers(0, 50).map(str), st.text(max_size=3)),
     slurm=st.one_of(st.none(), st.integers(0, 50).map(str), st.text(max_size=3)),
+    supervise=st.one_of(st.none(), st.integers(0, 50).map(str), st.text(max_size=3)),
 )
-def test_restart_count_reads_torchrun_then_slurm(torchrun: str | None, slurm: str | None) -> None:
-    env = {}
-    if torchrun is not None:
-        env["TORCHELASTIC_RESTART_COUNT"] = torchrun
-    if slurm is not None:
-        env["SLURM_RESTART_COUNT"] = slurm
+def test_restart_count_reads_torchrun_then_slurm_then_supervise(
+    torchrun: str | None, slurm: str | None, supervise: str | None
+) -> None:
+    given = {
+        "TORCHELASTIC_RESTART_COUNT": torchrun,
+        "SLURM_RESTART_COUNT": slurm,
+        "NN_HANDLER_RESTART_COUNT": supervise,
+    }
+    env = {name: value for name, value in given.items() if value is not None}
 
     def parsed(value: str | None) -> int:
         text = (value or "").strip()
         return int(text) if text and all(c in "0123456789" for c in text) else 0
 
-    expected = parsed(torchrun) or parsed(slurm)
+    expected = parsed(torchrun) or parsed(slurm) or parsed(supervise)
     assert restart_count(env) == expected
 
 

@@ -328,21 +328,37 @@ def test_a_lighthouse_address_where_none_runs_is_named_with_the_fix() -> None:
 
 
 @pytest.mark.parametrize(
-    ("command", "members", "restarts", "message"),
+    ("command", "members", "least", "message"),
     [
-        ([], 3, 3, r"supervise: no command; give it after --"),
-        (["python", "train.py"], 3, 3, r"does not name its member: put \{member\}"),
-        (["python", "train.py", "{member}"], 0, 3, r"members must be >= 1 and max_restarts >= 0"),
-        (["python", "train.py", "{member}"], 2, -1, r"members must be >= 1 and max_restarts >= 0"),
+        ([], 1, 1, r"supervise: no command; give it after --"),
+        (["python", "train.py"], 1, 1, r"does not name its member: put \{member\}"),
+        (["python", "train.py", "{member}"], 3, 1, r"does not name the Lighthouse: put \{lig"),
+        (["t.py", "{member}", "{lighthouse}"], 0, 1, r"members must be >= 1 and max_restarts"),
+        (["t.py", "{member}", "{lighthouse}"], 2, 3, r"--min-members 3 is more than the 2 member"),
     ],
 )
 def test_a_supervisor_given_a_command_it_cannot_run_says_why(
-    command: list[str], members: int, restarts: int, message: str
+    command: list[str], members: int, least: int, message: str
 ) -> None:
+    """Each refusal names the fix: among them a command with {member} and no {lighthouse}
+    (N independent runs, said nothing before) and more --min-members than members."""
     from nn_handler.training.fault_tolerance.supervisor import Supervisor
 
     with pytest.raises(ConfigError, match=message):
-        Supervisor(command, members, max_restarts=restarts)
+        Supervisor(command, members, min_members=least)
+    with pytest.raises(ConfigError, match=r"members must be >= 1 and max_restarts >= 0"):
+        Supervisor(["t.py", "{member}", "{lighthouse}"], 2, max_restarts=-1)
+
+
+def test_a_given_lighthouse_needs_no_placeholder_and_the_first_step_is_checked() -> None:
+    """With --lighthouse given, the command may hold its address itself; start_members below
+    min_members (a first step that could never begin) is refused in the configuration."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor
+
+    Supervisor(["t.py", "{member}"], 2, lighthouse="http://h:1", min_members=3)
+    with pytest.raises(ValueError, match=r"start_members=2 is below min_members=3"):
+        FaultToleranceConfig(lighthouse="http://h:1", min_members=3, start_members=2)
 
 
 def test_a_member_that_exits_is_said_in_words_and_restarted_until_its_restarts_run_out(

@@ -21,6 +21,7 @@ from typing import IO
 from torch._C._distributed_c10d import TCPStore
 
 from nn_handler.errors import ConfigError, DistributedError
+from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
 
 #: The line a Lighthouse process prints first, then its address.
 READY = "nn_handler lighthouse listening on "
@@ -99,7 +100,8 @@ class Lighthouse:
         heartbeat_timeout_s: a member silent that long is left out of the next step.
         start_timeout_s: how long it may take to start.
     Its log is the child's stderr (this process's); torchft's per-step lines are left out
-    unless ``RUST_LOG`` asks for them.
+    unless ``RUST_LOG`` asks for them. It ends with the thread that made it (on Linux also
+    when this process is SIGKILLed: ``orphans.ending_with_this_process``).
     """
 
     def __init__(
@@ -118,7 +120,10 @@ class Lighthouse:
                    "--join-timeout-s", str(join_timeout_s),
                    "--heartbeat-timeout-s", str(heartbeat_timeout_s)]  # fmt: skip
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, env=env,
+            preexec_fn=ending_with_this_process(),  # not left running if this one is killed
+        )  # fmt: skip
         line = _first_line(self._process.stdout, start_timeout_s)
         if not line.startswith(READY):
             self.kill()

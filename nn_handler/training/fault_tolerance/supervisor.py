@@ -2,7 +2,8 @@
 It starts a Lighthouse (unless given one) and N members, each a process of its own running
 the user's command, and restarts only the member that died (the others go on: torchrun would
 stop them all). A restarted member keeps its ``member_id``, so it finds its checkpoint folder,
-and joins the run where it is.
+is told it is a restart (NN_HANDLER_RESTART_COUNT, as torchrun's TORCHELASTIC_RESTART_COUNT:
+``resume: on_restart`` resumes from that folder), and joins the run where it is.
 
 The command names its member and the Lighthouse with ``{member}`` and ``{lighthouse}``, which
 each member's command line gets in its place:
@@ -20,8 +21,10 @@ from collections.abc import Sequence
 
 from loguru import logger
 
+from nn_handler.checkpoint.naming import SUPERVISE_RESTART_COUNT
 from nn_handler.errors import ConfigError
 from nn_handler.training.fault_tolerance.lighthouse import Lighthouse
+from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
 
 
 def exit_cause(code: int) -> str:
@@ -68,10 +71,22 @@ class Supervisor:
                 f"{{member}} where its member_id goes (each member needs its own, and a "
                 f"restarted one the same)."
             )
+        if lighthouse is None and "{lighthouse}" not in " ".join(command):
+            raise ConfigError(
+                f"supervise: the command {' '.join(command)!r} does not name the Lighthouse: "
+                f"put {{lighthouse}} where its address goes (e.g. a --lighthouse {{lighthouse}} "
+                f"of your script's), or every member would train a run of its own."
+            )
         if members < 1 or max_restarts < 0:
             raise ConfigError(
                 f"supervise: members must be >= 1 and max_restarts >= 0, got {members} and "
                 f"{max_restarts}."
+            )
+        if lighthouse is None and min_members > members:
+            raise ConfigError(
+                f"supervise: --min-members {min_members} is more than the {members} member(s) "
+                f"it starts: no step could ever be committed; lower --min-members or raise "
+                f"--members."
             )
         self.command = list(command)
         self.members = members
@@ -99,8 +114,8 @@ class Supervisor:
 
     def _run(self, address: str) -> int:
         names = [f"m{i}" for i in range(self.members)]
-        procs = {name: self._start(name, address) for name in names}
         self.restarts = dict.fromkeys(names, 0)
+        procs = {name: self._start(name, address) for name in names}
         ended: dict[str, int] = {}
         try:
             while len(ended) < len(procs):
@@ -136,8 +151,13 @@ class Supervisor:
         # torchft's Rust side logs every step at INFO unless told otherwise (the Lighthouse's
         # own does the same): the members' logs keep to nn_handler's lines.
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        # A restart is marked as torchrun marks its own: `resume: on_restart` resumes from
+        # the member's checkpoints then (a first start over them is refused).
+        env[SUPERVISE_RESTART_COUNT] = str(self.restarts.get(name, 0))
         try:
-            return subprocess.Popen(line, env=env)
+            # A member gets SIGTERM (a preemption: its checkpoint, then exit) if the
+            # supervisor is killed, instead of running on re-parented to PID 1.
+            return subprocess.Popen(line, env=env, preexec_fn=ending_with_this_process())
         except OSError as error:
             raise ConfigError(f"supervise: cannot start {line[0]!r} ({error}).") from None
 
