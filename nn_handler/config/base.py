@@ -76,7 +76,10 @@ def describe_validation_error(
     "did you mean" for a misspelt field name."""
     lines = [f"invalid {source}:"]
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(root)"
+        loc = item["loc"]
+        if len(loc) >= 2 and loc[-1] == loc[-2]:  # a shorthand's one field: `precision: bf61`
+            loc = loc[:-1]
+        field = ".".join(str(part) for part in loc) or "(root)"
         line = f"  {field}: {item['msg']} (got {item.get('input')!r})"
         if item["type"] == "extra_forbidden" and model is not None:
             line += _suggestion(model, item["loc"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from nn_handler.config.base import ConfigModel
 
@@ -32,12 +32,12 @@ class LoaderConfig(ConfigModel):
     """
 
     batch_size: int = Field(default=32, ge=1, strict=True)
-    shuffle: bool = True
+    shuffle: StrictBool = True
     num_workers: int = Field(default=0, ge=0, strict=True)
-    pin_memory: bool | None = None
-    persistent_workers: bool | None = None
+    pin_memory: StrictBool | None = None
+    persistent_workers: StrictBool | None = None
     prefetch_factor: int | None = Field(default=None, ge=1, strict=True)
-    drop_last: bool = False
+    drop_last: StrictBool = False
     seed: int = Field(default=0, ge=0, lt=2**63, strict=True)
     mode: LoaderMode = "distributed"
 

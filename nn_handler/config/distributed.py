@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import StrictBool, ValidationInfo, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -41,13 +41,13 @@ class DistributedConfig(ConfigModel):
             tensors before each one (also switched on by NN_HANDLER_DEBUG_COLLECTIVES=1).
     """
 
-    enabled: bool | None = None
+    enabled: StrictBool | None = None
     backend: Backend = "auto"
     device: str = "auto"
     timeout: timedelta = timedelta(minutes=30)
     stall_timeout: timedelta | None = timedelta(minutes=5)
     init_method: str | None = None
-    debug_collectives: bool = False
+    debug_collectives: StrictBool = False
 
     @field_validator("backend")
     @classmethod

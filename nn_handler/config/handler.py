@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from nn_handler.config.base import ConfigModel, validate_config
 from nn_handler.config.checkpoint import CheckpointConfig
@@ -47,13 +47,13 @@ class LoggingConfig(ConfigModel):
             ``lr-<Optimizer>[/pg<i>]`` with several optimizers or parameter groups).
     """
 
-    enabled: bool = True
+    enabled: StrictBool = True
     level: str = "INFO"
-    all_ranks: bool = False
+    all_ranks: StrictBool = False
     file: str | None = None
     dir: str = "runs"
     trackers: list[TrackerConfig] = Field(default_factory=list)
-    monitor: bool = True
+    monitor: StrictBool = True
     log_lr: Literal["epoch", "step"] = "epoch"
     flops_per_sample: float | None = Field(default=None, gt=0)
     peak_tflops: float | None = Field(default=None, gt=0)

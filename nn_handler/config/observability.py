@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from nn_handler.config.base import ConfigModel
 
@@ -19,7 +19,7 @@ class TrackerOptions(ConfigModel):
     """
 
     every_n_steps: int = Field(default=50, ge=1, strict=True)
-    log_curves: bool = True
+    log_curves: StrictBool = True
 
 
 class CsvTracker(TrackerOptions):
@@ -67,7 +67,7 @@ class TrackioTracker(TrackerOptions):
     type: Literal["trackio"] = "trackio"
     project: str = "nn_handler"
     name: str | None = None
-    log_curves: bool = False
+    log_curves: StrictBool = False
 
 
 TrackerConfig = Annotated[
@@ -108,12 +108,12 @@ class ProfileConfig(ConfigModel):
     warmup: int = Field(default=1, ge=0, strict=True)
     active: int = Field(default=3, ge=1, strict=True)
     repeat: int = Field(default=1, ge=1, strict=True)
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
+    record_shapes: StrictBool = False
+    profile_memory: StrictBool = False
+    with_stack: StrictBool = False
     sort_by: str = "self_cpu_time_total"
     row_limit: int = Field(default=15, ge=1, strict=True)
-    memory_snapshot: bool = False
+    memory_snapshot: StrictBool = False
 
     @field_validator("sort_by")
     @classmethod

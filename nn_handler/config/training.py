@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, StrictBool, field_validator, model_validator
 
 from nn_handler.config.base import ConfigModel
 from nn_handler.config.fault_tolerance import FaultToleranceConfig
@@ -53,13 +53,13 @@ class EmaConfig(ConfigModel):
         validate_with_ema: run validation on the EMA weights.
     """
 
-    enabled: bool = False
+    enabled: StrictBool = False
     decay: float = Field(default=0.9999, gt=0.0, lt=1.0)
-    warmup: bool = True
+    warmup: StrictBool = True
     update_every: int = Field(default=1, ge=1, strict=True)
     start_step: int = Field(default=0, ge=0, strict=True)
     buffers: Literal["copy", "average"] = "copy"
-    validate_with_ema: bool = True
+    validate_with_ema: StrictBool = True
 
 
 class EarlyStoppingConfig(ConfigModel):
@@ -116,10 +116,10 @@ class FsdpConfig(ConfigModel):
 
     blocks: list[str] = Field(default_factory=list)
     min_params: int = Field(default=1_000_000, ge=1, strict=True)
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    reduce_every_micro_batch: bool = False
-    mixed_precision: bool = True
+    reshard_after_forward: StrictBool = True
+    cpu_offload: StrictBool = False
+    reduce_every_micro_batch: StrictBool = False
+    mixed_precision: StrictBool = True
     replicate: MeshSize = 1
     shard: MeshSize = "auto"
     activation_checkpointing: ActivationCheckpointing = "none"
@@ -258,13 +258,13 @@ class TrainerConfig(ConfigModel):
     scheduler_monitor: str = "val_loss"
     strategy: StrategyName = "auto"
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
-    sync_batchnorm: bool = False
-    compile: bool | Literal["blocks"] = False
+    sync_batchnorm: StrictBool = False
+    compile: StrictBool | Literal["blocks"] = False
     compile_kwargs: dict[str, Any] = Field(default_factory=dict)
     init_weights: str | None = None
     init_seed: int = Field(default=0, ge=0, lt=2**63, strict=True)
     memory_budget: ByteSize | None = None
-    find_unused_parameters: bool = False
+    find_unused_parameters: StrictBool = False
     nonfinite: NonFinitePolicy = "skip"
     max_consecutive_skipped_steps: int | None = Field(default=10, ge=1, strict=True)
     early_stopping: EarlyStoppingConfig | None = None
@@ -289,8 +289,8 @@ class TrainerConfig(ConfigModel):
         return value
 
     log_every_n_steps: int = Field(default=50, ge=1, strict=True)
-    progress_bar: bool = True
-    non_blocking: bool = True
+    progress_bar: StrictBool = True
+    non_blocking: StrictBool = True
     profile: ProfileConfig | None = None
     reproducible: ReproducibleConfig | None = None
     fault_tolerance: FaultToleranceConfig | None = None

@@ -146,3 +146,32 @@ def test_lightnings_numeric_precision_lists_the_valid_names() -> None:
     with pytest.raises(ConfigError, match=r"'32', 'bf16', 'fp16' or 'amp' \(got '16'\)"):
         HandlerConfig.from_dict({"precision": 16})
     assert HandlerConfig.from_dict({"precision": 32}).precision.precision == "32"
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("checkpoint", "async_save", "yes"),
+        ("checkpoint", "save_best", "false"),  # true in Python's sense, false in pydantic's
+        ("loader", "shuffle", 0),
+        ("trainer", "progress_bar", 1),
+        ("ema", "enabled", "on"),
+        ("loader", "pin_memory", "true"),  # bool | None
+    ],
+)
+def test_yes_no_fields_take_booleans_only_as_counts_take_integers(
+    section: str, field: str, value: object
+) -> None:
+    """Issue 69, item 11: ``async_save: "yes"`` was accepted while ``batch_size: "64"`` was
+    refused."""
+    with pytest.raises(ConfigError, match=rf"{section}\.{field}: Input should be a valid boolean"):
+        HandlerConfig.from_dict({section: {field: value}})
+    assert HandlerConfig.from_dict({section: {field: False}}).model_dump()[section][field] is False
+
+
+def test_a_bad_precision_shorthand_is_named_as_written() -> None:
+    """``precision: bf61`` is the top-level field the user wrote, not 'precision.precision'."""
+    with pytest.raises(ConfigError) as error:
+        HandlerConfig.from_dict({"precision": "bf61"})
+    assert str(error.value).splitlines()[1].startswith("  precision: Input should be '32'")
+    assert HandlerConfig.from_dict({"trainer": {"compile": "blocks"}}).trainer.compile == "blocks"
