@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +205,7 @@ class ShardedWriter:
             save.writer.refusal = error
             if self._writes is None:
                 self._writes = ThreadPoolExecutor(1, "nn_handler-checkpoint")
-            save.written = self._writes.submit(dcp_save, staged, save.writer, options, False)
+            save.written = self._writes.submit(dcp_save, staged, save.writer, options)
             if store.uploads:
                 if self._puts is None:
                     self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
@@ -327,14 +327,15 @@ def load_shards(
     from nn_handler.checkpoint.safe_dcp import SafeLoadPlanner, SafeReader
 
     try:
-        with _one_process(group is None):
-            load(
-                template,
-                storage_reader=SafeReader(str(path)),
-                planner=SafeLoadPlanner(path),
-                process_group=group,
-                no_dist=group is None,
-            )
+        if group is None:
+            quiet_one_process_notice()
+        load(
+            template,
+            storage_reader=SafeReader(str(path)),
+            planner=SafeLoadPlanner(path),
+            process_group=group,
+            no_dist=group is None,
+        )
     except CheckpointError:
         raise
     except dcp_errors() as error:  # DCP raised the same error on every rank
@@ -347,28 +348,35 @@ def load_shards(
         ) from error
 
 
-@contextlib.contextmanager
-def _one_process(alone: bool) -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process, which is what we asked for (only
-    in the training thread: the filters are the process's, and a background thread restoring
-    them could undo the training thread's)."""
-    if not alone:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+#: DCP's notice that it runs in one process (torch.distributed.checkpoint's save and load
+#: say it on every call with no process group): what a one-process sharded save asks for.
+ONE_PROCESS_NOTICE = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+    r"(save|load) in a single process"
+)
 
 
-def dcp_save(
-    shards: dict[str, Any], writer: Any, options: dict[str, Any], quiet: bool = True
-) -> None:
-    """DCP's save of ``shards`` through ``writer`` (its collectives on ``options``' group);
-    ``quiet``: without its one-process warning (the training thread only)."""
+def quiet_one_process_notice() -> None:
+    """Ignore DCP's one-process notice, from torch.distributed.checkpoint only, for the rest
+    of the process (documented in docs/checkpoints.md). One filter, added once: a
+    ``catch_warnings`` around each save is not thread-safe (an asynchronous save runs in a
+    thread) and, on leaving, resets every "once" registry, so the notice came back at every
+    save."""
+    for action, message, *_ in warnings.filters:
+        if action == "ignore" and message is not None and message.pattern == ONE_PROCESS_NOTICE:
+            return
+    warnings.filterwarnings(
+        "ignore", message=ONE_PROCESS_NOTICE, module=r"torch\.distributed\.checkpoint"
+    )
+
+
+def dcp_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> None:
+    """DCP's save of ``shards`` through ``writer`` (its collectives on ``options``' group)."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    with _one_process(quiet and options["no_dist"]):
-        save(shards, storage_writer=writer, **options)
+    if options["no_dist"]:
+        quiet_one_process_notice()
+    save(shards, storage_writer=writer, **options)
 
 
 def _serve_writes() -> Callable[[Any], None]:
