@@ -81,8 +81,11 @@ class FSDP2Strategy(Strategy):
                 f"(the communicator reports world size {self.comm.world_size}). "
                 + (
                     "One process makes no group by default, also under torchrun: set "
-                    "distributed: {enabled: true} (DistributedConfig(enabled=True)) for a "
-                    "group of one, or use strategy 'single'."
+                    "distributed: {enabled: true} for a group of one, i.e. add\n"
+                    "    distributed:\n      enabled: true\n"
+                    "to the YAML file, or \"distributed\": {\"enabled\": True} to the config "
+                    "dict (HandlerConfig(distributed=DistributedConfig(enabled=True))); or use "
+                    "strategy 'single'."
                     if alone
                     else "Launch with torchrun, SLURM or nn_handler.launch."
                 )

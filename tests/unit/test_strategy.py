@@ -117,8 +117,11 @@ def test_fsdp_in_one_process_names_the_setting_that_makes_a_group(
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "t",
     }.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    with pytest.raises(ConfigError, match=r"set distributed: \{enabled: true\}"):
+    with pytest.raises(ConfigError, match=r"set distributed: \{enabled: true\}") as error:
         NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": {"strategy": "fsdp"}})
+    # The fix as it is written in a YAML file and in a dict, ready to paste (issue 69, 14).
+    assert "    distributed:\n      enabled: true\n" in str(error.value)
+    assert '"distributed": {"enabled": True}' in str(error.value)
     config = {"trainer": {"strategy": "fsdp"}, "distributed": {"enabled": True}}
     with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as handler:
         assert handler.trainer.strategy.name == "fsdp"
