@@ -292,7 +292,9 @@ def run_supervise(args: argparse.Namespace) -> int:
     except ConfigError as error:  # its message starts with "supervise:"
         print(f"nn-handler {error}", file=sys.stderr)
         return 2
-    logs = enable_logging()  # its lines: the Lighthouse's address, each restart, each end
+    # Its lines (the Lighthouse's address, each restart, each end), named apart from the
+    # members' ('member m1'), which share its terminal.
+    logs = enable_logging(label="supervise")
     # SIGTERM (a scheduler's stop) ends the run as Ctrl-C does: the members are stopped too.
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:

@@ -30,7 +30,7 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
 from nn_handler.errors import ConfigError, HandlerClosedError
-from nn_handler.log import disable_logging, enable_logging
+from nn_handler.log import disable_logging, enable_logging, name_the_process
 from nn_handler.monitoring import LearningRateMonitor, ThroughputMonitor
 from nn_handler.tracking import build_trackers
 from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
@@ -57,10 +57,12 @@ def as_handler_config(config: ConfigLike) -> HandlerConfig:
     )
 
 
-def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
+def _add_log_sinks(config: LoggingConfig, rank: int, label: str | None = None) -> list[int]:
+    """The stderr sink (and the file sink, if asked); ``label``: this process's name in their
+    lines while the handler lives (a fault-tolerant member's, instead of 'rank 0')."""
     if not config.enabled:
         return []
-    sinks = [enable_logging(config.level, all_ranks=config.all_ranks)]
+    sinks = [enable_logging(config.level, all_ranks=config.all_ranks, label=label)]
     if config.file is not None and ("{rank}" in config.file or rank == 0):
         path = Path(config.file.format(rank=rank))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,10 +71,11 @@ def _add_log_sinks(config: LoggingConfig, rank: int) -> list[int]:
                 path,
                 level=config.level,
                 filter=lambda record: (
-                    record["name"] is not None and record["name"].startswith("nn_handler")
+                    record["name"] is not None
+                    and record["name"].startswith("nn_handler")
+                    and name_the_process(record)
                 ),
-                format="{time:YYYY-MM-DD HH:mm:ss.SSS} | rank {extra[rank]} | {level: <7} | "
-                "{message}",
+                format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {extra[who]} | {level: <7} | {message}",
             )
         )
     return sinks
@@ -181,7 +184,9 @@ class NNHandler:
     ) -> None:
         self.communicator = communicator or self.context.communicator
         info = world_view(self.context, self.communicator)
-        self._sinks = _add_log_sinks(self.config.logging, info.rank)
+        member = self.config.trainer.fault_tolerance
+        label = None if member is None else f"member {member.member_name()}"
+        self._sinks = _add_log_sinks(self.config.logging, info.rank, label)
         self.loaders = LoaderFactory(self.config.loader, info, self.context.device)
         given = list(hooks)
         hooks = [*given, *observers(self.config.logging, given)]

@@ -24,9 +24,7 @@ if TYPE_CHECKING:
     from loguru import Message, Record
 
 _LIBRARY = "nn_handler"
-_FORMAT = (
-    "<green>{time:HH:mm:ss}</green> | rank {extra[rank]} | <level>{level: <7}</level> | {message}"
-)
+_FORMAT = "<green>{time:HH:mm:ss}</green> | {extra[who]} | <level>{level: <7}</level> | {message}"
 # loguru adds its default stderr sink with this id at import (unless LOGURU_AUTOINIT=0).
 _LOGURU_DEFAULT_SINK = 0
 
@@ -50,6 +48,8 @@ class _StderrLease:
         self.lock = threading.Lock()  # handlers may live in threads (run_in_threads)
         self.default_taken = False
         self.default_id = _LOGURU_DEFAULT_SINK  # the default sink's id (a new one once given back)
+        #: The names holders gave this process (a fault-tolerant member's), by handle.
+        self.labels: dict[int, str] = {}
 
     def take_default(self) -> bool:
         if self.default_taken:
@@ -81,6 +81,22 @@ def _rank() -> int:
         return 0
 
 
+def process_name(rank: int) -> str:
+    """How nn_handler's lines name this process: ``rank N``, or the name a holder of a sink
+    gave it (``member m1``: each member of a fault-tolerant run is rank 0 of its own)."""
+    labels = _LEASE.labels
+    return next(reversed(labels.values())) if labels else f"rank {rank}"
+
+
+def name_the_process(record: Record) -> bool:
+    """A loguru filter that puts ``process_name`` in ``record['extra']['who']`` (for a
+    format's ``{extra[who]}``) and lets every record through."""
+    extra = record["extra"]
+    extra.setdefault("rank", _rank())
+    extra["who"] = process_name(extra["rank"])
+    return True
+
+
 def _is_library(record: Record) -> bool:
     name = record["name"]
     return name is not None and (name == _LIBRARY or name.startswith(_LIBRARY + "."))
@@ -104,16 +120,20 @@ def is_terminal(stream: object) -> bool:
         return False
 
 
-def enable_logging(level: str = "INFO", all_ranks: bool = False) -> int:
-    """Print nn_handler's logs on stderr, tagged with the rank; rank 0 only unless
-    ``all_ranks``. Returns a handle: pass it to ``disable_logging`` to undo.
+def enable_logging(level: str = "INFO", all_ranks: bool = False, label: str | None = None) -> int:
+    """Print nn_handler's logs on stderr, tagged with the rank (or ``label``, this process's
+    name while the handle is held: ``member m1``); rank 0 only unless ``all_ranks``. Returns
+    a handle: pass it to ``disable_logging`` to undo.
 
     While loguru's default stderr sink is in place it is lent to this sink, so no record is
     printed twice; the application's own records still print on every rank, as before. Calls
     with the same arguments share one sink."""
     key: _SinkKey = (logger.level(level).no, all_ranks)
     with _LEASE.lock:
-        return _enable(key)
+        handle = _enable(key)
+        if label is not None:
+            _LEASE.labels[handle] = label
+        return handle
 
 
 def _enable(key: _SinkKey) -> int:
@@ -128,7 +148,7 @@ def _enable(key: _SinkKey) -> int:
     _LEASE.take_default()
 
     def accept(record: Record) -> bool:
-        record["extra"].setdefault("rank", _rank())
+        name_the_process(record)
         if _is_library(record):
             shown_here = all_ranks or record["extra"]["rank"] == 0
             return shown_here and record["level"].no >= key[0]
@@ -151,6 +171,7 @@ def disable_logging(handle: int) -> None:
 
 
 def _disable(handle: int) -> None:
+    _LEASE.labels.pop(handle, None)
     key = _LEASE.handles.pop(handle, None)
     if key is None:
         return
@@ -165,4 +186,10 @@ def _disable(handle: int) -> None:
         _LEASE.give_back()
 
 
-__all__ = ["disable_logging", "enable_logging", "is_terminal"]
+__all__ = [
+    "disable_logging",
+    "enable_logging",
+    "is_terminal",
+    "name_the_process",
+    "process_name",
+]

@@ -83,7 +83,7 @@ class FSDP2Strategy(Strategy):
                     "One process makes no group by default, also under torchrun: set "
                     "distributed: {enabled: true} for a group of one, i.e. add\n"
                     "    distributed:\n      enabled: true\n"
-                    "to the YAML file, or \"distributed\": {\"enabled\": True} to the config "
+                    'to the YAML file, or "distributed": {"enabled": True} to the config '
                     "dict (HandlerConfig(distributed=DistributedConfig(enabled=True))); or use "
                     "strategy 'single'."
                     if alone

@@ -433,13 +433,16 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
 ) -> None:
     """Issue 69's first bug: `nn-handler supervise` over two NNHandler members with periodic
     checkpoints (every 3 steps) and the default ``resume: on_restart``. m1 is SIGKILLed in
-    step 4's forward, after its checkpoint of step 3: restarted, it is told it is a restart
-    (NN_HANDLER_RESTART_COUNT), resumes from its own folder instead of being refused as a
-    fresh start over committed checkpoints, joins the run, and both members end with the bits
-    of a run that never failed."""
+    the validation after step 6 (between two steps), after its checkpoint of step 6:
+    restarted, it is told it is a restart (NN_HANDLER_RESTART_COUNT), resumes from its own
+    folder instead of being refused as a fresh start over committed checkpoints, joins the
+    run, and both members end with the bits of a run that never failed. On the way, what a
+    user reads: each member's lines name it (`member m0`, not `rank 0` for every member), the
+    supervisor's say `supervise`, and the survivor says in one line each that a member left
+    (no step was in flight: nothing else says it) and that one joined."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
            "RUST_LOG": "error", "FT_CHECKPOINTS": "1", "FT_RESUME": "on_restart",
-           "FT_KILL": "m1:4:forward", "FT_AWAIT_RESTART": "m1:5"}  # fmt: skip
+           "FT_KILL": "m1:6:validate", "FT_AWAIT_RESTART": "m1:7"}  # fmt: skip
     command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "2",
                "--join-timeout-s", "10", "--", sys.executable, str(TRAINER_SCRIPT),
                "{lighthouse}", str(tmp_path), "{member}", "2"]  # fmt: skip
@@ -453,12 +456,23 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
         os.killpg(supervisor.pid, signal.SIGKILL)
         pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
     assert supervisor.returncode == 0, output
-    restarts = [line for line in output.splitlines() if "; restarted (" in line]
+    lines = output.splitlines()
+    restarts = [line for line in lines if "; restarted (" in line]
     assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
-    resumed = [line for line in output.splitlines() if "resume='on_restart': resumed from" in line]
-    assert len(resumed) == 1 and "ckpt-e0000-s00000003.pt" in resumed[0], output
+    assert "| supervise |" in restarts[0], output
+    resumed = [line for line in lines if "resume='on_restart': resumed from" in line]
+    assert len(resumed) == 1 and "-s00000006.pt" in resumed[0], output
+    assert "| member m1 |" in resumed[0], output
     assert "not a restart" not in output and (tmp_path / "restarted-m1").exists(), output
-    assert "member m1 joined the run at step" in output, output
+    assert not [line for line in lines if "| rank " in line], output  # every line is named
+    survivor = [line for line in lines if "| member m0 |" in line]
+    left = [line for line in survivor if "a member left the run" in line]
+    assert len(left) == 1 and "(1 member(s) now, 2 before)" in left[0], output
+    # (The first step may say a join too: the member that came second to the Lighthouse.)
+    after = survivor[survivor.index(left[0]) :]
+    joined = [line for line in after if "a member joined the run" in line]
+    assert len(joined) == 1 and "(2 member(s) now, 1 before)" in joined[0], output
+    assert not [line for line in survivor if "abandoned by the run" in line], output
     expected = _unfailed_trainer_run(tmp_path / "unfailed")
     for member in ("m0", "m1"):
         report = json.loads((tmp_path / f"{member}.json").read_text())
@@ -486,6 +500,7 @@ def test_a_float_sum_run_loses_a_member_to_a_kill_and_one_to_a_preemption(tmp_pa
     log = (tmp_path / "m1.log").read_text()
     said = [line for line in log.splitlines() if "preempted after optimizer step" in line]
     assert len(said) == 1, log
+    assert "| member m1 | WARNING | member m1 received SIGTERM: stopping soon" in log, log
     step = int(said[0].split("preempted after optimizer step ")[1].split(":")[0])
     assert 6 < step < 12 and list((tmp_path / "checkpoints" / "m1").glob(f"*-s{step:08d}.pt"))
     survivor = json.loads((tmp_path / "m0.json").read_text())

@@ -5,13 +5,14 @@ BatchNorm and dropout, tests/reproducible_helpers.py), which may SIGKILL itself 
 Usage: python ft_trainer_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_STEP WHEN]
 WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote' (after the
 step's sum, before its vote: the others wait for it), 'save' (in the middle of writing the
-periodic checkpoint after that step) or 'term' (a SIGTERM in the step's first forward: a
+periodic checkpoint after that step), 'validate' (in the first forward of the validation
+after that step: between two steps) or 'term' (a SIGTERM in the step's first forward: a
 preemption). Its environment: FT_CHECKPOINTS=1 writes periodic checkpoints (every 3 steps) in
 RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto', or FT_RESUME's);
 FT_KILL=MEMBER:STEP:WHEN the kill for that member only, on its first start (a command that
 `nn-handler supervise` gives every member, and again to a restarted one);
-FT_AWAIT_RESTART=MEMBER:STEP slows every other member's steps from STEP on until MEMBER,
-restarted, has taken a step (RUN_DIR/restarted-MEMBER; at most 60 s); FT_KILL_LIGHTHOUSE=PID:STEP:
+FT_AWAIT_RESTART=MEMBER:STEP holds every other member from STEP on until MEMBER, restarted,
+trains (see await_restart); FT_KILL_LIGHTHOUSE=PID:STEP:
 JOINER kills the Lighthouse once JOINER joined, after STEP (see kill_lighthouse);
 FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10), FT_START_MEMBERS start_members,
 FT_MIN_MEMBERS min_members (default 1), FT_REDUCTION the mode's reduction ('exact' or
@@ -48,6 +49,17 @@ from tests.reproducible_helpers import WORKLOADS, config, digest, train
 def die_in_forward(h: NNHandler, step: int) -> None:
     def forward(module: nn.Module, args: Any) -> None:
         if h.trainer.state.global_step == step and module.training:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    h.trainer.module.register_forward_pre_hook(forward)
+
+
+def die_in_validation(h: NNHandler, step: int) -> None:
+    """SIGKILL in the first forward of the validation that follows optimizer step ``step``
+    (between two steps: no step of the run's is in flight)."""
+
+    def forward(module: nn.Module, args: Any) -> None:
+        if h.trainer.state.global_step == step and not module.training:
             os.kill(os.getpid(), signal.SIGKILL)
 
     h.trainer.module.register_forward_pre_hook(forward)
@@ -117,22 +129,28 @@ def kill_lighthouse(h: NNHandler, run: Path, pid: int, step: int, joiner: str) -
 
 
 def await_restart(h: NNHandler, run: Path, member: str, awaited: str, step: int) -> None:
-    """The restarted ``awaited`` member says when it trains (its first forward: it is in the
-    run); the others wait for that in their forwards from ``step`` on (0.2 s each), so that
-    the run does not end before it joins (a new interpreter: seconds on a busy host)."""
-    marker = run / f"restarted-{awaited}"
+    """The restarted ``awaited`` member says when its process is up (RUN_DIR/up-MEMBER) and
+    when it trains (its first forward: it is in the run; RUN_DIR/restarted-MEMBER). The
+    others, in their first forward from ``step`` on, wait for it to be up (a new interpreter:
+    seconds on a busy host), then take 0.5 s more per forward until it trains, so that the
+    run does not end before it joins; 60 s at most in all."""
+    up, trains = run / f"up-{awaited}", run / f"restarted-{awaited}"
     if member == awaited:
         if restart_count(os.environ) > 0:
+            up.touch()
             h.trainer.module.register_forward_pre_hook(
-                lambda module, args: marker.touch() if module.training else None
+                lambda module, args: trains.touch() if module.training else None
             )
         return
     end = time.monotonic() + 60
 
     def forward(module: nn.Module, args: Any) -> None:
-        waiting = h.trainer.state.global_step >= step and not marker.exists()
-        if waiting and module.training and time.monotonic() < end:
-            time.sleep(0.2)
+        if h.trainer.state.global_step < step or not module.training or trains.exists():
+            return
+        while not up.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        if time.monotonic() < end:
+            time.sleep(0.5)
 
     h.trainer.module.register_forward_pre_hook(forward)
 
@@ -166,6 +184,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         kill = tuple(when) if target == member else ()
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
+    elif kill and kill[1] == "validate":
+        die_in_validation(h, int(kill[0]))
     elif kill and kill[1] == "term":
         preempted_in_forward(h, int(kill[0]))
     elif kill and kill[1] == "save":

@@ -144,6 +144,30 @@ def test_all_ranks_can_be_shown(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rank 1 | INFO    | from rank 1" in capsys.readouterr().err
 
 
+def test_a_labelled_process_is_named_by_its_label_while_the_label_is_held(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A fault-tolerant member (rank 0 of its own, like every member) is named `member m1` in
+    its lines while the handle that named it is held; `rank 0` again after."""
+    from nn_handler.log import process_name
+
+    named = enable_logging("INFO", label="member m1")
+    try:
+        _log_as_library("from a member")
+        assert process_name(0) == "member m1"
+    finally:
+        disable_logging(named)
+    plain = enable_logging("INFO")
+    try:
+        _log_as_library("from rank 0")
+    finally:
+        disable_logging(plain)
+    err = capsys.readouterr().err
+    assert "| member m1 | INFO    | from a member" in err, err
+    assert "| rank 0 | INFO    | from rank 0" in err, err
+    assert process_name(0) == "rank 0"
+
+
 def test_one_line_per_event_while_loguru_default_sink_is_in_place() -> None:
     """loguru's default stderr sink would print every library record a second time (on every
     rank): it is lent to nn_handler's sink while that is on, and given back after."""

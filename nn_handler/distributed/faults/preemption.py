@@ -27,6 +27,7 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.communicator.base import Waiter
 from nn_handler.distributed.faults.notice import NoticePoller, NoticeSource, notice_from
 from nn_handler.errors import TrainingPreempted
+from nn_handler.log import process_name
 
 MAX_STEPS_BETWEEN_CHECKS = 10_000
 #: Seconds a preempted process shields its shutdown from further SIGTERMs (torchrun waits up
@@ -104,7 +105,8 @@ class PreemptionWatch:
             return
         if not self.requested:
             logger.bind(rank=self.comm.rank).warning(
-                "rank {} received SIGTERM: stopping soon, with a checkpoint", self.comm.rank
+                "{} received SIGTERM: stopping soon, with a checkpoint",
+                process_name(self.comm.rank),
             )
         self.requested = True
 
@@ -112,8 +114,8 @@ class PreemptionWatch:
         """A preemption notice (notice.py), from the poller's thread: as a SIGTERM."""
         if not self.requested:
             logger.bind(rank=self.comm.rank).warning(
-                "rank {} got a preemption notice from {}: stopping soon, with a checkpoint",
-                self.comm.rank,
+                "{} got a preemption notice from {}: stopping soon, with a checkpoint",
+                process_name(self.comm.rank),
                 self._notice_name,
             )
         self.requested = True
@@ -124,9 +126,9 @@ class PreemptionWatch:
             raise KeyboardInterrupt
         self.interrupted = self.requested = True
         logger.bind(rank=self.comm.rank).warning(
-            "rank {} received Ctrl-C: stopping after this step with a checkpoint "
+            "{} received Ctrl-C: stopping after this step with a checkpoint "
             "(press Ctrl-C again to stop at once, without one)",
-            self.comm.rank,
+            process_name(self.comm.rank),
         )
 
     def __enter__(self) -> PreemptionWatch:

@@ -48,6 +48,7 @@ class FaultTolerantSteps:
         self.run_id: str | None = None
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
+        self._members = 0  # the members of the last step agreed on (0: none yet)
         self.log = logger.bind(rank=0)
 
     def begin_fit(
@@ -86,6 +87,7 @@ class FaultTolerantSteps:
         self.exact.comm = replica.communicator
         # The first step waits for the members that start together (not for a joiner).
         replica.begin_step(config.start_members)
+        self._members = replica.members
         if own_run is not None:
             self.run_id = own_run(replica.agree("run_id", own_run(None)))
         self.reporting = replica.rank == 0
@@ -147,6 +149,7 @@ class FaultTolerantSteps:
         while True:
             if not self._begun:  # begin_fit's agreement is the first step's
                 replica.begin_step()
+                self._say_the_members(replica.members, global_step)
             self._begun = False
             if replica.step != global_step:
                 raise DistributedError(
@@ -182,6 +185,19 @@ class FaultTolerantSteps:
             self.log.warning(
                 "step {}: abandoned by the run ({}); redone by the members left",
                 global_step + 1, why,
+            )  # fmt: skip
+
+    def _say_the_members(self, members: int, global_step: int) -> None:
+        """One line when the run's members change between two steps (a member that died
+        between steps or in validation left no abandoned step to say it)."""
+        before, self._members = self._members, members
+        if before and members != before:
+            change = "a member left the run" if members < before else "a member joined the run"
+            if abs(members - before) > 1:
+                change = "members left the run" if members < before else "members joined the run"
+            self.log.info(
+                "step {}: {} ({} member(s) now, {} before)",
+                global_step + 1, change, members, before,
             )  # fmt: skip
 
     def training_members(self, members: int) -> int:
