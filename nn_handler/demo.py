@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics={"accuracy": accuracy},
     ) as handler:
         history = handler.train(train, val, epochs=args.epochs)
-        if handler.is_main_process:
+        if handler.is_reporting_process:
             history.to_json(out / "history.json")
             history.to_csv(out / "history.csv")
             plot = history.plot(out / "curves.png")

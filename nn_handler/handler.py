@@ -236,6 +236,15 @@ class NNHandler:
     def is_main_process(self) -> bool:
         return self.communicator.rank == 0
 
+    @property
+    def is_reporting_process(self) -> bool:
+        """Whether this process is the one that writes the run's own files (a plot, a
+        History, a summary): rank 0; in a fault-tolerant run, whose members are each rank 0
+        of a group of their own, the first member of the last step agreed on (one member),
+        as for the experiment trackers. ``if handler.is_reporting_process:`` writes once in
+        every kind of run."""
+        return bool(self.trainer.is_reporting_process)
+
     # ----------------------------------------------------------------- work
     def _train_loader(self, data: Any) -> Iterable[Any]:
         if isinstance(data, DataLoader):

@@ -473,6 +473,8 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
     joined = [line for line in after if "a member joined the run" in line]
     assert len(joined) == 1 and "(2 member(s) now, 1 before)" in joined[0], output
     assert not [line for line in survivor if "abandoned by the run" in line], output
+    # Each member is rank 0 of its own: one of them is the reporting process (issue 69, 7).
+    assert len(list(tmp_path.glob("reporter-*"))) == 1, list(tmp_path.iterdir())
     expected = _unfailed_trainer_run(tmp_path / "unfailed")
     for member in ("m0", "m1"):
         report = json.loads((tmp_path / f"{member}.json").read_text())

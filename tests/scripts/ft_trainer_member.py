@@ -214,6 +214,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         "stopped": stopped,
     }
     (run / f"{member}.json").write_text(json.dumps(report))
+    if h.is_reporting_process:  # the README's `if handler.is_reporting_process:` writes once
+        (run / f"reporter-{member}").touch()
     torch.save(h.model.state_dict(), run / f"{member}.pt")  # the weights, for tolerances
     h.close()
     if stopped:
