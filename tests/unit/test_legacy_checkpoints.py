@@ -4,7 +4,9 @@ tests/fixtures/legacy/ holds one epoch of resume_helpers' run written at 24b4425
 tests/fixtures/make_legacy_checkpoints.py): single files, a sharded folder with its
 ``manifest.json``, and both committed to a ``file://`` object store by their
 ``<name>.manifest.json``. Each resumes bit-exact (the run ends where the uninterrupted run
-does), loads for inference, and a changed byte in it is named, never loaded.
+does; on a CPU whose kernels give other last bits than the fixtures' machine's, an AVX-512
+one, within float tolerance), loads for inference, and a changed byte in it is named, never
+loaded.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return rh.outcome(h)
 
 
+@pytest.fixture(scope="module")
+def computes_like_the_fixtures(tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """Whether this CPU's kernels give the fixtures' machine's bits: the run's first epoch
+    here ends with exactly the weights of the fixture (written at its step 5). An AVX-512
+    machine's float sums differ from an AVX2 one's in the last bits (3e-8 after an epoch):
+    there a legacy checkpoint's continuation cannot match this machine's uninterrupted run
+    bit for bit, whatever the loader does (docs/checkpoints.md)."""
+    with rh.handler(tmp_path_factory.mktemp("first-epoch"), 1, False, None) as h:
+        h.train(regression_data(), regression_data(n=16, seed=1), epochs=1)
+        here = h.model.state_dict()
+    saved = NNHandler.load(checkpoint_path("file", str(HERE / "file")), rh.model()).model
+    return all(torch.equal(here[k], v) for k, v in saved.state_dict().items())
+
+
 #: SHA-256 of every fixture file as committed in d1ebdac (written by 24b4425's code), in
 #: ``sha256sum`` format: a regenerated fixture, which would test nothing, fails here instead
 #: of passing silently.
@@ -90,23 +106,63 @@ def test_the_fixtures_are_the_four_formats() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_legacy_checkpoint_resumes_bit_exact(
-    kind: str, tmp_path: Path, uninterrupted: dict[str, Any]
+    kind: str, tmp_path: Path, uninterrupted: dict[str, Any], computes_like_the_fixtures: bool
 ) -> None:
+    """Resumed, a legacy checkpoint ends where the uninterrupted run does: bit for bit on a
+    CPU that computes as the fixtures' machine did (this project's machines, CI); on another
+    kind (AVX-512) every count, step and position exactly and each float within 1e-5 (a
+    lost RNG state or data position would miss by far more: the order of the samples)."""
     where, options, _ = copy_of(kind, tmp_path)
     with handler(where, resume="auto", **options) as h:
         h.train(regression_data(), regression_data(n=16, seed=1), epochs=rh.EPOCHS)
         resumed = rh.outcome(h)
-    assert rh.same(resumed, uninterrupted), kind
+    if computes_like_the_fixtures:
+        assert rh.same(resumed, uninterrupted), kind
+    else:
+        assert close(resumed, uninterrupted), kind
+
+
+def close(a: Any, b: Any) -> bool:
+    """``rh.same`` with floats (and float tensors) within 1e-5, everything else exact."""
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        return bool(
+            torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+            if a.is_floating_point()
+            else torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5 * max(1.0, abs(b)) or (a != a and b != b)
+    return bool(a == b)
+
+
+def test_the_tolerant_comparison_still_tells_a_different_run() -> None:
+    """``close`` is not vacuous: an uninterrupted run of another data order fails it, a
+    change in the last bits passes it, and a step count must be exact."""
+    base = {"w": torch.tensor([1.0, 2.0]), "step": 5, "loss": 0.5}
+    assert close({**base, "w": torch.tensor([1.0 + 3e-8, 2.0])}, base)
+    assert not close({**base, "w": torch.tensor([1.01, 2.0])}, base)
+    assert not close({**base, "step": 6}, base)
+    assert not close({**base, "loss": 0.51}, base)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_legacy_checkpoint_loads_for_inference(
-    kind: str, tmp_path: Path, uninterrupted: dict[str, Any]
+    kind: str, tmp_path: Path, uninterrupted: dict[str, Any], computes_like_the_fixtures: bool
 ) -> None:
     where, _, _ = copy_of(kind, tmp_path)
     loaded = NNHandler.load(checkpoint_path(kind, where), rh.model())
     assert loaded.trainer.state.global_step == 5
-    assert loaded.history.records[0]["train_loss"] == uninterrupted["history"][0]["train_loss"]
+    first = loaded.history.records[0]["train_loss"]
+    if computes_like_the_fixtures:
+        assert first == uninterrupted["history"][0]["train_loss"]
+    else:
+        assert close(first, uninterrupted["history"][0]["train_loss"])
     # An epoch later than the fixture's, so the weights differ from the uninterrupted end.
     assert not torch.equal(loaded.model[0].weight, uninterrupted["model"]["0.weight"])
 
