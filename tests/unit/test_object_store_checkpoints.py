@@ -451,13 +451,15 @@ def test_resume_from_a_url_whose_bucket_is_missing_names_it(s3: Bucket, tmp_path
         h.resume(f"s3://no-such-{s3.name}/run")
 
 
-@pytest.mark.parametrize("damage", ["newer format", "one byte"])
+@pytest.mark.parametrize("damage", ["newer format", "one byte", "another checkpoint's"])
 def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     s3: Bucket, tmp_path: Path, damage: str, lines: list[str]
 ) -> None:
-    """A rolling upgrade (a newer nn_handler's ``"version": 3`` manifest) or one bit of rot:
-    the next start skips that checkpoint, says so, and deletes none of its objects; only
-    objects that no manifest names at all are an interrupted upload."""
+    """A rolling upgrade (a newer nn_handler's ``"version": 3`` manifest), one bit of rot, or
+    a readable manifest of another checkpoint copied over it (issue 69, item 18: the next
+    start deleted the checkpoint's data as an interrupted upload): the next start skips that
+    checkpoint, says so, and deletes none of its objects; only objects that no manifest names
+    at all are an interrupted upload."""
     url = f"{s3.url}/run"
     run(url, machine(tmp_path, "first"), epochs=2, keep_last=2)
     fs = s3.fs()
@@ -465,6 +467,8 @@ def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     data = fs.cat(key)
     if damage == "newer format":
         data = data.replace(b'"version": 2', b'"version": 3')
+    elif damage == "another checkpoint's":
+        data = fs.cat(f"{s3.name}/run/ckpt-e0001-s00000010.pt{SUFFIX}")
     else:
         data = data.replace(b'"objects"', b'"objectz"', 1)
     fs.pipe(key, data)

@@ -77,6 +77,42 @@ def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: ObjectS
         folder.fetch("copy.pt")
 
 
+def test_a_manifest_of_another_checkpoint_deletes_nothing_at_the_next_start(
+    folder: ObjectStore, tmp_path: Path, lines: list[str]
+) -> None:
+    """Issue 69, item 18 (a fault campaign's break): a readable manifest under an older
+    checkpoint's name that describes another one (copied over it by hand) made the next
+    start delete the older checkpoint's data as "an upload interrupted before its commit".
+    Now that manifest is not trusted, the next start deletes none of its objects and says so
+    in one line; a manifest listing objects outside its own checkpoint is refused alike."""
+    _commit_file(folder, "newer.pt", torch.zeros(3), run="r1")
+    newer = folder.store.read(f"newer.pt{SUFFIX}")
+    assert newer is not None
+    folder.store.write(f"ckpt.pt{SUFFIX}", newer)  # ckpt.pt's manifest now describes newer.pt
+    outside = Manifest(
+        "odd.pt", {"odd.pt": {"size": 1, "crc32": 0}, "ckpt.pt": {"size": 1, "crc32": 0}}
+    )
+    folder.store.write("odd.pt", b"x")
+    folder.store.write(f"odd.pt{SUFFIX}", outside.to_bytes())
+    folder.release()
+    again = ObjectStore(CheckpointConfig(dir=folder.where, staging_dir=str(tmp_path / "again")))
+    assert again.start(lambda name: name.endswith(".pt")) is None
+    try:
+        listing = again.store.listing()
+        assert "ckpt.pt" in listing and "odd.pt" in listing, listing  # nothing deleted
+        assert not [line for line in lines if "interrupted before its commit" in line], lines
+        assert any("ckpt.pt.manifest.json describes 'newer.pt', not 'ckpt.pt'" in line
+                   and "its objects are kept" in line for line in lines), lines  # fmt: skip
+        assert any(
+            "odd.pt.manifest.json names 'ckpt.pt', which is not its" in line for line in lines
+        )
+        assert [path.name for path in again.entries()] == ["newer.pt"]
+        with pytest.raises(CheckpointError, match=r"describes 'newer\.pt', not 'ckpt\.pt'"):
+            again.fetch("ckpt.pt")
+    finally:
+        again.release()
+
+
 def test_an_uncommitted_checkpoint_is_not_fetched(folder: ObjectStore) -> None:
     folder.store.write("half.pt", b"bytes of an upload killed before its manifest")
     with pytest.raises(CheckpointError, match=r"half\.pt is not committed"):

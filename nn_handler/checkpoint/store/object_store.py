@@ -134,11 +134,10 @@ class ObjectStore(LocalStore):
                 f"was interrupted; use an earlier one."
             )
         manifest = Manifest.from_bytes(data, self.store.url_of(key))
-        if manifest.name != name:
-            raise CheckpointError(
-                f"{self.store.url_of(key)} describes {manifest.name!r}, not {name!r}: it was "
-                f"refused."
-            )
+        try:
+            protocol.vouches_for(manifest, name, self.store.url_of(key))
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}: it was refused.") from None
         local = protocol.fetch(self.store, manifest, self.dir, self.workers)
         if local.is_dir() and f"{name}/{MANIFEST}" not in manifest.objects:
             atomic_write_bytes(manifest.to_bytes(), local / MANIFEST)  # a local checkpoint too

@@ -75,11 +75,24 @@ def read_manifests(
         if data is None:  # deleted since the listing
             continue
         try:
-            found[name] = Manifest.from_bytes(data, store.url_of(key))
+            manifest = Manifest.from_bytes(data, store.url_of(key))
+            vouches_for(manifest, name, store.url_of(key))
         except CheckpointError as error:
             if warn is not None:
                 warn(f"{error}; its checkpoint is not trusted, and its objects are kept")
+            continue
+        found[name] = manifest
     return found, listing
+
+
+def vouches_for(manifest: Manifest, name: str, where: str) -> None:
+    """Refuse (CheckpointError) a readable manifest that is not ``name``'s own: one that
+    names another checkpoint (copied or renamed by hand; its keys are checked to lie inside
+    its own checkpoint when it is read). Only a checkpoint's own manifest may decide which of
+    its objects are leftovers to delete: trusting another's deleted a whole older
+    checkpoint's data."""
+    if manifest.name != name:
+        raise CheckpointError(f"{where} describes {manifest.name!r}, not {name!r}")
 
 
 def incomplete(
@@ -170,4 +183,5 @@ __all__ = [
     "read_manifests",
     "remove",
     "upload",
+    "vouches_for",
 ]
