@@ -39,7 +39,11 @@ class CheckpointConfig(ConfigModel):
             (``s3://``: botocore's ``connect_timeout`` and ``read_timeout``; a
             ``config_kwargs`` in ``storage_options`` overrides them). A store that does not
             answer fails an operation after 5 attempts, each retry logged; the last failure is
-            a CheckpointError on every rank.
+            a CheckpointError on every rank. The start's probe of the store tries twice, at
+            most 20 s each, so that a silent store is named within about a minute.
+        store_retry_wait_s: the wait before the first retry of a request to an object store;
+            each next one doubles (1 s: 1, 2, 4, 8 s, plus up to half as much at random), so
+            a store that refuses connections for a few seconds does not end the run.
         save_last: write periodic checkpoints (the resumable ones, named by latest.json).
         every_n_epochs: write one after every N-th epoch (None: not per epoch).
         every_n_steps: also write one after every N-th optimizer step (None: not per step).
@@ -106,6 +110,7 @@ class CheckpointConfig(ConfigModel):
     storage_options: dict[str, Any] | None = Field(default=None, exclude=True, repr=False)
     upload_workers: int = Field(default=8, ge=1, strict=True)
     store_timeout_s: float = Field(default=120.0, gt=0)
+    store_retry_wait_s: float = Field(default=1.0, gt=0)
     save_last: StrictBool = True
     every_n_epochs: int | None = Field(default=1, ge=1, strict=True)
     every_n_steps: int | None = Field(default=None, ge=1, strict=True)

@@ -179,7 +179,7 @@ class NoCredentialsError(Exception):
 def test_store_errors_are_retried_only_when_retrying_can_help(
     error: Exception, tries: int, says: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", attempts=3, max_wait_s=0.01)
+    store = RemoteStore(f"memory://{uuid.uuid4().hex}/run", attempts=3, first_wait_s=0.001)
     calls: list[str] = []
 
     def failing(path: str, data: bytes, **kw: object) -> None:

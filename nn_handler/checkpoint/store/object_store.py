@@ -44,7 +44,10 @@ class ObjectStore(LocalStore):
 
     def __init__(self, config: CheckpointConfig) -> None:
         url = str(config.dir)
-        self.store = RemoteStore(url, config.storage_options, timeout_s=config.store_timeout_s)
+        self.store = RemoteStore(
+            url, config.storage_options, first_wait_s=config.store_retry_wait_s,
+            timeout_s=config.store_timeout_s,
+        )  # fmt: skip
         super().__init__(working_copy(self.store.url, config.staging_dir))
         self.workers = config.upload_workers
         self.background = config.async_save

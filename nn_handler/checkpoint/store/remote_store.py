@@ -41,6 +41,10 @@ _PERMANENT = (
 )
 #: The connect and read timeout of every request, unless the configuration says.
 DEFAULT_TIMEOUT_S = 120.0
+#: The start's probe (``check``): a store that never answers is named within about a minute
+#: (two tries of at most 20 s each), whatever the timeout of the requests during training.
+PROBE_TIMEOUT_S = 20.0
+PROBE_ATTEMPTS = 2
 
 
 def transient(error: BaseException) -> bool:
@@ -64,7 +68,9 @@ class RemoteStore:
         url: the folder's URL.
         storage_options: passed to the fsspec filesystem (an endpoint, a profile...).
         attempts: tries per operation before a transient error is final.
-        max_wait_s: the longest backoff between two tries.
+        first_wait_s: the backoff after the first failed try; each next one doubles (with up
+            to half of it more, at random), up to 16 times it: with 1 s and 5 tries a
+            store's outage of about 15 s is ridden out.
         timeout_s: the connect and read timeout of every request (``s3://``: botocore's
             ``connect_timeout`` and ``read_timeout``, unless ``storage_options``'
             ``config_kwargs`` set them).
@@ -75,13 +81,16 @@ class RemoteStore:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         attempts: int = 5,
-        max_wait_s: float = 8.0,
+        first_wait_s: float = 1.0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         import fsspec
 
         self.url = url.rstrip("/")
         self.attempts = attempts
+        self.first_wait_s = first_wait_s
+        self.timeout_s = timeout_s
+        self.storage_options = dict(storage_options or {})
         try:
             # A filesystem of its own: a cached one would keep credentials the environment
             # no longer has, and its listings.
@@ -102,7 +111,9 @@ class RemoteStore:
             _bound_every_s3_wait(self.fs)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(attempts),
-            wait=tenacity.wait_random_exponential(multiplier=0.2, max=max_wait_s),
+            wait=tenacity.wait_exponential_jitter(
+                initial=first_wait_s, max=16 * first_wait_s, jitter=first_wait_s / 2
+            ),
             retry=tenacity.retry_if_exception(transient),
             reraise=True,
         )
@@ -259,10 +270,18 @@ class RemoteStore:
 
     def check(self) -> None:
         """Fail now, with the cause and the fix, when the folder cannot be written (a missing
-        bucket, refused credentials): a small object is written and deleted."""
+        bucket, refused credentials, an endpoint that never answers): a small object is
+        written and deleted, in ``PROBE_ATTEMPTS`` tries of at most ``PROBE_TIMEOUT_S`` each
+        (not the training's bound: 5 tries of 120 s made a silent store's start wait for 10
+        minutes)."""
+        timeout_s = min(self.timeout_s, PROBE_TIMEOUT_S)
+        probing = RemoteStore(
+            self.url, self.storage_options, min(self.attempts, PROBE_ATTEMPTS),
+            self.first_wait_s, timeout_s,
+        )  # fmt: skip
         probe = f".nn_handler-probe-{os.getpid()}"
-        self.write(probe, b"probe")
-        self.remove(probe)
+        probing.write(probe, b"probe")
+        probing.remove(probe)
 
 
 def with_timeouts(url: str, options: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
