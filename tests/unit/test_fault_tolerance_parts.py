@@ -257,6 +257,42 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
         replica.agree("run_id", "a1")
 
 
+def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() -> None:
+    """Issue 69, item 17 (a fault campaign's break): a Lighthouse stopped by SIGSTOP while
+    the members vote blocked them without a bound (torch's TCPStore client waits for an
+    answer whatever its timeout: 76 s and 141 s until killed). A real Lighthouse process,
+    stopped: the vote, and any other request, ends within ``timeout_s`` with the
+    DistributedError naming the Lighthouse (the member's bounded path)."""
+    import os
+    import signal
+    import time
+
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance import Lighthouse
+    from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    with Lighthouse(min_members=1, join_timeout_s=1.0) as lighthouse:
+        replica = object.__new__(Replica)
+        replica.manager = _OneMemberLeft()
+        replica.member_id, replica.lighthouse, replica.timeout_s = "m0", lighthouse.address, 1.0
+        replica.failure, replica._quorum, replica._attempt = None, 7, 0
+        replica._verdicts = verdicts_of(lighthouse.address, 1.0)
+        assert replica.agree("run_id", "a1") == "a1"  # it answers while it runs
+        os.kill(lighthouse.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DistributedError) as stopped:
+                replica._verdict()
+            waited = time.monotonic() - started
+        finally:
+            os.kill(lighthouse.pid, signal.SIGCONT)
+    assert waited < 10, waited  # one request's bound (1 s), not an endless wait
+    message = str(stopped.value)
+    assert "member m0: the verdict on step 41 cannot be read (TimeoutError: no answer" in message
+    assert f"the Lighthouse at {lighthouse.address} is gone" in message
+
+
 class _TwoAbandoned:
     """The verdicts' store of a run whose step 41 was abandoned twice in quorum 7."""
 

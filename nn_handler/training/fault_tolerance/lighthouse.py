@@ -14,14 +14,19 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
 
 from torch._C._distributed_c10d import TCPStore
 
 from nn_handler.errors import ConfigError, DistributedError
 from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
+
+T = TypeVar("T")
 
 #: The line a Lighthouse process prints first, then its address.
 READY = "nn_handler lighthouse listening on "
@@ -66,13 +71,55 @@ def serve(
     raise DistributedError(f"the Lighthouse cannot listen on {host}:{port} and +1: {failure}")
 
 
-def verdicts_of(lighthouse: str, timeout_s: float) -> TCPStore:
-    """A client of the verdicts' store of the Lighthouse at ``lighthouse``."""
+class BoundedStore:
+    """The verdicts' store with every request bounded by ``timeout_s``: torch's TCPStore
+    client waits without end for a server that accepts and never answers (a Lighthouse
+    stopped by SIGSTOP, a host frozen: a vote blocked 76 s and 141 s, until killed), whatever
+    its own timeout. A request runs in this store's one thread; one that does not answer in
+    time is a TimeoutError (the thread stays blocked in it, and so does every later request:
+    the member stops)."""
+
+    def __init__(self, store: TCPStore, timeout_s: float) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self._thread = ThreadPoolExecutor(1, "nn_handler-verdicts")
+
+    def _bounded(self, what: str, call: Callable[[], T]) -> T:
+        future = self._thread.submit(call)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"no answer to {what} within {self.timeout_s:g} s (the Lighthouse's host is "
+                f"stopped or unreachable)"
+            ) from None
+
+    def add(self, key: str, value: int) -> int:
+        return self._bounded("add", lambda: int(self.store.add(key, value)))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._bounded(
+            "compare_set", lambda: bytes(self.store.compare_set(key, expected, desired))
+        )
+
+    def check(self, keys: list[str]) -> bool:
+        return self._bounded("check", lambda: bool(self.store.check(keys)))
+
+    def get(self, key: str) -> bytes:
+        return self._bounded("get", lambda: bytes(self.store.get(key)))
+
+
+def verdicts_of(lighthouse: str, timeout_s: float) -> BoundedStore:
+    """A client of the verdicts' store of the Lighthouse at ``lighthouse``, every request
+    bounded by ``timeout_s``."""
     host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
     try:
-        return TCPStore(
-            host, int(port) + 1, is_master=False, wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
+        return BoundedStore(
+            TCPStore(
+                host, int(port) + 1, is_master=False, wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+            ),
+            timeout_s,
         )  # fmt: skip
     except RuntimeError as error:
         first = (str(error).strip().splitlines() or [""])[0]
@@ -179,4 +226,4 @@ def _first_line(stream: IO[str] | None, timeout_s: float) -> str:
         return ""
 
 
-__all__ = ["READY", "Lighthouse", "require_torchft", "serve", "verdicts_of"]
+__all__ = ["READY", "BoundedStore", "Lighthouse", "require_torchft", "serve", "verdicts_of"]
