@@ -190,7 +190,7 @@ def _load_failure(source: Path, error: BaseException) -> str:
     found = _GLOBAL.search(text)
     size = _describe_size(source)
     if found is None:
-        first = _first_line(text, "Unsupported")
+        first = weights_only_cause(error)
         return (
             f"checkpoint {source} ({size}) has a pickle stream that weights-only loading "
             f"cannot read ({first}): it is corrupt or was not written by torch.save; use an "
@@ -217,6 +217,17 @@ def _first_line(text: str, needle: str) -> str:
         if needle in line:
             return line.strip()
     return text.splitlines()[0].strip() if text else "unknown object"
+
+
+def weights_only_cause(error: BaseException) -> str:
+    """What weights-only loading refused, in one line, without torch's advice to re-run with
+    ``weights_only=False`` (which runs whatever the file asks): its 'Unsupported ...' line,
+    else the error's type."""
+    for line in str(error).splitlines():
+        if line.strip().startswith("Unsupported"):
+            return line.strip()
+    first = (str(error).strip().splitlines() or [""])[0]
+    return type(error).__name__ if "weights_only" in first else first
 
 
 def _unreadable(source: Path, error: BaseException) -> str:
@@ -260,6 +271,7 @@ __all__ = [
     "SaveCancelled",
     "load_file",
     "unsafe_entries",
+    "weights_only_cause",
     "write_failure",
     "write_file",
 ]

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from nn_handler.checkpoint.io import weights_only_cause
 from nn_handler.errors import CheckpointError
 
 #: DCP's index file in a folder.
@@ -144,11 +145,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as error:
-            first = str(error).strip().splitlines()
             raise CheckpointError(
                 f"checkpoint {self._source}: the value of {fqn!r} was refused by weights-only "
-                f"loading ({first[0] if first else type(error).__name__}); a shard never needs "
-                f"to run code. Do not load this folder unless you know where it came from."
+                f"loading ({weights_only_cause(error)}); a shard never needs to run code. Do "
+                f"not load this folder unless you know where it came from."
             ) from error
         # What DefaultLoadPlanner.load_bytes does with the value it loads.
         if self.flatten_state_dict:

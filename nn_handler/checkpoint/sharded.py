@@ -115,6 +115,8 @@ class _Save:
     #: The DCP write (None: it already finished) and this rank's puts once it has.
     written: Future[Any] | None = None
     put: Future[dict[str, Entry]] | None = None
+    #: This rank's shards (a background save's failure names the bytes they need).
+    shards: Any = None
 
 
 class ShardedWriter:
@@ -206,6 +208,7 @@ class ShardedWriter:
             if self._writes is None:
                 self._writes = ThreadPoolExecutor(1, "nn_handler-checkpoint")
             save.written = self._writes.submit(dcp_save, staged, save.writer, options)
+            save.shards = shards
             if store.uploads:
                 if self._puts is None:
                     self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
@@ -272,7 +275,7 @@ class ShardedWriter:
             if pending.written is not None:
                 pending.written.result()
         except dcp_errors() as caught:
-            error = save_failure(caught, pending.target, None)
+            error = save_failure(caught, pending.target, pending.shards)
         self._finish(pending, error, f"writing checkpoint {pending.target} (in the background)")
         return pending.target
 

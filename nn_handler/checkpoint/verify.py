@@ -255,7 +255,20 @@ def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = F
     if INDEX not in files:
         raise CheckpointError(f"checkpoint {folder}: its {MANIFEST} does not list {INDEX}.")
     mine = share(files, rank, world)
-    verify_files_named(folder, files, mine)
+    try:
+        verify_files_named(folder, files, mine)
+    except CheckpointError as error:
+        if manifest.name == folder.name:
+            raise
+        # A folder's manifest names the folder it was written for; a copy or a rename keeps
+        # it (best/ holds its periodic checkpoint's), so only a mismatch says more.
+        found = str(error).split(" is corrupt: ", 1)[-1].split(". Its bytes", 1)[0]
+        raise CheckpointError(
+            f"checkpoint {folder}: its {MANIFEST} was written for {manifest.name!r}, and the "
+            f"folder's files do not match it ({found}). It was probably copied here from that "
+            f"checkpoint (or the files were replaced): put back this folder's own {MANIFEST}, "
+            f"or use an earlier checkpoint."
+        ) from error
     if INDEX in mine:  # a forged index with a forged manifest still never loads
         read_index(folder / INDEX)
 

@@ -8,6 +8,7 @@ full disk during a sharded save is named; consolidate never writes into its sour
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -139,8 +140,10 @@ def test_a_crafted_value_in_a_shard_runs_nothing(run: Path, tmp_path: Path) -> N
     assert marker.exists()
     marker.rmdir()
     assert name.startswith("optimizer.")
-    with pytest.raises(CheckpointError, match=rf"value of '{name}' was refused"):
+    with pytest.raises(CheckpointError, match=rf"value of '{name}' was refused") as refused:
         NNHandler.load(newest, mlp(seed=5), _adam)
+    # Never torch's advice to re-run with weights_only=False, which would run the payload.
+    assert "weights_only" not in str(refused.value) and "Re-running" not in str(refused.value)
     with _handler(None, seed=5) as h, pytest.raises(CheckpointError, match="weights-only"):
         h.trainer.resume(newest)
     assert not marker.exists()
@@ -268,11 +271,14 @@ def _tiny_file_system(path: Path, size: str) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.parametrize("background", [False, True])
 def test_a_full_disk_during_a_sharded_save_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
     """On a real 96 KiB file system where mounting is allowed (root), else with the disk's
-    error raised by the shard writes; trainer.pt fits, the shards do not."""
+    error raised by the shard writes; trainer.pt fits, the shards do not. In the background
+    too (``async_save``: the periodic save fails when the end of the fit waits for it), where
+    the message once said the shards 'need about 0 bytes'."""
     disk = tmp_path / "disk"
     mounted = _tiny_file_system(disk, "96k")
     if not mounted:
@@ -285,15 +291,24 @@ def test_a_full_disk_during_a_sharded_save_is_named(
         monkeypatch.setattr("shutil.disk_usage", lambda _: type("U", (), {"free": 100})())
     try:
         big = nn.Sequential(nn.Linear(6, 2048), nn.ReLU(), nn.Linear(2048, 3))
+        checkpoint: dict[str, Any] = {"format": "sharded"}
+        if background:
+            checkpoint.update(dir=str(disk), async_save=True)
         config = HandlerConfig.from_dict(
-            {"trainer": {"progress_bar": False}, "checkpoint": {"format": "sharded"}}
+            {"trainer": {"progress_bar": False}, "checkpoint": checkpoint}
         )
         with NNHandler(big, _adam, nn.CrossEntropyLoss(), config=config) as h:
-            h.train(DATA, epochs=1)
-            with pytest.raises(CheckpointError) as caught:
-                h.save(disk / "ckpt")
+            if background:
+                with pytest.raises(CheckpointError) as caught:
+                    h.train(DATA, epochs=1)
+            else:
+                h.train(DATA, epochs=1)
+                with pytest.raises(CheckpointError) as caught:
+                    h.save(disk / "ckpt")
         message = str(caught.value)
         assert "no space left on device" in message and "this rank's shards need about" in message
+        needed = re.search(r"shards need about (\d+) bytes", message)
+        assert needed and int(needed.group(1)) > 2048 * 6 * 4, message  # the first layer alone
         assert "bytes are free" in message and "inline_container" not in message
         assert not (disk / "ckpt").exists()
     finally:
@@ -382,6 +397,22 @@ def test_a_manifest_that_is_not_ours_or_too_new_is_refused(run: Path) -> None:
     (folder / MANIFEST).write_text(torn)
     with pytest.raises(CheckpointError, match=r"manifest\.json is not a readable manifest"):
         read_manifest(folder)
+
+
+def test_another_folders_manifest_is_named_as_such_not_as_a_disk_error(run: Path) -> None:
+    """Issue 69, item 22: a folder holding another checkpoint's manifest.json (copied by
+    hand) was reported as '.metadata is corrupt (a disk or copy error)'. The message names
+    the checkpoint the manifest was written for, and the fix; a renamed folder whose own
+    manifest still matches its files loads (best/ holds its periodic checkpoint's)."""
+    shutil.copy(run / FIRST / MANIFEST, run / SECOND / MANIFEST)
+    with pytest.raises(CheckpointError) as caught:
+        NNHandler.load(run / SECOND, mlp(), _adam)
+    message = str(caught.value)
+    assert f"its manifest.json was written for '{FIRST}'" in message, message
+    assert "put back this folder's own manifest.json" in message
+    assert "disk or copy error" not in message
+    shutil.copytree(run / FIRST, run / "renamed")
+    assert NNHandler.load(run / "renamed", mlp(), _adam).trainer.state.global_step == 5
 
 
 def test_an_index_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:
