@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -642,7 +645,8 @@ def test_a_live_job_holds_its_bucket_folder_by_a_conditional_write(
     with pytest.raises(CheckpointError, match=refused):
         run(url, machine(tmp_path, "second"), epochs=1)
     assert fs.exists(f"{s3.name}/run/ckpt-e0001-s00000005.pt")  # nothing deleted
-    fs.pipe(lock, _holder(time=time.time() - 600))  # killed 10 minutes ago
+    fs.pipe(lock, _holder(lease_s=0.5))  # a job with a short lease, killed after renewing
+    time.sleep(1.0)  # its lease runs out, by the store's clock
     run(url, machine(tmp_path, "third"), epochs=1)
     assert any("taking over the lock of a job (pid 4242 on node-b): its lease ran out" in line
                for line in lines)  # fmt: skip
@@ -651,6 +655,56 @@ def test_a_live_job_holds_its_bucket_folder_by_a_conditional_write(
     fs.pipe(lock, _holder(job="SLURM_JOB_ID=77"))  # the same job, requeued on another node
     run(url, machine(tmp_path, "fourth"), epochs=1, resume="auto")
     assert any("an earlier start of this same job" in line for line in lines)
+
+
+def test_a_lease_does_not_depend_on_the_machines_clocks(
+    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 69, item 20 (a fault campaign's partial): a second job whose clock ran 300 s
+    ahead took a live job's S3 lease (even on the same host) and deleted its upload in
+    flight. The lease's age is the store's (the lock object's time against a probe's, both
+    the store's clock), and a live process on this host holds its lock whatever the times."""
+    from nn_handler.checkpoint.store import lease as lease_module
+
+    url = f"{s3.url}/run"
+    lock = f"{s3.name}/run/.nn_handler.lock"
+    fs = s3.fs()
+    fs.pipe(lock, _holder())  # a live job on another machine, renewed just now
+    fs.pipe(f"{s3.name}/run/ckpt-e0001-s00000005.pt", b"its upload in flight")
+    real = time.time
+    monkeypatch.setattr(lease_module.time, "time", lambda: real() + 300.0)  # a clock ahead
+    with pytest.raises(CheckpointError, match=r"in use by another live job"):
+        run(url, machine(tmp_path, "ahead"), epochs=1)
+    assert fs.exists(f"{s3.name}/run/ckpt-e0001-s00000005.pt")  # nothing deleted
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # a live process on this host, its renewal long ago by any clock
+        fs.pipe(lock, _holder(host=socket.gethostname(), pid=alive.pid, lease_s=0.1))
+        time.sleep(0.5)
+        with pytest.raises(CheckpointError, match=rf"pid {alive.pid} on {socket.gethostname()}"):
+            run(url, machine(tmp_path, "same-host"), epochs=1)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_job_whose_lock_was_taken_over_writes_nothing_more(tmp_path: Path) -> None:
+    """A holder that lost its lease (another job took the lock over) notices at its next
+    renewal, says so once, and every later change to the store is refused with the reason."""
+    from nn_handler.checkpoint.store.lease import Lease, ObjectLock
+    from nn_handler.checkpoint.store.remote_store import RemoteStore
+
+    store = RemoteStore(f"memory://{tmp_path.name}/taken")
+    held = Lease(ObjectLock(store), store.url, lease_s=0.4)
+    held.acquire({})
+    store.write(".nn_handler.lock", _holder(job="SLURM_JOB_ID=9"))  # another job took it
+    deadline = time.monotonic() + 5
+    while held.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held.lost is not None and "SLURM_JOB_ID=9 (pid 4242 on node-b)" in held.lost
+    with pytest.raises(CheckpointError, match=r"is no longer this job's: SLURM_JOB_ID=9"):
+        held.check_held()
+    held.release()
+    assert json.loads(store.read(".nn_handler.lock") or b"{}")["pid"] == 4242  # theirs kept
 
 
 def test_the_lease_is_renewed_while_the_job_lives(tmp_path: Path) -> None:

@@ -62,6 +62,10 @@ class LockPlace(Protocol):
 
     def remove(self) -> None: ...
 
+    def age(self) -> float | None:
+        """Seconds since the lock was last written, by the clock of the place that holds it
+        (None: unknown)."""
+
     def once(self) -> LockPlace:
         """The same place, with no retries (for a release at exit)."""
 
@@ -95,6 +99,12 @@ class FileLock:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
+    def age(self) -> float | None:
+        try:
+            return max(0.0, time.time() - self.path.stat().st_mtime)
+        except OSError:
+            return None
+
     def once(self) -> FileLock:
         return self
 
@@ -118,6 +128,9 @@ class ObjectLock:
     def remove(self) -> None:
         self.store.remove(LOCK)
 
+    def age(self) -> float | None:
+        return self.store.age(LOCK)
+
     def once(self) -> ObjectLock:
         return ObjectLock(self.store.once())
 
@@ -133,6 +146,9 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._me: dict[str, Any] = {}
+        #: Why this process no longer holds the folder (None: it does, or never did): another
+        #: job took the lock over; this one must not write there again.
+        self.lost: str | None = None
 
     def acquire(self, env: Mapping[str, str]) -> None:
         """Take the lock (taking over a stale one with a warning), or raise CheckpointError
@@ -211,14 +227,11 @@ class Lease:
         return found if isinstance(found, dict) else {}
 
     def _why_stale(self, holder: dict[str, Any] | None) -> str:
-        """Why ``holder`` no longer holds the folder ('' when it does)."""
+        """Why ``holder`` no longer holds the folder ('' when it does). Its lease is measured
+        by the store's clock (the lock's age there), never by comparing this machine's clock
+        with the holder's: a machine whose clock ran 300 s ahead took a live job's lease."""
         if holder is None:
             return "it is gone"
-        renewed, lease = holder.get("time"), holder.get("lease_s", self.lease_s)
-        if self.lease_s is not None and isinstance(renewed, (int, float)) and lease:
-            silent = time.time() - renewed
-            if silent > lease:
-                return f"its lease ran out ({silent:.0f} s without a renewal)"
         pid = holder.get("pid")
         if not isinstance(pid, int):
             return "the lock is unreadable"
@@ -230,6 +243,11 @@ class Lease:
             return "" if process_running(pid) else "its process is gone"
         if holder.get("job") and holder.get("job") == self._me["job"]:
             return "it is an earlier start of this same job (a restart)"
+        lease = holder.get("lease_s", self.lease_s)
+        if self.lease_s is not None and isinstance(lease, (int, float)) and lease > 0:
+            silent = self.place.age()
+            if silent is not None and silent > lease:
+                return f"its lease ran out ({silent:.0f} s without a renewal, by the store's clock)"
         return ""
 
     def _in_use(self, holder: Mapping[str, Any]) -> str:
@@ -247,9 +265,27 @@ class Lease:
             f"{self.place.where} if it is gone)."
         )
 
+    def check_held(self) -> None:
+        """Raise CheckpointError when another job took the folder's lock over: this one must
+        not write there again (its checkpoints would mix with the other job's)."""
+        if self.lost is not None:
+            raise CheckpointError(
+                f"checkpoint folder {self.folder} is no longer this job's: {self.lost}. "
+                f"Nothing more is written there; give each job its own checkpoint.dir."
+            )
+
     def _renew(self) -> None:
         while self.lease_s is not None and not self._stop.wait(self.lease_s / 4):
             try:
+                holder = self._read(self.place)
+                if holder is not None and (holder.get("host"), holder.get("pid")) != self._mine():
+                    self.lost = (
+                        f"{holder.get('job') or 'a job'} (pid {holder.get('pid')} on "
+                        f"{holder.get('host')}) took its lock over"
+                    )
+                    self.held = False
+                    logger.bind(rank=0).error("{}: {}", self.folder, self.lost)
+                    return
                 self.place.write(self._body())
             except CheckpointError as error:  # said; the next renewal tries again
                 logger.warning("could not renew the lock of {}: {}", self.folder, error)

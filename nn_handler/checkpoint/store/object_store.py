@@ -271,6 +271,7 @@ class ObjectStore(LocalStore):
             if self._failure is not None:
                 return
             try:
+                self._store_lease.check_held()  # another job took the folder: write nothing
                 task()
             except BaseException as error:
                 self._failure = error

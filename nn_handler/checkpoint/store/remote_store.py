@@ -15,6 +15,7 @@ the filesystem library looks (environment variables, its config files, the insta
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -242,6 +243,32 @@ class RemoteStore:
             if isinstance(error.__cause__, NotImplementedError):
                 raise error.__cause__ from None
             raise
+
+    def age(self, name: str) -> float | None:
+        """Seconds since the object ``name`` was last written, by the store's own clock (a
+        probe object is written to read the store's time now: no machine's clock enters);
+        None when the store gives no times or ``name`` is missing."""
+        probe = f".nn_handler-clock-{os.getpid()}"
+        self.write(probe, b"now")
+        try:
+            written, now = self._modified(name), self._modified(probe)
+        finally:
+            self.remove(probe)
+        return None if written is None or now is None else max(0.0, now - written)
+
+    def _modified(self, name: str) -> float | None:
+        def info() -> Any:
+            self.fs.invalidate_cache()
+            return self.fs.info(self._key(name))
+
+        try:
+            found = self._call("read the time of", name, info)
+        except MissingObject:
+            return None
+        when = found.get("LastModified", found.get("mtime", found.get("created")))
+        if isinstance(when, datetime.datetime):
+            return when.timestamp()
+        return float(when) if isinstance(when, (int, float)) else None
 
     def copy(self, source: str, target: str) -> None:
         """Copy the object ``source`` to ``target`` (server-side where the store can)."""
