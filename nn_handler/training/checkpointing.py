@@ -252,6 +252,10 @@ class TrainerCheckpoints:
         self.own_run(saved_run)
         self._first_fit = False
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What defines this run (checkpoint/run_identity.py), as its checkpoints record it."""
+        return dict(self._fingerprint())
+
     def _check_run(self, ckpt: Mapping[str, Any], source: str, automatic: bool) -> str | None:
         """The checkpoint's run id, once its run's configuration is found to be this one's
         (or the difference is allowed: see ``load``)."""

@@ -428,6 +428,43 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
     assert "left by an interrupted save" in log and "joined the run at step" in log
 
 
+def test_a_member_with_other_settings_is_refused_by_name_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 69, items 15 and 16 (fault-campaign breaks): a member started with another
+    learning rate, another mode seed (another run pointed at the same Lighthouse) or another
+    thread count joined silently and took every member off the run's bits. The members agree
+    on a fingerprint of what makes the bits, the first member's, before any step: m0 and m1
+    start the run; m2 (lr), m3 (seed) and m4 (threads) are each refused by name with the
+    field and both values, take part in no step, and m0 and m1 end with the unfailed bits."""
+    deadline = time.monotonic() + scaled(120)
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    others = {"m2": {"FT_LR": "0.01"}, "m3": {"FT_SEED": "4"}, "m4": {"FT_THREADS": "2"}}
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 2, least=1, FT_START_MEMBERS="2")
+        members.start("m1", 2, least=1, FT_START_MEMBERS="2")
+        while "epoch 1/" not in (tmp_path / "m0.log").read_text():  # the run is under way
+            if time.monotonic() > deadline or members.procs["m0"].poll() is not None:
+                break
+            time.sleep(0.05)
+        for member, env in others.items():
+            members.start(member, 0, least=1, **env)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": 0, "m2": 1, "m3": 1, "m4": 1}, members.logs()
+    said = {
+        "m2": "lr: 0.01 here, 0.003 in the run",
+        "m3": "trainer.reproducible.seed: 4 here, ",
+        "m4": "threads: 2 here, 1 in the run",
+    }
+    for member, field in said.items():
+        log = (tmp_path / f"{member}.log").read_text()
+        assert f"member {member} is refused by the run of the Lighthouse at" in log, log
+        assert field in log and "joined the run" not in log, log
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    for member in ("m0", "m1"):
+        assert json.loads((tmp_path / f"{member}.json").read_text())["digest"] == expected
+
+
 def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
     tmp_path: Path,
 ) -> None:

@@ -12,13 +12,14 @@ RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto', or FT_RESUME's);
 FT_KILL=MEMBER:STEP:WHEN the kill for that member only, on its first start (a command that
 `nn-handler supervise` gives every member, and again to a restarted one);
 FT_AWAIT_RESTART=MEMBER:STEP holds every other member from STEP on until MEMBER, restarted,
-trains (see await_restart); FT_KILL_LIGHTHOUSE=PID:STEP:
-JOINER kills the Lighthouse once JOINER joined, after STEP (see kill_lighthouse);
-FT_QUORUM_TIMEOUT_S sets quorum_timeout_s (default 10), FT_START_MEMBERS start_members,
-FT_MIN_MEMBERS min_members (default 1), FT_REDUCTION the mode's reduction ('exact' or
-'float'). Every member has a CSV tracker in RUN_DIR/tracked (shared: the run's first member
-writes it). RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state,
-History), the attempts redone, the steps done and why it stopped early (exit 1) if it did;
+trains (see await_restart); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER kills the Lighthouse once
+JOINER joined, after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s
+(default 10), FT_START_MEMBERS start_members, FT_MIN_MEMBERS min_members (default 1),
+FT_REDUCTION the mode's reduction ('exact' or 'float'); FT_LR, FT_SEED and FT_THREADS another
+learning rate, mode's seed and thread count than the run's (a member the run must refuse).
+Every member has a CSV tracker in RUN_DIR/tracked (shared: the run's first member writes it).
+RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state, History), the
+attempts redone, the steps done and why it stopped early (exit 1) if it did;
 RUN_DIR/<id>.pt its weights.
 """
 
@@ -172,10 +173,15 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         settings_of_run["checkpoint"]["resume"] = os.environ.get("FT_RESUME", "auto")
     if os.environ.get("FT_REDUCTION"):
         settings_of_run["trainer"]["reproducible"]["reduction"] = os.environ["FT_REDUCTION"]
+    if os.environ.get("FT_SEED"):  # another run, or a member started with another seed
+        settings_of_run["trainer"]["reproducible"]["seed"] = int(os.environ["FT_SEED"])
+    if os.environ.get("FT_THREADS"):
+        torch.set_num_threads(int(os.environ["FT_THREADS"]))
+    lr = float(os.environ.get("FT_LR", "3e-3"))
     model = WORKLOADS["cnn"][0]
     h = NNHandler(
         model(),
-        lambda p: torch.optim.Adam(p, lr=3e-3),
+        lambda p: torch.optim.Adam(p, lr=lr),
         nn.CrossEntropyLoss(),
         config=settings_of_run,
     )

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from types import TracebackType
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 from torch._C._distributed_c10d import TCPStore
 
@@ -75,17 +75,33 @@ class BoundedStore:
     """The verdicts' store with every request bounded by ``timeout_s``: torch's TCPStore
     client waits without end for a server that accepts and never answers (a Lighthouse
     stopped by SIGSTOP, a host frozen: a vote blocked 76 s and 141 s, until killed), whatever
-    its own timeout. A request runs in this store's one thread; one that does not answer in
-    time is a TimeoutError (the thread stays blocked in it, and so does every later request:
-    the member stops)."""
+    its own timeout. A request runs in this store's one daemon thread (never joined at exit:
+    one stuck there does not hold the process); one that does not answer in time is a
+    TimeoutError, and so is every later one (they queue behind it: the member stops)."""
 
     def __init__(self, store: TCPStore, timeout_s: float) -> None:
         self.store = store
         self.timeout_s = timeout_s
-        self._thread = ThreadPoolExecutor(1, "nn_handler-verdicts")
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._serve, name="nn_handler-verdicts", daemon=True).start()
+
+    def close(self) -> None:
+        """End the thread once the requests before this one are answered."""
+        self._requests.put(None)
+
+    def _serve(self) -> None:
+        while (request := self._requests.get()) is not None:
+            call, future = request
+            try:
+                future.set_result(call())
+            except BaseException as error:  # handed to the caller
+                future.set_exception(error)
 
     def _bounded(self, what: str, call: Callable[[], T]) -> T:
-        future = self._thread.submit(call)
+        future: Future[T] = Future()
+        self._requests.put((call, future))
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -107,6 +123,12 @@ class BoundedStore:
 
     def get(self, key: str) -> bytes:
         return self._bounded("get", lambda: bytes(self.store.get(key)))
+
+
+def agreed_value(store: BoundedStore, name: str, proposal: str) -> str:
+    """The value of ``name`` for the whole run: the first proposal the Lighthouse's store got
+    (``proposal`` if this is the first), kept while the Lighthouse lives."""
+    return store.compare_set(f"agreed/{name}", "", proposal).decode()
 
 
 def verdicts_of(lighthouse: str, timeout_s: float) -> BoundedStore:
@@ -226,4 +248,12 @@ def _first_line(stream: IO[str] | None, timeout_s: float) -> str:
         return ""
 
 
-__all__ = ["READY", "BoundedStore", "Lighthouse", "require_torchft", "serve", "verdicts_of"]
+__all__ = [
+    "READY",
+    "BoundedStore",
+    "Lighthouse",
+    "agreed_value",
+    "require_torchft",
+    "serve",
+    "verdicts_of",
+]

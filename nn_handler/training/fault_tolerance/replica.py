@@ -31,7 +31,11 @@ from torch._C._distributed_c10d import TCPStore
 
 from nn_handler.errors import DistributedError, NNHandlerError
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
-from nn_handler.training.fault_tolerance.lighthouse import require_torchft, verdicts_of
+from nn_handler.training.fault_tolerance.lighthouse import (
+    agreed_value,
+    require_torchft,
+    verdicts_of,
+)
 
 
 class Replica:
@@ -202,7 +206,7 @@ class Replica:
         """The value of ``name`` for the whole run: the first member's to propose one (this
         one's is ``proposal``), kept by the Lighthouse's store while it lives."""
         try:
-            return str(self._verdicts.compare_set(f"agreed/{name}", "", proposal).decode())
+            return agreed_value(self._verdicts, name, proposal)
         except (RuntimeError, OSError) as error:
             raise self._gone(f"the run's {name}", error) from error
 
@@ -296,6 +300,7 @@ class Replica:
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""
         self.manager.shutdown(wait=False)
+        self._verdicts.close()
 
 
 def _cause(error: BaseException) -> str:

@@ -8,7 +8,7 @@ of a run that never failed; the optimizer steps only once the step is committed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.data.fixed_batches import StepBatch, owns
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, DistributedError, PeerLostError
+from nn_handler.training.fault_tolerance.membership import join_the_run, member_fingerprint
 from nn_handler.training.reproducible.exact_step import ExactStep
 
 
@@ -58,6 +59,7 @@ class FaultTolerantSteps:
         load: Callable[[Any], None] | None = None,
         emergency: Callable[[], object] | None = None,
         own_run: Callable[[str | None], str] | None = None,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         """Join the run as this member, at ``global_step``, and agree on the first step's
         members. A member behind the run (one restarted, or new) receives ``state()`` of one
@@ -67,11 +69,15 @@ class FaultTolerantSteps:
         this member's state, at its last committed step, before the error is raised.
         ``own_run(run_id)`` sets this member's run id and returns it (``None``: keep its own,
         from its checkpoint or the state it received): the members agree on one (the first
-        to propose it), so that the trackers and checkpoints of every member name one run."""
+        to propose it), so that the trackers and checkpoints of every member name one run.
+        ``fingerprint``: the run's (checkpoint/run_identity.py); a member whose settings
+        differ from the run's is refused first, before any step (membership.py)."""
         from nn_handler.training.fault_tolerance.replica import Replica
 
         config = self.config
         self._load, self._in_loop, self._emergency = load, False, emergency
+        mine = member_fingerprint(fingerprint or {}, self.exact.module)
+        join_the_run(self.member_id, mine, config.lighthouse, config.timeout_s)
         self.replica = replica = Replica(
             config.lighthouse,
             self.member_id,

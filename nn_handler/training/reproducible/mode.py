@@ -180,6 +180,7 @@ class ReproducibleMode:
             if checkpoints.manager is not None
             else None,
             checkpoints.own_run,
+            checkpoints.fingerprint(),
         )
 
     def end_fit(self) -> None:
