@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from nn_handler.checkpoint.io import write_file
+from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded import (
     CHECKSUMS,
     SHARDED,
@@ -24,7 +26,7 @@ from nn_handler.checkpoint.sharded import (
     read_rest,
     verify_sharded,
 )
-from nn_handler.checkpoint.store.files import atomic_save
+from nn_handler.checkpoint.store.local import LocalStore
 from nn_handler.errors import CheckpointError
 
 #: The sharded parts a consolidated file holds whole.
@@ -86,7 +88,17 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     left_out = sorted(set(sharded) - set(whole))
     if left_out:
         rest["consolidated_without"] = left_out
-    return atomic_save(rest, target)
+    # Committed as any single-file checkpoint is: written to the store's staging place, then
+    # the store's commit (one rename, durable).
+    store = LocalStore(target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = store.staging(target)
+    write_file(rest, staging, name=target)
+    run = rest.get(RUN)
+    store.commit(
+        target, staging, str(run["id"]) if isinstance(run, dict) and run.get("id") else None
+    )
+    return target
 
 
 def loadable_in_one_process(config: Mapping[str, Any]) -> dict[str, Any]:
