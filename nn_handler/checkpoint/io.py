@@ -21,6 +21,7 @@ from typing import IO, Any, BinaryIO, cast
 import torch
 
 from nn_handler.checkpoint.integrity import BadRecord
+from nn_handler.checkpoint.unpickling import weights_only_cause
 from nn_handler.checkpoint.verify import entry_of_record, verify_records
 from nn_handler.errors import CheckpointError
 
@@ -219,17 +220,6 @@ def _first_line(text: str, needle: str) -> str:
     return text.splitlines()[0].strip() if text else "unknown object"
 
 
-def weights_only_cause(error: BaseException) -> str:
-    """What weights-only loading refused, in one line, without torch's advice to re-run with
-    ``weights_only=False`` (which runs whatever the file asks): its 'Unsupported ...' line,
-    else the error's type."""
-    for line in str(error).splitlines():
-        if line.strip().startswith("Unsupported"):
-            return line.strip()
-    first = (str(error).strip().splitlines() or [""])[0]
-    return type(error).__name__ if "weights_only" in first else first
-
-
 def _unreadable(source: Path, error: BaseException) -> str:
     size = _describe_size(source)
     hint = "it is empty" if size == "0 bytes" else "it is truncated, corrupt or not a torch file"
@@ -271,7 +261,6 @@ __all__ = [
     "SaveCancelled",
     "load_file",
     "unsafe_entries",
-    "weights_only_cause",
     "write_failure",
     "write_file",
 ]

@@ -69,6 +69,18 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
     ]
 
 
+def field_differences(
+    first: Mapping[str, Any], second: Mapping[str, Any], where: tuple[str, str], prefix: str = ""
+) -> list[str]:
+    """Each key on which two sets of settings differ, as ``<prefix>key: X <where[0]>, Y
+    <where[1]>`` (a key one lacks reads None there), in key order."""
+    return [
+        f"{prefix}{key}: {first.get(key)!r} {where[0]}, {second.get(key)!r} {where[1]}"
+        for key in sorted(set(first) | set(second))
+        if first.get(key) != second.get(key)
+    ]
+
+
 def run_of(checkpoint: Any) -> tuple[str | None, dict[str, Any]]:
     """A checkpoint's run id and fingerprint (None and {} for one written before runs had
     identities)."""
@@ -91,4 +103,13 @@ def refusal(source: str, found: list[str]) -> str:
     )
 
 
-__all__ = ["IDENTITY", "RUN", "differences", "fingerprint", "new_run_id", "refusal", "run_of"]
+__all__ = [
+    "IDENTITY",
+    "RUN",
+    "differences",
+    "field_differences",
+    "fingerprint",
+    "new_run_id",
+    "refusal",
+    "run_of",
+]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from nn_handler.checkpoint.io import weights_only_cause
+from nn_handler.checkpoint.unpickling import weights_only_cause
 from nn_handler.errors import CheckpointError
 
 #: DCP's index file in a folder.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from nn_handler.checkpoint.naming import order
+from nn_handler.checkpoint.run_identity import field_differences
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.errors import CheckpointError, ConfigError
 
@@ -118,12 +119,8 @@ def check_reproducible(saved_config: Any, run_config: Any, source: str) -> None:
             f"it was written {what} trainer.reproducible, this run has it {'on' if now else 'off'}"
         )
     else:
-        fields = "; ".join(
-            f"trainer.reproducible.{key}: {saved.get(key)!r} in the checkpoint, "
-            f"{now.get(key)!r} in this run"
-            for key in sorted(set(saved) | set(now))
-            if saved.get(key) != now.get(key)
-        )
+        where = ("in the checkpoint", "in this run")
+        fields = "; ".join(field_differences(saved, now, where, "trainer.reproducible."))
     raise ConfigError(
         f"cannot resume {source} in the reproducible mode: {fields}. The steps would be cut "
         f"otherwise (samples of the epoch skipped or trained twice) and the run would leave "

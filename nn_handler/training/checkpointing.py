@@ -106,7 +106,7 @@ class TrainerCheckpoints:
         self.events = CheckpointEvents()
         self.log = logger.bind(rank=comm.rank)
         self._first_fit = True
-        self._fingerprint = fingerprint
+        self.fingerprint = fingerprint  # what defines this run (checkpoint/run_identity.py)
         self._tracked: dict[str, Stateful] = {}
         self._world_note: str | None = None  # a world-size change said at the next fit
         #: This run's id (checkpoint/run_identity.py): adopted from the checkpoint it resumes,
@@ -190,7 +190,7 @@ class TrainerCheckpoints:
             **shared,
             "config": self.run_config,
             "ranks": ranks,
-            RUN: {"id": self.own_run(), "fingerprint": self._fingerprint()},
+            RUN: {"id": self.own_run(), "fingerprint": self.fingerprint()},
         }
         if skip:
             checkpoint[SHARDED] = list(skip)
@@ -252,15 +252,11 @@ class TrainerCheckpoints:
         self.own_run(saved_run)
         self._first_fit = False
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What defines this run (checkpoint/run_identity.py), as its checkpoints record it."""
-        return dict(self._fingerprint())
-
     def _check_run(self, ckpt: Mapping[str, Any], source: str, automatic: bool) -> str | None:
         """The checkpoint's run id, once its run's configuration is found to be this one's
         (or the difference is allowed: see ``load``)."""
         saved_run, saved = run_of(ckpt)
-        found = differences(saved, self._fingerprint())
+        found = differences(saved, self.fingerprint())
         if not found:
             return saved_run
         if automatic and self.config.resume != "force":

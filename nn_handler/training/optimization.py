@@ -26,6 +26,7 @@ from nn_handler.training.ema import ModelEma
 from nn_handler.training.history import Record
 from nn_handler.training.nonfinite_guard import NonFiniteGuard, Verdict
 from nn_handler.training.optimization_parts import ema_part, optimizer_parts, scheduler_parts
+from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.schedules import (
     check_schedulers,
@@ -184,14 +185,11 @@ class Optimization:
             if pending is not None and self.scheduler is not None:
                 self.scheduler.load_state_dict(pending)
 
-    def check_the_schedule_length(
-        self, loader: Iterable[Any], epochs: int, batches_done: int = 0
-    ) -> None:
-        """Warn when the schedule would end before the run does (after a resume), refuse
-        it where torch would raise past its end; ``batches_done``: the current epoch's
-        batches already trained."""
+    def check_horizon(self, loader: Iterable[Any], epochs: int, position: LoopPosition) -> None:
+        """Warn when the schedule would end before the run does (after a resume), refuse it
+        where torch would raise past its end; ``position``: where the loop is in its epoch."""
         check_the_schedule_length(
-            self.scheduler, self.config, self.state, loader, epochs, batches_done
+            self.scheduler, self.config, self.state, loader, epochs, position.epoch_batches_done
         )
 
     def step_per_epoch(self, record: Record) -> None:

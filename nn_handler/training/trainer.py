@@ -258,9 +258,7 @@ class Trainer(TrainerFacade):
                 if self.reproducible is not None:  # after a resume: a member joins there
                     self.reproducible.begin_fit(state.global_step, self.checkpointing)
                 self._reconsider_early_stop()
-                self.optimization.check_the_schedule_length(
-                    train_loader, epochs, self.position.epoch_batches_done
-                )
+                self.optimization.check_horizon(train_loader, epochs, self.position)
                 state.epochs, state.max_steps = epochs, self.config.max_steps
                 hooks.call_agreed("before_train", self.comm)
                 hooks.call("before_train", collective=True)

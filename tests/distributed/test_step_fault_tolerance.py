@@ -252,6 +252,27 @@ def test_a_state_transfer_cut_by_the_death_of_its_receiver_then_of_its_sender(
     assert {entry[3] for entry in m4["ledger"]} == {3}  # never left out
 
 
+def _supervise(members: int, script: Path, run: Path, env: dict[str, str], timeout: float) -> str:
+    """`nn-handler supervise --members N -- python SCRIPT {lighthouse} RUN {member} N` to its
+    end (exit 0, or the test fails with its output); its whole output. Its own session: on a
+    hang, it and its members are killed together."""
+    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", str(members),
+               "--join-timeout-s", "10", "--", sys.executable, str(script), "{lighthouse}",
+               str(run), "{member}", str(members)]  # fmt: skip
+    supervisor = subprocess.Popen(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
+                      "RUST_LOG": "error", **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = supervisor.communicate(timeout=scaled(timeout))
+    except subprocess.TimeoutExpired:
+        os.killpg(supervisor.pid, signal.SIGKILL)
+        pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
+    assert supervisor.returncode == 0, output
+    return output
+
+
 def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run(
     tmp_path: Path,
 ) -> None:
@@ -263,22 +284,9 @@ def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run
     imports torch: 4-5 s on a loaded 2-core machine) joins before its end: with 3.5 s it once
     arrived after it and left, and the test failed on the machine's speed."""
     steps = 100
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
-           "RUST_LOG": "error", "FT_STEPS": str(steps), "FT_STEP_S": "0.1",
-           "FT_KILL": "m1:5:before", "FT_MIN_MEMBERS": "1"}  # fmt: skip
-    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "3",
-               "--join-timeout-s", "10", "--", sys.executable, str(SCRIPT), "{lighthouse}",
-               str(tmp_path), "{member}", "3"]  # fmt: skip
-    supervisor = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # the members too: all killed if it hangs
-    )  # fmt: skip
-    try:
-        output, _ = supervisor.communicate(timeout=scaled(90))
-    except subprocess.TimeoutExpired:
-        os.killpg(supervisor.pid, signal.SIGKILL)
-        pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
-    assert supervisor.returncode == 0, output
+    env = {"FT_STEPS": str(steps), "FT_STEP_S": "0.1", "FT_KILL": "m1:5:before",
+           "FT_MIN_MEMBERS": "1"}  # fmt: skip
+    output = _supervise(3, SCRIPT, tmp_path, env, timeout=90)
     restarts = [line for line in output.splitlines() if "; restarted (" in line]
     assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
     assert (tmp_path / "m1.died").exists()
@@ -488,22 +496,9 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
     user reads: each member's lines name it (`member m0`, not `rank 0` for every member), the
     supervisor's say `supervise`, and the survivor says in one line each that a member left
     (no step was in flight: nothing else says it) and that one joined."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT),
-           "RUST_LOG": "error", "FT_CHECKPOINTS": "1", "FT_RESUME": "on_restart",
-           "FT_KILL": "m1:6:validate", "FT_AWAIT_RESTART": "m1:7"}  # fmt: skip
-    command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "2",
-               "--join-timeout-s", "10", "--", sys.executable, str(TRAINER_SCRIPT),
-               "{lighthouse}", str(tmp_path), "{member}", "2"]  # fmt: skip
-    supervisor = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # the members too: all killed if it hangs
-    )  # fmt: skip
-    try:
-        output, _ = supervisor.communicate(timeout=scaled(150))
-    except subprocess.TimeoutExpired:
-        os.killpg(supervisor.pid, signal.SIGKILL)
-        pytest.fail(f"supervise did not finish (a hang):\n{supervisor.communicate()[0]}")
-    assert supervisor.returncode == 0, output
+    env = {"FT_CHECKPOINTS": "1", "FT_RESUME": "on_restart", "FT_KILL": "m1:6:validate",
+           "FT_AWAIT_RESTART": "m1:7"}  # fmt: skip
+    output = _supervise(2, TRAINER_SCRIPT, tmp_path, env, timeout=150)
     lines = output.splitlines()
     restarts = [line for line in lines if "; restarted (" in line]
     assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]

@@ -119,7 +119,7 @@ class BoundedStore:
         )
 
     def check(self, keys: list[str]) -> bool:
-        return self._bounded("check", lambda: bool(self.store.check(keys)))
+        return self._bounded("check", lambda: self.store.check(keys) is True)
 
     def get(self, key: str) -> bytes:
         return self._bounded("get", lambda: bytes(self.store.get(key)))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nn_handler.checkpoint.run_identity import field_differences
 from nn_handler.errors import ConfigError, DistributedError
 
 
@@ -59,11 +60,7 @@ def join_the_run(member: str, mine: Mapping[str, Any], lighthouse: str, timeout_
         run = json.loads(agreed)
     except ValueError:
         run = {}
-    fields = [
-        f"{key}: {mine.get(key)!r} here, {run.get(key)!r} in the run"
-        for key in sorted(set(mine) | set(run))
-        if mine.get(key) != run.get(key)
-    ]
+    fields = field_differences(mine, run, ("here", "in the run"))
     raise ConfigError(
         f"member {member} is refused by the run of the Lighthouse at {lighthouse}: its "
         f"settings differ from the run's (those of its first member) in "
