@@ -285,6 +285,13 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
             with pytest.raises(DistributedError) as stopped:
                 replica._verdict()
             waited = time.monotonic() - started
+            # A member starting now cannot even connect (the stopped server accepts and never
+            # answers): named, within the bound too (it hung before).
+            from nn_handler.training.fault_tolerance.membership import join_the_run
+
+            unread = r"cannot reach the Lighthouse's verdicts at .* within 1 s \(no answer"
+            with pytest.raises(DistributedError, match=unread):
+                join_the_run("m9", {"lr": 0.1}, lighthouse.address, 1.0)
         finally:
             os.kill(lighthouse.pid, signal.SIGCONT)
     assert waited < 10, waited  # one request's bound (1 s), not an endless wait

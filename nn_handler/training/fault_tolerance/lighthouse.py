@@ -79,13 +79,15 @@ class BoundedStore:
     one stuck there does not hold the process); one that does not answer in time is a
     TimeoutError, and so is every later one (they queue behind it: the member stops)."""
 
-    def __init__(self, store: TCPStore, timeout_s: float) -> None:
-        self.store = store
+    def __init__(self, connect: Callable[[], TCPStore], timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
         threading.Thread(target=self._serve, name="nn_handler-verdicts", daemon=True).start()
+        # Connecting is bounded too: a stopped server accepts the connection and never
+        # answers the client's first request.
+        self.store: TCPStore = self._bounded("connect", connect)
 
     def close(self) -> None:
         """End the thread once the requests before this one are answered."""
@@ -137,13 +139,13 @@ def verdicts_of(lighthouse: str, timeout_s: float) -> BoundedStore:
     host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
     try:
         return BoundedStore(
-            TCPStore(
+            lambda: TCPStore(
                 host, int(port) + 1, is_master=False, wait_for_workers=False,
                 timeout=timedelta(seconds=timeout_s),
             ),
             timeout_s,
         )  # fmt: skip
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:
         first = (str(error).strip().splitlines() or [""])[0]
         raise DistributedError(
             f"cannot reach the Lighthouse's verdicts at {host}:{int(port) + 1} within "
