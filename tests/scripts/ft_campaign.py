@@ -3,9 +3,10 @@ tests/ft_helpers.py's exact problem, a Lighthouse process): seeded kills at rand
 SIGKILL (a death) or SIGSTOP (a hang, killed once it is left out), each member replaced by a
 new one that joins the run going on. Reports the recoveries, the steps redone, the catch-ups
 (a live member left out of a step's quorum, given the state at the next), and the time from
-each kill to the run's next committed step (p50, p95, for deaths and hangs), and checks that
-every member that finished holds the bits of a run that never failed, every step committed
-with all its samples and no member committing one twice.
+each kill to the first committed step its victim cannot have been part of (p50, p95, for deaths
+and hangs), and checks that every member that finished holds the bits of a run that never
+failed, every step committed with all its samples (by the members killed later too) and no
+member committing one twice.
 
 Usage: python tests/scripts/ft_campaign.py [--kills 30] [--seed 51] [--members 4]
        [--hang-share 0.2] [--out report.json]
@@ -88,40 +89,20 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
             proc.wait(timeout=steps * STEP_S * 4 + 120)
     finished = {m: json.loads((run / f"{m}.json").read_text())
                 for m in procs if (run / f"{m}.json").exists()}  # fmt: skip
-    commits = sorted(
-        float(line.split()[1])
-        for path in run.glob("*.commits")
-        for line in path.read_text().splitlines()
-        if line.strip()
-    )
+    commits = {path.stem: _commits(path) for path in run.glob("*.commits")}
+    at = {m: int((run / f"{m}.step").read_text()) for m in procs if (run / f"{m}.step").exists()}
     expected = digest(unfailed(steps))
     problems = [f"{m}: digest" for m, r in finished.items() if r["digest"] != expected]
-    # The run's ledger: every step committed, each member's commits once each and in order
-    # (a member left out of a step's quorum catches up by a state transfer: a gap in its own),
-    # every commit of a step with all of its samples.
-    seen: dict[int, set[tuple[int, int]]] = {}
-    for member, report in finished.items():
-        own = [entry[0] for entry in report["ledger"]]
-        if own != sorted(set(own)):
-            problems.append(f"{member}: a step committed twice or out of order")
-        for step, samples, id_sum, *_ in report["ledger"]:
-            seen.setdefault(step, set()).add((samples, id_sum))
-    for path in run.glob("*.commits"):  # the members killed later too
-        for line in path.read_text().splitlines():
-            seen.setdefault(int(line.split()[0]), set())
-    missing = [s for s in range(steps) if s not in seen]
-    wrong = [s for s, sums in seen.items() if sums - {(BATCH, sum(batch_of(s)))}]
-    problems += [f"steps never committed: {missing[:5]}"] * bool(missing)
-    problems += [f"steps without all their samples: {wrong[:5]}"] * bool(wrong)
+    problems += ledger_problems(finished, commits, steps)
     heals = sum(
         sum(b != a + 1 for a, b in itertools.pairwise(own))
         for own in ([e[0] for e in r["ledger"]] for r in finished.values())
     )
-    latency = {"death": [], "hang": []}
+    latency: dict[str, list[float]] = {"death": [], "hang": []}
     for event in events:
-        after = next((t for t in commits if t > event["time"]), None)
-        if after is not None:
-            latency[event["kind"]].append(after - event["time"])
+        recovered = recovery_s(event, at.get(event["member"], -1), commits)
+        if recovered is not None:
+            latency[event["kind"]].append(recovered)
     return {
         "seed": seed,
         "members": members,
@@ -134,7 +115,9 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
         "finished_members": sorted(finished),
         "bits_and_ledgers_hold": not problems and len(finished) >= 2,
         "problems": problems,
-        "seconds_to_next_commit": {kind: _summary(v) for kind, v in latency.items()},
+        "seconds_to_first_step_without_the_victim": {
+            kind: _summary(v) for kind, v in latency.items()
+        },
         "settings": {
             "timeout_s": TIMEOUT_S,
             "heartbeat_timeout_s": HEARTBEAT_S,
@@ -143,6 +126,56 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
         },
         "wall_s": time.time() - started,
     }
+
+
+#: A commit as a member's .commits file has it: (step, time, samples, sum of sample ids).
+Commit = tuple[int, float, int, int]
+
+
+def _commits(path: Path) -> list[Commit]:
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    return [(int(r[0]), float(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+
+def ledger_problems(
+    finished: dict[str, dict[str, Any]], commits: dict[str, list[Commit]], steps: int
+) -> list[str]:
+    """What is wrong with the run's ledger: a step never committed, a commit of a step without
+    all of its samples (by any member: those that finished, and those killed later, from their
+    .commits files), a member committing a step twice or out of order (a member left out of a
+    step's quorum catches up by a state transfer: a gap in its own is allowed)."""
+    problems = []
+    seen: dict[int, set[tuple[int, int]]] = {}
+    for member, report in finished.items():
+        if not _in_order([entry[0] for entry in report["ledger"]]):
+            problems.append(f"{member}: a step committed twice or out of order")
+        for step, samples, id_sum, *_ in report["ledger"]:
+            seen.setdefault(step, set()).add((samples, id_sum))
+    for member, rows in commits.items():
+        if not _in_order([row[0] for row in rows]):
+            problems.append(f"{member}: a step committed twice or out of order")
+        for step, _, samples, id_sum in rows:
+            seen.setdefault(step, set()).add((samples, id_sum))
+    missing = [s for s in range(steps) if s not in seen]
+    wrong = sorted(s for s, sums in seen.items() if sums != {(BATCH, sum(batch_of(s)))})
+    problems += [f"steps never committed: {missing[:5]}"] * bool(missing)
+    problems += [f"steps without all their samples: {wrong[:5]}"] * bool(wrong)
+    return problems
+
+
+def _in_order(own: list[int]) -> bool:
+    return own == sorted(set(own))
+
+
+def recovery_s(event: dict[str, Any], at: int, commits: dict[str, list[Commit]]) -> float | None:
+    """The time from a kill to the first commit (by any member) of a step its victim cannot
+    have been part of: a step after ``at``, the step the victim was at when it was killed (it
+    writes that before the step's quorum, so it never began a later one; -1: it had not begun
+    any). A commit of step ``at`` itself may hold the victim's vote and does not count. None:
+    no such commit (the run ended first)."""
+    after = [time for rows in commits.values() for step, time, *_ in rows if step > at]
+    later = [time - event["time"] for time in after if time > event["time"]]
+    return min(later, default=None)
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:

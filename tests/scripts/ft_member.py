@@ -7,11 +7,12 @@ before its first step; 0: join a run already going). WHEN: 'before' (dies before
 sum), 'after' (after it, before the commit), 'stop' (SIGSTOPs itself before the sum: a hang; the
 test kills it at the end) or 'slow' (sleeps 4.5 s before the sum, once: alive, but slower than
 the collectives' timeout; RUN_DIR/<id>.slow gets the time); RUN_DIR/<id>.died gets the time just
-before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits each commit's step
-and time as it comes; RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger
-of committed steps (step, samples, sum of sample ids, members, time), the steps abandoned and
-redone, the addresses this process listens on besides its replica group's store, and why it
-stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
+before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits each commit's
+step, time, samples and sum of sample ids as it comes (kept by a member killed later);
+RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
+(step, samples, sum of sample ids, members, time), the steps abandoned and redone, the
+addresses this process listens on besides its replica group's store, and why it stopped early
+(exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
 step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
 sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die
 in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
@@ -123,7 +124,7 @@ def main(
             committed = [step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members]
             ledger.append([*committed, time.time()])
             with open(run / f"{member}.commits", "a") as commits:  # kept if killed later
-                commits.write(f"{step} {ledger[-1][-1]!r}\n")
+                commits.write(" ".join(map(repr, [step, ledger[-1][-1], *committed[1:3]])) + "\n")
         else:
             redone += 1
     store = f":{replica.store_port}"

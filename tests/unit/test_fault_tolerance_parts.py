@@ -116,6 +116,22 @@ def test_without_torchft_the_mode_says_which_extra_to_install(
         require_torchft()
 
 
+@pytest.mark.parametrize("version", ["0.3.0", "0.3.0rc1", "1.0", "0.1.9"])
+def test_a_torchft_the_mode_does_not_support_is_refused_with_the_versions_it_does(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """torchft 0.3 removes ProcessGroup.configure() (the mode's reconfiguration) and needs
+    every member and the Lighthouse upgraded together: refused before any member starts."""
+    from nn_handler.training.fault_tolerance import lighthouse
+
+    monkeypatch.setattr(lighthouse.metadata, "version", lambda name: version)
+    with pytest.raises(ConfigError, match=rf"needs torchft>=0.2,<0.3, but {version} is") as e:
+        require_torchft()
+    assert "pip install 'torchft>=0.2,<0.3'" in str(e.value)
+    monkeypatch.setattr(lighthouse.metadata, "version", lambda name: "0.2.7")
+    require_torchft()  # a 0.2 release is taken
+
+
 _FT = {"lighthouse": "http://127.0.0.1:29510"}
 _REPRODUCIBLE = {"global_batch_size": 8, "micro_batch_size": 2}
 

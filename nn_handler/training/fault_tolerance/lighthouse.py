@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
+from importlib import metadata
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
@@ -32,14 +34,27 @@ T = TypeVar("T")
 READY = "nn_handler lighthouse listening on "
 
 
+#: The torchft releases the mode works with: 0.3 removes ``ProcessGroup.configure()``.
+TORCHFT_SUPPORTED = ">=0.2,<0.3"
+
+
 def require_torchft() -> None:
-    """Raise a ConfigError saying how to install torchft where it is missing."""
+    """Raise a ConfigError saying how to install torchft where it is missing, or where its
+    version is one the mode does not support."""
     try:
         import torchft  # noqa: F401
     except ImportError as error:
         raise ConfigError(
             f"the fault-tolerance mode needs torchft ({error}): pip install 'nn_handler[ft]'."
         ) from None
+    version = metadata.version("torchft")
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    if (major, minor) < (0, 2) or (major, minor) >= (0, 3):
+        raise ConfigError(
+            f"the fault-tolerance mode needs torchft{TORCHFT_SUPPORTED}, but {version} is "
+            f"installed: pip install 'torchft{TORCHFT_SUPPORTED}' (on every member and the "
+            "Lighthouse's machine)."
+        )
 
 
 def serve(
