@@ -184,6 +184,7 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
         members.start("m3", 4, str(b), "before", least=1)
         members.wait_for("m0", c, deadline)
         lighthouse.kill()
+        released = time.time()
         members.release(c, deadline)
         codes = members.wait(deadline, "m0", "m2", "m3")
         assert members.procs["m1"].poll() is None, "m1 is stopped, not gone"
@@ -195,6 +196,9 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     _check_ledger(report["ledger"], 0, c)
     assert f"the Lighthouse at {lighthouse.address} is gone" in report["stopped"]
     assert "restart it from its latest checkpoint" in report["stopped"]
+    # The documented bound: m0 gives up step c's quorum within its quorum timeout (5 s), with
+    # 2 s to spare, scaled by the load now (not a speed target).
+    assert 0 < report["stopped_at"] - released < scaled_now(5.0 + 2.0), report["stopped_at"]
     sizes = {entry[0]: entry[3] for entry in report["ledger"]}
     assert (sizes[a - 1], sizes[a], sizes[b - 1], sizes[b]) == (4, 3, 3, 1)
     commits = {entry[0]: entry[4] for entry in report["ledger"]}
@@ -550,6 +554,13 @@ def test_a_float_sum_run_loses_a_member_to_a_kill_and_one_to_a_preemption(tmp_pa
     assert 6 < step < 12 and list((tmp_path / "checkpoints" / "m1").glob(f"*-s{step:08d}.pt"))
     survivor = json.loads((tmp_path / "m0.json").read_text())
     assert survivor["step"] == 12 and survivor["redone"] >= 1, members.logs()
+    # The preemption costs the others nothing: m1 leaves between two steps, so m0's only
+    # abandoned steps are m2's (killed in step 3's forward), none from m1's SIGTERM on (in
+    # step 7's forward). m2's kill in the same run must not hide one.
+    m0_log = (tmp_path / "m0.log").read_text()
+    redone = [int(line.split("| step ")[1].split(":")[0])
+              for line in m0_log.splitlines() if ": abandoned by the run (" in line]  # fmt: skip
+    assert len(redone) == survivor["redone"] and all(s <= 3 for s in redone), (redone, m0_log)
     _unfailed_trainer_run(tmp_path / "unfailed", reduction="float")
     expected = torch.load(tmp_path / "unfailed" / "weights.pt")
     found = torch.load(tmp_path / "m0.pt")

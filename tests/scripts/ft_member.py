@@ -11,8 +11,8 @@ before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits ea
 step, time, samples and sum of sample ids as it comes (kept by a member killed later);
 RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
 (step, samples, sum of sample ids, members, time), the steps abandoned and redone, the
-addresses this process listens on besides its replica group's store, and why it stopped early
-(exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
+addresses this process listens on besides its replica group's store, and why and when it
+stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
 step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
 sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die
 in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
@@ -90,7 +90,7 @@ def main(
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
-    ledger, redone, stopped, slowed = [], 0, "", False
+    ledger, redone, stopped, stopped_at, slowed = [], 0, "", 0.0, False
     holds = {int(step) for step in os.environ.get("FT_HOLD_AT", "").split(",") if step}
     while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
@@ -101,7 +101,7 @@ def main(
         try:  # the first step waits for the members that start together
             replica.begin_step(starters if starters and not ledger and not redone else None)
         except DistributedError as error:  # no quorum: the Lighthouse is gone
-            stopped = str(error)
+            stopped, stopped_at = str(error), time.time()
             break
         step, rank, members = replica.step, replica.rank, replica.members
         mine = [i for j, i in enumerate(batch_of(step)) if j % members == rank]
@@ -137,6 +137,7 @@ def main(
     report = {
         "steps": replica.step,
         "stopped": stopped,
+        "stopped_at": stopped_at,
         "digest": digest(w),
         "ledger": ledger,
         "redone": redone,
