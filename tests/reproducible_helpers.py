@@ -167,6 +167,14 @@ def full_digest(h: NNHandler) -> str:
     return sha.hexdigest()
 
 
+def state_digest(*parts: Any) -> str:
+    """The SHA-256 of ``parts`` (tensors, state dicts, lists, floats: bit for bit)."""
+    sha = hashlib.sha256()
+    for part in parts:
+        _feed(sha, part)
+    return sha.hexdigest()
+
+
 def _feed(sha: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         sha.update(f"{value.dtype}{tuple(value.shape)}".encode())

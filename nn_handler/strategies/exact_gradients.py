@@ -50,7 +50,8 @@ class ExactGradients(Protocol):
         rank must call this."""
 
     def held_bytes(self) -> int:
-        """The bytes this side of the sum holds from step to step (beyond the gradients)."""
+        """The bytes this side of the sum needs in a step (beyond the parameters' gradients):
+        its buffers kept from step to step and what it makes in each step."""
 
     def assign(self, flat: torch.Tensor) -> None:
         """This rank's part of the summed gradient (``local_numels``, float) into the

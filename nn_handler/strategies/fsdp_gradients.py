@@ -112,10 +112,12 @@ class ShardedGradients:
         return received
 
     def held_bytes(self) -> int:
-        """The reduce-scatter's buffers and the whole gradients FSDP2 keeps unsharded."""
+        """The reduce-scatter's buffers (kept from step to step) and the whole gradients
+        FSDP2 makes unsharded in each backward (freed by ``clear`` after the step: counted at
+        their size, not read, since between steps there are none)."""
         held = [t for t in (self._input, self._received) if t is not None]
-        held += [g for g in self.gradients() if g.data_ptr()]
-        return sum(t.numel() * t.element_size() for t in held)
+        whole = sum(p.numel() * p.element_size() for p in self.params)
+        return sum(t.numel() * t.element_size() for t in held) + whole
 
     def assign(self, flat: torch.Tensor) -> None:
         offset = 0

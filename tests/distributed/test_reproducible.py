@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import DistributedContext, NNHandler
+from nn_handler import DistributedContext, Hook, NNHandler
 from nn_handler.distributed.communicator import Communicator
 from tests.harness import run_group
 from tests.reproducible_helpers import (
@@ -24,9 +24,11 @@ from tests.reproducible_helpers import (
     WORKLOADS,
     StepCounter,
     cnn,
+    config,
     digest,
     handler,
     images,
+    state_digest,
     train,
 )
 
@@ -74,6 +76,7 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 h.resume(saved / "ckpt-e0001-s00000009.pt")  # mid-epoch, by 2 ranks
                 train(h, name)
                 out[f"{name}_resumed"] = digest(h)
+    out["cnn_every_step"] = _every_step_with_ema_and_a_scheduler(context)
     with handler("cnn", context, reduction="float") as h:  # a floating-point sum
         train(h, "cnn")
         exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
@@ -83,6 +86,39 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         out["idle_rank"] = _idle_rank_trains(context)
         out["one_rank_fails"] = _one_rank_fails(context)
     return out
+
+
+class StepDigests(Hook):
+    """The SHA-256 of the weights, buffers, optimizer state, EMA, scheduler state and learning
+    rate after every optimizer step (every rank: each holds the same bits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: list[str] = []
+
+    def after_optimizer_step(self) -> None:
+        trainer = self.trainer
+        ema = trainer.optimization.ema
+        assert ema is not None and trainer.scheduler is not None
+        self.digests.append(state_digest(
+            trainer.module.state_dict(), trainer.optimizer.state_dict(), ema.state_dict(),
+            trainer.scheduler.state_dict(),
+        ))  # fmt: skip
+
+
+def _every_step_with_ema_and_a_scheduler(context: DistributedContext) -> list[str]:
+    """docs/reproducible.md promises the same bits "after every optimizer step", the EMA and
+    the schedulers included: the CNN with an EMA and a scheduler stepped every optimizer step,
+    hashed after each one (``digest`` compares only the end, and hashes neither)."""
+    steps = StepDigests()
+    settings = config("cnn")
+    settings["ema"] = {"enabled": True, "decay": 0.9}
+    settings["trainer"]["scheduler_interval"] = "step"
+    with NNHandler(cnn(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                   scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
+                   config=settings, hooks=[steps], context=context) as h:  # fmt: skip
+        train(h, "cnn")
+    return steps.digests
 
 
 def _idle_rank_trains(context: DistributedContext) -> str:
@@ -139,6 +175,18 @@ def test_every_world_size_trains_the_same_bits(
     hashes = {(w, rank): result[name] for w, group in runs.items() for rank, result in
               enumerate(group)}  # fmt: skip
     assert len(set(hashes.values())) == 1, hashes
+
+
+def test_every_world_size_has_the_same_bits_after_every_step_ema_and_scheduler_included(
+    runs: dict[int, list[dict[str, Any]]],
+) -> None:
+    every = {(w, rank): tuple(r["cnn_every_step"]) for w, g in runs.items()
+             for rank, r in enumerate(g)}  # fmt: skip
+    first = every[1, 0]
+    assert len(first) == 6 * EPOCHS and len(set(first)) == len(first), first
+    mismatched = {key: next(i for i, (a, b) in enumerate(zip(d, first, strict=True)) if a != b)
+                  for key, d in every.items() if d != first}  # fmt: skip
+    assert not mismatched, f"(world size, rank): the first step that differs: {mismatched}"
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -565,3 +565,89 @@ def test_a_float_sum_run_loses_a_member_to_a_kill_and_one_to_a_preemption(tmp_pa
     expected = torch.load(tmp_path / "unfailed" / "weights.pt")
     found = torch.load(tmp_path / "m0.pt")
     assert max(float((found[k] - expected[k]).abs().max()) for k in expected) < 1e-4
+
+
+def test_every_member_preempted_then_the_run_restarts_from_the_most_advanced(
+    tmp_path: Path,
+) -> None:
+    """docs/fault-tolerance.md, "A preempted member leaves at a step boundary", each of its
+    promises in one run. m2 (no checkpoint folder) gets a SIGTERM in step 3's forward: it ends
+    as a death does, and the others redo that step. m0 gets a preemption notice (a file that
+    appears: `checkpoint.preemption_notice`) in step 5, m1 a SIGTERM in step 10: each finishes
+    its step, writes a checkpoint of its committed steps and exits as preempted (75), m0 first;
+    m1 goes on alone meanwhile (the members do not agree on a stop). The whole run restarted
+    (`resume: auto`, both folders) goes on from the most advanced, m1's step: m0 receives its
+    state at the first step, and both end with the bits of a run that never failed."""
+    from nn_handler.errors import PREEMPTED_EXIT_CODE
+
+    deadline = time.monotonic() + scaled(150)
+    run = {"FT_START_MEMBERS": "3"}
+    saved = {"FT_CHECKPOINTS": "1"}
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 3, "4", "notice", least=1, **run, **saved)
+        members.start("m1", 3, "9", "term", least=1, **run, **saved)
+        members.start("m2", 3, "2", "term", least=1, **run)
+        codes = members.wait(deadline)
+    preempted = PREEMPTED_EXIT_CODE
+    assert codes == {"m0": preempted, "m1": preempted, "m2": -signal.SIGTERM}, members.logs()
+    stops = {}
+    for member in ("m0", "m1"):
+        log = (tmp_path / f"{member}.log").read_text()
+        said = [line for line in log.splitlines() if "preempted after optimizer step" in line]
+        assert len(said) == 1, log  # one line
+        stops[member] = int(said[0].split("preempted after optimizer step ")[1].split(":")[0])
+        folder = tmp_path / "checkpoints" / member
+        assert list(folder.glob(f"*-s{stops[member]:08d}.pt")), (member, stops, members.logs())
+    assert 4 < stops["m0"] < 9 < stops["m1"] < 12, stops
+    m0_log = (tmp_path / "m0.log").read_text()
+    assert "received SIGTERM" not in m0_log and "notice" in m0_log, m0_log
+    # m2's SIGTERM cost the step it was in, as a death does; the preemptions cost nothing.
+    redone = [int(line.split("| step ")[1].split(":")[0])
+              for line in (tmp_path / "m1.log").read_text().splitlines()
+              if ": abandoned by the run (" in line]  # fmt: skip
+    assert redone and all(step == 3 for step in redone), (redone, members.logs())
+    for member in ("m0", "m1", "m2"):
+        (tmp_path / f"ready-{member}").unlink(missing_ok=True)
+    restart = {"FT_START_MEMBERS": "2", "FT_QUORUM_TIMEOUT_S": "30"}  # both, however slow
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        for member in ("m0", "m1"):
+            members.start(member, 2, least=1, **restart, **saved)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": 0}, members.logs()
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    for member in ("m0", "m1"):
+        assert json.loads((tmp_path / f"{member}.json").read_text())["digest"] == expected
+    assert f"joined the run at step {stops['m1']}" in (tmp_path / "m0.log").read_text()
+
+
+def test_fewer_than_min_members_for_the_quorum_timeout_stop_the_run_with_emergency_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """docs/fault-tolerance.md: when the run cannot go on step by step because it has fewer
+    than `min_members` for `quorum_timeout_s`, each member left writes an emergency checkpoint
+    of its last committed step before it stops. min_members 2: m1 dies in step 5's forward;
+    m0 redoes step 5 alone, waits 4 s for a second member, then stops (exit 1) naming both
+    numbers, with a checkpoint of step 4 (its periodic one is of step 3) that resumes."""
+    deadline = time.monotonic() + scaled(90)
+    run = {"FT_START_MEMBERS": "2", "FT_CHECKPOINTS": "1", "FT_QUORUM_TIMEOUT_S": "4"}
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 2, least=2, **run)
+        members.start("m1", 2, "4", "forward", least=2, **run)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 1, "m1": -signal.SIGKILL}, members.logs()
+    report = json.loads((tmp_path / "m0.json").read_text())
+    assert report["step"] == 4, members.logs()
+    assert (
+        "only 1 member(s) for step 5, fewer than 2 (min_members=2), for 4 s" in (report["stopped"])
+    )
+    assert "emergency checkpoint of its" in (tmp_path / "m0.log").read_text(), members.logs()
+    folder = tmp_path / "checkpoints" / "m0"
+    names = sorted(p.name for p in folder.glob("ckpt-*.pt"))
+    assert [n for n in names if "-s00000004" in n] and [n for n in names if "-s00000003" in n]
+    from nn_handler.checkpoint import load_file
+
+    latest = load_file(max(folder.glob("ckpt-*-s00000004*.pt")))
+    assert latest["trainer"]["global_step"] == 4

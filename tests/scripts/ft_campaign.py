@@ -90,7 +90,7 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
     finished = {m: json.loads((run / f"{m}.json").read_text())
                 for m in procs if (run / f"{m}.json").exists()}  # fmt: skip
     commits = {path.stem: _commits(path) for path in run.glob("*.commits")}
-    at = {m: int((run / f"{m}.step").read_text()) for m in procs if (run / f"{m}.step").exists()}
+    at = {m: int((run / f"{m}.in").read_text()) for m in procs if (run / f"{m}.in").exists()}
     expected = digest(unfailed(steps))
     problems = [f"{m}: digest" for m, r in finished.items() if r["digest"] != expected]
     problems += ledger_problems(finished, commits, steps)
@@ -169,10 +169,11 @@ def _in_order(own: list[int]) -> bool:
 
 def recovery_s(event: dict[str, Any], at: int, commits: dict[str, list[Commit]]) -> float | None:
     """The time from a kill to the first commit (by any member) of a step its victim cannot
-    have been part of: a step after ``at``, the step the victim was at when it was killed (it
-    writes that before the step's quorum, so it never began a later one; -1: it had not begun
-    any). A commit of step ``at`` itself may hold the victim's vote and does not count. None:
-    no such commit (the run ended first)."""
+    have been part of: a step after ``at``, the latest step the victim had been told it is a
+    member of when it was killed (ft_member writes it once the step's quorum returns to it: no
+    later step's sum can hold its part; -1: none, a new member killed before it joined). A
+    commit of step ``at`` itself may hold the victim's vote and does not count. None: no such
+    commit (the run ended first)."""
     after = [time for rows in commits.values() for step, time, *_ in rows if step > at]
     later = [time - event["time"] for time in after if time > event["time"]]
     return min(later, default=None)

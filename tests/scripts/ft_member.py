@@ -7,8 +7,9 @@ before its first step; 0: join a run already going). WHEN: 'before' (dies before
 sum), 'after' (after it, before the commit), 'stop' (SIGSTOPs itself before the sum: a hang; the
 test kills it at the end) or 'slow' (sleeps 4.5 s before the sum, once: alive, but slower than
 the collectives' timeout; RUN_DIR/<id>.slow gets the time); RUN_DIR/<id>.died gets the time just
-before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.commits each commit's
-step, time, samples and sum of sample ids as it comes (kept by a member killed later);
+before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.in the latest step it
+was told it is a member of (the latest it can have given a sum to), RUN_DIR/<id>.commits each
+commit's step, time, samples and sum of sample ids as it comes (kept by a member killed later);
 RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
 (step, samples, sum of sample ids, members, time), the steps abandoned and redone, the
 addresses this process listens on besides its replica group's store, and why and when it
@@ -104,6 +105,7 @@ def main(
             stopped, stopped_at = str(error), time.time()
             break
         step, rank, members = replica.step, replica.rank, replica.members
+        _write(run / f"{member}.in", str(step))  # the latest step it can have been part of
         mine = [i for j, i in enumerate(batch_of(step)) if j % members == rank]
         row = slots(w, mine, x, y)
         time.sleep(STEP_S)
@@ -147,6 +149,13 @@ def main(
     if stopped:
         print(stopped, file=sys.stderr)
         sys.exit(1)
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` in ``path`` whole or not at all (this process may be SIGKILLed any time)."""
+    staged = path.with_suffix(".tmp")
+    staged.write_text(text)
+    os.replace(staged, path)
 
 
 def _die(run: Path, member: str, how: signal.Signals, mark: Path | None = None) -> None:

@@ -6,8 +6,10 @@ Usage: python ft_trainer_member.py LIGHTHOUSE RUN_DIR MEMBER_ID STARTERS [KILL_S
 WHEN: 'forward' (dies in the step's first forward: the others' sum fails), 'vote' (after the
 step's sum, before its vote: the others wait for it), 'save' (in the middle of writing the
 periodic checkpoint after that step), 'validate' (in the first forward of the validation
-after that step: between two steps) or 'term' (a SIGTERM in the step's first forward: a
-preemption). Its environment: FT_CHECKPOINTS=1 writes periodic checkpoints (every 3 steps) in
+after that step: between two steps), 'term' (a SIGTERM in the step's first forward: a
+preemption) or 'notice' (with FT_CHECKPOINTS: the file of its ``preemption_notice``,
+RUN_DIR/notice-<id>, appears in the step's first forward: a preemption without a signal).
+Its environment: FT_CHECKPOINTS=1 writes periodic checkpoints (every 3 steps) in
 RUN_DIR/checkpoints/<id> and resumes from them (resume 'auto', or FT_RESUME's);
 FT_KILL=MEMBER:STEP:WHEN the kill for that member only, on its first start (a command that
 `nn-handler supervise` gives every member, and again to a restarted one);
@@ -73,6 +75,17 @@ def preempted_in_forward(h: NNHandler, step: int) -> None:
     def forward(module: nn.Module, args: Any) -> None:
         if h.trainer.state.global_step == step and module.training:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    h.trainer.module.register_forward_pre_hook(forward)
+
+
+def noticed_in_forward(h: NNHandler, notice: Path, step: int) -> None:
+    """A preemption notice (``checkpoint.preemption_notice``: a file that appears) in the
+    step's first forward: the member stops at a step boundary soon after, without a signal."""
+
+    def forward(module: nn.Module, args: Any) -> None:
+        if h.trainer.state.global_step == step and module.training:
+            notice.touch()
 
     h.trainer.module.register_forward_pre_hook(forward)
 
@@ -166,11 +179,18 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     }
     if os.environ.get("FT_START_MEMBERS"):
         settings["start_members"] = int(os.environ["FT_START_MEMBERS"])
+    if os.environ.get("FT_KILL") and restart_count(os.environ) == 0:
+        target, *when = os.environ["FT_KILL"].split(":")
+        kill = tuple(when) if target == member else ()
     folder = run / "checkpoints" if os.environ.get("FT_CHECKPOINTS") else None
     # One CSV tracker in a folder every member shares: the run's first member writes it.
     settings_of_run = config("cnn", folder, run / "tracked", fault_tolerance=settings)
     if folder is not None:
         settings_of_run["checkpoint"]["resume"] = os.environ.get("FT_RESUME", "auto")
+    notice = run / f"notice-{member}"
+    if folder is not None and kill and kill[1] == "notice":
+        settings_of_run["checkpoint"]["preemption_notice"] = str(notice)
+        settings_of_run["checkpoint"]["preemption_notice_interval_s"] = 0.02
     if os.environ.get("FT_REDUCTION"):
         settings_of_run["trainer"]["reproducible"]["reduction"] = os.environ["FT_REDUCTION"]
     if os.environ.get("FT_SEED"):  # another run, or a member started with another seed
@@ -185,15 +205,14 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         nn.CrossEntropyLoss(),
         config=settings_of_run,
     )
-    if os.environ.get("FT_KILL") and restart_count(os.environ) == 0:
-        target, *when = os.environ["FT_KILL"].split(":")
-        kill = tuple(when) if target == member else ()
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
     elif kill and kill[1] == "validate":
         die_in_validation(h, int(kill[0]))
     elif kill and kill[1] == "term":
         preempted_in_forward(h, int(kill[0]))
+    elif kill and kill[1] == "notice":
+        noticed_in_forward(h, notice, int(kill[0]))
     elif kill and kill[1] == "save":
         die_in_save(int(kill[0]))
     elif kill:

@@ -108,6 +108,42 @@ def test_the_lighthouse_runs_in_a_process_of_its_own_on_the_address_it_gives() -
         assert bound == {"127.0.0.1"} and lighthouse.pid != os.getpid()
 
 
+def test_a_lighthouse_on_a_given_port_answers_on_it_and_the_next_one() -> None:
+    """docs/fault-tolerance.md: `nn-handler lighthouse --host H --port P` takes ports P (the
+    quorum, on H only) and P + 1 (the verdicts' store, which members dial at the address's
+    port + 1), both of the Lighthouse's own process."""
+    from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
+    from tests.harness import free_port
+
+    port = free_port()
+    while not _free(port + 1):
+        port = free_port()
+    with Lighthouse("127.0.0.1", port, min_members=2) as lighthouse:
+        assert lighthouse.address == f"http://127.0.0.1:{port}"
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process(lighthouse.pid).net_connections("inet")
+            if c.status == "LISTEN"
+        }
+        assert ("127.0.0.1", port) in listening, listening
+        assert port + 1 in {p for _, p in listening}, listening
+        store = verdicts_of(lighthouse.address, 10.0)
+        try:  # a member's first request: the run's agreed value
+            assert agreed_value(store, "check", "mine") == "mine"
+            assert agreed_value(store, "check", "other") == "mine"
+        finally:
+            store.close()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def test_without_torchft_the_mode_says_which_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -389,6 +389,62 @@ def test_a_resume_with_other_reproducible_settings_is_refused_by_field(
     assert {f"trainer.reproducible.{k}" for k in ("global_batch_size", "seed")} <= set(IDENTITY)
 
 
+def test_a_checkpoint_of_the_mode_off_or_other_settings_is_refused_with_force_too(
+    tmp_path: Any,
+) -> None:
+    """docs/reproducible.md: a checkpoint written with the mode off, or with other mode
+    settings, is refused naming the field, "explicit resume or `force` alike"; and the mode
+    off does not continue one written with it on. The refusal comes before any step: the
+    folder keeps its checkpoint."""
+    normal = {"loader": {"batch_size": 8, "seed": 3}, "trainer": {"progress_bar": False}}
+    off = tmp_path / "off"
+    with NNHandler(cnn(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                   config={**normal, "checkpoint": {"dir": str(off)}}) as h:  # fmt: skip
+        h.train(images(64, 0), epochs=1)
+    (written,) = off.glob("ckpt-*.pt")
+    with _handler() as h, pytest.raises(ConfigError) as error:
+        h.resume(written)
+    assert "it was written without trainer.reproducible, this run has it on" in str(error.value)
+    for resume in ("force", "auto"):  # checkpoint.resume: force takes any run's otherwise
+        forced = {"dir": str(off), "resume": resume}
+        with (
+            pytest.raises(ConfigError, match=r"written without trainer\.reproducible") as e,
+            _handler_with(checkpoint=forced) as h,
+        ):
+            h.train(images(64, 0), epochs=2)
+        assert "in the reproducible mode" in str(e.value), resume
+    assert list(off.glob("ckpt-*.pt")) == [written]
+    on = tmp_path / "on"
+    with _handler_with(checkpoint={"dir": str(on)}) as h:
+        h.train(images(64, 0), epochs=1)
+    (written_on,) = on.glob("ckpt-*.pt")
+    other_seed = {**MODE, "seed": 7}
+    forced = {"dir": str(on), "resume": "force"}
+    with (
+        pytest.raises(ConfigError, match="seed: 0 in the checkpoint, 7 in this run"),
+        _handler_with(reproducible=other_seed, checkpoint=forced) as h,
+    ):
+        h.train(images(64, 0), epochs=2)
+    with NNHandler(cnn(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                   config=normal) as h, pytest.raises(ConfigError) as error:  # fmt: skip
+        h.resume(written_on)
+    assert "it was written with trainer.reproducible, this run has it off" in str(error.value)
+    assert list(on.glob("ckpt-*.pt")) == [written_on]
+
+
+def _handler_with(
+    reproducible: dict[str, Any] | None = None, checkpoint: dict[str, Any] | None = None
+) -> NNHandler:
+    """``_handler`` with another mode's settings and a checkpoint section."""
+    config = {
+        "loader": {"batch_size": 8, "seed": 3},
+        "trainer": {"progress_bar": False, "reproducible": reproducible or MODE},
+        **({"checkpoint": checkpoint} if checkpoint else {}),
+    }
+    return NNHandler(cnn(), lambda p: torch.optim.Adam(p, lr=3e-3), nn.CrossEntropyLoss(),
+                     config=config)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])]
 )

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from nn_handler.checkpoint.registry import describe_tensor
 from nn_handler.config.training import ReproducibleConfig
@@ -207,10 +208,10 @@ class ExactStep:
         the rank with the most micro-batches (each gathers the parameters with the others):
         a rank with fewer runs filler passes over a micro-batch it has seen (its random
         streams seeded apart), and drops their gradients and statistics."""
-        if step.micro:
-            self._template = step.micro[-1].batch
         if not self.gradients.balanced:
             return
+        if step.micro:  # kept from step to step: held_bytes counts it
+            self._template = step.micro[-1].batch
         size, world = self.config.micro_batch_size, self.comm.world_size
         fillers = math.ceil(math.ceil(step.samples / size) / world) - len(step.micro)
         if fillers > 0 and self._template is None:
@@ -301,9 +302,12 @@ class ExactStep:
         return None if bool(head[-1] > 0) else head[:-1]
 
     def held_bytes(self) -> int:
-        """What the exact sum holds from step to step beyond the parameters' gradients (the
-        memory plan's "reproducible mode" item: strategies/memory_plan.py)."""
+        """What the exact sum needs in a step beyond the parameters' gradients (the memory
+        plan's "reproducible mode" item: strategies/memory_plan.py): its buffers kept from step
+        to step, what the gradients' side makes in a step and, sharded, the micro-batch kept
+        for filler passes (a micro-batch's input: in no item of the plan)."""
         kept = [t for name, t in self._work.kept.items() if name != "gradient"]
+        kept += [t for t in tree_flatten(self._template)[0] if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in kept) + self.gradients.held_bytes()
 
     def state_dict(self) -> dict[str, Any]:
