@@ -651,3 +651,27 @@ def test_fewer_than_min_members_for_the_quorum_timeout_stop_the_run_with_emergen
 
     latest = load_file(max(folder.glob("ckpt-*-s00000004*.pt")))
     assert latest["trainer"]["global_step"] == 4
+
+
+def test_a_spare_trains_from_the_step_redone_without_the_member_it_replaces(
+    tmp_path: Path,
+) -> None:
+    """docs/fault-tolerance.md, `max_members`: members beyond it are spares that hold the state,
+    take part in each sum with nothing of their own, and train as soon as a member is lost,
+    from the step redone without it. Three members, max_members 2: m2 (the third by rank)
+    runs no micro-batch until m0 dies before its vote in step 5; from step 5, redone, m2 runs
+    micro-batches of every step, and m1 and m2 end with the bits of a run that never failed."""
+    deadline = time.monotonic() + scaled(90)
+    run = {"FT_START_MEMBERS": "3", "FT_MAX_MEMBERS": "2"}
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 3, "4", "vote", least=1, **run)
+        members.start("m1", 3, least=1, **run)
+        members.start("m2", 3, least=1, **run)
+        codes = members.wait(deadline)
+    assert codes == {"m0": -signal.SIGKILL, "m1": 0, "m2": 0}, members.logs()
+    reports = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m1", "m2")}
+    assert reports["m1"]["trained"] == list(range(12)), reports
+    assert reports["m2"]["trained"] == list(range(4, 12)), reports  # 0-based: step 5 on
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    assert all(report["digest"] == expected for report in reports.values()), members.logs()

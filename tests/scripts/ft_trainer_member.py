@@ -17,11 +17,13 @@ FT_AWAIT_RESTART=MEMBER:STEP holds every other member from STEP on until MEMBER,
 trains (see await_restart); FT_KILL_LIGHTHOUSE=PID:STEP:JOINER kills the Lighthouse once
 JOINER joined, after STEP (see kill_lighthouse); FT_QUORUM_TIMEOUT_S sets quorum_timeout_s
 (default 10), FT_START_MEMBERS start_members, FT_MIN_MEMBERS min_members (default 1),
-FT_REDUCTION the mode's reduction ('exact' or 'float'); FT_LR, FT_SEED and FT_THREADS another
-learning rate, mode's seed and thread count than the run's (a member the run must refuse).
+FT_MAX_MEMBERS max_members, FT_REDUCTION the mode's reduction ('exact' or 'float'); FT_LR,
+FT_SEED and FT_THREADS another learning rate, mode's seed and thread count than the run's (a
+member the run must refuse).
 Every member has a CSV tracker in RUN_DIR/tracked (shared: the run's first member writes it).
 RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state, History), the
-attempts redone, the steps done and why it stopped early (exit 1) if it did;
+attempts redone, the steps done, the steps it ran a micro-batch of (0-based; a spare runs
+none) and why it stopped early (exit 1) if it did;
 RUN_DIR/<id>.pt its weights.
 """
 
@@ -179,6 +181,8 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     }
     if os.environ.get("FT_START_MEMBERS"):
         settings["start_members"] = int(os.environ["FT_START_MEMBERS"])
+    if os.environ.get("FT_MAX_MEMBERS"):
+        settings["max_members"] = int(os.environ["FT_MAX_MEMBERS"])
     if os.environ.get("FT_KILL") and restart_count(os.environ) == 0:
         target, *when = os.environ["FT_KILL"].split(":")
         kill = tuple(when) if target == member else ()
@@ -204,6 +208,10 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         lambda p: torch.optim.Adam(p, lr=lr),
         nn.CrossEntropyLoss(),
         config=settings_of_run,
+    )
+    trained: set[int] = set()  # the steps this member ran a micro-batch of (a spare: none)
+    h.trainer.module.register_forward_pre_hook(
+        lambda module, args: trained.add(h.trainer.state.global_step) if module.training else None
     )
     if kill and kill[1] == "forward":
         die_in_forward(h, int(kill[0]))
@@ -235,6 +243,7 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     report = {
         "digest": digest(h),
         "redone": steps.redone if steps else 0,
+        "trained": sorted(trained),
         "step": h.trainer.state.global_step,
         "stopped": stopped,
     }
