@@ -158,13 +158,13 @@ def test_a_torchft_the_mode_does_not_support_is_refused_with_the_versions_it_doe
 ) -> None:
     """torchft 0.3 removes ProcessGroup.configure() (the mode's reconfiguration) and needs
     every member and the Lighthouse upgraded together: refused before any member starts."""
-    from nn_handler.training.fault_tolerance import lighthouse
+    from nn_handler.training.fault_tolerance import engine
 
-    monkeypatch.setattr(lighthouse.metadata, "version", lambda name: version)
+    monkeypatch.setattr(engine.metadata, "version", lambda name: version)
     with pytest.raises(ConfigError, match=rf"needs torchft>=0.2,<0.3, but {version} is") as e:
         require_torchft()
     assert "pip install 'torchft>=0.2,<0.3'" in str(e.value)
-    monkeypatch.setattr(lighthouse.metadata, "version", lambda name: "0.2.7")
+    monkeypatch.setattr(engine.metadata, "version", lambda name: "0.2.7")
     require_torchft()  # a 0.2 release is taken
 
 

@@ -9,7 +9,8 @@ checksums, never unpickled (transport.py). On one machine, a Supervisor (supervi
 ``nn-handler supervise``) starts the members and restarts only a dead one."""
 
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
-from nn_handler.training.fault_tolerance.lighthouse import Lighthouse, require_torchft
+from nn_handler.training.fault_tolerance.engine import require_torchft
+from nn_handler.training.fault_tolerance.lighthouse import Lighthouse
 from nn_handler.training.fault_tolerance.replica import Replica
 from nn_handler.training.fault_tolerance.supervisor import Supervisor
 

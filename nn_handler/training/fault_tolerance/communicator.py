@@ -11,11 +11,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 from typing_extensions import override
 
 from nn_handler.distributed.communicator.base import BackendReduceOp, Communicator
 from nn_handler.errors import DistributedError, PeerLostError
+from nn_handler.training.fault_tolerance.engine import AllgatherOptions
 
 _OPS: dict[str, Any] = {
     "sum": dist.ReduceOp.SUM,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import socket
 import subprocess
 import sys
@@ -19,42 +18,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from importlib import metadata
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-from torch._C._distributed_c10d import TCPStore
-
-from nn_handler.errors import ConfigError, DistributedError
+from nn_handler.errors import DistributedError
+from nn_handler.training.fault_tolerance.engine import (
+    TCPStore,
+    lighthouse_server,
+    require_torchft,
+)
 from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
 
 T = TypeVar("T")
 
 #: The line a Lighthouse process prints first, then its address.
 READY = "nn_handler lighthouse listening on "
-
-
-#: The torchft releases the mode works with: 0.3 removes ``ProcessGroup.configure()``.
-TORCHFT_SUPPORTED = ">=0.2,<0.3"
-
-
-def require_torchft() -> None:
-    """Raise a ConfigError saying how to install torchft where it is missing, or where its
-    version is one the mode does not support."""
-    try:
-        import torchft  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(
-            f"the fault-tolerance mode needs torchft ({error}): pip install 'nn_handler[ft]'."
-        ) from None
-    version = metadata.version("torchft")
-    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
-    if (major, minor) < (0, 2) or (major, minor) >= (0, 3):
-        raise ConfigError(
-            f"the fault-tolerance mode needs torchft{TORCHFT_SUPPORTED}, but {version} is "
-            f"installed: pip install 'torchft{TORCHFT_SUPPORTED}' (on every member and the "
-            "Lighthouse's machine)."
-        )
 
 
 def serve(
@@ -64,17 +42,12 @@ def serve(
     this process is stopped (``port`` 0: two free ones); prints ``READY`` and its address
     first (torchft names it by the machine's hostname; members dial the host it bound)."""
     require_torchft()
-    from torchft._torchft import LighthouseServer
-
     for _ in range(50 if port == 0 else 1):
         quorum = port or _free_port(host)
         try:
             store = TCPStore(host, quorum + 1, is_master=True, wait_for_workers=False)
-            server = LighthouseServer(
-                bind=f"{host}:{quorum}",
-                min_replicas=min_members,
-                join_timeout_ms=int(join_timeout_s * 1000),
-                heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+            server = lighthouse_server(
+                f"{host}:{quorum}", min_members, join_timeout_s, heartbeat_timeout_s
             )
         except (RuntimeError, OSError) as error:  # a port taken meanwhile
             failure = error
@@ -270,7 +243,6 @@ __all__ = [
     "BoundedStore",
     "Lighthouse",
     "agreed_value",
-    "require_torchft",
     "serve",
     "verdicts_of",
 ]

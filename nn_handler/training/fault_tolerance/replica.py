@@ -19,23 +19,17 @@ the others.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch._C._distributed_c10d import TCPStore
-
 from nn_handler.errors import DistributedError, NNHandlerError
+from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
-from nn_handler.training.fault_tolerance.lighthouse import (
-    agreed_value,
-    require_torchft,
-    verdicts_of,
-)
+from nn_handler.training.fault_tolerance.engine import TCPStore
+from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
 
 
 class Replica:
@@ -66,12 +60,8 @@ class Replica:
         quorum_timeout_s: float = 30.0,
         init_sync: bool = True,
     ) -> None:
-        require_torchft()
-        from torchft import Manager, ProcessGroupGloo
-
+        engine.require_torchft()
         from nn_handler.training.fault_tolerance.transport import VerifiedTransport
-
-        _quiet_torchft()
 
         self.member_id = member_id
         self.lighthouse = lighthouse
@@ -81,28 +71,25 @@ class Replica:
         timeout = timedelta(seconds=timeout_s)
         # The replica group's own store (a group of one process): torchft's Manager needs one.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.group: Any = ProcessGroupGloo(timeout=timeout)
-        self.group.configure = self._fresh(self.group.configure)
-        with _listening_on(host):
-            self.manager: Any = Manager(
-                pg=self.group,
-                load_state_dict=load_state_dict,
-                state_dict=state_dict,
-                min_replica_size=min_members,
-                use_async_quorum=False,
-                timeout=timeout,
-                quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                connect_timeout=timeout,
-                rank=0,
-                world_size=1,
-                store_addr=host,
-                store_port=self._store.port,
-                lighthouse_addr=lighthouse,
-                replica_id=member_id,
-                hostname=host,
-                checkpoint_transport=VerifiedTransport(self.group, timeout),
-                init_sync=init_sync,
-            )
+        self.group: Any = engine.member_group(timeout, self._first_undecided)
+        self.manager: Any = engine.member_manager(
+            host,
+            pg=self.group,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=min_members,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=member_id,
+            checkpoint_transport=VerifiedTransport(self.group, timeout),
+            init_sync=init_sync,
+        )
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
         self.failure: BaseException | None = None
@@ -179,7 +166,7 @@ class Replica:
         self.failure = None
         try:
             self.manager.start_quorum()
-            self._quorum = int(self.manager._quorum_id)  # torchft keeps the Lighthouse's id
+            self._quorum = engine.quorum_id(self.manager)
             self._attempt = self._first_undecided(self._quorum)
         except NNHandlerError:  # ours: a state it cannot take
             raise
@@ -217,18 +204,6 @@ class Replica:
         self.failure = error
         self.manager.report_error(error)
         self.group.abort()
-
-    def _fresh(self, configure: Callable[..., None]) -> Callable[..., None]:
-        """torchft's configure of the group, at a store prefix of the step's attempt too: an
-        abandoned attempt's group is never reused (torchft reconfigures only when the
-        Lighthouse's quorum id changes, and a step abandoned by members who are all alive
-        keeps it), and the new one never meets the keys of the one before."""
-
-        def configure_attempt(store_addr: str, *args: Any) -> None:
-            quorum = args[3]  # (replica_id, rank, world_size, quorum_id, ...): torchft's order
-            configure(f"{store_addr}/attempt{self._first_undecided(quorum)}", *args)
-
-        return configure_attempt
 
     def abandoned(self, what: str, error: BaseException) -> str:
         """What a collective's failure says: its cause in one line (gloo's without its source
@@ -286,7 +261,7 @@ class Replica:
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
             raise self._gone(f"the verdict on step {self.step}", error) from error
         if not committed:  # a new group for the next attempt, even with the same members
-            self.manager._quorum_id = -1
+            engine.forget_quorum(self.manager)
         return committed
 
     def _gone(self, what: str, error: BaseException) -> DistributedError:
@@ -308,49 +283,6 @@ def _cause(error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [""])[0]
     cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
     return cause or type(error).__name__
-
-
-class _NoFlightRecorder(logging.Filter):
-    """Drops torchft's warning, at every change of members, that it cannot reset NCCL's flight
-    recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset;
-    and says its failures (a state transfer cut by a death) in one line, without a traceback:
-    the step's abandonment says the rest."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "flight recorder" in message:
-            return False
-        if record.exc_info:
-            first = message.splitlines()[0] if message else ""
-            first = re.sub(r"\[/[^\]]*\]\s*", "", first)  # gloo's source location
-            record.msg, record.args = first.split(". This is typically")[0], ()
-            record.exc_info = record.exc_text = None
-        return True
-
-
-def _quiet_torchft() -> None:
-    logger = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _NoFlightRecorder) for f in logger.filters):
-        logger.addFilter(_NoFlightRecorder())
-
-
-@contextlib.contextmanager
-def _listening_on(host: str) -> Iterator[None]:
-    """torchft's Manager starts its server on every interface (``[::]``), with no setting for
-    it; this makes it listen on ``host`` only, while the Manager is made."""
-    import torchft.manager as module
-
-    original = module.ManagerServer
-
-    def on_host(**kwargs: Any) -> Any:
-        port = str(kwargs.get("bind", ":0")).rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"{host}:{port}"})
-
-    module.ManagerServer = on_host
-    try:
-        yield
-    finally:
-        module.ManagerServer = original
 
 
 __all__ = ["Replica"]

@@ -13,13 +13,9 @@ from typing import Any
 
 import torch
 
-try:
-    from torchft.checkpointing.transport import CheckpointTransport
-except ImportError:  # no ft extra: a Replica says how to install it before any transport
-    CheckpointTransport = object
-
 from nn_handler.checkpoint.verify import entry_of_bytes
 from nn_handler.errors import CheckpointError
+from nn_handler.training.fault_tolerance.engine import CheckpointTransport
 
 #: The message tags: the header (size, CRC-32, step), then the bytes.
 _HEADER, _BYTES = 101, 102

@@ -1,0 +1,177 @@
+"""The fault-tolerance mode's engine: every use of torchft, and of every name neither torchft
+nor torch makes public, is in this module (docs/architecture.md lists them). The rest of
+``fault_tolerance/`` speaks to what it gives: a member's Manager and group, the quorum's id,
+the Lighthouse's server, the transport's base class. Checked with torchft 0.2.0 and torch
+2.13; torchft 0.3 removes ``ProcessGroup.configure()``, so ``require_torchft`` refuses it.
+
+What it relies on, beyond torchft's public ``Manager`` and ``ProcessGroupGloo``:
+
+- ``Manager._quorum_id`` (private): the Lighthouse's id of the quorum, read after each
+  ``start_quorum``, and set to -1 after an abandoned step so the next builds a new group.
+- ``ProcessGroup.configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
+  (called by the Manager with these positional arguments; gone in 0.3): wrapped so that each
+  attempt of a step gets a store prefix of its own.
+- ``torchft.manager.ManagerServer`` (a module attribute, replaced while a Manager is made):
+  torchft binds its server on every interface with no setting for it.
+- ``torchft._torchft.LighthouseServer`` (a private module): the Lighthouse.
+- ``torchft.checkpointing.transport.CheckpointTransport``: the base of VerifiedTransport.
+- ``torch._C._distributed_c10d``'s ``AllgatherOptions`` (the options of a group's allgather)
+  and ``TCPStore`` (the verdicts' store, the member group's own store): torch re-exports
+  ``TCPStore`` from ``torch.distributed`` but not explicitly (a type checker refuses that
+  name), and ``AllgatherOptions`` not at all.
+- the ``torchft.manager`` logger's messages (``FlightRecorder`` lines; gloo's error text).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from importlib import metadata
+from typing import Any
+
+from torch._C._distributed_c10d import AllgatherOptions, TCPStore
+
+from nn_handler.errors import ConfigError
+
+try:
+    from torchft.checkpointing.transport import CheckpointTransport
+except ImportError:  # no ft extra: require_torchft says how to install it before any transport
+    CheckpointTransport = object
+
+#: The torchft releases the mode works with: 0.3 removes ``ProcessGroup.configure()``.
+TORCHFT_SUPPORTED = ">=0.2,<0.3"
+
+
+def require_torchft() -> None:
+    """Raise a ConfigError saying how to install torchft where it is missing, or where its
+    version is one the mode does not support."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            f"the fault-tolerance mode needs torchft ({error}): pip install 'nn_handler[ft]'."
+        ) from None
+    version = metadata.version("torchft")
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    if (major, minor) < (0, 2) or (major, minor) >= (0, 3):
+        raise ConfigError(
+            f"the fault-tolerance mode needs torchft{TORCHFT_SUPPORTED}, but {version} is "
+            f"installed: pip install 'torchft{TORCHFT_SUPPORTED}' (on every member and the "
+            "Lighthouse's machine)."
+        )
+
+
+def lighthouse_server(
+    bind: str, min_members: int, join_timeout_s: float, heartbeat_timeout_s: float
+) -> Any:
+    """torchft's Lighthouse serving on ``bind`` (host:port) until it is dropped."""
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_members,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
+
+
+def member_group(timeout: timedelta, attempt_of: Callable[[int], int]) -> Any:
+    """torchft's reconfigurable gloo group of a member, whose every configuration (a quorum's,
+    an attempt's) gets a store prefix of its own: ``attempt_of(quorum_id)`` is the step's
+    attempt in that quorum. An abandoned attempt's group is never reused (torchft configures
+    a group only when the quorum's id changes, and a step abandoned by members all alive
+    keeps it), and the new one never meets the keys of the one before."""
+    require_torchft()
+    from torchft import ProcessGroupGloo
+
+    group: Any = ProcessGroupGloo(timeout=timeout)
+    configure = group.configure
+
+    def configure_attempt(store_addr: str, *args: Any) -> None:
+        quorum = args[3]  # (replica_id, rank, world_size, quorum_id, ...): torchft 0.2's order
+        configure(f"{store_addr}/attempt{attempt_of(quorum)}", *args)
+
+    group.configure = configure_attempt
+    return group
+
+
+def member_manager(host: str, **settings: Any) -> Any:
+    """torchft's Manager of a member (``settings``: its arguments), its server listening on
+    ``host`` only; torchft's log lines about it made one line each."""
+    require_torchft()
+    from torchft import Manager
+
+    _quiet_torchft()
+    with _listening_on(host):
+        return Manager(hostname=host, store_addr=host, **settings)
+
+
+def quorum_id(manager: Any) -> int:
+    """The Lighthouse's id of the manager's current quorum."""
+    return int(manager._quorum_id)
+
+
+def forget_quorum(manager: Any) -> None:
+    """Make the manager's next quorum configure a new group, even with the same members."""
+    manager._quorum_id = -1
+
+
+class _NoFlightRecorder(logging.Filter):
+    """Drops torchft's warning, at every change of members, that it cannot reset NCCL's flight
+    recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset;
+    and says its failures (a state transfer cut by a death) in one line, without a traceback:
+    the step's abandonment says the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "flight recorder" in message:
+            return False
+        if record.exc_info:
+            first = message.splitlines()[0] if message else ""
+            first = re.sub(r"\[/[^\]]*\]\s*", "", first)  # gloo's source location
+            record.msg, record.args = first.split(". This is typically")[0], ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _quiet_torchft() -> None:
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorder) for f in logger.filters):
+        logger.addFilter(_NoFlightRecorder())
+
+
+@contextlib.contextmanager
+def _listening_on(host: str) -> Iterator[None]:
+    """torchft's Manager starts its server on every interface (``[::]``), with no setting for
+    it; this makes it listen on ``host`` only, while the Manager is made."""
+    import torchft.manager as module
+
+    original = module.ManagerServer
+
+    def on_host(**kwargs: Any) -> Any:
+        port = str(kwargs.get("bind", ":0")).rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{host}:{port}"})
+
+    module.ManagerServer = on_host
+    try:
+        yield
+    finally:
+        module.ManagerServer = original
+
+
+__all__ = [
+    "TORCHFT_SUPPORTED",
+    "AllgatherOptions",
+    "CheckpointTransport",
+    "TCPStore",
+    "forget_quorum",
+    "lighthouse_server",
+    "member_group",
+    "member_manager",
+    "quorum_id",
+    "require_torchft",
+]
