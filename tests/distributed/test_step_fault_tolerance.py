@@ -1,10 +1,12 @@
 """Per-step fault tolerance (nn_handler/training/fault_tolerance/) with real processes: members
 of a run SIGKILLed in a step, before and after its sum, hung, killed two at once, a member
 joining mid-run, the Lighthouse killed, an NNHandler run losing two of its three members (its
-shared CSV tracker written once per step across takeovers), and a run with a floating-point
-sum losing a member to a kill and one to a preemption. The others go on in their processes,
-redo what was abandoned, and end with the same bits as a run that never failed (with a float
-sum: its weights to float tolerance); every step is committed once, with all of its samples.
+shared CSV tracker written once per step across takeovers), a run with a floating-point sum
+losing a member to a kill and one to a preemption, every member preempted and the run restarted,
+fewer than min_members stopping the run with emergency checkpoints, and a spare taking over.
+The others go on in their processes, redo what was abandoned, and end with the same bits as a
+run that never failed (with a float sum: its weights to float tolerance); every step is
+committed once, with all of its samples.
 (tests/scripts/ft_member.py and ft_trainer_member.py are members; the Lighthouse is a process
 of its own.)"""
 
