@@ -1,6 +1,7 @@
-"""Every use of torchft, and of names torch keeps private, is in one module of the
-fault-tolerance mode (training/fault_tolerance/engine.py), each listed in
-docs/architecture.md: an AST walk over the whole package (issue 70)."""
+"""The fault-tolerance package's boundaries (issue 70), by AST walks over the package: every
+use of torchft, and of names torch keeps private, is in one module of it
+(training/fault_tolerance/engine.py), each listed in docs/architecture.md; and it imports
+nothing of the reproducible mode, beside which it sits."""
 
 from __future__ import annotations
 
@@ -64,3 +65,20 @@ def test_the_architecture_page_lists_what_the_engine_relies_on() -> None:
     relied = ["_quorum_id", "ManagerServer", "configure()", "torchft._torchft",
               "CheckpointTransport", "AllgatherOptions", "TCPStore", "engine.py"]  # fmt: skip
     assert [name for name in relied if name not in page] == []
+
+
+def test_fault_tolerance_imports_nothing_of_the_reproducible_mode() -> None:
+    """The members' steps run the mode's step through a Protocol (steps.SummedStep): the
+    import that went up from fault_tolerance/ to reproducible/ is gone, and stays gone."""
+    found = {}
+    for path in sorted((PACKAGE / "training" / "fault_tolerance").rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        upward = sorted(n for n in names if n.startswith("nn_handler.training.reproducible"))
+        if upward:
+            found[path.name] = upward
+    assert found == {}, found

@@ -9,24 +9,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from loguru import logger
+from torch import nn
 
 from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.data.fixed_batches import StepBatch, owns
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, DistributedError, PeerLostError
 from nn_handler.training.fault_tolerance.membership import join_the_run, member_fingerprint
-from nn_handler.training.reproducible.exact_step import ExactStep
+
+
+class SummedStep(Protocol):
+    """What the members' steps need of the step they run (the reproducible mode's ExactStep
+    or FloatStep: fault tolerance sits beside that mode and imports nothing of it)."""
+
+    #: The model the step trains (its buffers are put back when a step is abandoned).
+    module: nn.Module
+    #: The collectives of the step's sum: the members' communicator, once in the run.
+    comm: Communicator
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class FaultTolerantSteps:
     """One member's part of the run ``config`` describes, for the reproducible mode's
     ``exact`` step. ``comm`` is this process's own (a member is one process)."""
 
-    def __init__(self, config: FaultToleranceConfig, exact: ExactStep, comm: Communicator) -> None:
+    def __init__(self, config: FaultToleranceConfig, exact: SummedStep, comm: Communicator) -> None:
         if comm.world_size > 1:
             raise ConfigError(
                 f"fault_tolerance: this process is rank {comm.rank} of {comm.world_size}; each "
@@ -239,4 +253,4 @@ class FaultTolerantSteps:
             buffer.copy_(value)
 
 
-__all__ = ["FaultTolerantSteps"]
+__all__ = ["FaultTolerantSteps", "SummedStep"]
