@@ -110,8 +110,8 @@ def test_the_lighthouse_runs_in_a_process_of_its_own_on_the_address_it_gives() -
 
 def test_a_lighthouse_on_a_given_port_answers_on_it_and_the_next_one() -> None:
     """docs/fault-tolerance.md: `nn-handler lighthouse --host H --port P` takes ports P (the
-    quorum, on H only) and P + 1 (the verdicts' store, which members dial at the address's
-    port + 1), both of the Lighthouse's own process."""
+    quorum) and P + 1 (the verdicts' store, which members dial at the address's port + 1),
+    both on H only, both of the Lighthouse's own process."""
     from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
     from tests.harness import free_port
 
@@ -125,8 +125,8 @@ def test_a_lighthouse_on_a_given_port_answers_on_it_and_the_next_one() -> None:
             for c in psutil.Process(lighthouse.pid).net_connections("inet")
             if c.status == "LISTEN"
         }
-        assert ("127.0.0.1", port) in listening, listening
-        assert port + 1 in {p for _, p in listening}, listening
+        assert {("127.0.0.1", port), ("127.0.0.1", port + 1)} <= listening, listening
+        assert {p for _, p in listening} == {port, port + 1}, listening
         store = verdicts_of(lighthouse.address, 10.0)
         try:  # a member's first request: the run's agreed value
             assert agreed_value(store, "check", "mine") == "mine"

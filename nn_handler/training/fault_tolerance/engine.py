@@ -16,7 +16,7 @@ What it relies on, beyond torchft's public ``Manager`` and ``ProcessGroupGloo``:
 - ``torchft._torchft.LighthouseServer`` (a private module): the Lighthouse.
 - ``torchft.checkpointing.transport.CheckpointTransport``: the base of VerifiedTransport.
 - ``torch._C._distributed_c10d``'s ``AllgatherOptions`` (the options of a group's allgather)
-  and ``TCPStore`` (the verdicts' store, the member group's own store): torch re-exports
+  and ``TCPStore`` (the member group's own store, which the Manager needs): torch re-exports
   ``TCPStore`` from ``torch.distributed`` but not explicitly (a type checker refuses that
   name), and ``AllgatherOptions`` not at all.
 - the ``torchft.manager`` logger's messages (``FlightRecorder`` lines; gloo's error text).
@@ -36,10 +36,18 @@ from torch._C._distributed_c10d import AllgatherOptions, TCPStore
 
 from nn_handler.errors import ConfigError
 
-try:
-    from torchft.checkpointing.transport import CheckpointTransport
-except ImportError:  # no ft extra: require_torchft says how to install it before any transport
-    CheckpointTransport = object
+
+def __getattr__(name: str) -> Any:
+    """``CheckpointTransport``, torchft's, imported when first asked for (by transport.py,
+    which a member imports): importing nn_handler imports no torchft."""
+    if name != "CheckpointTransport":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from torchft.checkpointing.transport import CheckpointTransport
+    except ImportError:  # no ft extra: require_torchft says how to install it first
+        return object
+    return CheckpointTransport
+
 
 #: The torchft releases the mode works with: 0.3 removes ``ProcessGroup.configure()``.
 TORCHFT_SUPPORTED = ">=0.2,<0.3"
@@ -166,7 +174,6 @@ def _listening_on(host: str) -> Iterator[None]:
 __all__ = [
     "TORCHFT_SUPPORTED",
     "AllgatherOptions",
-    "CheckpointTransport",
     "TCPStore",
     "forget_quorum",
     "lighthouse_server",

@@ -1,10 +1,10 @@
 """The Lighthouse: the coordinator of the fault-tolerance mode. It decides each step's members
 from their heartbeats (torchft's Lighthouse, on port N) and records each step's verdict, commit
-or abort, once for all of them (a TCPStore on port N+1: the first verdict written stands, so
-no member commits a step another abandons). It runs in a process of its own (``nn-handler
-lighthouse``, or ``Lighthouse`` starting one), never in a member that can die: with it gone
-the members cannot agree on a step and each stops with an error that says so (the run then
-restarts from its latest checkpoint)."""
+or abort, once for all of them (its verdicts' store on port N+1, verdicts.py: the first
+verdict written stands, so no member commits a step another abandons). It runs in a process
+of its own (``nn-handler lighthouse``, or ``Lighthouse`` starting one), never in a member that
+can die: with it gone the members cannot agree on a step and each stops with an error that
+says so (the run then restarts from its latest checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,22 +14,13 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from datetime import timedelta
 from types import TracebackType
-from typing import IO, Any, TypeVar
+from typing import IO
 
 from nn_handler.errors import DistributedError
-from nn_handler.training.fault_tolerance.engine import (
-    TCPStore,
-    lighthouse_server,
-    require_torchft,
-)
+from nn_handler.training.fault_tolerance.engine import lighthouse_server, require_torchft
 from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
-
-T = TypeVar("T")
+from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
 
 #: The line a Lighthouse process prints first, then its address.
 READY = "nn_handler lighthouse listening on "
@@ -44,12 +35,15 @@ def serve(
     require_torchft()
     for _ in range(50 if port == 0 else 1):
         quorum = port or _free_port(host)
+        store: VerdictServer | None = None
         try:
-            store = TCPStore(host, quorum + 1, is_master=True, wait_for_workers=False)
+            store = VerdictServer(host, quorum + 1)
             server = lighthouse_server(
                 f"{host}:{quorum}", min_members, join_timeout_s, heartbeat_timeout_s
             )
         except (RuntimeError, OSError) as error:  # a port taken meanwhile
+            if store is not None:
+                store.close()
             failure = error
             continue
         print(f"{READY}http://{host}:{quorum}", flush=True)
@@ -59,87 +53,28 @@ def serve(
     raise DistributedError(f"the Lighthouse cannot listen on {host}:{port} and +1: {failure}")
 
 
-class BoundedStore:
-    """The verdicts' store with every request bounded by ``timeout_s``: torch's TCPStore
-    client waits without end for a server that accepts and never answers (a Lighthouse
-    stopped by SIGSTOP, a host frozen: a vote blocked 76 s and 141 s, until killed), whatever
-    its own timeout. A request runs in this store's one daemon thread (never joined at exit:
-    one stuck there does not hold the process); one that does not answer in time is a
-    TimeoutError, and so is every later one (they queue behind it: the member stops)."""
-
-    def __init__(self, connect: Callable[[], TCPStore], timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._serve, name="nn_handler-verdicts", daemon=True).start()
-        # Connecting is bounded too: a stopped server accepts the connection and never
-        # answers the client's first request.
-        self.store: TCPStore = self._bounded("connect", connect)
-
-    def close(self) -> None:
-        """End the thread once the requests before this one are answered."""
-        self._requests.put(None)
-
-    def _serve(self) -> None:
-        while (request := self._requests.get()) is not None:
-            call, future = request
-            try:
-                future.set_result(call())
-            except BaseException as error:  # handed to the caller
-                future.set_exception(error)
-
-    def _bounded(self, what: str, call: Callable[[], T]) -> T:
-        future: Future[T] = Future()
-        self._requests.put((call, future))
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise TimeoutError(
-                f"no answer to {what} within {self.timeout_s:g} s (the Lighthouse's host is "
-                f"stopped or unreachable)"
-            ) from None
-
-    def add(self, key: str, value: int) -> int:
-        return self._bounded("add", lambda: int(self.store.add(key, value)))
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._bounded(
-            "compare_set", lambda: bytes(self.store.compare_set(key, expected, desired))
-        )
-
-    def check(self, keys: list[str]) -> bool:
-        return self._bounded("check", lambda: self.store.check(keys) is True)
-
-    def get(self, key: str) -> bytes:
-        return self._bounded("get", lambda: bytes(self.store.get(key)))
-
-
-def agreed_value(store: BoundedStore, name: str, proposal: str) -> str:
+def agreed_value(store: VerdictStore, name: str, proposal: str) -> str:
     """The value of ``name`` for the whole run: the first proposal the Lighthouse's store got
     (``proposal`` if this is the first), kept while the Lighthouse lives."""
     return store.compare_set(f"agreed/{name}", "", proposal).decode()
 
 
-def verdicts_of(lighthouse: str, timeout_s: float) -> BoundedStore:
+def verdicts_of(lighthouse: str, timeout_s: float) -> VerdictStore:
     """A client of the verdicts' store of the Lighthouse at ``lighthouse``, every request
-    bounded by ``timeout_s``."""
+    bounded by ``timeout_s``; its first request made now (a stopped Lighthouse accepts the
+    connection and answers nothing)."""
     host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
     try:
-        return BoundedStore(
-            lambda: TCPStore(
-                host, int(port) + 1, is_master=False, wait_for_workers=False,
-                timeout=timedelta(seconds=timeout_s),
-            ),
-            timeout_s,
-        )  # fmt: skip
-    except (RuntimeError, OSError) as error:
-        first = (str(error).strip().splitlines() or [""])[0]
+        store = VerdictStore(host, int(port) + 1, timeout_s)
+        store.check([])
+    except OSError as error:
         raise DistributedError(
             f"cannot reach the Lighthouse's verdicts at {host}:{int(port) + 1} within "
-            f"{timeout_s:g} s ({first}): is `nn-handler lighthouse --port {port}` running "
-            f"there, and is fault_tolerance.lighthouse ({lighthouse}) its address?"
+            f"{timeout_s:g} s ({error or type(error).__name__}): is `nn-handler lighthouse "
+            f"--port {port}` running there, and is fault_tolerance.lighthouse ({lighthouse}) "
+            f"its address?"
         ) from None
+    return store
 
 
 def _free_port(host: str) -> int:
@@ -240,7 +175,6 @@ def _first_line(stream: IO[str] | None, timeout_s: float) -> str:
 
 __all__ = [
     "READY",
-    "BoundedStore",
     "Lighthouse",
     "agreed_value",
     "serve",
