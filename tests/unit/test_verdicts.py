@@ -54,12 +54,14 @@ def test_a_request_it_does_not_know_is_refused_by_name(
     served: tuple[VerdictServer, VerdictStore],
 ) -> None:
     server, store = served
-    with pytest.raises(OSError, match="refused drop: KeyError: \"no request 'drop'\""):
-        store._request("drop", "k")
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        replies = raw.makefile("rb")
+        raw.sendall(b'["drop", "k"]\n')
+        unknown = json.loads(replies.readline())
         raw.sendall(b"not json\n")  # bytes that are not a request: an error, never run
-        answer = json.loads(raw.makefile("rb").readline())
-    assert answer["error"].startswith("JSONDecodeError"), answer
+        malformed = json.loads(replies.readline())
+    assert unknown == {"error": "KeyError: \"no request 'drop'\""}, unknown
+    assert malformed["error"].startswith("JSONDecodeError"), malformed
     assert store.check([])  # the store goes on
 
 
