@@ -685,3 +685,22 @@ def test_members_beyond_max_members_are_spares_that_train_no_micro_batch() -> No
     assert trained == {0: [0, 2], 1: [1, 3], 2: []}
     with pytest.raises(ConfigError, match="max_members=1 is below min_members=2"):
         FaultToleranceConfig(**_FT, min_members=2, max_members=1)
+
+
+def test_a_lighthouse_port_taken_is_named_and_its_store_port_let_go() -> None:
+    """`nn-handler lighthouse --port P` with P taken: a DistributedError naming both ports,
+    and the verdicts' store it had opened on P + 1 closed (with port 0 the start tries other
+    pairs: a store left open on each would hold its port for the Lighthouse's life)."""
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.lighthouse import serve
+    from tests.harness import free_port
+
+    port = free_port()
+    while not _free(port + 1):
+        port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(DistributedError, match=rf"cannot listen on 127.0.0.1:{port} and \+1"):
+            serve("127.0.0.1", port, 1, 1.0, 1.0)
+    assert _free(port + 1), "the store's port is still held"
