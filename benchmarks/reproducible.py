@@ -91,7 +91,7 @@ def _timed(case: str, samples: int, repeats: int) -> dict[str, Any]:
             dist.barrier()
             if index:  # epoch 0 warms the allocator and the caches
                 times[name].append(time.perf_counter() - start)
-    mode = handlers["reproducible"].trainer.reproducible
+    mode = handlers["reproducible"].trainer.mode
     params = sum(p.numel() for p in handlers["normal"].model.parameters())
     memory = {name: _mode_memory(handlers[name]) for name in ("reproducible", "reproducible_fsdp")}
     steps = -(-samples // (2 * batch))
@@ -110,7 +110,7 @@ def _timed(case: str, samples: int, repeats: int) -> dict[str, Any]:
         "epoch_seconds_reproducible_fsdp": statistics.median(times["reproducible_fsdp"]),
         "fsdp_ratio_median": statistics.median(sharded),
         "fsdp_ratio_spread": [min(sharded), max(sharded)],
-        "bytes_per_step_reproducible": mode.bytes_per_step if mode is not None else None,
+        "bytes_per_step_reproducible": getattr(mode, "bytes_per_step", None),
         "bytes_per_step_ddp": params * 4,
         "mode_memory_bytes": memory,
     }
@@ -120,7 +120,7 @@ def _mode_memory(handler: NNHandler) -> dict[str, int]:
     """What the mode's exact sum holds on this rank after training (``held``), what the
     memory plan says (``planned``), and the gradients' own bytes (``gradients``)."""
     trainer = handler.trainer
-    exact = trainer.reproducible.exact if trainer.reproducible is not None else None
+    exact = getattr(trainer.mode, "exact", None)
     plan = trainer.memory.plan
     items = {name: size for name, size, _ in plan.items} if plan is not None else {}
     return {

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import CheckpointError
+from nn_handler.errors import CheckpointError, ConfigError
 
 #: What a part does when the checkpoint has no state for it.
 Missing = Literal["warn", "error", "ignore"]
@@ -85,6 +85,21 @@ def part_of(
         missing=missing,
         on_resize=on_resize,
     )
+
+
+def tracked_part(name: str, obj: object) -> Part:
+    """The Part of a user's ``track``-ed object (``tracked.<name>``: each rank's own state,
+    rank 0's for every rank after a change of world size); a ConfigError naming what is
+    missing when ``name`` is empty or ``obj`` is not Stateful."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"track needs a non-empty str name, got {name!r}.")
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ConfigError(
+            f"track({name!r}, ...): {type(obj).__name__} has no {' or '.join(missing)}; "
+            f"track an object with state_dict() and load_state_dict(state)."
+        )
+    return part_of(f"tracked.{name}", cast(Stateful, obj), per_rank=True, on_resize="rank0")
 
 
 class StateRegistry:
@@ -247,6 +262,7 @@ __all__ = [
     "Missing",
     "Part",
     "StateRegistry",
+    "tracked_part",
     "Stateful",
     "part_of",
     "restore_shards",

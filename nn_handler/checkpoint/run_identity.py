@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from nn_handler.errors import CheckpointError
+
 #: The top-level entry of a checkpoint holding {"id": ..., "fingerprint": {...}}.
 RUN = "run"
 
@@ -93,6 +95,24 @@ def run_of(checkpoint: Any) -> tuple[str | None, dict[str, Any]]:
     ) else {}
 
 
+def run_to_continue(
+    checkpoint: Any, current: Mapping[str, Any], source: str, refuse: bool
+) -> tuple[str | None, str | None]:
+    """The run id of ``checkpoint`` (``source``) to continue, and the warning to give when
+    its run configuration differs from this run's fingerprint ``current`` (None: the same);
+    a CheckpointError instead when it differs and ``refuse`` (an automatic resume)."""
+    saved_run, saved = run_of(checkpoint)
+    found = differences(saved, current)
+    if not found:
+        return saved_run, None
+    if refuse:
+        raise CheckpointError(refusal(source, found))
+    return saved_run, (
+        f"{source} was written by another run configuration ({'; '.join(found)}); continuing "
+        f"its state with this run's settings"
+    )
+
+
 def refusal(source: str, found: list[str]) -> str:
     """Why an automatic resume of ``source`` (another run configuration) is refused."""
     return (
@@ -112,4 +132,5 @@ __all__ = [
     "new_run_id",
     "refusal",
     "run_of",
+    "run_to_continue",
 ]

@@ -17,21 +17,15 @@ from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.latest import open_for_resume
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
-from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, part_of, restore_shards
-from nn_handler.checkpoint.run_identity import (
-    RUN,
-    differences,
-    new_run_id,
-    refusal,
-    run_of,
+from nn_handler.checkpoint.registry import (
+    Part,
+    Stateful,
+    StateRegistry,
+    restore_shards,
+    tracked_part,
 )
-from nn_handler.checkpoint.sharded import (
-    META,
-    SHARDED,
-    ShardedWriter,
-    load_shards,
-    verify_sharded,
-)
+from nn_handler.checkpoint.run_identity import RUN, new_run_id, run_to_continue
+from nn_handler.checkpoint.sharded import META, SHARDED, ShardedWriter, load_shards, verify_sharded
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
 from nn_handler.checkpoint.store.urls import store_of
@@ -132,22 +126,13 @@ class TrainerCheckpoints:
     def track(self, name: str, obj: Stateful) -> None:
         """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
         every checkpoint under ``name``, each rank's own state (see ``Trainer.track``)."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"track needs a non-empty str name, got {name!r}.")
-        missing = [
-            m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
-        ]
-        if missing:
-            raise ConfigError(
-                f"track({name!r}, ...): {type(obj).__name__} has no {' or '.join(missing)}; "
-                f"track an object with state_dict() and load_state_dict(state)."
-            )
+        part = tracked_part(name, obj)
         known = self._tracked.get(name)
         if known is obj:
             return
         if known is not None:
             raise ConfigError(f"track: the name {name!r} is already tracked for another object.")
-        self.registry.add(part_of(f"tracked.{name}", obj, per_rank=True, on_resize="rank0"))
+        self.registry.add(part)
         self._tracked[name] = obj
 
     @property
@@ -220,7 +205,10 @@ class TrainerCheckpoints:
         ckpt = check_checkpoint(checkpoint, source)
         if not for_inference:  # weights to predict with: the steps do not matter
             check_reproducible(ckpt.get("config"), self.run_config, source)
-        saved_run = self._check_run(ckpt, source, automatic)
+        refuse = automatic and self.config.resume != "force"
+        saved_run, other_run = run_to_continue(ckpt, self.fingerprint(), source, refuse)
+        if other_run is not None and self.comm.rank == 0:
+            self.log.warning(other_run)
         saved_world, world = int(ckpt["world_size"]), self.comm.world_size
         batches_done = int((ckpt.get("trainer") or {}).get("batches_done", 0))
         self._world_note = None
@@ -251,24 +239,6 @@ class TrainerCheckpoints:
             self.position.resume.saved_world = saved_world
         self.own_run(saved_run)
         self._first_fit = False
-
-    def _check_run(self, ckpt: Mapping[str, Any], source: str, automatic: bool) -> str | None:
-        """The checkpoint's run id, once its run's configuration is found to be this one's
-        (or the difference is allowed: see ``load``)."""
-        saved_run, saved = run_of(ckpt)
-        found = differences(saved, self.fingerprint())
-        if not found:
-            return saved_run
-        if automatic and self.config.resume != "force":
-            raise CheckpointError(refusal(source, found))
-        if self.comm.rank == 0:
-            self.log.warning(
-                "{} was written by another run configuration ({}); continuing its state with "
-                "this run's settings",
-                source,
-                "; ".join(found),
-            )
-        return saved_run
 
     def _load_shards(self, folder: Path, names: list[str], source: str) -> None:
         """Every sharded part of this run that ``folder`` holds, resharded to this run."""

@@ -6,7 +6,11 @@ import math
 from typing import Any
 
 from nn_handler.config.training import EarlyStoppingConfig
+from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
+from nn_handler.training.history import Record
+from nn_handler.training.hooks import HookList
+from nn_handler.training.state import TrainerState
 
 
 class EarlyStopping:
@@ -80,11 +84,16 @@ class EarlyStopping:
         self.restored_settings = dict(settings) if isinstance(settings, dict) else None
 
 
-def reconsidered_stop(stopper: EarlyStopping | None) -> tuple[bool, str]:
-    """A resumed stop that early stopping decided, when its settings changed since (another
-    patience, monitor, mode or min_delta: ``settings_changed``; or early stopping turned off,
-    ``stopper`` None): whether this run's settings stop it, from the restored counters, and
-    the line that says so."""
+def reconsidered_stop(
+    stopper: EarlyStopping | None, stopped: bool, stopped_early: bool
+) -> tuple[bool, str] | None:
+    """A resumed stop (``stopped``) that early stopping decided (``stopped_early``), when its
+    settings changed since (another patience, monitor, mode or min_delta:
+    ``settings_changed``; or early stopping turned off, ``stopper`` None): whether this run's
+    settings stop it, from the restored counters, and the line that says so. None: the
+    resumed decision stands."""
+    if not (stopped and stopped_early) or (stopper is not None and not stopper.settings_changed()):
+        return None
     stops = stopper is not None and stopper.should_stop()
     return stops, (
         f"early stopping's settings changed since the checkpoint's stop "
@@ -94,4 +103,36 @@ def reconsidered_stop(stopper: EarlyStopping | None) -> tuple[bool, str]:
     )
 
 
-__all__ = ["EarlyStopping", "reconsidered_stop"]
+def agree_at_the_epoch_end(
+    hooks: HookList,
+    comm: Communicator,
+    stopper: EarlyStopping | None,
+    last: Record,
+    state: TrainerState,
+    validation_error: Exception | None,
+) -> bool:
+    """One agreement for the after_validation and after_epoch hooks and early stopping (fed
+    the epoch's record ``last``), carrying rank 0's stop decision into ``state.should_stop``
+    on every rank (no collective of their own). A rank whose after_validation hooks raised
+    (``validation_error``) raises on every rank. Returns whether early stopping decided the
+    stop here. Every rank must call this."""
+    early = [False]
+
+    def first() -> None:
+        if validation_error is not None:  # this rank's after_validation hooks raised
+            raise validation_error
+        if stopper is not None and stopper.update(last, state.epoch):
+            state.should_stop = early[0] = True
+
+    shared = hooks.call_agreed(
+        "after_epoch",
+        comm,
+        "after_validation hooks, early stopping and after_epoch hooks",
+        first=first,
+        share=lambda: [int(state.should_stop)],
+    )
+    state.should_stop = bool(shared[0][0])
+    return state.should_stop and early[0]
+
+
+__all__ = ["EarlyStopping", "agree_at_the_epoch_end", "reconsidered_stop"]

@@ -1,9 +1,11 @@
-"""The pieces of a training epoch that are not the loop itself (``Trainer.train_epoch``): the
-agreed number of batches, where a resumed epoch starts, mid-epoch validation and the epoch's
-log line. Functions of what they are given; none reads the Trainer."""
+"""The pieces of a training epoch that are not the loop itself (``Trainer.train_epoch``): where
+a resumed epoch starts, mid-epoch validation and the epoch's record and log line (its numbers:
+epoch_plan.py). Functions of what they are given; none reads the Trainer."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -15,71 +17,32 @@ from nn_handler.config.training import TrainerConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader
 from nn_handler.data.reshard import rest_of_epoch
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import CheckpointError, ConfigError, UnevenDataError
+from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.training.epoch_plan import EpochPlan
 from nn_handler.training.history import Record
-from nn_handler.training.limits import val_check_every
 from nn_handler.training.metrics import MetricKeys, RunningLoss
 from nn_handler.training.position import ResumePoint
 from nn_handler.training.state import TrainerState
 
 
-def check_equal_lengths(
-    comm: Communicator,
-    total: int | None,
-    agreed: tuple[int, list[int]] | None,
-    loader: Iterable[Any],
-    epoch: int,
-) -> None:
-    """Every rank must take the same number of steps (DDP's gradient all_reduce pairs the
-    ranks' steps): the loaders' lengths as ``fit`` exchanged them with the before_epoch
-    agreement (``agreed``: the loader's id and every rank's length), or here in one tiny
-    all_gather when ``train_epoch`` is called alone."""
-    if comm.world_size == 1:
-        return
-    mine = -1 if total is None else total
-    # The same loader fit passed (the same decision on every rank): already exchanged.
-    if agreed is not None and agreed[0] == id(loader):
-        lengths = agreed[1]
-    else:
-        shared = comm.raise_if_any_failed(None, "comparing the loaders' lengths", [mine])
-        lengths = [row[0] for row in shared]
-    if len(set(lengths)) == 1:
-        return
-    described = ", ".join(
-        f"rank {rank}: {'no len()' if n < 0 else n}" for rank, n in enumerate(lengths)
-    )
-    raise UnevenDataError(
-        f"the training loaders have different numbers of batches per rank ({described}) in "
-        f"epoch {epoch + 1}; every rank must take the same number of optimizer steps. Pass the "
-        f"dataset instead of a DataLoader (the LoaderFactory gives every rank equal batches) or "
-        f"use a DistributedSampler over the whole dataset."
-    )
-
-
-def validation_every(
-    config: TrainerConfig, total: int | None, val_loader: Iterable[Any] | None
-) -> int | None:
-    """Validate inside the epoch after every this many batches (val_check_interval); also
-    checks that accumulation has the epoch's length it needs."""
-    if config.accumulate_grad_batches > 1 and total is None:
-        raise ConfigError(
-            "gradient accumulation needs a loader with len() (to close the last window of "
-            "an epoch on every rank alike); set accumulate_grad_batches=1 or pass a sized "
-            "loader."
-        )
-    interval = config.val_check_interval
-    if interval is None or val_loader is None:
-        return None
-    try:
-        return val_check_every(total, interval, config.accumulate_grad_batches)
-    except ValueError:
-        raise ConfigError(
-            f"val_check_interval={interval} is a fraction of the epoch, and the training "
-            f"loader has no len(); pass an int number of batches instead."
-        ) from None
-
-
 def epoch_batches(
+    loader: Iterable[Any],
+    point: ResumePoint | None,
+    running: RunningLoss,
+    plan: EpochPlan,
+    state: TrainerState,
+    comm: Communicator,
+    device: torch.device,
+) -> tuple[Iterator[Any], int]:
+    """The epoch's batch iterator and the index of its first batch (cut at the plan's batches
+    when a limit cuts the loader short); see ``resumed_batches``."""
+    batches, first = resumed_batches(loader, point, running, plan.batches, state, comm, device)
+    if plan.batches is not None and plan.cut:
+        batches = itertools.islice(batches, max(plan.batches - first, 0))
+    return batches, first
+
+
+def resumed_batches(
     loader: Iterable[Any],
     point: ResumePoint | None,
     running: RunningLoss,
@@ -139,9 +102,11 @@ def epoch_record(
     keys: MetricKeys,
     started: float,
     skipped_steps: int,
+    manual: bool = False,
 ) -> Record:
     """The epoch's train loss and extra scalars (reduced over ranks: one all_reduce),
-    samples per second, time and skipped steps."""
+    samples per second, time and skipped steps. ``manual``: a manual training_step that
+    returned no "loss" has none."""
     loss_value, samples, extras = running.compute(comm, device, keys)
     elapsed = time.perf_counter() - started
     record = {
@@ -151,6 +116,8 @@ def epoch_record(
         "skipped_steps": float(skipped_steps),
     }
     record.update({f"train_{key}": value for key, value in extras.items()})
+    if manual and math.isnan(loss_value):
+        del record["train_loss"]
     return record
 
 
@@ -176,15 +143,20 @@ def validate_mid_epoch(
     )
 
 
-def default_epochs_note(config: TrainerConfig) -> str | None:
-    """What ``fit`` says when no ``epochs`` was given nor configured (one epoch, the
-    default: a new user's script trains less than meant without a word otherwise)."""
-    if "epochs" in config.model_fields_set or config.fast_dev_run:
-        return None
-    return (
-        f"no epochs given: training {config.epochs} epoch (trainer.epochs' default); pass "
-        f"train(..., epochs=N) or set trainer.epochs"
-    )
+def epochs_of_fit(config: TrainerConfig, state: TrainerState, epochs: int | None, log: Any) -> int:
+    """The epochs ``fit(..., epochs)`` trains to in total: ``epochs``, else config.epochs
+    (said in one line when that is the default: a new user's script trains less than meant
+    without a word otherwise); one more in a fast_dev_run."""
+    if epochs is None and "epochs" not in config.model_fields_set and not config.fast_dev_run:
+        log.info(
+            "no epochs given: training {} epoch (trainer.epochs' default); pass "
+            "train(..., epochs=N) or set trainer.epochs",
+            config.epochs,
+        )
+    epochs = epochs if epochs is not None else config.epochs
+    if epochs < 1:
+        raise ConfigError(f"epochs must be at least 1, got {epochs}.")
+    return state.epoch + 1 if config.fast_dev_run else epochs
 
 
 def summary(record: Record) -> str:
@@ -196,11 +168,9 @@ def summary(record: Record) -> str:
 
 
 __all__ = [
-    "check_equal_lengths",
-    "default_epochs_note",
+    "epochs_of_fit",
     "epoch_batches",
     "epoch_record",
     "summary",
     "validate_mid_epoch",
-    "validation_every",
 ]

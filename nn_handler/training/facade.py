@@ -37,7 +37,7 @@ from nn_handler.training.step_output import scalar_value
 
 if TYPE_CHECKING:
     from nn_handler.training.memory_planning import MemoryPlanner
-    from nn_handler.training.reproducible.mode import ReproducibleMode
+    from nn_handler.training.modes.base import StepMode
 
 
 class TrainerFacade:
@@ -62,7 +62,7 @@ class TrainerFacade:
     evaluator: Evaluator
     checkpointing: TrainerCheckpoints
     memory: MemoryPlanner
-    reproducible: ReproducibleMode | None
+    mode: StepMode
     training_failed: bool
     epoch_notes: list[str]
 
@@ -103,16 +103,14 @@ class TrainerFacade:
         """Whether this process writes the run's experiment trackers: rank 0; in a
         fault-tolerant run, the first member of the last step agreed on (when it is lost,
         the next member takes over, continuing the same tracker run: ``run_key``)."""
-        steps = self.reproducible.fault_tolerance if self.reproducible is not None else None
-        return steps.reporting if steps is not None else self.is_main_process
+        return self.mode.reporting.writes
 
     @property
     def run_key(self) -> str | None:
         """The name by which every process that may write this run's trackers knows it: in a
         fault-tolerant run, the run id its members agreed on (a tracker finds its run by it);
         None otherwise (rank 0 alone writes, and keeps its run in its checkpoints)."""
-        steps = self.reproducible.fault_tolerance if self.reproducible is not None else None
-        return steps.run_id if steps is not None else None
+        return self.mode.reporting.run_key
 
     @property
     def global_rank(self) -> int:
@@ -122,6 +120,10 @@ class TrainerFacade:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
+        """Feed a batch to ``metrics=``; returns the values to merge into validation_step's."""
+        return self.evaluator.update_metrics(outputs, targets)
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """Every optimizer, in the order ``configure_optimizers`` returned them."""

@@ -44,6 +44,17 @@ class ProgressBar:
             values = running.extras.local_means()
             self.show(loss=running.local_mean(), samples_s=running.samples / elapsed, **values)
 
+    def after_batch(
+        self, index: int, first: int, log_step: bool, running: RunningLoss, started: float
+    ) -> None:
+        """After batch ``index``: one more, and the running values from the epoch's first
+        batch on (a short epoch too), then every log step and at the epoch's end."""
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if index == first or index + 1 == self._bar.total or log_step:
+            self.show_running(running, started)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

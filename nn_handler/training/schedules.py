@@ -24,6 +24,11 @@ def train_limit(config: TrainerConfig) -> int | float | None:
     return config.fast_dev_run or config.limit_train_batches
 
 
+def epoch_length(config: TrainerConfig, loader: Iterable[Any]) -> int | None:
+    """The batches an epoch of ``loader`` trains (its limit applied; None: no len())."""
+    return limited(loader_length(loader), train_limit(config))
+
+
 def estimated_steps(
     config: TrainerConfig,
     state: TrainerState,
@@ -36,7 +41,7 @@ def estimated_steps(
     applied): the length a per-step LR schedule needs. ``batches_done``: the batches of the
     current epoch already trained (a resume or a join mid-epoch), whose steps
     ``state.global_step`` counts already. ``loader`` must have len()."""
-    batches = limited(loader_length(loader), train_limit(config))
+    batches = epoch_length(config, loader)
     if batches is None:
         raise ConfigError(
             "estimated_stepping_batches needs a loader with len(); pass the number of "
@@ -91,7 +96,7 @@ def check_the_schedule_length(
     unit = "epochs"
     total = epochs
     if config.scheduler_interval == "step":
-        if loader_length(loader) is None:
+        if epoch_length(config, loader) is None:
             return
         total = estimated_steps(config, state, loader, epochs, batches_done)
         unit = "optimizer steps"
@@ -153,6 +158,7 @@ def required_positional(fn: Callable[..., Any]) -> int:
 __all__ = [
     "check_schedulers",
     "check_the_schedule_length",
+    "epoch_length",
     "estimated_steps",
     "required_positional",
     "step_per_epoch",

@@ -8,8 +8,6 @@ nn_handler/strategies/) and ``hooks``. docs/training.md shows the loop line for 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,35 +23,37 @@ from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.distributed.faults.failure import failing_together
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
-from nn_handler.training.batch import batch_size_of, loader_length, move_to_device, set_epoch
+from nn_handler.training.batch import batch_size_of, move_to_device, set_epoch
 from nn_handler.training.checkpoint_format import sharded_checkpoints
 from nn_handler.training.checkpoint_hook import CheckpointHook
 from nn_handler.training.checkpointing import TrainerCheckpoints
-from nn_handler.training.early_stopping import EarlyStopping, reconsidered_stop
+from nn_handler.training.early_stopping import (
+    EarlyStopping,
+    agree_at_the_epoch_end,
+    reconsidered_stop,
+)
 from nn_handler.training.epoch import (
-    check_equal_lengths,
-    default_epochs_note,
     epoch_batches,
     epoch_record,
+    epochs_of_fit,
     summary,
     validate_mid_epoch,
-    validation_every,
 )
+from nn_handler.training.epoch_plan import EpochPlan, plan_epoch
 from nn_handler.training.evaluation import Evaluator, Metric
 from nn_handler.training.facade import TrainerFacade, refuse_taken_names
 from nn_handler.training.history import PARTIAL, History, Record
 from nn_handler.training.hooks import Hook, HookList
-from nn_handler.training.limits import limited, window
 from nn_handler.training.memory_planning import MemoryPlanner
 from nn_handler.training.metrics import MetricKeys, RunningLoss
+from nn_handler.training.modes.choice import checkpoint_of_this_process, select_mode
 from nn_handler.training.optimization import Optimization, OptimizerFactory
 from nn_handler.training.position import LoopPosition
 from nn_handler.training.precision import Precision
 from nn_handler.training.profiling import ProfilerHook
 from nn_handler.training.progress import ProgressBar
-from nn_handler.training.reproducible.mode import ReproducibleMode
 from nn_handler.training.run_settings import run_config_of, run_fingerprint
-from nn_handler.training.schedules import train_limit
+from nn_handler.training.schedules import epoch_length
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import loss_of, manual_loss, record_extras
 from nn_handler.training.watched_keys import check_trainer_monitors, monitored
@@ -104,22 +104,14 @@ class Trainer(TrainerFacade):
         )
         checkpoint = checkpoint or CheckpointConfig()
         run_config = run_config_of(config, precision, ema, checkpoint)
-        if config.fault_tolerance is not None:  # each member writes its own folder
-            folder = config.fault_tolerance.member_folder(checkpoint.dir)
-            checkpoint = checkpoint.model_copy(update={"dir": folder})
         self.checkpointing = TrainerCheckpoints(
-            self.position,
-            comm,
-            self.device,
-            checkpoint,
-            run_config,
-            enabled=not config.fast_dev_run,
-            group=self.strategy.checkpoint_group,
+            self.position, comm, self.device, checkpoint_of_this_process(config, checkpoint),
+            run_config, enabled=not config.fast_dev_run, group=self.strategy.checkpoint_group,
             sharded=sharded_checkpoints(checkpoint, self.strategy.collective_state),
             fingerprint=lambda: run_fingerprint(
                 self.hyperparameters(), self.optimization.initial_lr
             ),
-        )
+        )  # fmt: skip
         own: list[Hook] = [ProfilerHook(config.profile)] if config.profile is not None else []
         if self.checkpointing.manager is not None:
             self.checkpointing.hook = CheckpointHook(self.checkpointing, self.history, self.device)
@@ -136,7 +128,6 @@ class Trainer(TrainerFacade):
         #: Lines hooks add to this epoch's log line (a monitor's verdict), cleared per epoch.
         self.epoch_notes: list[str] = []
         self._active: nn.Module = self.model
-        self._agreed_lengths: tuple[int, list[int]] | None = None
         self._non_blocking = config.non_blocking and self.device.type == "cuda"
         self._train_keys = MetricKeys("training value")  # the keys agreed last, every rank
         self._step_region = f"training step ({type(self.strategy).__name__}: forward, backward)"
@@ -145,15 +136,13 @@ class Trainer(TrainerFacade):
         #: The memory plan (printed, checked against the budget here and at the first step).
         self.memory = MemoryPlanner(self.strategy, config, self.device)
         self.memory.at_start(self.optimization.optimizers)
-        #: TrainerConfig.reproducible's part (None: the normal mode).
-        self.reproducible = ReproducibleMode.build(
-            config.reproducible, self.module, comm, self.device, self.precision,
-            self.automatic_optimization, self.metrics, config.fault_tolerance,
-            self.strategy.exact_gradients, self._non_blocking,
+        #: How a step runs among the ranks (modes/): normal, reproducible, a member's.
+        self.mode = select_mode(
+            config, self.module, comm, self.device, self.precision,
+            self.automatic_optimization, self.metrics, self.strategy.exact_gradients,
         )  # fmt: skip
         parts = [*self.strategy.checkpoint_parts(), *self.optimization.parts()]
-        if self.reproducible is not None:
-            parts.append(self.reproducible.part())
+        parts += self.mode.parts()
         if self.early_stopping is not None:
             parts.append(part_of("early_stopping", self.early_stopping))
         parts += [part_of("history", self.history, missing="error"), *self.position.parts()]
@@ -205,10 +194,6 @@ class Trainer(TrainerFacade):
             values["loss"] = self.compute_loss(outputs, targets)  # no loss_fn: metrics alone
         return {**values, **self.update_metrics(outputs, targets)}
 
-    def update_metrics(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor | float]:
-        """Feed a batch to ``metrics=``; returns the values to merge into validation_step's."""
-        return self.evaluator.update_metrics(outputs, targets)
-
     def predict_step(self, batch: Any) -> torch.Tensor:
         """Per-sample outputs of one batch (dim 0 = samples) of its inputs (first element)."""
         inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
@@ -236,36 +221,27 @@ class Trainer(TrainerFacade):
         """Train until ``epochs`` epochs are complete in total (default: config.epochs), so a
         resumed trainer continues where it stopped. Every rank must call this. Returns the
         History (losses and metrics the same on every rank, timings each rank's own)."""
-        if epochs is None and (note := default_epochs_note(self.config)):
-            self.log.info(note)
-        epochs = epochs if epochs is not None else self.config.epochs
-        if epochs < 1:
-            raise ConfigError(f"epochs must be at least 1, got {epochs}.")
-        if self.config.fast_dev_run:
-            epochs = self.state.epoch + 1
+        epochs = epochs_of_fit(self.config, self.state, epochs, self.log)
         checkpoint = self.checkpointing.config if self.checkpointing.manager else None
         watched = monitored(self.early_stopping, checkpoint, self.scheduler, self.config)
         check_trainer_monitors(type(self), Trainer, self.metrics, val_loader is not None, watched)
-        mid_epoch = {"val_loader": val_loader} if self.config.val_check_interval else {}
         hooks, state, failed = self.hooks, self.state, True
         self.memory.validates = val_loader is not None  # the plan's validation item
-        if self.reproducible is not None:
-            self.reproducible.check_loaders(train_loader, val_loader)
+        self.mode.check(train_loader, val_loader)
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
                 self.checkpointing.begin_fit(train_loader)
-                if self.reproducible is not None:  # after a resume: a member joins there
-                    self.reproducible.begin_fit(state.global_step, self.checkpointing)
-                self._reconsider_early_stop()
+                self.mode.begin_fit(state.global_step, self.checkpointing)  # after a resume
+                self._reconsider_early_stop(state)
                 self.optimization.check_horizon(train_loader, epochs, self.position)
                 state.epochs, state.max_steps = epochs, self.config.max_steps
                 hooks.call_agreed("before_train", self.comm)
                 hooks.call("before_train", collective=True)
                 while not state.ends_fit():
-                    self._begin_epoch(train_loader)
+                    plan = self._begin_epoch(train_loader, val_loader)
                     record: Record = {"epoch": float(state.epoch + 1)}
-                    record.update(self.train_epoch(train_loader, epochs, **mid_epoch))
+                    record.update(self.train_epoch(train_loader, epochs, val_loader, plan=plan))
                     if self.position.mid_epoch:  # max_steps ended this fit inside the epoch
                         self._end_partial_epoch(record, epochs)
                         break
@@ -273,44 +249,46 @@ class Trainer(TrainerFacade):
             failed = False
         finally:
             self.training_failed = failed
-            if self.reproducible is not None:
-                self.reproducible.end_fit()
+            self.mode.end_fit()
             hooks.call_after_train(failed, self.log)
         return self.history
 
-    def _reconsider_early_stop(self) -> None:
+    def _reconsider_early_stop(self, state: TrainerState) -> None:
         """A resumed stop that early stopping decided stands, unless its settings changed."""
-        stopper = self.early_stopping
-        if not (self.state.should_stop and self.position.stopped_early) or (
-            stopper is not None and not stopper.settings_changed()
-        ):
-            return
-        self.state.should_stop, line = reconsidered_stop(stopper)
-        self.position.stopped_early = self.state.should_stop
-        self.log.info(line)
+        stopped_early = self.position.stopped_early
+        if changed := reconsidered_stop(self.early_stopping, state.should_stop, stopped_early):
+            state.should_stop = self.position.stopped_early = changed[0]
+            self.log.info(changed[1])
 
-    def _begin_epoch(self, train_loader: Iterable[Any]) -> None:
+    def _begin_epoch(self, train_loader: Iterable[Any], val_loader: Any) -> EpochPlan:
         self.position.start_epoch(train_loader)
         self.epoch_notes.clear()
         set_epoch(train_loader, self.state.epoch)
-        # The loaders' lengths travel with the hooks' agreement (train_epoch checks them).
-        length = limited(loader_length(train_loader), train_limit(self.config))
+        # Every rank's number of batches travels with the hooks' agreement, into the plan.
+        length = epoch_length(self.config, train_loader)
         share = [-1 if length is None else length]
         shared = self.hooks.call_agreed("before_epoch", self.comm, share=lambda: share)
         self.hooks.call("before_epoch", collective=True)
-        self._agreed_lengths = (id(train_loader), [row[0] for row in shared])
+        lengths = [row[0] for row in shared]
+        return plan_epoch(
+            self.config, self.comm, train_loader, val_loader, self.state.epoch, lengths
+        )
 
     def train_epoch(
-        self, loader: Iterable[Any], epochs: int, val_loader: Iterable[Any] | None = None
+        self,
+        loader: Iterable[Any],
+        epochs: int,
+        val_loader: Iterable[Any] | None = None,
+        plan: EpochPlan | None = None,
     ) -> Record:
-        """One pass over ``loader`` (``val_loader`` validated every val_check_interval)."""
+        """One pass over ``loader`` (``val_loader`` validated every val_check_interval), as
+        ``plan`` says (None: planned here, the ranks' lengths compared in one all_gather)."""
         config, state, hooks, position = self.config, self.state, self.hooks, self.position
         self.optimization.require_optimizer()
         self.model.train()
-        total = limited(loader_length(loader), train_limit(config))
-        agreed, self._agreed_lengths = self._agreed_lengths, None
-        check_equal_lengths(self.comm, total, agreed, loader, state.epoch)
-        every = validation_every(config, total, val_loader)
+        if plan is None:
+            plan = plan_epoch(config, self.comm, loader, val_loader, state.epoch)
+        total = plan.batches
         running = position.running = RunningLoss(config.log_every_n_steps)
         self.optimization.reset_window()
         title = f"epoch {state.epoch + 1}/{epochs}"
@@ -321,15 +299,13 @@ class Trainer(TrainerFacade):
         try:
             point = position.take_resume()
             batches, first = epoch_batches(
-                loader, point, running, total, state, self.comm, self.device
+                loader, point, running, plan, state, self.comm, self.device
             )
             position.batches_done = first  # resumed: done, for a save inside the next step
             bar.update(first)
-            if total is not None and train_limit(config) is not None:  # a limited epoch
-                batches = itertools.islice(batches, max(total - first, 0))
             watched = self.comm.watching and self.strategy.reduces_gradients
             for index, batch in enumerate(batches, start=first):
-                start, end = window(index, config.accumulate_grad_batches, total)
+                start, end = plan.window(index)
                 state.batch_index, state.batch = index, batch
                 synced = state.step_synced = index + 1 == end
                 hooks.call("before_step")
@@ -342,16 +318,12 @@ class Trainer(TrainerFacade):
                     position.batches_done = index + 1
                     running.end_window(end - start, self.optimization.skipped)
                 hooks.call("after_step")
-                bar.update()
                 if log_step := (index + 1) % config.log_every_n_steps == 0:
                     self.optimization.settle()  # the device's verdicts on skipped steps
-                if bar.active and (
-                    index == first or index + 1 == total or log_step
-                ):  # from the first batch on (a short epoch too), then every n and at its end
-                    bar.show_running(running, started)
+                bar.after_batch(index, first, log_step, running, started)
                 if not synced:
                     continue
-                if every and (index + 1) % every == 0 and index + 1 != total:
+                if plan.validates_after(index):
                     validate_mid_epoch(self.evaluate, val_loader, state, self.log, total)
                 hooks.call("after_optimizer_step")  # the CheckpointHook last
                 if state.max_steps is not None and state.global_step >= state.max_steps:
@@ -365,26 +337,22 @@ class Trainer(TrainerFacade):
             state.batch = None
         self.optimization.settle()
         keys, skipped = self._train_keys, state.skipped_steps
-        comm = self.comm if self.reproducible is None else NullCommunicator()  # replicated
-        record = epoch_record(running, comm, self.device, keys, started, skipped)
-        if not self.automatic_optimization and math.isnan(record["train_loss"]):
-            del record["train_loss"]  # a manual training_step that returned no "loss"
-        return record
+        manual = not self.automatic_optimization
+        comm = self.mode.record_comm()
+        return epoch_record(running, comm, self.device, keys, started, skipped, manual)
 
     def run_step(self, batch: Any, sync: bool = True, window: int = 1) -> torch.Tensor:
         """One micro-batch: forward and backward, then the optimizer step when ``sync`` (the
         window's last). ``window`` micro-batches make one step: the loss is divided by it so
         the gradient is the window's mean. Returns the detached loss."""
         optimization = self.optimization
-        if self.reproducible is not None:  # one whole step, reduced exactly
-            micro = getattr(batch, "micro", ())  # the plan's activations: a micro-batch's
-            if micro:
-                first = micro[0].batch
-                self.memory.before_first_step(
-                    lambda: self.split_batch(move_to_device(first, self.device))[0]
-                )
+        if self.mode.whole_steps:  # the reproducible modes: one whole step, reduced exactly
+            first = self.mode.first_inputs(batch)  # the memory plan's activations
+            self.memory.before_first_step(
+                lambda: self.split_batch(move_to_device(first, self.device))[0]
+            )
             optimization.open_window()
-            loss = self.reproducible.step(batch, self.training_step, self.state.global_step)
+            loss = self.mode.step(batch, self.training_step, self.state.global_step)
             self.optimizer_step()
             return loss
         batch = move_to_device(batch, self.device, self._non_blocking)
@@ -429,27 +397,9 @@ class Trainer(TrainerFacade):
         self.history.append(record)
         state.epoch += 1
         self.position.end_epoch()
-
-        early = [False]
-
-        def first() -> None:
-            if validation_error is not None:  # this rank's after_validation hooks raised
-                raise validation_error
-            stopper = self.early_stopping
-            if stopper is not None and stopper.update(self.history.last, state.epoch):
-                state.should_stop = early[0] = True
-
-        # One agreement for the after_validation and after_epoch hooks and early stopping,
-        # carrying rank 0's stop decision (no collective of their own).
-        shared = hooks.call_agreed(
-            "after_epoch",
-            self.comm,
-            "after_validation hooks, early stopping and after_epoch hooks",
-            first=first,
-            share=lambda: [int(state.should_stop)],
+        self.position.stopped_early = agree_at_the_epoch_end(  # (rank 0's is saved)
+            hooks, self.comm, self.early_stopping, self.history.last, state, validation_error
         )
-        state.should_stop = bool(shared[0][0])
-        self.position.stopped_early = state.should_stop and early[0]  # (rank 0's is saved)
         hooks.call("after_epoch", collective=True)
         notes = "".join(f"; {note}" for note in self.epoch_notes)
         self.log.info("epoch {}/{}: {}{}", state.epoch, epochs, summary(self.history.last), notes)
@@ -457,12 +407,10 @@ class Trainer(TrainerFacade):
             self.log.info(self.early_stopping.describe())
 
     def _end_partial_epoch(self, record: Record, epochs: int) -> None:
-        """max_steps ended this fit inside an epoch (Lightning's rule: the fit, not the run).
-        The History records the partial epoch (``partial_batches``: its batches trained),
-        which the fit that completes the epoch replaces; no validation, epoch hooks or early
-        stopping for it; the position is checkpointed (save_last) and kept in memory, so a
-        later fit with a larger max_steps, from here or from the checkpoint, continues
-        exactly where this one stopped."""
+        """max_steps ended this fit inside an epoch (Lightning's rule: the fit, not the run):
+        the History records it (``partial_batches``), with no validation, epoch hooks or early
+        stopping; the position is saved and kept, so a later fit with a larger max_steps, from
+        here or from its checkpoint, continues exactly (docs/training.md)."""
         position = self.position
         record["lr"] = float(self.optimization.require_optimizer().param_groups[0]["lr"])
         record[PARTIAL] = float(position.batches_done)
@@ -471,13 +419,9 @@ class Trainer(TrainerFacade):
             self.checkpointing.hook.end_fit()
         position.hold()
         self.log.info(
-            "epoch {}/{} stopped at max_steps={} after {} batches: {}",
-            self.state.epoch + 1,
-            epochs,
-            self.state.max_steps,
-            position.batches_done,
-            summary(record),
-        )
+            "epoch {}/{} stopped at max_steps={} after {} batches: {}", self.state.epoch + 1,
+            epochs, self.state.max_steps, position.batches_done, summary(record),
+        )  # fmt: skip
 
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:
         """Exact metrics over ``loader`` (loss and configured metrics); every rank must call

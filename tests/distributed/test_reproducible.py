@@ -55,17 +55,17 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in WORKLOADS:
         with handler(name, context) as h:
-            counting = CountingComm(h.trainer.reproducible.exact.comm)  # type: ignore[union-attr]
-            h.trainer.reproducible.exact.comm = counting  # type: ignore[union-attr,assignment]
+            counting = CountingComm(h.trainer.mode.exact.comm)  # type: ignore[attr-defined]
+            h.trainer.mode.exact.comm = counting  # type: ignore[attr-defined]
             train(h, name)
             out[name] = digest(h)
-            exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
+            exact = h.trainer.mode.exact  # type: ignore[attr-defined]
             out[f"{name}_collectives"] = (
                 len(counting.calls),
                 h.trainer.state.global_step,
                 exact.rescaled_steps,
             )
-            out[f"{name}_bytes"] = h.trainer.reproducible.bytes_per_step  # type: ignore[union-attr]
+            out[f"{name}_bytes"] = h.trainer.mode.bytes_per_step  # type: ignore[attr-defined]
         saved = Path(folder) / name
         if world_size == 2:  # stopped mid-epoch (step 9 of 12: epoch 2, step 3 of 6)
             with handler(name, context, folder=saved, max_steps=9) as h:
@@ -79,7 +79,7 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out["cnn_every_step"] = _every_step_with_ema_and_a_scheduler(context)
     with handler("cnn", context, reduction="float") as h:  # a floating-point sum
         train(h, "cnn")
-        exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
+        exact = h.trainer.mode.exact  # type: ignore[attr-defined]
         out["cnn_float"] = {k: v.clone() for k, v in h.model.state_dict().items()}
         out["cnn_float_collectives"] = (exact.collectives, h.trainer.state.global_step)
     if world_size == 2:  # last: a failure on the one rank that owns the step's micro-batch

@@ -73,7 +73,7 @@ def _group(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             with handler(name, context, **sharded(name, fsdp)) as h, _Counted() as counted:
                 train(h, name)
                 out[f"{name}_{layout}"] = full_digest(h)
-                exact = h.trainer.reproducible.exact  # type: ignore[union-attr]
+                exact = h.trainer.mode.exact  # type: ignore[attr-defined]
                 steps = h.trainer.state.global_step
                 out[f"{name}_{layout}_calls"] = (dict(counted.calls), steps, exact.rescaled_steps)
                 plan = h.trainer.memory.plan

@@ -239,7 +239,7 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         train(h, "cnn")
     except DistributedError as error:  # the run cannot go on step by step
         stopped = str(error)
-    steps = h.trainer.reproducible.fault_tolerance  # type: ignore[union-attr]
+    steps = h.trainer.mode.steps  # type: ignore[attr-defined]
     report = {
         "digest": digest(h),
         "redone": steps.redone if steps else 0,

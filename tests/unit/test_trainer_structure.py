@@ -169,7 +169,7 @@ def test_a_subclass_with_its_own_ordinary_attributes_trains_and_counts() -> None
 
 
 @pytest.mark.parametrize(
-    "name", ["state", "history", "hooks", "optimization", "model", "memory", "reproducible"]
+    "name", ["state", "history", "hooks", "optimization", "model", "memory", "mode"]
 )
 def test_assigning_one_of_the_trainers_own_attributes_is_a_clear_error(name: str) -> None:
     trainer = Trainer(mlp(), sgd, nn.CrossEntropyLoss())

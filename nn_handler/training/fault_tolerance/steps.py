@@ -58,7 +58,7 @@ class FaultTolerantSteps:
         self._begun = False  # begin_fit agreed on the first step's members
         #: Whether this member writes the run's trackers: the first member of the last step
         #: agreed on (another takes over when it is lost; see Trainer.is_reporting_process).
-        self.reporting = False
+        self.writes = False
         #: The run's id, the same on every member (agreed at begin_fit; None before).
         self.run_id: str | None = None
         #: Attempts abandoned and redone in this fit.
@@ -110,8 +110,13 @@ class FaultTolerantSteps:
         self._members = replica.members
         if own_run is not None:
             self.run_id = own_run(replica.agree("run_id", own_run(None)))
-        self.reporting = replica.rank == 0
+        self.writes = replica.rank == 0
         self._begun = True
+
+    @property
+    def run_key(self) -> str | None:
+        """The run's id (modes.base.Reporting: every member writes the trackers under it)."""
+        return self.run_id
 
     def _join(self, state: Any) -> None:
         """The state of a member that is not behind, received (checked) at a step boundary."""
@@ -197,7 +202,7 @@ class FaultTolerantSteps:
             except PeerLostError as error:
                 lost = error
             if replica.commit() and loss is not None:
-                self.reporting = rank == 0
+                self.writes = rank == 0
                 return loss
             self.redone += 1
             self._put_back(scales, buffers)

@@ -1,10 +1,10 @@
-"""ReproducibleMode: the Trainer's part for TrainerConfig.reproducible. It refuses, before the
-first step, what it cannot keep identical at any world size, and runs each step's micro-batches
-through ExactStep (exact_step.py)."""
+"""ReproducibleMode: the Trainer's step mode for TrainerConfig.reproducible. It refuses, before
+the first step, what it cannot keep identical at any world size, and runs each step's
+micro-batches through ExactStep (exact_step.py) or FloatStep. A fault-tolerant member wraps it
+(training/fault_tolerance/mode.py); it knows nothing of that."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -12,16 +12,14 @@ import torch
 from torch import nn
 
 from nn_handler.checkpoint.registry import Part
-from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.config.training import ReproducibleConfig
 from nn_handler.data.fixed_batches import FixedBatchLoader, FixedEvalLoader, StepBatch
-from nn_handler.distributed.communicator import Communicator
+from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import ConfigError
 from nn_handler.strategies.exact_gradients import ExactGradients
 from nn_handler.training.batch import is_scalar, move_to_device
-from nn_handler.training.checkpointing import TrainerCheckpoints
-from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 from nn_handler.training.metrics import StatefulMetric
+from nn_handler.training.modes.base import StepMode, TrainingStep
 from nn_handler.training.precision import Precision
 from nn_handler.training.reproducible.exact_step import ExactStep
 from nn_handler.training.reproducible.float_step import FloatStep
@@ -33,8 +31,10 @@ _LOADER_FIX = (
 )
 
 
-class ReproducibleMode:
+class ReproducibleMode(StepMode):
     """One Trainer's reproducible mode over its plain ``module``."""
+
+    whole_steps = True
 
     def __init__(
         self,
@@ -43,9 +43,9 @@ class ReproducibleMode:
         comm: Communicator,
         device: torch.device,
         precision: Precision,
-        fault_tolerance: FaultToleranceConfig | None = None,
         non_blocking: bool = False,
     ) -> None:
+        super().__init__(comm)
         if precision.scaler is not None:
             raise ConfigError(
                 "reproducible: fp16 with a dynamic GradScaler skips steps and rescales on "
@@ -65,32 +65,25 @@ class ReproducibleMode:
         #: Micro-batches copied to the device asynchronously (TrainerConfig.non_blocking).
         self.non_blocking = non_blocking
         self.exact = (ExactStep if exact else FloatStep)(config, module, comm, device)
-        #: The steps of a fault-tolerant run (TrainerConfig.fault_tolerance; None: off).
-        self.fault_tolerance = (
-            FaultTolerantSteps(fault_tolerance, self.exact, comm) if fault_tolerance else None
-        )
 
     @classmethod
     def build(
         cls,
-        config: ReproducibleConfig | None,
+        config: ReproducibleConfig,
         module: nn.Module,
         comm: Communicator,
         device: torch.device,
         precision: Precision,
         automatic: bool,
         metrics: Mapping[str, Any],
-        fault_tolerance: FaultToleranceConfig | None = None,
         gradients: Callable[[list[nn.Parameter]], ExactGradients] | None = None,
         non_blocking: bool = False,
-    ) -> ReproducibleMode | None:
-        """A Trainer's mode (None: ``config`` is None), its checks made now, before the first
-        step; after ``configure_optimizers`` (the parameters that train). ``gradients``: the
-        strategy's (Strategy.exact_gradients; default: replicated); ``non_blocking``: copy
-        micro-batches to a GPU asynchronously (from pinned memory)."""
-        if config is None:
-            return None
-        mode = cls(config, module, comm, device, precision, fault_tolerance, non_blocking)
+    ) -> ReproducibleMode:
+        """A Trainer's mode, its checks made now, before the first step; after
+        ``configure_optimizers`` (the parameters that train). ``gradients``: the strategy's
+        (Strategy.exact_gradients; default: replicated); ``non_blocking``: copy micro-batches
+        to a GPU asynchronously (from pinned memory)."""
+        mode = cls(config, module, comm, device, precision, non_blocking)
         params = [p for p in module.parameters() if p.requires_grad]
         mode.adopt(params, automatic, metrics, gradients)
         return mode
@@ -118,8 +111,7 @@ class ReproducibleMode:
             )
         self.exact.adopt(params, gradients(params) if gradients is not None else None)
 
-    @staticmethod
-    def check_loaders(train: Iterable[Any], val: Iterable[Any] | None) -> None:
+    def check(self, train: Iterable[Any], val: Iterable[Any] | None) -> None:
         """Before the first step: the loaders must be the mode's (fixed batches)."""
         if not isinstance(train, FixedBatchLoader):
             raise ConfigError(
@@ -132,9 +124,7 @@ class ReproducibleMode:
                 f"depend on the number of ranks; {_LOADER_FIX}."
             )
 
-    def step(
-        self, batch: Any, training_step: Callable[[Any], Any], global_step: int
-    ) -> torch.Tensor:
+    def step(self, batch: Any, training_step: TrainingStep, global_step: int) -> torch.Tensor:
         """The whole optimizer step's forward, backward and exact reduction (``.grad`` set on
         every rank alike); returns the step's loss. Every rank must call this."""
         if not isinstance(batch, StepBatch):
@@ -158,40 +148,21 @@ class ReproducibleMode:
             torch.autograd.backward(loss)
             return loss.detach()
 
-        if self.fault_tolerance is None:
-            return self.exact.run(batch, forward_backward, global_step)
-        return self.fault_tolerance.step(
-            batch, lambda mine: self.exact.run(mine, forward_backward, global_step), global_step
-        )
+        return self.exact.run(batch, forward_backward, global_step)
 
-    def begin_fit(self, global_step: int, checkpoints: TrainerCheckpoints) -> None:
-        """A fit starts at ``global_step`` (after its own resume, if any): a fault-tolerant
-        run's member joins the run there. Behind it, the member loads the checkpoint state of
-        one that is not; when the run cannot go on, it saves an emergency checkpoint (with a
-        folder). See FaultTolerantSteps.begin_fit."""
-        if self.fault_tolerance is None:
-            return
-        source = "the state of a member of the run"
-        self.fault_tolerance.begin_fit(
-            global_step,
-            checkpoints.state_dict,
-            functools.partial(checkpoints.load, source=source, allow_world_size_change=True),
-            functools.partial(checkpoints.save_periodic, final=True)
-            if checkpoints.manager is not None
-            else None,
-            checkpoints.own_run,
-            checkpoints.fingerprint(),
-        )
+    def first_inputs(self, batch: Any) -> Any:
+        """The step's first micro-batch (the memory plan's activations)."""
+        micro = getattr(batch, "micro", ())
+        return micro[0].batch if micro else batch
 
-    def end_fit(self) -> None:
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.end_fit()
-
-    def part(self) -> Part:
+    def parts(self) -> list[Part]:
         """The fixed-point scales in checkpoints (the same on every rank)."""
-        return Part(
-            "reproducible", self.exact.state_dict, self.exact.load_state_dict, missing="ignore"
-        )
+        state = self.exact
+        return [Part("reproducible", state.state_dict, state.load_state_dict, missing="ignore")]
+
+    def record_comm(self) -> Communicator:
+        """None to average over: every rank trained the whole step, with the same loss."""
+        return NullCommunicator()
 
     @property
     def bytes_per_step(self) -> int:
