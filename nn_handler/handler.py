@@ -208,6 +208,8 @@ class NNHandler:
             hooks=hooks,
             checkpoint=self.config.checkpoint,
         )
+        # The trainer's settings as it resolved them (a run-length scheduler steps per step).
+        self.config = self.config.model_copy(update={"trainer": self.trainer.config})
         self.trainer.checkpointing.run_config = {"handler": plain_config(self.config)}
 
     # ----------------------------------------------------------------- parts
@@ -261,11 +263,22 @@ class NNHandler:
             return self.loaders.reproducible_eval_loader(_dataset(data))
         return self.loaders.eval_loader(_dataset(data))
 
-    def train(self, train_data: Any, val_data: Any = None, epochs: int | None = None) -> History:
+    def train(
+        self,
+        train_data: Any,
+        val_data: Any = None,
+        epochs: int | None = None,
+        *,
+        ckpt_path: str | Path | None = None,
+    ) -> History:
         """Train on a dataset (loaders built by the LoaderFactory) or a ready DataLoader, until
         ``epochs`` epochs are complete in total (default: config.trainer.epochs); validate on
-        ``val_data`` after each epoch. Every rank must call this. Returns the History."""
+        ``val_data`` after each epoch. ``ckpt_path`` (Lightning's): first ``resume`` it (a
+        checkpoint, a folder of them, or "latest"; "last" is the same). Every rank must call
+        this. Returns the History."""
         self._check_open("train")
+        if ckpt_path is not None:
+            self.resume("latest" if ckpt_path == "last" else ckpt_path)
         train_loader = self._train_loader(train_data)
         val_loader = self._eval_loader(val_data) if val_data is not None else None
         return self.trainer.fit(train_loader, val_loader, epochs)
@@ -305,6 +318,13 @@ class NNHandler:
         config.checkpoint.allow_world_size_change. Every rank must call this."""
         self._check_open("resume")
         return self.trainer.resume(path, allow_world_size_change=allow_world_size_change)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's weights and buffers with plain keys (Accelerate's
+        ``get_state_dict``): under FSDP gathered to rank 0 on the CPU (every rank must call
+        this; the other ranks get an empty dict), otherwise this rank's own model's."""
+        self._check_open("full_state_dict")
+        return self.trainer.strategy.module_state_dict(self.trainer.module)
 
     @classmethod
     def load(

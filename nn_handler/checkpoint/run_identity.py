@@ -37,6 +37,7 @@ IDENTITY = (
     "loader.drop_last",
     "trainer.accumulate_grad_batches",
     "trainer.gradient_clip_val",
+    "trainer.gradient_clip_algorithm",
     "trainer.gradient_clip_norm_type",
     "trainer.scheduler_interval",
     "trainer.nonfinite",

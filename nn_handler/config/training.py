@@ -180,7 +180,11 @@ class TrainerConfig(ConfigModel):
         accumulate_grad_batches: micro-batches per optimizer step. Gradients synchronise only
             on the last micro-batch of each window; the last, possibly shorter, window of an
             epoch also steps and synchronises.
-        gradient_clip_val: clip the gradient norm to this value (after unscaling under fp16).
+        gradient_clip_val: clip the gradients to this value (after unscaling under fp16): their
+            norm (the whole model's, on every rank alike), or each element (``value``).
+        gradient_clip_algorithm: 'norm' (clip_grad_norm_) or 'value' (clip_grad_value_:
+            every gradient element into [-gradient_clip_val, gradient_clip_val]), Lightning's
+            names.
         gradient_clip_norm_type: the p of the clipped p-norm.
         scheduler_interval: step the LR scheduler every 'epoch' or every optimizer 'step'.
         scheduler_monitor: the History key given to ReduceLROnPlateau-style schedulers.
@@ -253,6 +257,7 @@ class TrainerConfig(ConfigModel):
     epochs: int = Field(default=1, ge=1, strict=True)
     accumulate_grad_batches: int = Field(default=1, ge=1, strict=True)
     gradient_clip_val: float | None = Field(default=None, gt=0)
+    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
     gradient_clip_norm_type: float = Field(default=2.0, gt=0)
     scheduler_interval: Interval = "epoch"
     scheduler_monitor: str = "val_loss"

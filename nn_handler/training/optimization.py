@@ -235,10 +235,11 @@ class Optimization:
         optimizer, state, guard = self.require_optimizer(), self.state, self.guard
         if self.precision.scaler is not None:
             self.precision.unscale(optimizer)
-        if self.config.gradient_clip_val is not None:
-            self.strategy.clip_grad_norm(
-                self._params, self.config.gradient_clip_val, self.config.gradient_clip_norm_type
-            )
+        clip = self.config.gradient_clip_val
+        if clip is not None and self.config.gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self._params, clip)  # elementwise: shards alike
+        elif clip is not None:
+            self.strategy.clip_grad_norm(self._params, clip, self.config.gradient_clip_norm_type)
         skipped = self.skipped = guard.decide(self.strategy, self._window_losses)
         self._window_losses.clear()
         if isinstance(skipped, torch.Tensor):

@@ -61,6 +61,24 @@ def estimated_steps(
     )
 
 
+def per_step_for_a_run_length_factory(config: TrainerConfig, scheduler: Any) -> TrainerConfig:
+    """``config`` for ``scheduler`` (what the Trainer was given): a factory of two arguments
+    (``lambda optimizer, total_steps: ...``) builds a schedule of the run's optimizer steps,
+    so scheduler_interval is 'step' where it was left unset; set to 'epoch', a ConfigError
+    (the schedule would run a few of its steps and never reach its shape)."""
+    factory = callable(scheduler) and not hasattr(scheduler, "step")
+    if not factory or required_positional(scheduler) < 2 or config.scheduler_interval == "step":
+        return config
+    if "scheduler_interval" in config.model_fields_set:
+        raise ConfigError(
+            "the scheduler factory takes two arguments (optimizer, total_steps): a schedule "
+            "of the run's optimizer steps, but trainer.scheduler_interval is 'epoch', which "
+            "would step it once per epoch. Set scheduler_interval: step (or leave it unset), "
+            "or give a factory of one argument (the optimizer) for a per-epoch schedule."
+        )
+    return config.model_copy(update={"scheduler_interval": "step"})
+
+
 def check_schedulers(schedulers: list[Any], config: TrainerConfig) -> None:
     plateau = any(isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) for s in schedulers)
     if plateau and config.scheduler_interval == "step":
@@ -160,6 +178,7 @@ __all__ = [
     "check_the_schedule_length",
     "epoch_length",
     "estimated_steps",
+    "per_step_for_a_run_length_factory",
     "required_positional",
     "step_per_epoch",
     "train_limit",

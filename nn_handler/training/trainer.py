@@ -53,7 +53,7 @@ from nn_handler.training.precision import Precision
 from nn_handler.training.profiling import ProfilerHook
 from nn_handler.training.progress import ProgressBar
 from nn_handler.training.run_settings import run_config_of, run_fingerprint
-from nn_handler.training.schedules import epoch_length
+from nn_handler.training.schedules import epoch_length, per_step_for_a_run_length_factory
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import loss_of, manual_loss, record_extras
 from nn_handler.training.watched_keys import check_trainer_monitors, monitored
@@ -88,7 +88,8 @@ class Trainer(TrainerFacade):
         checkpoint: CheckpointConfig | None = None,
     ) -> None:
         refuse_taken_names(self)
-        self.config = config = config or TrainerConfig()
+        config = per_step_for_a_run_length_factory(config or TrainerConfig(), scheduler)
+        self.config = config
         self.comm = comm = communicator or NullCommunicator()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.loss_fn = loss_fn

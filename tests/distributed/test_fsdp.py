@@ -59,6 +59,16 @@ def _fsdp_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         h.train(regression_data(), epochs=2)
         out["ddp"] = state_of(h.model)
         out["ddp_eval"] = h.evaluate(val)
+    # Clipping by value (each element, each rank its shards) as under DDP; the whole weights
+    # gathered by handler.full_state_dict (rank 0 only, as Accelerate's get_state_dict).
+    value = {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"}
+    for strategy in ("fsdp", "ddp"):
+        layout = {"strategy": "fsdp", "fsdp": {"blocks": ["Linear"]}} if strategy == "fsdp" else {}
+        config = _config(EQUIVALENCE, world_size, **value, **layout)
+        with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as h:
+            h.train(regression_data(), epochs=1)
+            out[f"value_{strategy}"] = _full_state(h) if strategy == "fsdp" else state_of(h.model)
+            out[f"full_{strategy}"] = {k: v.clone() for k, v in h.full_state_dict().items()}
     # A NaN loss on rank 1 only: the step is skipped on both ranks (each checks its shard).
     with NNHandler(
         mlp(),
@@ -231,6 +241,25 @@ def test_fsdp_trains_like_ddp_and_like_one_process_with_the_whole_batch(
         assert max_difference(seen["fsdp"], one_process) < 1e-5
         assert max_difference(seen["reduce_each"], seen["fsdp"]) < 1e-6
     assert results[0]["history"] == results[1]["history"]
+
+
+def test_clipping_by_value_and_the_full_state_dict_under_fsdp(
+    results: list[dict[str, Any]],
+) -> None:
+    config = _config(EQUIVALENCE, 1, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as reference:
+        reference.train(regression_data(), epochs=1)
+        one_process = state_of(reference.model)
+    norm_clipped = _config(EQUIVALENCE, 1, gradient_clip_val=0.02)
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=norm_clipped) as other:
+        other.train(regression_data(), epochs=1)
+        assert max_difference(state_of(other.model), one_process) > 1e-3  # not the norm's
+    for seen in results:
+        assert max_difference(seen["value_fsdp"], seen["value_ddp"]) < 1e-6
+        assert max_difference(seen["value_fsdp"], one_process) < 1e-5
+        assert max_difference(seen["full_ddp"], seen["value_ddp"]) == 0.0  # every rank's own
+    assert max_difference(results[0]["full_fsdp"], results[0]["value_fsdp"]) == 0.0
+    assert results[1]["full_fsdp"] == {}  # gathered to rank 0 only
 
 
 def test_exact_evaluation_with_uneven_ranks_matches_ddp(results: list[dict[str, Any]]) -> None:

@@ -1,0 +1,123 @@
+"""What a Lightning user reaches for on day one (issue 76), in one process: clipping by value,
+``train(..., ckpt_path=...)``, a two-argument scheduler factory stepped per optimizer step, and
+``full_state_dict``. (Under FSDP and at 2 ranks: tests/distributed/test_fsdp.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler import ConfigError, NNHandler
+from nn_handler.training.hooks import Hook
+from tests.training_helpers import mlp, regression_data, sgd, state_of
+
+DATA = regression_data(n=40)
+QUIET = {"progress_bar": False}
+
+
+class _Gradients(Hook):
+    """The gradients as the optimizer stepped with them (kept until the next window)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[torch.Tensor]] = []
+
+    def after_optimizer_step(self) -> None:
+        params = self.trainer.module.parameters()
+        self.seen.append([p.grad.detach().clone() for p in params if p.grad is not None])
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_clipping_by_value_clamps_each_element_and_by_norm_the_whole(algorithm: str) -> None:
+    grads = _Gradients()
+    trainer = {**QUIET, "gradient_clip_val": 0.01, "gradient_clip_algorithm": algorithm}
+    config = {"loader": {"batch_size": 8}, "trainer": trainer}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, hooks=[grads]) as h:
+        h.train(DATA, epochs=1)
+    for step in grads.seen:
+        flat = torch.cat([g.flatten() for g in step])
+        norm = float(flat.norm())
+        if algorithm == "value":  # each element in [-0.01, 0.01], some at the bound
+            assert float(flat.abs().max()) == pytest.approx(0.01) and norm > 0.011
+        else:  # the whole norm at the bound
+            assert norm == pytest.approx(0.01, rel=1e-4)
+
+
+def test_an_unknown_clipping_algorithm_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="gradient_clip_algorithm"):
+        NNHandler(mlp(), sgd, config={"trainer": {"gradient_clip_algorithm": "max"}})
+
+
+def test_train_with_ckpt_path_continues_the_run_exactly(tmp_path: Path) -> None:
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as straight:
+        straight.train(DATA, epochs=1)
+        path = straight.save(tmp_path / "one.pt")
+        straight.train(DATA, epochs=2)
+        reference = state_of(straight.model)
+    with NNHandler(mlp(seed=3), sgd, nn.CrossEntropyLoss(), config=config) as again:
+        again.train(DATA, epochs=2, ckpt_path=path)
+        assert again.trainer.state.epoch == 2
+        resumed = state_of(again.model)
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+
+
+def test_ckpt_path_last_is_the_folders_latest(tmp_path: Path) -> None:
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET,
+              "checkpoint": {"dir": str(tmp_path), "resume": "never"}}  # fmt: skip
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as first:
+        first.train(DATA, epochs=1)
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as second:
+        second.train(DATA, epochs=2, ckpt_path="last")
+        assert len(second.history) == 2 and second.trainer.state.global_step == 10
+
+
+def _one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total_steps)
+
+
+def test_a_two_argument_scheduler_factory_steps_per_optimizer_step(tmp_path: Path) -> None:
+    """Left to the default interval ('epoch'), OneCycleLR ran 3 of its steps and never warmed
+    up; a factory of (optimizer, total_steps) now implies scheduler_interval 'step', which the
+    checkpoint's configuration says."""
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), _one_cycle, config=config) as h:
+        assert h.trainer.config.scheduler_interval == "step"
+        h.train(DATA, epochs=3)
+        scheduler = h.trainer.scheduler
+        assert scheduler is not None and scheduler.total_steps == 15 == scheduler.last_epoch
+        saved = torch.load(h.save(tmp_path / "c.pt"), weights_only=True)
+    assert saved["config"]["handler"]["trainer"]["scheduler_interval"] == "step"
+    assert (
+        h.config.trainer.scheduler_interval == "step"
+        and h.trainer.hyperparameters()["trainer.scheduler_interval"] == "step"
+    )
+
+
+def test_a_two_argument_factory_with_a_per_epoch_interval_is_refused() -> None:
+    config = {"trainer": {**QUIET, "scheduler_interval": "epoch"}}
+    with pytest.raises(
+        ConfigError, match=r"scheduler_interval is 'epoch'.*scheduler_interval: step"
+    ):
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), _one_cycle, config=config)
+
+
+def test_a_one_argument_factory_keeps_the_per_epoch_interval() -> None:
+    def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, 1)
+
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), step_lr, config=config) as h:
+        h.train(DATA, epochs=2)
+        assert h.trainer.config.scheduler_interval == "epoch"
+        assert h.trainer.scheduler.last_epoch == 2
+
+
+def test_full_state_dict_in_one_process_is_the_models_own() -> None:
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": QUIET}) as h:
+        full = h.full_state_dict()
+        assert full.keys() == h.trainer.module.state_dict().keys()
+        assert all(torch.equal(full[k], v) for k, v in h.trainer.module.state_dict().items())
