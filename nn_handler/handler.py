@@ -24,15 +24,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.checkpoint.consolidate import loadable_in_one_process
 from nn_handler.checkpoint.store.urls import open_url
-from nn_handler.config import HandlerConfig, LoggingConfig
+from nn_handler.config import HandlerConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
 from nn_handler.errors import ConfigError, HandlerClosedError
-from nn_handler.log import disable_logging, enable_logging, name_the_process
-from nn_handler.monitoring import LearningRateMonitor, ThroughputMonitor
-from nn_handler.tracking import build_trackers
+from nn_handler.monitoring import ThroughputMonitor
+from nn_handler.run_logging import add_log_sinks, observers, remove_log_sinks
 from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
@@ -57,30 +56,6 @@ def as_handler_config(config: ConfigLike) -> HandlerConfig:
     )
 
 
-def _add_log_sinks(config: LoggingConfig, rank: int, label: str | None = None) -> list[int]:
-    """The stderr sink (and the file sink, if asked); ``label``: this process's name in their
-    lines while the handler lives (a fault-tolerant member's, instead of 'rank 0')."""
-    if not config.enabled:
-        return []
-    sinks = [enable_logging(config.level, all_ranks=config.all_ranks, label=label)]
-    if config.file is not None and ("{rank}" in config.file or rank == 0):
-        path = Path(config.file.format(rank=rank))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sinks.append(
-            logger.add(
-                path,
-                level=config.level,
-                filter=lambda record: (
-                    record["name"] is not None
-                    and record["name"].startswith("nn_handler")
-                    and name_the_process(record)
-                ),
-                format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {extra[who]} | {level: <7} | {message}",
-            )
-        )
-    return sinks
-
-
 def world_view(context: DistributedContext, communicator: Communicator) -> DistributedInfo:
     """Where this process stands, as the communicator says: the one source the loaders, the
     strategy and the Trainer all read. A communicator of its own (a test double) may describe
@@ -101,32 +76,6 @@ def world_view(context: DistributedContext, communicator: Communicator) -> Distr
     return dataclasses.replace(
         info, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size
     )
-
-
-def _remove_log_sinks(sinks: list[int]) -> None:
-    """Undo ``_add_log_sinks``: the file sink, then the stderr one (which may silence the
-    library and give loguru's default sink back)."""
-    for sink in reversed(sinks[1:]):
-        logger.remove(sink)
-    if sinks:
-        disable_logging(sinks[0])
-
-
-def observers(config: LoggingConfig, given: Iterable[Hook]) -> list[Hook]:
-    """The hooks ``logging`` asks for: a ThroughputMonitor (unless ``monitor`` is off or
-    ``given`` has one), a LearningRateMonitor (``log_lr: step``) and the trackers of
-    ``trackers``."""
-    added: list[Hook] = []
-    if config.monitor and not any(isinstance(hook, ThroughputMonitor) for hook in given):
-        added.append(
-            ThroughputMonitor(
-                flops_per_sample=config.flops_per_sample, peak_tflops=config.peak_tflops
-            )
-        )
-    if config.log_lr == "step" and not any(isinstance(h, LearningRateMonitor) for h in given):
-        added.append(LearningRateMonitor())
-    added.extend(build_trackers(config.trackers, config.dir))
-    return added
 
 
 class NNHandler:
@@ -168,7 +117,7 @@ class NNHandler:
             # Leave the group this constructor joined: nothing else holds it now.
             if self._owns_context:
                 self.context.teardown()
-            _remove_log_sinks(self._sinks)
+            remove_log_sinks(self._sinks)
             raise
 
     def _build(
@@ -186,7 +135,7 @@ class NNHandler:
         info = world_view(self.context, self.communicator)
         member = self.config.trainer.fault_tolerance
         label = None if member is None else f"member {member.member_name()}"
-        self._sinks = _add_log_sinks(self.config.logging, info.rank, label)
+        self._sinks = add_log_sinks(self.config.logging, info.rank, label)
         self.loaders = LoaderFactory(self.config.loader, info, self.context.device)
         given = list(hooks)
         hooks = [*given, *observers(self.config.logging, given)]
@@ -263,6 +212,16 @@ class NNHandler:
             return self.loaders.reproducible_eval_loader(_dataset(data))
         return self.loaders.eval_loader(_dataset(data))
 
+    def _val_loaders(self, data: Any) -> Any:
+        """None, one loader, or several validation sets: a dict of datasets or loaders by
+        name, or a list of them (validation_sets.py names their metrics)."""
+        if isinstance(data, Mapping):
+            return {name: self._eval_loader(one) for name, one in data.items()}
+        several = isinstance(data, (list, tuple)) and bool(data)
+        if several and all(isinstance(one, (Dataset, DataLoader)) for one in data):
+            return [self._eval_loader(one) for one in data]
+        return None if data is None else self._eval_loader(data)
+
     def train(
         self,
         train_data: Any,
@@ -273,15 +232,15 @@ class NNHandler:
     ) -> History:
         """Train on a dataset (loaders built by the LoaderFactory) or a ready DataLoader, until
         ``epochs`` epochs are complete in total (default: config.trainer.epochs); validate on
-        ``val_data`` after each epoch. ``ckpt_path`` (Lightning's): first ``resume`` it (a
-        checkpoint, a folder of them, or "latest"; "last" is the same). Every rank must call
-        this. Returns the History."""
+        ``val_data`` after each epoch (one set, or several: a dict by name or a list, each
+        set's metrics recorded as ``val_<metric>/<name>``). ``ckpt_path`` (Lightning's):
+        first ``resume`` it (a checkpoint, a folder of them, or "latest"; "last" is the
+        same). Every rank must call this. Returns the History."""
         self._check_open("train")
         if ckpt_path is not None:
             self.resume("latest" if ckpt_path == "last" else ckpt_path)
         train_loader = self._train_loader(train_data)
-        val_loader = self._eval_loader(val_data) if val_data is not None else None
-        return self.trainer.fit(train_loader, val_loader, epochs)
+        return self.trainer.fit(train_loader, self._val_loaders(val_data), epochs)
 
     def estimated_stepping_batches(self, train_data: Any, epochs: int | None = None) -> int:
         """The optimizer steps ``train(train_data, epochs=epochs)`` takes in total (see
@@ -392,7 +351,7 @@ class NNHandler:
         self.trainer.release_wrappers()
         if self._owns_context:
             self.context.teardown()
-        _remove_log_sinks(self._sinks)
+        remove_log_sinks(self._sinks)
         self._sinks = []
 
     def __enter__(self) -> NNHandler:

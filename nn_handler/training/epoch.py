@@ -23,6 +23,7 @@ from nn_handler.training.history import Record
 from nn_handler.training.metrics import MetricKeys, RunningLoss
 from nn_handler.training.position import ResumePoint
 from nn_handler.training.state import TrainerState
+from nn_handler.training.validation_sets import ValidationSets, named
 
 
 def epoch_batches(
@@ -128,10 +129,11 @@ def validate_mid_epoch(
     log: Any,
     total: int | None,
 ) -> None:
-    """Validation inside the epoch (val_check_interval), before this step's checkpoint
-    (whose RNG state then includes it, so a resume continues exactly)."""
+    """Validation inside the epoch (val_check_interval) of every set, before this step's
+    checkpoint (whose RNG state then includes it, so a resume continues exactly)."""
     started = time.perf_counter()
-    metrics = evaluate(val_loader)
+    sets = ValidationSets.of(val_loader)
+    metrics, _ = sets.validate(lambda loader, name: (named(evaluate(loader), name), None))
     state.validation_seconds += time.perf_counter() - started
     log.info(
         "validation at step {} (epoch {}, batch {}/{}): {}",
@@ -139,7 +141,7 @@ def validate_mid_epoch(
         state.epoch + 1,
         state.batch_index + 1,
         total if total is not None else "?",
-        summary({f"val_{k}": v for k, v in metrics.items()}),
+        summary(metrics),
     )
 
 

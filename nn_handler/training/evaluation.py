@@ -26,6 +26,7 @@ from nn_handler.training.optimization import Optimization
 from nn_handler.training.precision import Precision
 from nn_handler.training.reproducible.exact_means import ExactMeans
 from nn_handler.training.sharded_ema import ShardedEma
+from nn_handler.training.validation_sets import named
 from nn_handler.training.weighted_means import MetricKeys, WeightedMeans
 
 Metric = MetricFn | StatefulMetric
@@ -91,11 +92,13 @@ class Evaluator:
         loader: Iterable[Any],
         use_ema: bool | None,
         validation_step: Callable[[Any], Mapping[str, torch.Tensor | float]],
+        name: str | None = None,
     ) -> tuple[dict[str, float], Exception | None]:
         """Exact metrics over ``loader``, the same on every rank (one all_reduce carries them
         and the agreement on a failed validation step), then the after_validation hooks: what
-        they raised on this rank is returned, for the caller to agree on. Every rank must
-        call this."""
+        they raised on this rank is returned, for the caller to agree on. ``name``: the
+        validation set's, when there are several (``loss/<name>``: validation_sets.py). Every
+        rank must call this."""
         means: WeightedMeans | ExactMeans = WeightedMeans()
         if isinstance(loader, FixedEvalLoader):  # the reproducible mode's fixed batches
             means = ExactMeans(loader.batch_ids, loader.total_batches)
@@ -129,6 +132,7 @@ class Evaluator:
         for name, metric in self._stateful.items():
             results[name] = compute_stateful(metric)
             metric.reset()
+        results = named(results, name)
         try:
             self.hooks.call("after_validation", results)
         except Exception as error:

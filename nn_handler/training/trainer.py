@@ -56,6 +56,7 @@ from nn_handler.training.run_settings import run_config_of, run_fingerprint
 from nn_handler.training.schedules import epoch_length, per_step_for_a_run_length_factory
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import loss_of, manual_loss, record_extras
+from nn_handler.training.validation_sets import Evaluate, ValidationSets, named
 from nn_handler.training.watched_keys import check_trainer_monitors, monitored
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -223,12 +224,13 @@ class Trainer(TrainerFacade):
         resumed trainer continues where it stopped. Every rank must call this. Returns the
         History (losses and metrics the same on every rank, timings each rank's own)."""
         epochs = epochs_of_fit(self.config, self.state, epochs, self.log)
+        sets = ValidationSets.of(val_loader)  # one loader, or several by name
         checkpoint = self.checkpointing.config if self.checkpointing.manager else None
         watched = monitored(self.early_stopping, checkpoint, self.scheduler, self.config)
-        check_trainer_monitors(type(self), Trainer, self.metrics, val_loader is not None, watched)
-        hooks, state, failed = self.hooks, self.state, True
-        self.memory.validates = val_loader is not None  # the plan's validation item
-        self.mode.check(train_loader, val_loader)
+        check_trainer_monitors(type(self), Trainer, self.metrics, bool(sets), watched, sets.names)
+        hooks, state, failed, val = self.hooks, self.state, True, sets or None
+        self.memory.validates = bool(sets)  # the plan's validation item
+        self.mode.check(train_loader, sets.loaders)
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)
@@ -240,13 +242,13 @@ class Trainer(TrainerFacade):
                 hooks.call_agreed("before_train", self.comm)
                 hooks.call("before_train", collective=True)
                 while not state.ends_fit():
-                    plan = self._begin_epoch(train_loader, val_loader)
+                    plan = self._begin_epoch(train_loader, val)
                     record: Record = {"epoch": float(state.epoch + 1)}
-                    record.update(self.train_epoch(train_loader, epochs, val_loader, plan=plan))
+                    record.update(self.train_epoch(train_loader, epochs, val, plan=plan))
                     if self.position.mid_epoch:  # max_steps ended this fit inside the epoch
                         self._end_partial_epoch(record, epochs)
                         break
-                    self._end_epoch(record, val_loader, epochs)
+                    self._end_epoch(record, val, epochs)
             failed = False
         finally:
             self.training_failed = failed
@@ -279,11 +281,12 @@ class Trainer(TrainerFacade):
         self,
         loader: Iterable[Any],
         epochs: int,
-        val_loader: Iterable[Any] | None = None,
+        val_loader: Any = None,
         plan: EpochPlan | None = None,
     ) -> Record:
-        """One pass over ``loader`` (``val_loader`` validated every val_check_interval), as
-        ``plan`` says (None: planned here, the ranks' lengths compared in one all_gather)."""
+        """One pass over ``loader`` (``val_loader``, one or several, validated every
+        val_check_interval), as ``plan`` says (None: planned here, the ranks' lengths compared
+        in one all_gather)."""
         config, state, hooks, position = self.config, self.state, self.hooks, self.position
         self.optimization.require_optimizer()
         self.model.train()
@@ -381,19 +384,17 @@ class Trainer(TrainerFacade):
         the host (one the device skips returns True and is counted at the next log step)."""
         return self.optimization.step()
 
-    def _end_epoch(self, record: Record, val_loader: Iterable[Any] | None, epochs: int) -> None:
+    def _end_epoch(self, record: Record, val_loader: Any, epochs: int) -> None:
         state, hooks = self.state, self.hooks
         hooks.call("after_train_epoch")  # every rank is here: collectives allowed
         record["lr"] = float(self.optimization.require_optimizer().param_groups[0]["lr"])
-        validation_error: Exception | None = None
-        if val_loader is not None:
-            if type(self).evaluate is Trainer.evaluate:  # its hooks agree with after_epoch's
-                metrics, validation_error = self.evaluator.evaluate(
-                    val_loader, None, self.validation_step
-                )
-            else:  # an overridden evaluate runs as it is, with its own agreement
-                metrics = self.evaluate(val_loader)
-            record.update({f"val_{k}": v for k, v in metrics.items()})
+        evaluate: Evaluate = lambda loader, name: self.evaluator.evaluate(  # noqa: E731
+            loader, None, self.validation_step, name
+        )  # its hooks agree with after_epoch's; an overridden evaluate, with its own agreement
+        if type(self).evaluate is not Trainer.evaluate:
+            evaluate = lambda loader, name: (named(self.evaluate(loader), name), None)  # noqa: E731
+        values, validation_error = ValidationSets.of(val_loader).validate(evaluate)
+        record.update(values)
         self.optimization.step_per_epoch(record)
         self.history.append(record)
         state.epoch += 1

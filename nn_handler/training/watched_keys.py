@@ -5,7 +5,7 @@ after a whole epoch of training."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,15 +22,22 @@ RECORD_METHODS = ("train_epoch", "validation_step", "evaluate")
 
 
 def expected_keys(
-    overridden: Collection[str], metric_names: Iterable[str], validates: bool
+    overridden: Collection[str],
+    metric_names: Iterable[str],
+    validates: bool,
+    sets: Sequence[str] = (),
 ) -> set[str] | None:
     """The keys the epoch records of a fit will have, or None when a subclass decides them
-    (``overridden`` names one of RECORD_METHODS)."""
+    (``overridden`` names one of RECORD_METHODS); ``sets``: the names of several validation
+    sets (``val_<metric>/<name>``)."""
     if any(name in overridden for name in RECORD_METHODS):
         return None
     keys = set(TRAINING_KEYS)
     if validates:
-        keys |= {"val_loss", *(f"val_{name}" for name in metric_names)}
+        names = ["loss", *metric_names]
+        keys |= (
+            {f"val_{m}/{s}" for m in names for s in sets} if sets else {f"val_{m}" for m in names}
+        )
     return keys
 
 
@@ -85,13 +92,15 @@ def check_trainer_monitors(
     metric_names: Iterable[str],
     validates: bool,
     watched: Iterable[tuple[str, str, str]],
+    sets: Sequence[str] = (),
 ) -> None:
     """``check_monitors`` for a Trainer subclass: which of RECORD_METHODS and
-    ``training_step`` it overrides decides which keys are known."""
+    ``training_step`` it overrides decides which keys are known (``sets``: the names of
+    several validation sets)."""
     overridden = {m for m in RECORD_METHODS if getattr(trainer_class, m) is not getattr(base, m)}
     step = "training_step"
     own_training_keys = getattr(trainer_class, step) is not getattr(base, step)
-    keys = expected_keys(overridden, metric_names, validates)
+    keys = expected_keys(overridden, metric_names, validates, sets)
     check_monitors(keys, watched, validates, own_training_keys)
 
 

@@ -301,7 +301,33 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
         except RankFailedError as error:
             out[f"fail_{name}"] = (error.failed_ranks, str(error))
     out["after_epoch_calls"] = after_validation.after_epoch_calls
+    out.update(_several_validation_sets(context))
     context.teardown()
+    return out
+
+
+SETS = {"a": regression_data(n=7, seed=1), "b": regression_data(n=12, seed=2)}
+
+
+def _several_validation_sets(context: Any) -> dict[str, Any]:
+    """Two validation sets by name (7 samples: the ranks run different batches), then as a
+    list; early stopping watches one of them. Each set's record keys, and each set evaluated
+    alone with the same weights."""
+    out: dict[str, Any] = {}
+    trainer = {"progress_bar": False, "early_stopping": {"monitor": "val_loss/b", "patience": 9}}
+    with NNHandler(
+        mlp(seed=5),
+        sgd,
+        nn.CrossEntropyLoss(),
+        config={"loader": {"batch_size": 4}, "trainer": trainer},
+        context=context,
+        metrics={"accuracy": accuracy},
+    ) as h:
+        h.train(regression_data(), SETS, epochs=1)
+        out["sets_record"] = h.history.last
+        out["sets_alone"] = {name: h.evaluate(data) for name, data in SETS.items()}
+        with pytest.raises(ConfigError, match=r"monitors 'val_loss/b'.*val_loss/dataloader_idx_1"):
+            h.train(regression_data(), list(SETS.values()), epochs=2)  # the names changed
     return out
 
 
@@ -514,6 +540,16 @@ def test_evaluation_and_prediction_are_exact_and_in_dataset_order(
         assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert metrics["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
         assert torch.allclose(results[rank]["predict"], logits, atol=1e-6)
+
+
+def test_several_validation_sets_are_each_exact_and_named(results: list[dict[str, Any]]) -> None:
+    for seen in results:
+        record, alone = seen["sets_record"], seen["sets_alone"]
+        for name in SETS:
+            assert record[f"val_loss/{name}"] == alone[name]["loss"]
+            assert record[f"val_accuracy/{name}"] == alone[name]["accuracy"]
+        assert "val_loss" not in record
+    assert results[0]["sets_record"]["val_loss/a"] == results[1]["sets_record"]["val_loss/a"]
 
 
 def test_a_hook_or_validation_failing_on_one_rank_fails_every_rank(

@@ -121,3 +121,45 @@ def test_full_state_dict_in_one_process_is_the_models_own() -> None:
         full = h.full_state_dict()
         assert full.keys() == h.trainer.module.state_dict().keys()
         assert all(torch.equal(full[k], v) for k, v in h.trainer.module.state_dict().items())
+
+
+def test_several_validation_sets_by_name_or_by_index_in_one_process() -> None:
+    from nn_handler import accuracy
+
+    sets = [regression_data(n=10, seed=1), regression_data(n=6, seed=2)]
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config,
+                   metrics={"accuracy": accuracy}) as h:  # fmt: skip
+        h.train(DATA, sets, epochs=1)
+        record = h.history.last
+        for index, data in enumerate(sets):
+            alone = h.evaluate(data)
+            assert record[f"val_loss/dataloader_idx_{index}"] == alone["loss"]
+            assert record[f"val_accuracy/dataloader_idx_{index}"] == alone["accuracy"]
+        h.train(DATA, {"small": sets[1]}, epochs=2)
+        assert h.history.last["val_loss/small"] == h.evaluate(sets[1])["loss"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [({}, "an empty dict"), ({"a/b": DATA}, "without '/'"), ({"": DATA}, "non-empty strings")],
+)
+def test_badly_named_validation_sets_are_config_errors(sets: Any, says: str) -> None:
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": QUIET}) as h,
+        pytest.raises(ConfigError, match=says),
+    ):
+        h.train(DATA, sets, epochs=1)
+
+
+def test_several_validation_sets_in_the_reproducible_mode_are_each_exact() -> None:
+    trainer = {**QUIET, "reproducible": {"global_batch_size": 8, "micro_batch_size": 4}}
+    sets = {"a": regression_data(n=10, seed=1), "b": regression_data(n=6, seed=2)}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": trainer}) as h:
+        h.train(DATA, sets, epochs=1)
+        for name, data in sets.items():
+            assert h.history.last[f"val_loss/{name}"] == h.evaluate(data)["loss"]
+        with pytest.raises(ConfigError, match="a validation loader is a DataLoader"):
+            loader = torch.utils.data.DataLoader(sets["a"], batch_size=4)
+            h.trainer.fit(h.loaders.reproducible_train_loader(DATA, h.config.trainer.reproducible),  # type: ignore[arg-type]
+                          {"a": loader}, epochs=2)  # fmt: skip

@@ -7,7 +7,7 @@ redone by the members left."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +41,7 @@ class MemberMode(StepMode):
         self.steps = FaultTolerantSteps(config, summed, comm)
         self.reporting = self.steps  # the first member of the last agreed step writes
 
-    def check(self, train: Iterable[Any], val: Iterable[Any] | None) -> None:
+    def check(self, train: Iterable[Any], val: Sequence[Iterable[Any]]) -> None:
         self.inner.check(train, val)
 
     def begin_fit(self, global_step: int, checkpoints: TrainerCheckpoints) -> None:

@@ -5,7 +5,7 @@ The base class is the normal mode: ``Trainer.run_step`` trains micro-batch by mi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,8 +64,9 @@ class StepMode:
         #: Who writes the trackers (Trainer.is_reporting_process, Trainer.run_key).
         self.reporting: Reporting = RankZero(comm.rank)
 
-    def check(self, train: Iterable[Any], val: Iterable[Any] | None) -> None:
-        """Before the first step: refuse loaders the mode cannot train from."""
+    def check(self, train: Iterable[Any], val: Sequence[Iterable[Any]]) -> None:
+        """Before the first step: refuse loaders the mode cannot train from (``val``: every
+        validation set's)."""
 
     def begin_fit(self, global_step: int, checkpoints: TrainerCheckpoints) -> None:
         """A fit starts at ``global_step``, after its own resume (a member joins its run)."""

@@ -5,7 +5,7 @@ micro-batches through ExactStep (exact_step.py) or FloatStep. A fault-tolerant m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,18 +111,20 @@ class ReproducibleMode(StepMode):
             )
         self.exact.adopt(params, gradients(params) if gradients is not None else None)
 
-    def check(self, train: Iterable[Any], val: Iterable[Any] | None) -> None:
-        """Before the first step: the loaders must be the mode's (fixed batches)."""
+    def check(self, train: Iterable[Any], val: Sequence[Iterable[Any]]) -> None:
+        """Before the first step: the loaders must be the mode's (fixed batches), every
+        validation set's too."""
         if not isinstance(train, FixedBatchLoader):
             raise ConfigError(
                 f"reproducible: the training loader is a {type(train).__name__}, whose batches "
                 f"depend on the number of ranks; {_LOADER_FIX}."
             )
-        if val is not None and not isinstance(val, FixedEvalLoader):
-            raise ConfigError(
-                f"reproducible: the validation loader is a {type(val).__name__}, whose batches "
-                f"depend on the number of ranks; {_LOADER_FIX}."
-            )
+        for loader in val:
+            if not isinstance(loader, FixedEvalLoader):
+                raise ConfigError(
+                    f"reproducible: a validation loader is a {type(loader).__name__}, whose "
+                    f"batches depend on the number of ranks; {_LOADER_FIX}."
+                )
 
     def step(self, batch: Any, training_step: TrainingStep, global_step: int) -> torch.Tensor:
         """The whole optimizer step's forward, backward and exact reduction (``.grad`` set on
