@@ -35,6 +35,7 @@ from nn_handler.run_logging import add_log_sinks, observers, remove_log_sinks
 from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
+from nn_handler.training.lr_finder import LRFinderResult, find_lr
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
 
 ConfigLike = HandlerConfig | Mapping[str, Any] | str | Path | None
@@ -241,6 +242,23 @@ class NNHandler:
             self.resume("latest" if ckpt_path == "last" else ckpt_path)
         train_loader = self._train_loader(train_data)
         return self.trainer.fit(train_loader, self._val_loaders(val_data), epochs)
+
+    def lr_find(
+        self,
+        train_data: Any,
+        *,
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        early_stop_threshold: float | None = 4.0,
+    ) -> LRFinderResult:
+        """Lightning's LR finder: ``num_training`` optimizer steps on ``train_data`` at rates
+        growing from ``min_lr`` to ``max_lr``; returns the curve (``.suggestion()``,
+        ``.plot(path)``), the same on every rank, with the model, the optimizer and the loop
+        put back exactly as they were. Every rank must call this (training/lr_finder.py)."""
+        self._check_open("lr_find")
+        loader = self._train_loader(train_data)
+        return find_lr(self.trainer, loader, min_lr, max_lr, num_training, early_stop_threshold)
 
     def estimated_stepping_batches(self, train_data: Any, epochs: int | None = None) -> int:
         """The optimizer steps ``train(train_data, epochs=epochs)`` takes in total (see

@@ -302,8 +302,24 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
             out[f"fail_{name}"] = (error.failed_ranks, str(error))
     out["after_epoch_calls"] = after_validation.after_epoch_calls
     out.update(_several_validation_sets(context))
+    out.update(_lr_finder(context))
     context.teardown()
     return out
+
+
+def _lr_finder(context: Any) -> dict[str, Any]:
+    """The LR finder under DDP: the curve (the same on both ranks: the losses averaged), and
+    the weights and Adam's state after it, bit for bit those before."""
+    from tests.unit.test_day_one_features import _optimizer_state, _same
+
+    config = {"loader": {"batch_size": 4}, "trainer": {"progress_bar": False}}
+    adam = torch.optim.Adam
+    with NNHandler(mlp(seed=5), adam, nn.CrossEntropyLoss(), config=config, context=context) as h:
+        h.train(regression_data(), epochs=1)
+        weights, optimizer = state_of(h.model), _optimizer_state(h)
+        found = h.lr_find(regression_data(n=48, seed=3), min_lr=1e-4, max_lr=1.0, num_training=16)
+        untouched = _same(state_of(h.model), weights) and _same(_optimizer_state(h), optimizer)
+    return {"lr_curve": (found.lrs, found.losses), "lr_untouched": untouched}
 
 
 SETS = {"a": regression_data(n=7, seed=1), "b": regression_data(n=12, seed=2)}
@@ -540,6 +556,14 @@ def test_evaluation_and_prediction_are_exact_and_in_dataset_order(
         assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert metrics["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
         assert torch.allclose(results[rank]["predict"], logits, atol=1e-6)
+
+
+def test_the_lr_finder_at_two_ranks_agrees_and_puts_everything_back(
+    results: list[dict[str, Any]],
+) -> None:
+    assert results[0]["lr_untouched"] and results[1]["lr_untouched"]
+    assert results[0]["lr_curve"] == results[1]["lr_curve"]
+    assert len(results[0]["lr_curve"][0]) >= 2
 
 
 def test_several_validation_sets_are_each_exact_and_named(results: list[dict[str, Any]]) -> None:

@@ -163,3 +163,97 @@ def test_several_validation_sets_in_the_reproducible_mode_are_each_exact() -> No
             loader = torch.utils.data.DataLoader(sets["a"], batch_size=4)
             h.trainer.fit(h.loaders.reproducible_train_loader(DATA, h.config.trainer.reproducible),  # type: ignore[arg-type]
                           {"a": loader}, epochs=2)  # fmt: skip
+
+
+# ----------------------------------------------------------------- the LR finder
+def _optimizer_state(h: NNHandler) -> dict[str, Any]:
+    import copy
+
+    optimizer = h.trainer.optimizer
+    assert optimizer is not None
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def test_lr_find_puts_everything_back_and_training_goes_on_as_without_it(tmp_path: Path) -> None:
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET, "precision": "bf16"}
+    with NNHandler(mlp(), torch.optim.Adam, nn.CrossEntropyLoss(), config=config) as plain:
+        plain.train(DATA, epochs=1)
+        plain.train(DATA, epochs=2)
+        reference = state_of(plain.model)
+    with NNHandler(mlp(), torch.optim.Adam, nn.CrossEntropyLoss(), config=config) as h:
+        h.train(DATA, epochs=1)
+        weights, optimizer, step = (
+            state_of(h.model),
+            _optimizer_state(h),
+            h.trainer.state.global_step,
+        )
+        result = h.lr_find(regression_data(n=64, seed=4), min_lr=1e-4, max_lr=1.0, num_training=30)
+        assert len(result.lrs) == len(result.losses) and 2 <= len(result.lrs) <= 30
+        assert result.lrs[0] == pytest.approx(1e-4) and result.lrs == sorted(result.lrs)
+        assert _same(state_of(h.model), weights) and _same(_optimizer_state(h), optimizer)
+        assert (
+            h.trainer.state.global_step == step
+            and h.trainer.optimizer.param_groups[0]["lr"] == 1e-3
+        )  # type: ignore[union-attr]
+        assert result.plot(tmp_path / "lr.png").stat().st_size > 0
+        h.train(DATA, epochs=2)  # the same bits as a run that never looked for a rate
+        assert _same(state_of(h.model), reference)
+
+
+def test_the_suggestion_is_the_steepest_descent_of_the_curve() -> None:
+    from nn_handler.training.lr_finder import LRFinderResult
+
+    lrs = [10.0 ** (-6 + i / 4) for i in range(25)]
+    losses = [2.0] * 12 + [1.9, 1.5, 1.2, 1.1, 1.05] + [1.0] * 4 + [1.5, 3.0, 9.0, 20.0]
+    result = LRFinderResult(lrs, losses)
+    assert result.suggestion() == lrs[12]  # 1.9 -> 1.5: the steepest fall
+    assert result.suggestion(skip_begin=14) == lrs[14]
+    assert LRFinderResult(lrs[:5], losses[:5]).suggestion() is None  # too few points
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [({"min_lr": 1.0, "max_lr": 0.1}, "0 < min_lr < max_lr"), ({"num_training": 1}, ">= 2")],
+)
+def test_lr_find_refuses_bad_ranges(arguments: dict[str, Any], says: str) -> None:
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": QUIET}) as h,
+        pytest.raises(ConfigError, match=says),
+    ):
+        h.lr_find(DATA, **arguments)
+
+
+def test_lr_find_in_the_reproducible_mode_puts_its_scales_back() -> None:
+    trainer = {**QUIET, "reproducible": {"global_batch_size": 8, "micro_batch_size": 4}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": trainer}) as h:
+        before = state_of(h.model)
+        result = h.lr_find(DATA, min_lr=1e-3, max_lr=0.5, num_training=12)
+        assert len(result.losses) >= 2 and _same(state_of(h.model), before)
+
+
+def test_lr_find_refuses_manual_optimization_and_fault_tolerance() -> None:
+    from tests.unit.test_trainer_structure import GanLike
+
+    with (
+        NNHandler(mlp(), config={"trainer": QUIET}, trainer_class=GanLike) as manual,
+        pytest.raises(ConfigError, match="with manual optimization set the rates yourself"),
+    ):
+        manual.lr_find(DATA)
+    pytest.importorskip("torchft")
+    trainer = {**QUIET, "reproducible": {"global_batch_size": 8, "micro_batch_size": 4},
+               "fault_tolerance": {"lighthouse": "http://127.0.0.1:9"}}  # fmt: skip
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": trainer}) as member,
+        pytest.raises(ConfigError, match="lr_find runs no fault-tolerant steps"),
+    ):
+        member.lr_find(DATA)
