@@ -231,6 +231,11 @@ class TrainerConfig(ConfigModel):
             of each rank's batches (a float in (0, 1]); None: all.
         limit_val_batches: the same for validation (per rank: the metrics are then those of
             the batches seen, exact over them).
+        max_time: stop the fit once this much wall-clock time has passed since it started
+            (seconds, or Lightning's "DD:HH:MM:SS"), on every rank at the same step (checked
+            every log_every_n_steps optimizer steps and at each epoch's end), as max_steps
+            would: a mid-epoch stop keeps its position (save_last), and a later fit continues.
+            None: no limit.
         val_check_interval: also validate inside each epoch: every this many training batches
             (an int, a multiple of accumulate_grad_batches) or this fraction of the epoch (a
             float in (0, 1]; needs a loader with len()). Each mid-epoch result goes to the
@@ -274,10 +279,16 @@ class TrainerConfig(ConfigModel):
     max_consecutive_skipped_steps: int | None = Field(default=10, ge=1, strict=True)
     early_stopping: EarlyStoppingConfig | None = None
     max_steps: int | None = Field(default=None, ge=1, strict=True)
+    max_time: float | None = Field(default=None, gt=0)
     limit_train_batches: int | float | None = Field(default=None, gt=0)
     limit_val_batches: int | float | None = Field(default=None, gt=0)
     val_check_interval: int | float | None = Field(default=None, gt=0)
     fast_dev_run: int = Field(default=0, ge=0, strict=True)
+
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _parse_max_time(cls, value: object) -> object:
+        return parse_max_time(value)
 
     @field_validator(
         "limit_train_batches", "limit_val_batches", "val_check_interval", mode="before"
@@ -329,6 +340,12 @@ class TrainerConfig(ConfigModel):
                 "reproducible unset for it, or keep reduction 'exact' (an exact int64 "
                 "reduce-scatter)",
             ),
+            "max_time": (
+                self.fault_tolerance is not None and self.max_time is not None,
+                "each member of a fault-tolerant run would stop on its own clock (a member that "
+                "stops leaves the run); stop the run from outside (its supervisor's time limit, "
+                "SIGTERM: an emergency checkpoint) or use max_steps",
+            ),
             "fault_tolerance": (
                 self.strategy == "fsdp" and self.fault_tolerance is not None,
                 "a member that joins receives the whole state from one live member, and with "
@@ -361,6 +378,20 @@ class TrainerConfig(ConfigModel):
                 f"accumulate_grad_batches={accumulate}; use a multiple of {accumulate}"
             )
         return self
+
+
+def parse_max_time(value: object) -> object:
+    """``max_time`` as seconds: a number of seconds, or Lightning's "DD:HH:MM:SS" string (also
+    "HH:MM:SS" and "MM:SS"); anything else is left for the field's own check."""
+    if not isinstance(value, str):
+        return value
+    parts = value.split(":")
+    if not 1 < len(parts) <= 4 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"max_time is seconds or 'DD:HH:MM:SS', got {value!r}")
+    seconds = 0
+    for part, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False):
+        seconds += int(part) * unit
+    return float(seconds)
 
 
 __all__ = [

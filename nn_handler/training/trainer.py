@@ -56,6 +56,7 @@ from nn_handler.training.run_settings import run_config_of, run_fingerprint
 from nn_handler.training.schedules import epoch_length, per_step_for_a_run_length_factory
 from nn_handler.training.state import TrainerState
 from nn_handler.training.step_output import loss_of, manual_loss, record_extras
+from nn_handler.training.time_limit import TimeLimit
 from nn_handler.training.validation_sets import Evaluate, ValidationSets, named
 from nn_handler.training.watched_keys import check_trainer_monitors, monitored
 
@@ -115,6 +116,8 @@ class Trainer(TrainerFacade):
             ),
         )  # fmt: skip
         own: list[Hook] = [ProfilerHook(config.profile)] if config.profile is not None else []
+        if config.max_time is not None:  # stops at a step, as max_steps (time_limit.py)
+            own.append(TimeLimit(config.max_time, config.log_every_n_steps))
         if self.checkpointing.manager is not None:
             self.checkpointing.hook = CheckpointHook(self.checkpointing, self.history, self.device)
             own.append(self.checkpointing.hook)
@@ -421,8 +424,8 @@ class Trainer(TrainerFacade):
             self.checkpointing.hook.end_fit()
         position.hold()
         self.log.info(
-            "epoch {}/{} stopped at max_steps={} after {} batches: {}", self.state.epoch + 1,
-            epochs, self.state.max_steps, position.batches_done, summary(record),
+            "epoch {}/{} stopped at step {} after {} batches: {}", self.state.epoch + 1,
+            epochs, self.state.global_step, position.batches_done, summary(record),
         )  # fmt: skip
 
     def evaluate(self, loader: Iterable[Any], use_ema: bool | None = None) -> dict[str, float]:

@@ -303,8 +303,40 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     out["after_epoch_calls"] = after_validation.after_epoch_calls
     out.update(_several_validation_sets(context))
     out.update(_lr_finder(context))
+    out.update(_time_limit(context, rank))
     context.teardown()
     return out
+
+
+class _LateClock:
+    """time.monotonic for rank 1 only: after its first reading (the fit's start), two hours
+    later: its limit has passed at the first check, rank 0's has not."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.real, self.readings = time.monotonic, 0
+
+    def monotonic(self) -> float:
+        self.readings += 1
+        return self.real() + (7200.0 if self.readings > 1 else 0.0)
+
+
+def _time_limit(context: Any, rank: int) -> dict[str, Any]:
+    """max_time (an hour) passed on rank 1 alone: both ranks stop at the first check step."""
+    import time
+
+    from nn_handler.training import time_limit
+
+    trainer = {"progress_bar": False, "max_time": 3600, "log_every_n_steps": 2}
+    config = {"loader": {"batch_size": 4}, "trainer": trainer}
+    time_limit.time = _LateClock() if rank == 1 else time  # type: ignore[assignment]
+    try:
+        with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, context=context) as h:
+            h.train(regression_data(), epochs=2)  # 5 steps per epoch at 2 ranks
+            return {"time_stop": (h.trainer.state.global_step, h.history.last["partial_batches"])}
+    finally:
+        time_limit.time = time
 
 
 def _lr_finder(context: Any) -> dict[str, Any]:
@@ -556,6 +588,12 @@ def test_evaluation_and_prediction_are_exact_and_in_dataset_order(
         assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert metrics["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
         assert torch.allclose(results[rank]["predict"], logits, atol=1e-6)
+
+
+def test_max_time_passed_on_one_rank_stops_both_at_the_same_step(
+    results: list[dict[str, Any]],
+) -> None:
+    assert results[0]["time_stop"] == results[1]["time_stop"] == (2, 2.0)
 
 
 def test_the_lr_finder_at_two_ranks_agrees_and_puts_everything_back(

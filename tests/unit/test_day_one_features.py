@@ -257,3 +257,56 @@ def test_lr_find_refuses_manual_optimization_and_fault_tolerance() -> None:
         pytest.raises(ConfigError, match="lr_find runs no fault-tolerant steps"),
     ):
         member.lr_find(DATA)
+
+
+# ----------------------------------------------------------------- max_time
+class _Slow(Hook):
+    """Each step takes at least ``seconds`` (a slow model, as far as the clock can tell)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def after_step(self) -> None:
+        import time
+
+        time.sleep(self.seconds)
+
+
+def test_max_time_stops_at_a_check_step_and_the_run_resumes_exactly(tmp_path: Path) -> None:
+    base = {"loader": {"batch_size": 4}, "checkpoint": {"dir": str(tmp_path)}}
+    straight_config = {**base, "trainer": QUIET, "checkpoint": {"dir": None}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=straight_config) as straight:
+        straight.train(DATA, epochs=2)  # 10 steps per epoch
+        reference = state_of(straight.model)
+    limited = {**base, "trainer": {**QUIET, "max_time": 0.3, "log_every_n_steps": 2}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=limited, hooks=[_Slow(0.05)]) as first:
+        first.train(DATA, epochs=2)
+        stopped = first.trainer.state.global_step
+        assert 2 <= stopped < 20 and stopped % 2 == 0, stopped  # at a check step, before the end
+    resumed = {**base, "trainer": QUIET, "checkpoint": {"dir": str(tmp_path), "resume": "auto"}}
+    with NNHandler(mlp(seed=4), sgd, nn.CrossEntropyLoss(), config=resumed) as second:
+        second.train(DATA, epochs=2)
+        assert second.trainer.state.global_step == 20
+        assert _same(state_of(second.model), reference)
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [("00:01:30:05", 5405.0), ("2:00", 120.0), (90, 90.0), (0.5, 0.5)]
+)
+def test_max_time_takes_seconds_or_lightnings_string(given: Any, seconds: float) -> None:
+    from nn_handler.config.training import TrainerConfig
+
+    assert TrainerConfig(max_time=given).max_time == seconds
+
+
+@pytest.mark.parametrize("given", ["1h", "1:2:3:4:5", "-1", 0, "::"])
+def test_a_bad_max_time_is_a_config_error(given: Any) -> None:
+    with pytest.raises(ConfigError, match="max_time"):
+        NNHandler(mlp(), sgd, config={"trainer": {"max_time": given}})
+
+
+def test_max_time_in_a_fault_tolerant_run_is_refused() -> None:
+    trainer = {"max_time": 60, "reproducible": {"global_batch_size": 8, "micro_batch_size": 4},
+               "fault_tolerance": {"lighthouse": "http://127.0.0.1:9"}}  # fmt: skip
+    with pytest.raises(ConfigError, match="max_time: each member of a fault-tolerant run"):
+        NNHandler(mlp(), sgd, config={"trainer": trainer})
