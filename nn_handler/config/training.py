@@ -242,6 +242,10 @@ class TrainerConfig(ConfigModel):
             ``after_validation`` hooks and one log line; the epoch record (and early stopping,
             save_best, ReduceLROnPlateau) keeps the end-of-epoch validation. None: at the end
             of each epoch only.
+        check_val_every_n_epoch: validate at the end of every n-th epoch only (Lightning's
+            name; its val_check_interval points too); the epochs between have no ``val_``
+            keys, and early stopping, save_best and ReduceLROnPlateau on a ``val_`` key skip
+            them.
         fast_dev_run: a smoke run of the whole loop: this many training and validation
             batches, one epoch, and no checkpoint written or resumed (0: off).
         log_every_n_steps: how often the rank-0 progress bar shows the running loss and the
@@ -283,6 +287,7 @@ class TrainerConfig(ConfigModel):
     limit_train_batches: int | float | None = Field(default=None, gt=0)
     limit_val_batches: int | float | None = Field(default=None, gt=0)
     val_check_interval: int | float | None = Field(default=None, gt=0)
+    check_val_every_n_epoch: int = Field(default=1, ge=1, strict=True)
     fast_dev_run: int = Field(default=0, ge=0, strict=True)
 
     @field_validator("max_time", mode="before")

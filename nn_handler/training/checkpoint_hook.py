@@ -121,7 +121,9 @@ class CheckpointHook(Hook):
         fit's end."""
         config, state = self.config, self.state
         ranking = None
-        if config.save_best:  # ranked first: the epoch's checkpoint holds its own ranking
+        if config.save_best and state.counts(
+            config.monitor
+        ):  # ranked first: the epoch's checkpoint holds its own ranking
             ranking = self.manager.rank(self._monitored(), state.epoch, state.global_step)
         path: Path | None = None
         every = config.every_n_epochs

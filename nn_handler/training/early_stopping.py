@@ -121,7 +121,8 @@ def agree_at_the_epoch_end(
     def first() -> None:
         if validation_error is not None:  # this rank's after_validation hooks raised
             raise validation_error
-        if stopper is not None and stopper.update(last, state.epoch):
+        watched = stopper is not None and state.counts(stopper.config.monitor)
+        if watched and stopper is not None and stopper.update(last, state.epoch):
             state.should_stop = early[0] = True
 
     shared = hooks.call_agreed(

@@ -65,6 +65,8 @@ def plan_epoch(
     one tiny all_gather. Every rank must call this."""
     batches = epoch_length(config, loader)
     check_equal_lengths(comm, batches, lengths, epoch)
+    if (epoch + 1) % config.check_val_every_n_epoch:  # an epoch that does not validate
+        val_loader = None
     return EpochPlan(
         epoch=epoch,
         batches=batches,

@@ -194,7 +194,7 @@ class Optimization:
 
     def step_per_epoch(self, record: Record) -> None:
         """The epoch's end: step every scheduler stepped per epoch (scheduler_interval)."""
-        step_per_epoch(self.schedulers, self.config, record)
+        step_per_epoch(self.schedulers, self.config, record, self.state.counts)
 
     # ----------------------------------------------------------------- one step
     def backward(self, loss: torch.Tensor, window: int) -> torch.Tensor:

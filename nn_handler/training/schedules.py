@@ -145,14 +145,22 @@ def check_the_schedule_length(
     )
 
 
-def step_per_epoch(schedulers: list[Any], config: TrainerConfig, record: Record) -> None:
+def step_per_epoch(
+    schedulers: list[Any],
+    config: TrainerConfig,
+    record: Record,
+    counts: Callable[[str], bool] = lambda _key: True,
+) -> None:
     """Step the schedulers at an epoch's end (scheduler_interval 'epoch'); ReduceLROnPlateau
-    with the record's ``scheduler_monitor`` value."""
+    with the record's ``scheduler_monitor`` value, unless the epoch does not count for it
+    (``counts``: an epoch without validation, for a ``val_`` key)."""
     if config.scheduler_interval != "epoch":
         return
     for scheduler in schedulers:
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             monitor = config.scheduler_monitor
+            if not counts(monitor):
+                continue
             if monitor not in record:
                 raise ConfigError(
                     f"ReduceLROnPlateau monitors {monitor!r}, but the epoch record has only "

@@ -34,6 +34,8 @@ class TrainerState:
             far, for monitors that time the steps around it.
         epochs: the epochs the current (or last) ``fit`` trains to, in total.
         max_steps: the optimizer steps it stops at (None: no limit).
+        validated: whether the epoch that ended last ran its validation (False on the epochs
+            ``check_val_every_n_epoch`` skips: monitors of ``val_`` keys skip them too).
     """
 
     epoch: int = 0
@@ -49,10 +51,17 @@ class TrainerState:
     validation_seconds: float = 0.0
     epochs: int = 0
     max_steps: int | None = None
+    validated: bool = True
 
     def where(self) -> str:
         """Where the loop is, for an error message."""
         return f"training (epoch {self.epoch + 1}, step {self.global_step})"
+
+    def counts(self, monitor: str) -> bool:
+        """Whether a monitor of ``monitor`` (early stopping, save_best, a plateau scheduler)
+        takes the epoch that just ended into account: not a ``val_`` key of an epoch that did
+        not validate."""
+        return self.validated or not monitor.startswith("val_")
 
     def ends_fit(self) -> bool:
         """Whether the loop stops after the epoch it is at (the same on every rank once the

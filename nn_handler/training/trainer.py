@@ -396,7 +396,9 @@ class Trainer(TrainerFacade):
         )  # its hooks agree with after_epoch's; an overridden evaluate, with its own agreement
         if type(self).evaluate is not Trainer.evaluate:
             evaluate = lambda loader, name: (named(self.evaluate(loader), name), None)  # noqa: E731
-        values, validation_error = ValidationSets.of(val_loader).validate(evaluate)
+        sets = ValidationSets.of(val_loader).due(state.epoch, self.config.check_val_every_n_epoch)
+        values, validation_error = sets.validate(evaluate)
+        state.validated = bool(sets)  # monitors of val_ keys skip an epoch without
         record.update(values)
         self.optimization.step_per_epoch(record)
         self.history.append(record)

@@ -64,6 +64,11 @@ class ValidationSets:
         loaders = list(value.values()) if isinstance(value, Mapping) else list(value)
         return cls(tuple(zip(set_names(value), loaders, strict=True)))
 
+    def due(self, epoch: int, every: int) -> ValidationSets:
+        """The sets epoch ``epoch`` (0-based) validates on: all of them every ``every``-th
+        epoch (check_val_every_n_epoch), none in the others."""
+        return self if (epoch + 1) % every == 0 else ValidationSets(())
+
     def __bool__(self) -> bool:
         return bool(self.sets)
 

@@ -310,3 +310,37 @@ def test_max_time_in_a_fault_tolerant_run_is_refused() -> None:
                "fault_tolerance": {"lighthouse": "http://127.0.0.1:9"}}  # fmt: skip
     with pytest.raises(ConfigError, match="max_time: each member of a fault-tolerant run"):
         NNHandler(mlp(), sgd, config={"trainer": trainer})
+
+
+# ----------------------------------------------------------------- validation cadence
+class _Validations(Hook):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def after_validation(self, metrics: dict[str, float]) -> None:
+        self.epochs.append(self.trainer.state.epoch)
+
+
+def test_check_val_every_n_epoch_validates_every_nth_and_monitors_skip_the_others(
+    tmp_path: Path,
+) -> None:
+    seen = _Validations()
+
+    def plateau(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+
+    trainer = {**QUIET, "check_val_every_n_epoch": 2, "val_check_interval": 5,
+               "early_stopping": {"monitor": "val_loss", "patience": 3}}  # fmt: skip
+    checkpoint = {"dir": str(tmp_path), "save_best": True, "monitor": "val_loss"}
+    config = {"loader": {"batch_size": 4}, "trainer": trainer, "checkpoint": checkpoint}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), plateau, config=config, hooks=[seen]) as h:
+        h.train(DATA, regression_data(n=8, seed=1), epochs=4)
+        records = h.history.records
+        assert ["val_loss" in r for r in records] == [False, True, False, True]
+        # epoch 2 and 4 validate, inside (after batch 5 of 10) and at their end
+        assert seen.epochs == [1, 1, 3, 3]
+        assert h.trainer.early_stopping is not None and h.trainer.early_stopping.best_epoch in (
+            2,
+            4,
+        )
+    assert (tmp_path / "best").exists() or any("best" in p.name for p in tmp_path.iterdir())
