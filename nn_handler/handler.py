@@ -30,12 +30,12 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.distributed.context import DistributedContext
 from nn_handler.distributed.env import DistributedInfo, parse_distributed_env
 from nn_handler.errors import ConfigError, HandlerClosedError
+from nn_handler.lr_finder import LRFinderResult, find_lr
 from nn_handler.monitoring import ThroughputMonitor
 from nn_handler.run_logging import add_log_sinks, observers, remove_log_sinks
 from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
-from nn_handler.training.lr_finder import LRFinderResult, find_lr
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
 
 ConfigLike = HandlerConfig | Mapping[str, Any] | str | Path | None
@@ -255,7 +255,7 @@ class NNHandler:
         """Lightning's LR finder: ``num_training`` optimizer steps on ``train_data`` at rates
         growing from ``min_lr`` to ``max_lr``; returns the curve (``.suggestion()``,
         ``.plot(path)``), the same on every rank, with the model, the optimizer and the loop
-        put back exactly as they were. Every rank must call this (training/lr_finder.py)."""
+        put back exactly as they were. Every rank must call this (nn_handler/lr_finder.py)."""
         self._check_open("lr_find")
         loader = self._train_loader(train_data)
         return find_lr(self.trainer, loader, min_lr, max_lr, num_training, early_stop_threshold)

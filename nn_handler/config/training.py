@@ -246,12 +246,18 @@ class TrainerConfig(ConfigModel):
             name; its val_check_interval points too); the epochs between have no ``val_``
             keys, and early stopping, save_best and ReduceLROnPlateau on a ``val_`` key skip
             them.
+        num_sanity_val_steps: before training, run this many batches of each validation set
+            (Lightning's sanity check; -1: all of them), so that a broken validation_step
+            fails in seconds on every rank instead of after the first epoch; nothing is
+            recorded. 0: off (Lightning's default is 2).
         fast_dev_run: a smoke run of the whole loop: this many training and validation
             batches, one epoch, and no checkpoint written or resumed (0: off).
         log_every_n_steps: how often the rank-0 progress bar shows the running loss and the
             host reads the non-finite guard's verdicts decided on the device (the loop's host
             synchronisations with a fused optimizer).
         progress_bar: a tqdm bar on rank 0.
+        model_summary: print the model's parameters (trainable, frozen, their memory) per
+            top-level module once, when the Trainer is built (rank 0).
         non_blocking: copy batches to the device asynchronously (with pinned memory).
         profile: profile a few training steps with torch.profiler (ProfileConfig: Chrome
             traces per rank, a table of the top operators); None: off.
@@ -288,6 +294,7 @@ class TrainerConfig(ConfigModel):
     limit_val_batches: int | float | None = Field(default=None, gt=0)
     val_check_interval: int | float | None = Field(default=None, gt=0)
     check_val_every_n_epoch: int = Field(default=1, ge=1, strict=True)
+    num_sanity_val_steps: int = Field(default=0, ge=-1, strict=True)
     fast_dev_run: int = Field(default=0, ge=0, strict=True)
 
     @field_validator("max_time", mode="before")
@@ -311,6 +318,7 @@ class TrainerConfig(ConfigModel):
 
     log_every_n_steps: int = Field(default=50, ge=1, strict=True)
     progress_bar: StrictBool = True
+    model_summary: StrictBool = True
     non_blocking: StrictBool = True
     profile: ProfileConfig | None = None
     reproducible: ReproducibleConfig | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -129,8 +129,8 @@ class Evaluator:
         results, (failures,) = reduced.reduce(self.comm, self.device, self._keys, failed)
         if failures:
             self.comm.raise_if_any_failed(error, "the validation loop")
-        for name, metric in self._stateful.items():
-            results[name] = compute_stateful(metric)
+        for key, metric in self._stateful.items():
+            results[key] = compute_stateful(metric)
             metric.reset()
         results = named(results, name)
         try:
@@ -138,6 +138,28 @@ class Evaluator:
         except Exception as error:
             return results, error
         return results, None
+
+    @torch.no_grad()
+    def sanity_check(
+        self,
+        loaders: Sequence[Iterable[Any]],
+        validation_step: Callable[[Any], Mapping[str, torch.Tensor | float]],
+    ) -> None:
+        """Lightning's sanity check (trainer.num_sanity_val_steps): that many batches of each
+        validation set before training, so a broken validation fails in seconds, on every
+        rank, not after an epoch. Nothing is recorded or told to hooks; the random generators
+        and the metrics' states are left as they were. Every rank must call this."""
+        batches = self.config.num_sanity_val_steps
+        if batches == 0 or not loaders:
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for loader in loaders:
+                count = None if batches < 0 else batches
+                error = self._eval_pass(loader, None, count, validation_step)
+                self.comm.raise_if_any_failed(error, "the validation sanity check")
+        for metric in self._stateful.values():
+            metric.reset()
 
     @torch.no_grad()
     def predict(
@@ -182,7 +204,7 @@ class Evaluator:
         loader: Iterable[Any],
         use_ema: bool | None,
         count: int | None,
-        per_batch: Callable[[Any], None],
+        per_batch: Callable[[Any], object],
         after: Callable[[int], None] | None = None,
     ) -> Exception | None:
         """The one loop evaluation and prediction share: the plain (or EMA) module in eval

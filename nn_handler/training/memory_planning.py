@@ -32,6 +32,7 @@ from nn_handler.strategies.memory_plan import (
     optimizer_slots,
     plan_memory,
 )
+from nn_handler.training.model_summary import summary_lines
 
 
 def device_budget(device: torch.device) -> tuple[int | None, str]:
@@ -77,7 +78,11 @@ class MemoryPlanner:
         )
 
     def at_start(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Plan without activations, print it and check it (every rank)."""
+        """The model summary (rank 0, trainer.model_summary), then the plan without
+        activations, printed and checked (every rank)."""
+        module = self.strategy.module
+        if self.config.model_summary and module is not None and self.strategy.comm.rank == 0:
+            self.log.info("\n".join(summary_lines(module)))
         self.slots, self.optimizer = optimizer_slots(optimizers)
         self._check(None)
 

@@ -234,6 +234,7 @@ class Trainer(TrainerFacade):
         hooks, state, failed, val = self.hooks, self.state, True, sets or None
         self.memory.validates = bool(sets)  # the plan's validation item
         self.mode.check(train_loader, sets.loaders)
+        self.evaluator.sanity_check(sets.loaders, self.validation_step)
         try:
             with failing_together(self.comm, state.where, self.release_wrappers):
                 self.optimization.begin_fit(train_loader, epochs)

@@ -67,6 +67,25 @@ def test_custom_trainer_example_trains_with_its_subclass_and_hook() -> None:
     assert final >= 0.9, output
 
 
+def test_lr_finder_and_validation_sets_example_finds_a_rate_and_reaches_its_accuracy(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("sklearn")
+    plot = tmp_path / "lr.png"
+    script = [
+        sys.executable,
+        str(EXAMPLES / "lr_finder_and_validation_sets.py"),
+        "--plot",
+        str(plot),
+    ]
+    code, output = run_command(script, timeout=180)
+    assert code == 0, output
+    assert "lr_find: 80 rates tried, suggested lr=" in output and plot.stat().st_size > 0
+    assert "val_accuracy/noisy=" in output and "val_loss/clean=" in output  # both sets, named
+    final = float(output.split("final: val_accuracy/clean=")[1].split()[0])
+    assert final >= 0.9, output
+
+
 @pytest.mark.distributed
 def test_custom_trainer_example_under_torchrun() -> None:
     pytest.importorskip("sklearn")

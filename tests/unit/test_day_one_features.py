@@ -211,7 +211,7 @@ def test_lr_find_puts_everything_back_and_training_goes_on_as_without_it(tmp_pat
 
 
 def test_the_suggestion_is_the_steepest_descent_of_the_curve() -> None:
-    from nn_handler.training.lr_finder import LRFinderResult
+    from nn_handler.lr_finder import LRFinderResult
 
     lrs = [10.0 ** (-6 + i / 4) for i in range(25)]
     losses = [2.0] * 12 + [1.9, 1.5, 1.2, 1.1, 1.05] + [1.0] * 4 + [1.5, 3.0, 9.0, 20.0]
@@ -344,3 +344,53 @@ def test_check_val_every_n_epoch_validates_every_nth_and_monitors_skip_the_other
             4,
         )
     assert (tmp_path / "best").exists() or any("best" in p.name for p in tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------- the model summary
+def test_the_model_summary_counts_trainable_and_frozen_parameters_per_module(
+    lines: list[str],
+) -> None:
+    model = mlp(batchnorm=True)
+    model[0].requires_grad_(False)  # 112 frozen
+    with NNHandler(model, sgd, nn.CrossEntropyLoss(), config={"trainer": QUIET}):
+        pass
+    text = "\n".join(lines)
+    assert "model: Sequential, 195 parameters (83 trainable, 112 frozen), 780 B" in text
+    assert "  0: Linear, 112 parameters (0 trainable, 112 frozen), 448 B" in text
+    assert "  2: Tanh, no parameters" in text
+    before = len(lines)
+    config = {"trainer": {**QUIET, "model_summary": False}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config):
+        pass
+    assert not any("model: Sequential" in line for line in lines[before:])
+
+
+# ----------------------------------------------------------------- the sanity check
+def test_num_sanity_val_steps_fails_a_broken_validation_before_any_step() -> None:
+    from nn_handler.training.trainer import Trainer
+
+    class Broken(Trainer):
+        def validation_step(self, batch: Any) -> Any:
+            raise KeyError("logits")  # e.g. a wrong key in the model's output
+
+    config = {"loader": {"batch_size": 4}, "trainer": {**QUIET, "num_sanity_val_steps": 2}}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config, trainer_class=Broken) as h:
+        with pytest.raises(KeyError, match="logits"):
+            h.train(DATA, regression_data(n=8, seed=1), epochs=1)
+        assert h.trainer.state.global_step == 0  # not one training step taken
+
+
+def test_the_sanity_check_leaves_the_run_as_it_would_have_been() -> None:
+    from nn_handler import accuracy
+
+    runs = []
+    for sanity in (0, 2, -1):
+        config = {"loader": {"batch_size": 4}, "trainer": {**QUIET, "num_sanity_val_steps": sanity}}
+        torch.manual_seed(0)  # the weights, then dropout's draws in training
+        model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 3))
+        with NNHandler(model, sgd, nn.CrossEntropyLoss(), config=config,
+                       metrics={"accuracy": accuracy}) as h:  # fmt: skip
+            h.train(DATA, regression_data(n=8, seed=1), epochs=1)
+            runs.append((state_of(h.model), h.history.last["val_accuracy"]))
+    for weights, value in runs[1:]:
+        assert _same(weights, runs[0][0]) and value == runs[0][1]

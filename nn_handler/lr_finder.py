@@ -1,9 +1,10 @@
-"""The learning-rate finder (Lightning's ``Tuner.lr_find``): a short run whose rate grows
-exponentially from ``min_lr`` to ``max_lr``, one optimizer step per rate through the Trainer's
-own step (DDP, FSDP, AMP, accumulation off), the loss smoothed as Lightning does, a suggested
-rate (the steepest descent of the curve) and a plot. Afterwards the model, the optimizer, the
-GradScaler, the reproducible mode's scales, the loop state and the random generators are put
-back on every rank exactly as they were; the scheduler and the EMA are not touched."""
+"""The learning-rate finder (Lightning's ``Tuner.lr_find``), a layer above the Trainer whose
+step it drives: a short run whose rate grows exponentially from ``min_lr`` to ``max_lr``, one
+optimizer step per rate through the Trainer's own step (DDP, FSDP, AMP; accumulation off),
+the loss smoothed as Lightning does, a suggested rate (the steepest descent of the curve) and
+a plot. Afterwards the model, the optimizer, the GradScaler, the reproducible mode's scales,
+the loop state and the random generators are put back on every rank exactly as they were; the
+scheduler and the EMA are not touched."""
 
 from __future__ import annotations
 
