@@ -213,10 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _local(path: str) -> tuple[str, str]:
-    """(``path``, itself), or for a URL (the committed checkpoint there, or the latest of a
-    folder of them, downloaded into the local working copy and checked against its manifest,
-    that checkpoint's URL)."""
+    """(``path``, itself); for a local folder of checkpoints, its newest complete one (as a
+    resume chooses it); for a URL (the committed checkpoint there, or the latest of a folder
+    of them, downloaded into the local working copy and checked against its manifest, that
+    checkpoint's URL)."""
     if not is_url(path):
+        from nn_handler.checkpoint.latest import open_in_one_process
+        from nn_handler.checkpoint.sharded import is_sharded
+
+        if Path(path).is_dir() and not is_sharded(path):
+            newest = str(open_in_one_process(path).path)
+            return newest, newest
         return path, path
     from nn_handler.checkpoint.store.urls import fetch_url
 

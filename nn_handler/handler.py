@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from nn_handler.checkpoint.consolidate import loadable_in_one_process
-from nn_handler.checkpoint.store.urls import open_url
+from nn_handler.checkpoint.latest import open_in_one_process
 from nn_handler.config import HandlerConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
@@ -326,7 +326,7 @@ class NNHandler:
         is allowed (the data is re-sharded; mid-epoch, the rest of the epoch visits each
         remaining sample once; a warning says so). Every rank must call this.
         """
-        opened = open_url(path)
+        opened = open_in_one_process(path)  # a folder of checkpoints: its newest
         if config is None:
             saved = check_checkpoint(opened.contents, str(path)).get("config") or {}
             if _alone(communicator) and isinstance(saved, Mapping):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from loguru import logger
@@ -14,7 +15,7 @@ from nn_handler.checkpoint.sharded import is_sharded, verify_sharded
 from nn_handler.checkpoint.source import Opened
 from nn_handler.checkpoint.store.urls import is_checkpoint_url, open_url
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
-from nn_handler.distributed.communicator import Communicator
+from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import CheckpointError
 
 
@@ -82,6 +83,25 @@ def open_for_resume(
     return open_latest(manager, comm, device, missing_ok), True
 
 
+def open_in_one_process(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+) -> Opened:
+    """The checkpoint ``path`` names, read in this process alone (``NNHandler.load``,
+    ``nn-handler checkpoint inspect``): a local folder of checkpoints (not itself a sharded
+    one) gives its newest complete, verified checkpoint, as a resume would choose it (as an
+    object store's folder does); anything else is opened as it is (``open_url``)."""
+    if is_url(path) or not Path(path).is_dir() or is_sharded(path):
+        return open_url(path, device, storage_options)
+    comm = NullCommunicator()
+    manager = CheckpointManager(CheckpointConfig(dir=str(path)), comm, clean=False)
+    opened = open_latest(manager, comm, torch.device(device), missing_ok=False)
+    if opened is None:  # (missing_ok=False raises first)
+        raise CheckpointError(f"no complete checkpoint in {path}.")
+    return opened
+
+
 def _names_one_checkpoint(url: str, config: CheckpointConfig, comm: Communicator) -> bool:
     """Whether ``url`` is one committed checkpoint (else a folder of them), as rank 0 reads
     it on the store; every rank gets its answer or its error. Every rank must call this."""
@@ -119,4 +139,4 @@ def _pick(
     return opened
 
 
-__all__ = ["open_for_resume", "open_latest"]
+__all__ = ["open_for_resume", "open_in_one_process", "open_latest"]

@@ -394,3 +394,27 @@ def test_the_sanity_check_leaves_the_run_as_it_would_have_been() -> None:
             runs.append((state_of(h.model), h.history.last["val_accuracy"]))
     for weights, value in runs[1:]:
         assert _same(weights, runs[0][0]) and value == runs[0][1]
+
+
+# ----------------------------------------------------------------- a local folder of checkpoints
+def test_a_local_folder_of_checkpoints_opens_its_newest_like_an_object_stores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nn_handler.cli import main as cli
+
+    folder = tmp_path / "ckpt"
+    checkpoint = {"dir": str(folder), "keep_last": 3}  # epochs 1 and 2: the newest is 2's
+    config = {"loader": {"batch_size": 8}, "trainer": QUIET, "checkpoint": checkpoint}
+    with NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config) as h:
+        h.train(DATA, epochs=2)
+        weights = state_of(h.model)
+    assert len(list(folder.glob("ckpt-*.pt"))) == 2
+    with NNHandler.load(folder, mlp(seed=3)) as loaded:  # the folder, not a file in it
+        assert loaded.trainer.state.epoch == 2 and _same(state_of(loaded.model), weights)
+    assert cli(["checkpoint", "inspect", str(folder)]) == 0
+    said = capsys.readouterr().out
+    assert "ckpt-e0002-s00000010.pt" in said and "epochs done 2, optimizer steps 10" in said
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(Exception, match="no complete checkpoint"):
+        NNHandler.load(empty, mlp())
