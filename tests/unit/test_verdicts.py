@@ -77,3 +77,22 @@ def test_a_store_gone_is_one_oserror_and_nothing_on_stderr(
             request()
     store.close()
     assert capfd.readouterr().err == ""
+
+
+def test_a_member_killed_mid_connection_leaves_no_traceback_on_the_lighthouse(
+    served: tuple[VerdictServer, VerdictStore], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A killed member's socket is reset (RST), not closed: the server's reading thread ends
+    quietly (socketserver printed a ConnectionResetError traceback for each before)."""
+    import struct
+
+    server, store = served
+    for _ in range(3):
+        raw = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        raw.sendall(b'["add", "n", 1]\n')
+        raw.makefile("rb").readline()  # answered: the server now waits for the next line
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        raw.close()  # an RST, as the kernel sends for a killed process's socket with data
+    time.sleep(0.3)
+    assert store.add("n", 0) == 3  # the store goes on
+    assert "Traceback" not in capfd.readouterr().err

@@ -103,6 +103,8 @@ class VerdictServer:
                         except (ValueError, TypeError, KeyError) as error:
                             answer = {"error": f"{type(error).__name__}: {error}"}
                         self.wfile.write(json.dumps(answer).encode() + b"\n")
+                except OSError:  # a member killed mid-request resets its connection: no error
+                    return
                 finally:
                     with store._changed:
                         store._connections.discard(self.connection)
