@@ -418,3 +418,12 @@ def test_a_local_folder_of_checkpoints_opens_its_newest_like_an_object_stores(
     empty.mkdir()
     with pytest.raises(Exception, match="no complete checkpoint"):
         NNHandler.load(empty, mlp())
+
+
+def test_lr_find_on_an_empty_loader_is_a_config_error() -> None:
+    empty = torch.utils.data.DataLoader(regression_data(n=0), batch_size=4)
+    with (
+        NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config={"trainer": QUIET}) as h,
+        pytest.raises(ConfigError, match="lr_find got an empty training loader"),
+    ):
+        h.lr_find(empty)
