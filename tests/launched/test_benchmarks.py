@@ -373,3 +373,21 @@ def test_gpu_step_measures_every_variant_and_skips_without_cuda(
         monkeypatch.setattr(sys, "argv", ["gpu_step.py", "--quick"])
         gpu_step.main()
         assert "no CUDA device on this machine; nothing measured" in capsys.readouterr().out
+
+
+def test_ft_agreement_times_each_job_alone_and_plots_the_overhead(tmp_path: Path) -> None:
+    """benchmarks/ft_agreement.py runs by hand (16 member processes, about 15 minutes): here
+    both jobs alone for a few steps (the baselines its members are measured against: each
+    writes one time per optimizer step), and its plot of the overhead against members."""
+    import ft_agreement
+
+    for kind in ft_agreement.KINDS:
+        times = ft_agreement.step_times(kind, 0, 6, tmp_path / kind)
+        assert len(times) == 4 and all(t >= 0.3 for t in times), (kind, times)  # 0.3-s steps
+    rows = [
+        {"members": n, "nn_handler": {"overhead_ms": 2.0 * n}, "torchft": {"overhead_ms": 3.0 * n}}
+        for n in (2, 4)
+    ]
+    svg = ft_agreement.overhead_svg(rows)
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2
+    assert ">nn_handler</text>" in svg and ">torchft</text>" in svg

@@ -91,7 +91,7 @@ def main(
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
-    ledger, redone, stopped, stopped_at, slowed = [], 0, "", 0.0, False
+    ledger, redone, stopped, stopped_at, slowed, begun = [], 0, "", 0.0, False, False
     holds = {int(step) for step in os.environ.get("FT_HOLD_AT", "").split(",") if step}
     while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
@@ -100,7 +100,11 @@ def main(
             while not (run / f"release-{replica.step}").exists() and time.monotonic() < end:
                 time.sleep(0.01)
         try:  # the first step waits for the members that start together
-            replica.begin_step(starters if starters and not ledger and not redone else None)
+            if begun:
+                replica.next_attempt()  # agreed again only after an abort or a join
+            else:
+                replica.begin_step(starters or None)
+                begun = True
         except DistributedError as error:  # no quorum: the Lighthouse is gone
             stopped, stopped_at = str(error), time.time()
             break
@@ -121,7 +125,12 @@ def main(
             summed = None
         if step == kill_step and when == "after":
             _die(run, member, signal.SIGKILL)
-        if replica.commit() and summed is not None:
+        try:
+            counts = replica.commit(str(step))
+        except DistributedError as error:  # the verdict cannot be read: the Lighthouse is gone
+            stopped, stopped_at = str(error), time.time()
+            break
+        if counts and summed is not None:
             apply(w, summed)
             committed = [step, int(summed[FEATURES]), int(summed[FEATURES + 1]), members]
             ledger.append([*committed, time.time()])

@@ -95,10 +95,10 @@ def noticed_in_forward(h: NNHandler, notice: Path, step: int) -> None:
 def die_before_voting(step: int) -> None:
     commit = Replica.commit
 
-    def dying(replica: Replica) -> bool:
+    def dying(replica: Replica, position: str = "", leaving: bool = False) -> bool:
         if replica.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        return commit(replica)
+        return commit(replica, position, leaving)
 
     Replica.commit = dying  # type: ignore[method-assign]
 

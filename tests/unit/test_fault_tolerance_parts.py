@@ -245,6 +245,12 @@ class _OneMemberLeft:
         self.skipped += 1
         return False
 
+    def batches_committed(self) -> int:
+        return 0
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
 
 def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() -> None:
     from nn_handler.errors import DistributedError
@@ -276,6 +282,9 @@ class _NoVerdicts:
     def check(self, keys: list[str]) -> bool:
         return False
 
+    def add(self, key: str, value: int) -> int:
+        return value
+
 
 class _GoneStore:
     """The verdicts' store of a Lighthouse that is gone: every request fails."""
@@ -289,6 +298,9 @@ class _GoneStore:
     def check(self, *args: Any) -> bool:
         raise RuntimeError("Connection refused")
 
+    def vote(self, *args: Any) -> tuple[bool, str, bool]:
+        raise RuntimeError("Connection refused")
+
 
 def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() -> None:
     from nn_handler.errors import DistributedError
@@ -300,7 +312,11 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
     replica.failure, replica._verdicts, replica._quorum, replica._attempt = None, _GoneStore(), 7, 0
     gone = r"member m0: the verdict on step 41 cannot be read .* the Lighthouse at http://h:1"
     with pytest.raises(DistributedError, match=gone):
-        replica._verdict()
+        replica.commit("batch 1 of its epoch")
+    with pytest.raises(
+        DistributedError, match=r"m0: the run's members cannot be read .* http://h:1"
+    ):
+        replica.begin_step()
     with pytest.raises(DistributedError, match=r"m0: the verdicts cannot be read .* http://h:1"):
         replica._first_undecided(7)
     with pytest.raises(
@@ -335,7 +351,7 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
         try:
             started = time.monotonic()
             with pytest.raises(DistributedError) as stopped:
-                replica._verdict()
+                replica.commit("batch 1 of its epoch")
             waited = time.monotonic() - started
             # A member starting now cannot even connect (the stopped server accepts and never
             # answers): named, within the bound too (it hung before).
@@ -375,7 +391,7 @@ class _Behind:
 
     step, rank, members = 5, 0, 1
 
-    def begin_step(self, least: int | None = None) -> None:
+    def next_attempt(self) -> None:
         pass
 
 
@@ -519,43 +535,52 @@ def test_the_members_agree_on_the_first_run_id_proposed() -> None:
 
 
 def test_a_member_at_another_place_in_the_data_than_the_run_is_stopped_by_name() -> None:
-    """Members agree on their step's place in the data before they sum: one at another batch
-    of the epoch (which would sum other samples under the same step) stops, naming both, and
-    writes no emergency checkpoint of its wrong position."""
+    """Members vote with their step's place in the data: one at another batch of the epoch
+    (which summed other samples under the same step) makes the attempt abandoned, stops,
+    naming both, and writes no emergency checkpoint of its wrong position."""
+    import threading
+
     from nn_handler.config.fault_tolerance import FaultToleranceConfig
     from nn_handler.data.fixed_batches import StepBatch
     from nn_handler.errors import DistributedError
     from nn_handler.training.fault_tolerance.replica import Replica
     from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 
+    store, theirs = _Verdicts(), []
+    other = threading.Thread(  # the other member votes first, and waits for the verdict
+        target=lambda: theirs.append(store.vote("41/7/0", 2, True, "batch 3 of its epoch", 9))
+    )
+    other.start()
+    while "41/7/0/position" not in store.values:
+        threading.Event().wait(0.01)
     replica = object.__new__(Replica)
-    replica.manager, replica._verdicts, replica.member_id = _OneMemberLeft(), _FirstWins(), "m1b"
-    replica._quorum, replica._attempt = 7, 0
-    assert replica.position_of_run("batch 3 of its epoch") == "batch 3 of its epoch"  # first
-    assert replica.position_of_run("batch 1 of its epoch") == "batch 3 of its epoch"
+    replica.manager, replica._verdicts, replica.member_id = _AtStep41(), store, "m1b"
+    replica._quorum, replica._attempt, replica.failure, replica.timeout_s = 7, 0, None, 1.0
+    replica._next = "same"
     config = FaultToleranceConfig(**_FT, member_id="m1b")
     steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
     saved: list[int] = []
-    steps.replica, steps._begun, steps._emergency = (
-        _AtStep41(replica),
-        True,
-        lambda: saved.append(1),
-    )
+    steps.replica, steps._begun, steps._emergency = replica, True, lambda: saved.append(1)
     batch = StepBatch(step=0, micro=(), samples=16)
     with pytest.raises(
         DistributedError, match=r"m1b is at batch 1 of its epoch of step 42, the run at batch 3"
     ):
         steps.step(batch, lambda b: torch.zeros(()), 41)
-    assert saved == []
+    other.join(10)
+    assert saved == [] and theirs == [(False, "batch 3 of its epoch", True)]  # nobody commits
 
 
-class _AtStep41:
-    """A Replica at step 41 whose run is at batch 3 of its epoch."""
+class _AtStep41(_OneMemberLeft):
+    """torchft's Manager of a member at step 41, rank 0 of 2."""
 
-    step = 41
+    def current_step(self) -> int:
+        return 41
 
-    def __init__(self, replica: Any) -> None:
-        self.position_of_run = replica.position_of_run
+    def num_participants(self) -> int:
+        return 2
+
+    def participating_rank(self) -> int:
+        return 0
 
 
 class _LighthouseGone:
@@ -563,7 +588,7 @@ class _LighthouseGone:
 
     step = 41
 
-    def begin_step(self, least: int | None = None) -> bool:
+    def next_attempt(self) -> None:
         from nn_handler.errors import DistributedError
 
         raise DistributedError("member m0: no agreement on the members of step 41")
@@ -617,14 +642,38 @@ class _EveryAgreementFails(_OneMemberLeft):
         return self._Failed()
 
 
-class _Verdicts(_FirstWins):
-    """The verdicts' store: the first value written stands."""
+class _Verdicts:
+    """The verdicts' store's own logic (verdicts.Verdicts), in this process: a member's
+    requests without the socket."""
+
+    def __init__(self) -> None:
+        from nn_handler.training.fault_tolerance.verdicts import Verdicts
+
+        self.verdicts = Verdicts()
+        self.values = self.verdicts.values
 
     def check(self, keys: list[str]) -> bool:
-        return all(key in self.values for key in keys)
+        return bool(self.verdicts.answer("check", [keys]))
 
-    def get(self, key: str) -> bytes:
-        return self.values[key]
+    def add(self, key: str, value: int) -> int:
+        return int(self.verdicts.answer("add", [key, value]))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return str(self.verdicts.answer("compare_set", [key, expected, desired])).encode()
+
+    def vote(
+        self,
+        attempt: str,
+        members: int,
+        done: bool,
+        position: str,
+        wait_s: float,
+        leaving: bool = False,
+    ) -> tuple[bool, str, bool]:
+        verdict, run_position, again = self.verdicts.answer(
+            "vote", [attempt, members, done, position, wait_s, leaving]
+        )
+        return verdict == "commit", run_position, again
 
 
 def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever() -> None:
@@ -643,7 +692,7 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
     message = str(caught.value)
     assert message.startswith("member m2: every agreement on the members of step 42 failed for")
     assert "(the last: Connection refused)" in message and "\n" not in message
-    assert manager.quorums >= 2 and replica._verdicts.values["41/7/0/verdict"] == b"abort"
+    assert manager.quorums >= 2 and replica._verdicts.values["41/7/0/verdict"] == "abort"
 
 
 class _Member:
@@ -654,10 +703,7 @@ class _Member:
     def __init__(self, rank: int, members: int) -> None:
         self.rank, self.members = rank, members
 
-    def position_of_run(self, position: str) -> str:
-        return position
-
-    def commit(self) -> bool:
+    def commit(self, position: str = "", leaving: bool = False) -> bool:
         return True
 
 

@@ -9,10 +9,18 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
+from nn_handler.training.fault_tolerance.verdicts import (
+    JOINS,
+    Verdicts,
+    VerdictServer,
+    VerdictStore,
+)
 
 
 @pytest.fixture
@@ -96,3 +104,92 @@ def test_a_member_killed_mid_connection_leaves_no_traceback_on_the_lighthouse(
     time.sleep(0.3)
     assert store.add("n", 0) == 3  # the store goes on
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _votes(
+    store: Verdicts | VerdictStore,
+    attempt: str,
+    ballots: list[tuple[bool, str]],
+    wait_s: float = 5.0,
+    missing: int = 0,
+) -> list[Any]:
+    """Each ballot (done, place in the data) voted by a member of its own (a thread), for an
+    attempt of ``len(ballots) + missing`` members; every member's answer."""
+    members = len(ballots) + missing
+    answers: list[Any] = [None] * len(ballots)
+
+    def vote(i: int, done: bool, position: str) -> None:
+        if isinstance(store, Verdicts):
+            answers[i] = tuple(store.answer("vote", [attempt, members, done, position, wait_s]))
+        else:
+            answers[i] = store.vote(attempt, members, done, position, wait_s)
+
+    threads = [threading.Thread(target=vote, args=(i, *b)) for i, b in enumerate(ballots)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.002)
+    for thread in threads:
+        thread.join(30)
+    return answers
+
+
+def test_a_vote_is_one_request_answered_with_the_verdict_the_same_for_every_member(
+    served: tuple[VerdictServer, VerdictStore],
+) -> None:
+    """Three members vote over their own connections: each gets (commit, the run's place,
+    whether the next step agrees on its members) in one request. The first commit after a
+    member asked to join says to agree again, as does one a member leaves after; the next
+    does not; an abort always does (the property test below)."""
+    server, store = served
+    others = [VerdictStore("127.0.0.1", server.port, 5.0) for _ in range(2)]
+    stores = [store, *others]
+    try:
+        assert store.add(JOINS, 3) == 3  # three members started: they asked to join
+
+        def vote_all(attempt: str) -> list[Any]:
+            answers: list[Any] = [None] * 3
+
+            def vote(i: int) -> None:
+                answers[i] = stores[i].vote(attempt, 3, True, "batch 1", 5.0)
+
+            threads = [threading.Thread(target=vote, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            return answers
+
+        assert vote_all("1/0/0") == [(True, "batch 1", True)] * 3  # the joins since the start
+        assert vote_all("2/0/0") == [(True, "batch 1", False)] * 3  # nothing changed
+        store.add(JOINS, 1)  # a member asks to join: the next commit says to agree again
+        assert _votes(server.verdicts, "3/0/0", [(True, "b")]) == [("commit", "b", True)]
+        assert _votes(server.verdicts, "4/0/0", [(True, "b")]) == [("commit", "b", False)]
+        # A member that leaves after this step (preempted) says so in its vote: agree again.
+        leaving = server.verdicts.answer("vote", ["5/0/0", 1, True, "b", 5.0, True])
+        assert leaving == ["commit", "b", True]
+        assert _votes(server.verdicts, "6/0/0", [(True, "b")]) == [("commit", "b", False)]
+    finally:
+        for other in others:
+            other.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ballots=st.lists(
+        st.tuples(st.booleans(), st.sampled_from(["b1", "b2"])), min_size=1, max_size=4
+    ),
+    missing=st.integers(0, 1),
+)
+def test_every_voter_gets_one_verdict_commit_only_if_all_voted_done_at_one_place(
+    ballots: list[tuple[bool, str]], missing: int
+) -> None:
+    """The verdict's rule, for any ballots and order: every voter gets the same answer;
+    commit exactly when every member of the attempt voted done at the first voter's place in
+    the data (a missing vote: abort after the wait); an abort always agrees again."""
+    verdicts = Verdicts()
+    answers = _votes(verdicts, "9/1/0", ballots, wait_s=0.2, missing=missing)
+    assert len(set(answers)) == 1, answers
+    verdict, place, again = answers[0]
+    assert place in {p for _, p in ballots}  # the first voter's, whichever came first
+    expected = not missing and all(done and p == place for done, p in ballots)
+    assert (verdict == "commit") == expected and (again or verdict == "commit")

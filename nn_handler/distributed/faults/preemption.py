@@ -66,6 +66,9 @@ class PreemptionWatch:
         interrupted: this rank received a Ctrl-C.
         agreed_interrupt: after ``agreed`` returned True, whether any rank's stop was a
             Ctrl-C (the same on every rank), rather than SIGTERM alone.
+        hold: in one process, a stop asked for waits while this is True (a fault-tolerant
+            member's, set at each vote: a preemption that came after the vote said the member
+            stays waits for the next step's, which says it leaves).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class PreemptionWatch:
         self.requested = False
         self.interrupted = False
         self.agreed_interrupt = False
+        self.hold = False
         self._previous: Any = None
         self._previous_sigint: Any = None
         self._installed = False
@@ -183,7 +187,7 @@ class PreemptionWatch:
         """
         if self.comm.world_size == 1:
             self.agreed_interrupt = self.interrupted
-            return self.requested
+            return self.requested and not self.hold
         if not force and global_step < self._next_check:
             return False
         kind, spacing = self._collect()

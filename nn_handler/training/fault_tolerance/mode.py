@@ -58,6 +58,7 @@ class MemberMode(StepMode):
             else None,
             checkpoints.own_run,
             checkpoints.fingerprint(),
+            functools.partial(_preempted, checkpoints),
         )
 
     def step(self, batch: Any, training_step: TrainingStep, global_step: int) -> torch.Tensor:
@@ -79,6 +80,20 @@ class MemberMode(StepMode):
 
     def record_comm(self) -> Communicator:
         return self.inner.record_comm()
+
+
+def _preempted(checkpoints: TrainerCheckpoints) -> bool:
+    """Whether this member received a preemption (a SIGTERM or a notice), said in its vote on
+    the step it is in: it stops after that step (CheckpointHook). One that comes after the
+    vote waits for the next step's (the watch's ``hold``), so that a member never leaves
+    without having said so: the others would find it gone in their next collective."""
+    hook = checkpoints.hook
+    watch = hook.watch if hook is not None else None
+    if watch is None:
+        return False
+    leaving = bool(watch.requested)
+    watch.hold = not leaving
+    return leaving
 
 
 __all__ = ["MemberMode"]

@@ -1,20 +1,24 @@
 """Replica: one member of a fault-tolerant run, over torchft's Manager. Each step:
 
-    replica.begin_step()      # the step's members, agreed by the Lighthouse; a member that is
-                              # behind (a new one) first receives the state of one that is not
+    replica.next_attempt()    # the step's members: those of the step before, or agreed again
+                              # by the Lighthouse (after an abort, or when a member asked to
+                              # join); a member behind the run first receives the state of one
     ... collectives through replica.communicator (ranks: replica.rank of replica.members)
-    if replica.commit():      # every member finished the step: it counts, step it
+    if replica.commit(place): # every member finished the step: it counts, step it
         optimizer.step()
     else:                     # a member was lost: nothing changed; the same step is redone
 
 A step is committed only if its collectives completed on every member of it, so what it summed
 is the whole step's (every micro-batch of it, whoever computed them); the verdict, commit or
-abort, is written once in the Lighthouse's store (the first one written stands) and read by
-every member, so none commits a step that another abandons, even when a member dies in the
-middle of a collective that completed on some. An abandoned step is redone with the same
-micro-batches spread over the members left. Each member is its own torchft replica group of
-one process (its own launcher), so a member's death is never its launcher's reason to kill
-the others.
+abort, is decided once by the Lighthouse's verdicts' store (verdicts.py) from the members'
+votes and read by every member in the same request as its vote, so none commits a step that
+another abandons, even when a member dies in the middle of a collective that completed on
+some. An abandoned step is redone with the same micro-batches spread over the members left.
+A failure-free step costs one request to the store (the vote) besides its collectives: the
+members agree on who they are (torchft's quorum) only when that may have changed, after an
+abort or a join, and the verdict says when, the same for all. Each member is its own torchft
+replica group of one process (its own launcher), so a member's death is never its launcher's
+reason to kill the others.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
+from nn_handler.training.fault_tolerance.verdicts import JOINS
 
 
 class Replica:
@@ -98,6 +103,12 @@ class Replica:
         # first whose verdict is not written yet (see _quorum_once).
         self._quorum = -1
         self._attempt = 0
+        #: How the next attempt starts, as the last verdict says: "same" members (a commit,
+        #: no join asked), "agree" on them again (a commit after a join was asked), or "ask"
+        #: to be a member and agree (an abort: one of them may be left out of the quorum).
+        self._next = "ask"
+        #: The place in the data of the run's last attempt (the first member's to vote).
+        self.run_position = ""
 
     @property
     def store_port(self) -> int:
@@ -121,13 +132,34 @@ class Replica:
         """How many members the current step has."""
         return int(self.manager.num_participants())
 
-    def begin_step(self, least: int | None = None) -> bool:
+    def next_attempt(self) -> None:
+        """Start the next attempt of a step: with the members of the attempt before when it
+        was committed and no member asked to join since (the verdict said so, the same for
+        every member), else agreed again (``begin_step``). Every member must call this at the
+        start of each step after its first, redone ones included."""
+        if self._next == "same":
+            self._attempt = 0  # a new step: its first attempt, with the same members
+        else:
+            self.begin_step(ask=self._next == "ask")
+
+    def begin_step(self, least: int | None = None, ask: bool = True) -> bool:
         """Agree on this step's members; a member behind the run (a new one) first receives
         the state of one that is not, and returns True (it then takes part whatever
         ``least``). With fewer than ``least`` members (default ``min_members``), wait for more
         up to ``quorum_timeout_s``, then raise DistributedError; a state transfer that failed
         (its sender or this member's connection lost) is tried again at the next agreement.
-        Every member must call this at the start of each step, redone ones included."""
+        A member calls this before its first step, and whenever ``next_attempt`` says to (or
+        at every step: then the members take the quorum every step, all alike). With ``ask``
+        it first asks to be one of the members (``JOINS``): the others, whose steps need no
+        quorum while nothing changes, agree on their members again at their next step but one
+        at the latest, so that a new member, or one left out of a quorum after an abort, is
+        not left waiting (members that agree again because a verdict said so do not ask: the
+        asking would never end)."""
+        if ask:
+            try:
+                self._verdicts.add(JOINS, 1)
+            except (RuntimeError, OSError) as error:
+                raise self._gone("the run's members", error) from error
         deadline = time.monotonic() + self.quorum_timeout_s
         least = self.min_members if least is None else least
         failing_since: float | None = None
@@ -139,7 +171,7 @@ class Replica:
                 return self.step != before
             if failed is not None:  # a state transfer (or the group's change) failed: abort
                 self.failure = failed.original_exception
-                self._verdict()
+                self._vote("")
                 self.manager.should_commit()  # torchft's bookkeeping of the abort
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.quorum_timeout_s:
@@ -168,6 +200,7 @@ class Replica:
             self.manager.start_quorum()
             self._quorum = engine.quorum_id(self.manager)
             self._attempt = self._first_undecided(self._quorum)
+            self._next = "same"
         except NNHandlerError:  # ours: a state it cannot take
             raise
         except Exception as error:  # torchft's quorum timed out or its server failed
@@ -178,16 +211,6 @@ class Replica:
                 f"gone, or fewer than min_members={self.min_members} members are left. The "
                 f"run cannot go on step by step: restart it from its latest checkpoint."
             ) from error
-
-    def position_of_run(self, position: str) -> str:
-        """The place in the data the members of this attempt train (the first member's to
-        say it; this one's is ``position``): every member must be there, or it would sum
-        other samples under the same step."""
-        key = f"{self.step}/{self._quorum}/{self._attempt}/position"
-        try:
-            return str(self._verdicts.compare_set(key, "", position).decode())
-        except (RuntimeError, OSError) as error:
-            raise self._gone(f"the position of step {self.step}", error) from error
 
     def agree(self, name: str, proposal: str) -> str:
         """The value of ``name`` for the whole run: the first member's to propose one (this
@@ -210,23 +233,24 @@ class Replica:
         location and advice)."""
         return f"{what} of step {self.step + 1} failed: a member was lost ({_cause(error)})"
 
-    def commit(self) -> bool:
+    def commit(self, position: str = "", leaving: bool = False) -> bool:
         """Whether the step counts: every collective of it completed on every one of its
-        members (at least ``min_members``). The same answer on every member; step the
-        optimizer only if it is True. Every member must call this once per step."""
+        members (at least ``min_members``), all at ``position`` in the data (the first
+        member's to vote: ``run_position`` after this). The same answer on every member; step
+        the optimizer only if it is True. ``leaving``: this member leaves the run after this
+        step (preempted): the others agree on their members before the next, instead of
+        finding it gone in its collective. Every member must call this once per attempt."""
         if self.failure is None and self.manager.errored() is not None:
             self.failure = self.manager.errored()  # torchft saw one of ours fail: abort
-        step, verdict = self.step, self._verdict()
-        if not verdict and self.failure is None:  # another member's failure: not ours
+        step, members = self.step, self.members
+        if self._vote(position, leaving):  # torchft's count of it (its own vote is not needed)
+            committed = self.manager.batches_committed() + members
+            self.manager.load_state_dict({"step": step + 1, "batches_committed": committed})
+            return True
+        if self.failure is None:  # another member's failure, or a place that differs
             self.manager.report_error(DistributedError("the step was abandoned by the run"))
-        if verdict and not self.manager.should_commit():
-            # torchft saw an error after this member voted done (a peer's connection closing
-            # once the sums were complete): the run's verdict stands, and torchft's count too.
-            counted = {"step": step + 1, "batches_committed": self.manager.batches_committed()}
-            self.manager.load_state_dict(counted)
-        elif not verdict:
-            self.manager.should_commit()  # False: torchft's own bookkeeping of the abort
-        return verdict
+        self.manager.should_commit()  # False: torchft's own bookkeeping of the abort
+        return False
 
     def _first_undecided(self, quorum: int) -> int:
         """This step's attempt in ``quorum``: the first without a verdict. Every member of the
@@ -240,24 +264,17 @@ class Replica:
             raise self._gone("the verdicts", error) from error
         return attempt
 
-    def _verdict(self) -> bool:
-        """The run's verdict on this attempt of the step: this member's vote (done, or abort
-        at once after a failure) then the verdict, written once: commit when every member
-        voted done, abort when one failed or a vote is missing after ``timeout_s``."""
+    def _vote(self, position: str, leaving: bool = False) -> bool:
+        """This member's vote on this attempt of the step (done, or abort after a failure)
+        and the run's verdict, in one request: commit when every member voted done at the
+        same place in the data, abort when one failed or a vote is missing after
+        ``timeout_s`` (the first verdict decided stands)."""
         key = f"{self.step}/{self._quorum}/{self._attempt}"
-        store, verdict = self._verdicts, f"{key}/verdict"
         try:
-            if self.failure is not None:
-                store.compare_set(verdict, "", "abort")
-            elif store.add(f"{key}/done", 1) >= self.members:
-                store.compare_set(verdict, "", "commit")
-            deadline, pause = time.monotonic() + self.timeout_s, 0.0005
-            while not store.check([verdict]):
-                if time.monotonic() > deadline:  # a member gone before its vote
-                    store.compare_set(verdict, "", "abort")
-                pause = min(pause * 2, 0.05)  # the votes come within a few ms, unless one
-                time.sleep(pause)  # never does: then a poll every 50 ms until the deadline
-            committed = store.get(verdict) == b"commit"
+            committed, self.run_position, again = self._verdicts.vote(
+                key, self.members, self.failure is None, position, self.timeout_s, leaving
+            )
+            self._next = "same" if committed and not again else "agree" if committed else "ask"
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
             raise self._gone(f"the verdict on step {self.step}", error) from error
         if not committed:  # a new group for the next attempt, even with the same members

@@ -55,6 +55,7 @@ class FaultTolerantSteps:
         self._load: Callable[[Any], None] | None = None
         self._in_loop = self._behind = False
         self._emergency: Callable[[], object] | None = None
+        self._leaving: Callable[[], bool] = lambda: False
         self._begun = False  # begin_fit agreed on the first step's members
         #: Whether this member writes the run's trackers: the first member of the last step
         #: agreed on (another takes over when it is lost; see Trainer.is_reporting_process).
@@ -64,6 +65,7 @@ class FaultTolerantSteps:
         #: Attempts abandoned and redone in this fit.
         self.redone = 0
         self._members = 0  # the members of the last step agreed on (0: none yet)
+        self._abandoned: str | None = None  # why the last attempt was abandoned, not said yet
         self.log = logger.bind(rank=0)
 
     def begin_fit(
@@ -74,6 +76,7 @@ class FaultTolerantSteps:
         emergency: Callable[[], object] | None = None,
         own_run: Callable[[str | None], str] | None = None,
         fingerprint: Mapping[str, Any] | None = None,
+        leaving: Callable[[], bool] = lambda: False,
     ) -> None:
         """Join the run as this member, at ``global_step``, and agree on the first step's
         members. A member behind the run (one restarted, or new) receives ``state()`` of one
@@ -85,11 +88,14 @@ class FaultTolerantSteps:
         from its checkpoint or the state it received): the members agree on one (the first
         to propose it), so that the trackers and checkpoints of every member name one run.
         ``fingerprint``: the run's (checkpoint/run_identity.py); a member whose settings
-        differ from the run's is refused first, before any step (membership.py)."""
+        differ from the run's is refused first, before any step (membership.py).
+        ``leaving()``: whether this member stops after the step it votes on (a preemption it
+        received): the run then agrees on its members before the next step."""
         from nn_handler.training.fault_tolerance.replica import Replica
 
         config = self.config
         self._load, self._in_loop, self._emergency = load, False, emergency
+        self._leaving = leaving
         mine = member_fingerprint(fingerprint or {}, self.exact.module)
         join_the_run(self.member_id, mine, config.lighthouse, config.timeout_s)
         self.replica = replica = Replica(
@@ -157,6 +163,8 @@ class FaultTolerantSteps:
         try:
             return self._committed(batch, run, global_step, scales, buffers)
         except DistributedError:  # the run cannot go on step by step: this member stops
+            if self._abandoned is not None:
+                self._say_the_members(self._members, global_step)
             self._put_back(scales, buffers)
             if self._emergency is not None and not self._behind:
                 self._save_emergency(self._emergency, global_step)
@@ -173,21 +181,13 @@ class FaultTolerantSteps:
         replica = self.replica
         while True:
             if not self._begun:  # begin_fit's agreement is the first step's
-                replica.begin_step()
+                replica.next_attempt()
                 self._say_the_members(replica.members, global_step)
             self._begun = False
             if replica.step != global_step:
                 raise DistributedError(
                     f"member {self.member_id} is at step {global_step}, the run at step "
                     f"{replica.step}: every member must start from the same checkpoint."
-                )
-            position = f"batch {batch.step + 1} of its epoch"
-            if (run_at := replica.position_of_run(position)) != position:
-                self._behind = True  # its position is not the run's: no emergency save
-                raise DistributedError(
-                    f"member {self.member_id} is at {position} of step {global_step + 1}, "
-                    f"the run at {run_at}: its place in the data differs from the others'; "
-                    f"it stops (restart it: it joins the run where it is)."
                 )
             rank, members = replica.rank, self.training_members(replica.members)
             mine = tuple(
@@ -201,21 +201,35 @@ class FaultTolerantSteps:
                 loss = run(dataclasses.replace(batch, micro=mine))
             except PeerLostError as error:
                 lost = error
-            if replica.commit() and loss is not None:
+            position = f"batch {batch.step + 1} of its epoch"
+            if replica.commit(position, self._leaving()) and loss is not None:
                 self.writes = rank == 0
                 return loss
+            if (run_at := replica.run_position) != position:
+                self._behind = True  # its position is not the run's: no emergency save
+                raise DistributedError(
+                    f"member {self.member_id} is at {position} of step {global_step + 1}, "
+                    f"the run at {run_at}: its place in the data differs from the others'; "
+                    f"it stops (restart it: it joins the run where it is)."
+                )
             self.redone += 1
             self._put_back(scales, buffers)
-            why = lost or "a member failed it, or did not vote within timeout_s"
-            self.log.warning(
-                "step {}: abandoned by the run ({}); redone by the members left",
-                global_step + 1, why,
-            )  # fmt: skip
+            # Said once the next attempt's members are agreed (with their number if it changed).
+            self._abandoned = str(lost or "a member failed it, or did not vote within timeout_s")
 
     def _say_the_members(self, members: int, global_step: int) -> None:
-        """One line when the run's members change between two steps (a member that died
-        between steps or in validation left no abandoned step to say it)."""
+        """One line when an attempt was abandoned (its cause, and the members left if their
+        number changed), or when the run's members change between two steps (a member that
+        joined, or one that left announcing it: a preempted one)."""
         before, self._members = self._members, members
+        if self._abandoned is not None:
+            why, self._abandoned = self._abandoned, None
+            change = f" ({members} member(s) now, {before} before)" if members != before else ""
+            self.log.warning(
+                "step {}: abandoned by the run ({}); redone by the members left{}",
+                global_step + 1, why, change,
+            )  # fmt: skip
+            return
         if before and members != before:
             change = "a member left the run" if members < before else "a member joined the run"
             if abs(members - before) > 1:

@@ -2,6 +2,13 @@
 verdict, its place in the data, the run's id and fingerprint), kept by the Lighthouse's
 process on its port + 1 and read by every member.
 
+A step's agreement is one request a member (``vote``): the server counts the votes, decides
+the verdict once (commit when every member voted done at the same place in the data, abort at
+the first failure, a place that differs, or a vote missing after the wait) and answers every
+voter when it is decided, with whether the next step must agree on its members again (after an
+abort, or when a member asked to join since the last commit: ``JOINS``). A failure-free step
+costs one round trip to the store and no quorum.
+
 A key-value store over one TCP connection per member, in Python: every request is bounded by
 the socket's timeout, including the connection (a stopped host accepts it and never
 answers), and a server that is gone is one OSError in the member, not torch's C++ warning
@@ -15,10 +22,120 @@ import json
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 from typing import Any
 
 #: How long the server waits for a key a ``get`` asks for before it answers without it.
 GET_WAIT_S = 30.0
+#: The counter a member adds 1 to before it asks to join the run's members.
+JOINS = "joins"
+#: How much longer than the server's wait for the votes a voter waits for its answer.
+VOTE_MARGIN_S = 5.0
+#: What ``Verdicts.answer`` returns for a vote already answered through its ``reply``.
+ANSWERED = object()
+
+
+class Verdicts:
+    """The store's values and its whole logic (``answer``), under one lock: the server's, or
+    a test's in one process. Loading never runs code (strings and integers only)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.changed = threading.Condition()
+        #: The voters of each attempt still waiting, by how to answer them.
+        self._waiting: dict[str, list[Callable[[Any], None]]] = {}
+
+    def answer(self, op: str, args: list[Any], reply: Callable[[Any], None] | None = None) -> Any:
+        """The answer to one request. With ``reply`` (a server's: writes an answer to this
+        request's member), a vote still waiting when its verdict is decided is answered
+        through it by the request that decides it, at once (no thread to wake per voter),
+        and its own call returns ``ANSWERED``."""
+        with self.changed:
+            values = self.values
+            if op == "add":
+                key, amount = str(args[0]), int(args[1])
+                values[key] = str(int(values.get(key, "0")) + amount)
+                self.changed.notify_all()
+                return int(values[key])
+            if op == "compare_set":
+                key, expected, desired = (str(a) for a in args)
+                current = values.get(key)
+                if current is None and expected != "":
+                    return expected
+                if current is None or current == expected:
+                    values[key] = desired
+                    self.changed.notify_all()
+                    return desired
+                return current
+            if op == "check":
+                return all(str(key) in values for key in args[0])
+            if op == "get":
+                key = str(args[0])
+                self.changed.wait_for(lambda: key in values, timeout=GET_WAIT_S)
+                return values[key]
+            if op == "vote":
+                leaving = len(args) > 5 and bool(args[5])
+                return self._vote(str(args[0]), int(args[1]), bool(args[2]), str(args[3]),
+                                  float(args[4]), leaving, reply)  # fmt: skip
+            raise KeyError(f"no request {op!r}")
+
+    def _vote(
+        self,
+        attempt: str,
+        members: int,
+        done: bool,
+        position: str,
+        wait_s: float,
+        leaving: bool,
+        reply: Callable[[Any], None] | None,
+    ) -> Any:
+        """One member's vote on ``attempt`` (``step/quorum/attempt``) of a step of ``members``
+        members (``leaving``: it leaves the run after this step, preempted); waits up to
+        ``wait_s`` for the verdict (then decides abort). The answer: [verdict, the run's place
+        in the data (the first voter's), whether the next step agrees on its members: after an
+        abort, a join asked since the last commit, or a member leaving]. Called under the
+        lock."""
+        values, verdict = self.values, f"{attempt}/verdict"
+        run_position = values.setdefault(f"{attempt}/position", position)
+        if leaving:
+            values[f"{attempt}/leaving"] = "True"
+        if not done or position != run_position:
+            values.setdefault(verdict, "abort")
+        else:
+            votes = int(values.get(f"{attempt}/done", "0")) + 1
+            values[f"{attempt}/done"] = str(votes)
+            if votes >= members and verdict not in values:
+                values[verdict] = "commit"
+                joins = values.get(JOINS, "0")  # a join asked since the last commit: agree
+                changed = joins != values.get(f"{JOINS}/seen", "0")
+                values[f"{attempt}/quorum_next"] = str(changed or f"{attempt}/leaving" in values)
+                values[f"{JOINS}/seen"] = joins
+        if verdict in values:
+            return self._decided(attempt)
+        waiting = self._waiting.setdefault(attempt, [])
+        if reply is not None:
+            waiting.append(reply)
+        if not self.changed.wait_for(lambda: verdict in values, timeout=wait_s):
+            values[verdict] = "abort"  # a member gone before its vote
+            if reply is not None:
+                waiting.remove(reply)  # this request answers for itself
+            return self._decided(attempt)
+        return ANSWERED if reply is not None else self._verdict_of(attempt)
+
+    def _decided(self, attempt: str) -> list[Any]:
+        """The verdict of ``attempt``, just decided or read: every voter still waiting is
+        answered (then woken), and this request's answer returned."""
+        answer = self._verdict_of(attempt)
+        for reply in self._waiting.pop(attempt, []):
+            reply(answer)
+        self.changed.notify_all()
+        return answer
+
+    def _verdict_of(self, attempt: str) -> list[Any]:
+        values = self.values
+        verdict, position = values[f"{attempt}/verdict"], values[f"{attempt}/position"]
+        again = verdict != "commit" or values.get(f"{attempt}/quorum_next") == "True"
+        return [verdict, position, again]
 
 
 class VerdictStore:
@@ -74,6 +191,26 @@ class VerdictStore:
         """``key``'s value (the server waits up to GET_WAIT_S for it to be set)."""
         return str(self._request("get", key)).encode()
 
+    def vote(
+        self,
+        attempt: str,
+        members: int,
+        done: bool,
+        position: str,
+        wait_s: float,
+        leaving: bool = False,
+    ) -> tuple[bool, str, bool]:
+        """This member's vote on ``attempt`` and the run's verdict (Verdicts._vote): (commit,
+        the run's place in the data, whether the next step agrees on its members again). The
+        request is bounded by ``wait_s`` + VOTE_MARGIN_S."""
+        self._socket.settimeout(wait_s + VOTE_MARGIN_S)
+        try:
+            verdict, position_of_run, again = self._request("vote", attempt, members, done,
+                                                            position, wait_s, leaving)  # fmt: skip
+        finally:
+            self._socket.settimeout(self.timeout_s)
+        return verdict == "commit", str(position_of_run), bool(again)
+
     def close(self) -> None:
         with self._lock:
             self._broken = self._broken or ConnectionError("the store was closed")
@@ -86,28 +223,35 @@ class VerdictServer:
     process, until ``close``."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._values: dict[str, str] = {}
-        self._changed = threading.Condition()
+        self.verdicts = verdicts = Verdicts()
         self._connections: set[socket.socket] = set()
-        store = self
+        connections = self._connections
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                with store._changed:
-                    store._connections.add(self.connection)
+                with verdicts.changed:
+                    connections.add(self.connection)
                 try:
                     for line in self.rfile:
                         try:
                             op, *args = json.loads(line)
-                            answer = {"value": store.answer(str(op), args)}
-                        except (ValueError, TypeError, KeyError) as error:
+                            value = verdicts.answer(str(op), args, self.reply)
+                            if value is ANSWERED:
+                                continue
+                            answer = {"value": value}
+                        except (ValueError, TypeError, KeyError, IndexError) as error:
                             answer = {"error": f"{type(error).__name__}: {error}"}
                         self.wfile.write(json.dumps(answer).encode() + b"\n")
                 except OSError:  # a member killed mid-request resets its connection: no error
                     return
                 finally:
-                    with store._changed:
-                        store._connections.discard(self.connection)
+                    with verdicts.changed:
+                        connections.discard(self.connection)
+
+            def reply(self, value: Any) -> None:
+                """This member's answer, written by the request that decided it."""
+                with contextlib.suppress(OSError):  # a member gone: nothing to answer
+                    self.wfile.write(json.dumps({"value": value}).encode() + b"\n")
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -119,41 +263,22 @@ class VerdictServer:
             target=self._server.serve_forever, name="nn_handler-verdicts", daemon=True
         ).start()
 
-    def answer(self, op: str, args: list[Any]) -> Any:
-        """The answer to one request (the store's whole logic, under one lock)."""
-        with self._changed:
-            values = self._values
-            if op == "add":
-                key, amount = str(args[0]), int(args[1])
-                values[key] = str(int(values.get(key, "0")) + amount)
-                self._changed.notify_all()
-                return int(values[key])
-            if op == "compare_set":
-                key, expected, desired = (str(a) for a in args)
-                current = values.get(key)
-                if current is None and expected != "":
-                    return expected
-                if current is None or current == expected:
-                    values[key] = desired
-                    self._changed.notify_all()
-                    return desired
-                return current
-            if op == "check":
-                return all(str(key) in values for key in args[0])
-            if op == "get":
-                key = str(args[0])
-                self._changed.wait_for(lambda: key in values, timeout=GET_WAIT_S)
-                return values[key]
-            raise KeyError(f"no request {op!r}")
-
     def close(self) -> None:
         """Stop serving and close every member's connection (as the process's end would)."""
         self._server.shutdown()
         self._server.server_close()
-        with self._changed:
+        with self.verdicts.changed:
             for connection in self._connections:
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
 
 
-__all__ = ["GET_WAIT_S", "VerdictServer", "VerdictStore"]
+__all__ = [
+    "ANSWERED",
+    "GET_WAIT_S",
+    "JOINS",
+    "VOTE_MARGIN_S",
+    "VerdictServer",
+    "VerdictStore",
+    "Verdicts",
+]
