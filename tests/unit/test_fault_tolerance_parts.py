@@ -547,8 +547,9 @@ def test_a_member_at_another_place_in_the_data_than_the_run_is_stopped_by_name()
     from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
 
     store, theirs = _Verdicts(), []
+    member = store.other()
     other = threading.Thread(  # the other member votes first, and waits for the verdict
-        target=lambda: theirs.append(store.vote("41/7/0", 2, True, "batch 3 of its epoch", 9))
+        target=lambda: theirs.append(member.vote("41/7/0", 2, True, "batch 3 of its epoch", 9))
     )
     other.start()
     while "41/7/0/position" not in store.values:
@@ -643,37 +644,24 @@ class _EveryAgreementFails(_OneMemberLeft):
 
 
 class _Verdicts:
-    """The verdicts' store's own logic (verdicts.Verdicts), in this process: a member's
-    requests without the socket."""
+    """A real verdicts' store (its server in this process, a member's client of it); its
+    values are the server's."""
 
     def __init__(self) -> None:
-        from nn_handler.training.fault_tolerance.verdicts import Verdicts
+        from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
 
-        self.verdicts = Verdicts()
-        self.values = self.verdicts.values
+        self.server = VerdictServer("127.0.0.1", 0)
+        self.values = self.server.verdicts.values
+        self.client = VerdictStore("127.0.0.1", self.server.port, 10.0)
 
-    def check(self, keys: list[str]) -> bool:
-        return bool(self.verdicts.answer("check", [keys]))
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
 
-    def add(self, key: str, value: int) -> int:
-        return int(self.verdicts.answer("add", [key, value]))
+    def other(self) -> Any:
+        """A client of another member (its own connection)."""
+        from nn_handler.training.fault_tolerance.verdicts import VerdictStore
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return str(self.verdicts.answer("compare_set", [key, expected, desired])).encode()
-
-    def vote(
-        self,
-        attempt: str,
-        members: int,
-        done: bool,
-        position: str,
-        wait_s: float,
-        leaving: bool = False,
-    ) -> tuple[bool, str, bool]:
-        verdict, run_position, again = self.verdicts.answer(
-            "vote", [attempt, members, done, position, wait_s, leaving]
-        )
-        return verdict == "commit", run_position, again
+        return VerdictStore("127.0.0.1", self.server.port, 10.0)
 
 
 def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever() -> None:
@@ -750,3 +738,53 @@ def test_a_lighthouse_port_taken_is_named_and_its_store_port_let_go() -> None:
         with pytest.raises(DistributedError, match=rf"cannot listen on 127.0.0.1:{port} and \+1"):
             serve("127.0.0.1", port, 1, 1.0, 1.0)
     assert _free(port + 1), "the store's port is still held"
+
+
+class _AbandonedThenGone:
+    """A Replica whose step is abandoned, after which the run cannot agree on its members."""
+
+    step, rank, members, run_position = 41, 0, 2, "batch 1 of its epoch"
+
+    def next_attempt(self) -> None:
+        from nn_handler.errors import DistributedError
+
+        raise DistributedError("member m0: no agreement on the members of step 42")
+
+    def commit(self, position: str = "", leaving: bool = False) -> bool:
+        return False
+
+
+def test_an_abandoned_step_is_said_before_the_run_stops(lines: list[str]) -> None:
+    """The line of an abandoned attempt waits for the next agreement (to say the members
+    left); when that agreement fails, the line is still said, once, before the error."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.data.fixed_batches import StepBatch
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    config = FaultToleranceConfig(**_FT, member_id="m0")
+    steps = FaultTolerantSteps(config, _Exact(), _OneRank())  # type: ignore[arg-type]
+    steps.replica, steps._begun, steps._members = _AbandonedThenGone(), True, 2
+    with pytest.raises(DistributedError, match="no agreement on the members of step 42"):
+        steps.step(StepBatch(step=0, micro=(), samples=16), lambda b: torch.zeros(()), 41)
+    said = [line for line in lines if "abandoned by the run" in line]
+    assert len(said) == 1 and said[0].endswith("redone by the members left"), said
+
+
+def test_a_preemption_after_the_vote_waits_for_the_next_step_that_says_it_leaves() -> None:
+    """A member stops only after a step whose vote said it leaves: a SIGTERM that comes after
+    its vote holds the stop (the watch's ``hold``) until the next vote says so."""
+    from types import SimpleNamespace
+
+    from nn_handler.distributed.communicator.null import NullCommunicator
+    from nn_handler.distributed.faults.preemption import PreemptionWatch
+    from nn_handler.training.fault_tolerance.mode import _preempted
+
+    watch = PreemptionWatch(NullCommunicator(), torch.device("cpu"), interval_s=1.0)
+    checkpoints = SimpleNamespace(hook=SimpleNamespace(watch=watch))
+    assert _preempted(checkpoints) is False  # the vote: it stays
+    watch.requested = True  # the SIGTERM, after the vote
+    assert watch.agreed(7) is False  # held: the others expect it at the next step
+    assert _preempted(checkpoints) is True  # the next vote says it leaves
+    assert watch.agreed(8) is True
+    assert _preempted(SimpleNamespace(hook=None)) is False  # no folder: no watch

@@ -193,3 +193,27 @@ def test_every_voter_gets_one_verdict_commit_only_if_all_voted_done_at_one_place
     assert place in {p for _, p in ballots}  # the first voter's, whichever came first
     expected = not missing and all(done and p == place for done, p in ballots)
     assert (verdict == "commit") == expected and (again or verdict == "commit")
+
+
+def test_a_vote_missing_is_an_abort_answered_once_and_a_voter_gone_is_no_error(
+    served: tuple[VerdictServer, VerdictStore],
+) -> None:
+    """Over real connections: a member alone in an attempt of two waits ``wait_s`` and gets
+    abort, once (its next request reads its own answer, not a second copy of the verdict); a
+    voter whose connection closed while it waited is answered by nobody, and the member whose
+    vote decides the attempt gets its verdict; a malformed vote is refused by name."""
+    server, store = served
+    started = time.monotonic()
+    assert store.vote("1/0/0", 2, True, "b", 0.3) == (False, "b", True)
+    assert time.monotonic() - started >= 0.25
+    assert store.add("n", 1) == 1  # the connection's next answer is this request's
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as gone:
+        gone.sendall(b'["vote", "2/0/0", 2, true, "b", 5.0]\n')
+        while "2/0/0/done" not in server.verdicts.values:
+            time.sleep(0.01)
+    assert store.vote("2/0/0", 2, True, "b", 5.0) == (True, "b", False)
+    assert store.check([])  # the store goes on
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        raw.sendall(b'["vote", "3/0/0"]\n')
+        refused = json.loads(raw.makefile("rb").readline())
+    assert refused["error"].startswith("IndexError"), refused

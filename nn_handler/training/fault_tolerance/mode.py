@@ -91,7 +91,7 @@ def _preempted(checkpoints: TrainerCheckpoints) -> bool:
     watch = hook.watch if hook is not None else None
     if watch is None:
         return False
-    leaving = bool(watch.requested)
+    leaving: bool = watch.requested
     watch.hold = not leaving
     return leaving
 

@@ -74,8 +74,8 @@ class Verdicts:
                 self.changed.wait_for(lambda: key in values, timeout=GET_WAIT_S)
                 return values[key]
             if op == "vote":
-                leaving = len(args) > 5 and bool(args[5])
-                return self._vote(str(args[0]), int(args[1]), bool(args[2]), str(args[3]),
+                leaving = len(args) > 5 and args[5] is True  # JSON's true, nothing else
+                return self._vote(str(args[0]), int(args[1]), args[2] is True, str(args[3]),
                                   float(args[4]), leaving, reply)  # fmt: skip
             raise KeyError(f"no request {op!r}")
 
@@ -209,7 +209,7 @@ class VerdictStore:
                                                             position, wait_s, leaving)  # fmt: skip
         finally:
             self._socket.settimeout(self.timeout_s)
-        return verdict == "commit", str(position_of_run), bool(again)
+        return verdict == "commit", str(position_of_run), again is True
 
     def close(self) -> None:
         with self._lock:
