@@ -203,7 +203,10 @@ class NNHandler:
             return data
         reproducible = self.config.trainer.reproducible
         if reproducible is not None:
-            return self.loaders.reproducible_train_loader(_dataset(data), reproducible)
+            member = self.config.trainer.fault_tolerance is not None  # trains a share
+            return self.loaders.reproducible_train_loader(
+                _dataset(data), reproducible, None, member
+            )
         return self.loaders.train_loader(_dataset(data))
 
     def _eval_loader(self, data: Any) -> Iterable[Any]:

@@ -209,10 +209,12 @@ class LoaderFactory:
         dataset: Dataset[Any],
         reproducible: ReproducibleConfig,
         collate_fn: CollateFn | None = None,
+        on_demand: bool = False,
     ) -> FixedBatchLoader:
         """This rank's training loader for TrainerConfig.reproducible: one StepBatch per
         optimizer step, the step's samples fixed at any world size (data/fixed_batches.py).
-        The loader's seed, shuffle, drop_last and worker settings apply."""
+        The loader's seed, shuffle, drop_last and worker settings apply. ``on_demand``: each
+        micro-batch loaded when first read (without workers; a fault-tolerant member's)."""
         c = self._reproducible_config()
         if "global_batch_size" not in self.settings:  # the step's sizes (they ignore W)
             rest = dict(self.settings)
@@ -235,6 +237,7 @@ class LoaderFactory:
             rank=self.info.rank,
             world_size=self.info.world_size,
             collate_fn=collate_fn,
+            on_demand=on_demand,
             **self._worker_kwargs(),
         )
 

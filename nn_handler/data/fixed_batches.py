@@ -12,6 +12,7 @@ in it. Evaluation: batches of ``batch_size`` samples in dataset order, batch ``j
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
@@ -62,13 +63,31 @@ def owns(index: int, rank: int, world_size: int) -> bool:
     return index % world_size == rank
 
 
-@dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a step: its index in the step, its number of samples, the batch."""
+    """One micro-batch of a step: its index in the step, its number of samples, the batch.
+    Given ``load`` instead of a batch, the batch is loaded when first read (once)."""
 
-    index: int
-    size: int
-    batch: Any
+    __slots__ = ("_batch", "_load", "index", "size")
+
+    def __init__(
+        self, index: int, size: int, batch: Any = None, load: Callable[[], Any] | None = None
+    ) -> None:
+        self.index, self.size = index, size
+        self._batch, self._load = batch, load
+
+    @property
+    def batch(self) -> Any:
+        if self._load is not None:
+            self._batch, self._load = self._load(), None
+        return self._batch
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the batch is in memory (read once, or given)."""
+        return self._load is None
+
+    def __repr__(self) -> str:
+        return f"MicroBatch(index={self.index}, size={self.size}, loaded={self.loaded})"
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,18 @@ class StepBatch:
     step: int
     micro: tuple[MicroBatch, ...]
     samples: int
+
+
+class _OnDemandBatches(Sampler[list[int]]):
+    """Yields, each time the loader asks, the list of indices set last (``pending``): a
+    single-process DataLoader over it loads one batch when told to."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield self.pending
 
 
 class _ListedBatches(Sampler[list[int]]):
@@ -107,7 +138,9 @@ class FixedBatchLoader:
     """This rank's training loader in the reproducible mode: one StepBatch per optimizer
     step. ``set_epoch(e)`` before each epoch; ``start_at(s)`` makes the next pass begin at
     step ``s`` of the epoch (a resumed epoch, at any world size) without loading the steps
-    before it.
+    before it. ``on_demand`` (without workers): each micro-batch is loaded when first read,
+    not when its step is yielded (a fault-tolerant member reads only the micro-batches it
+    trains; with workers, which load ahead, every one is loaded).
 
     Attributes:
         batch_size: the global batch size (what a checkpoint records of the loader).
@@ -126,6 +159,7 @@ class FixedBatchLoader:
         rank: int,
         world_size: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        on_demand: bool = False,
         **loader_kwargs: Any,
     ) -> None:
         self.n = _length(dataset)
@@ -145,6 +179,21 @@ class FixedBatchLoader:
             generator=self._generator,
             **loader_kwargs,
         )
+        self._pending = _OnDemandBatches()
+        self._demand: DataLoader[Any] | None = None
+        if on_demand and not loader_kwargs.get("num_workers"):
+            self._demand = DataLoader(
+                dataset,
+                batch_sampler=self._pending,
+                collate_fn=collate_fn,
+                generator=self._generator,
+                **loader_kwargs,
+            )
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether micro-batches are loaded when first read (``on_demand`` and no workers)."""
+        return self._demand is not None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -176,14 +225,29 @@ class FixedBatchLoader:
     def __iter__(self) -> Iterator[StepBatch]:
         start, self._start = self._start, 0
         plan = self.plan(start)
-        self._sampler.batches = [idx for step in plan for _, idx in step]
         self._generator.manual_seed(derive_seed(self.seed, self.rank, self.epoch))
+        if self._demand is not None:
+            read = functools.partial(self._read, iter(self._demand))
+            for offset, owned in enumerate(plan):
+                micro = tuple(
+                    MicroBatch(j, len(idx), load=functools.partial(read, idx)) for j, idx in owned
+                )
+                yield self._step(start + offset, micro)
+            return
+        self._sampler.batches = [idx for step in plan for _, idx in step]
         batches = iter(self._loader)
         for offset, owned in enumerate(plan):
-            step = start + offset
-            samples = min(self.batch_size, self.n - step * self.batch_size)
             micro = tuple(MicroBatch(j, len(idx), next(batches)) for j, idx in owned)
-            yield StepBatch(step, micro, samples)
+            yield self._step(start + offset, micro)
+
+    def _step(self, step: int, micro: tuple[MicroBatch, ...]) -> StepBatch:
+        return StepBatch(step, micro, min(self.batch_size, self.n - step * self.batch_size))
+
+    def _read(self, batches: Iterator[Any], indices: list[int]) -> Any:
+        """Those samples as one batch, through ``batches`` (the on-demand loader's iterator:
+        any indices, in any order, any number of times)."""
+        self._pending.pending = indices
+        return next(batches)
 
 
 class FixedEvalLoader:

@@ -355,9 +355,9 @@ class Trainer(TrainerFacade):
         the gradient is the window's mean. Returns the detached loss."""
         optimization = self.optimization
         if self.mode.whole_steps:  # the reproducible modes: one whole step, reduced exactly
-            first = self.mode.first_inputs(batch)  # the memory plan's activations
+            first, device = self.mode.first_inputs, self.device  # the memory plan's (once)
             self.memory.before_first_step(
-                lambda: self.split_batch(move_to_device(first, self.device))[0]
+                lambda: self.split_batch(move_to_device(first(batch), device))[0]
             )
             optimization.open_window()
             loss = self.mode.step(batch, self.training_step, self.state.global_step)

@@ -677,5 +677,20 @@ def test_a_spare_trains_from_the_step_redone_without_the_member_it_replaces(
     reports = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m1", "m2")}
     assert reports["m1"]["trained"] == list(range(12)), reports
     assert reports["m2"]["trained"] == list(range(4, 12)), reports  # 0-based: step 5 on
+    # A member loads only the micro-batches it trains (its loader loads them on demand), each
+    # once: the spare none before it trains, then each of the two its half of every step (8
+    # of 16 samples); in the redone step m1 keeps what it loaded and loads its new half.
+    loaded = {m: {int(k): v for k, v in r["loaded"].items()} for m, r in reports.items()}
+    assert sorted(loaded["m1"]) == list(range(12)), loaded
+    assert sorted(loaded["m2"]) == list(range(4, 12)), loaded
+    for step in range(12):
+        one, two = loaded["m1"][step], loaded["m2"].get(step, [])
+        assert len(set(one)) == len(one) and len(set(two)) == len(two), (step, loaded)
+        if step < 4:
+            assert len(one) == 8 and not two, (step, loaded)
+        elif step == 4:  # redone: 16 if m1's half changed with its rank
+            assert len(one) in (8, 16) and len(two) == 8, (step, loaded)
+        else:
+            assert len(one) == len(two) == 8 and not set(one) & set(two), (step, loaded)
     expected = _unfailed_trainer_run(tmp_path / "unfailed")
     assert all(report["digest"] == expected for report in reports.values()), members.logs()

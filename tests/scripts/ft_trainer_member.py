@@ -23,7 +23,8 @@ member the run must refuse).
 Every member has a CSV tracker in RUN_DIR/tracked (shared: the run's first member writes it).
 RUN_DIR/<id>.json gets the run's SHA-256 (weights, buffers, optimizer state, History), the
 attempts redone, the steps done, the steps it ran a micro-batch of (0-based; a spare runs
-none) and why it stopped early (exit 1) if it did;
+none), the training samples it loaded in each step, and why it stopped early (exit 1) if it
+did;
 RUN_DIR/<id>.pt its weights.
 """
 
@@ -43,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from nn_handler import NNHandler
 from nn_handler.checkpoint import restart_count, single_file
 from nn_handler.errors import DistributedError
 from nn_handler.training.fault_tolerance.replica import Replica
-from tests.reproducible_helpers import WORKLOADS, config, digest, train
+from tests.reproducible_helpers import EPOCHS, WORKLOADS, config, digest
 
 
 def die_in_forward(h: NNHandler, step: int) -> None:
@@ -171,6 +173,20 @@ def await_restart(h: NNHandler, run: Path, member: str, awaited: str, step: int)
     h.trainer.module.register_forward_pre_hook(forward)
 
 
+class Loaded(Dataset[Any]):
+    """``data`` (the training set), noting which samples are loaded in which step."""
+
+    def __init__(self, data: Dataset[Any], h: NNHandler, loaded: dict[int, list[int]]) -> None:
+        self.data, self.h, self.loaded = data, h, loaded
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        self.loaded.setdefault(self.h.trainer.state.global_step, []).append(index)
+        return self.data[index]
+
+
 def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> None:
     settings: dict[str, Any] = {
         "lighthouse": lighthouse,
@@ -235,8 +251,10 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
     stopped = ""
+    _, data, n, _, _ = WORKLOADS["cnn"]
+    loaded: dict[int, list[int]] = {}  # step -> the training samples loaded in it
     try:
-        train(h, "cnn")
+        h.train(Loaded(data(n, 0), h, loaded), data(40, 1), epochs=EPOCHS)
     except DistributedError as error:  # the run cannot go on step by step
         stopped = str(error)
     steps = h.trainer.mode.steps  # type: ignore[attr-defined]
@@ -244,6 +262,7 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
         "digest": digest(h),
         "redone": steps.redone if steps else 0,
         "trained": sorted(trained),
+        "loaded": {step: sorted(samples) for step, samples in sorted(loaded.items())},
         "step": h.trainer.state.global_step,
         "stopped": stopped,
     }

@@ -167,8 +167,9 @@ class ExactStep:
         for i, micro in enumerate(step.micro):
             self.gradients.clear()
             seed = micro_seed(self.config.seed, passes.global_step, micro.index)
+            inputs = micro.batch  # loaded here when the loader loads on demand
             with _seeded(self.device, seed):
-                loss = passes.forward_backward(micro.batch)
+                loss = passes.forward_backward(inputs)
             parts = self.gradients.gradients()
             stats, counts = self.norms.after_micro()
             if rows is not None and known is not None:
