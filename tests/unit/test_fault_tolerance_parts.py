@@ -349,6 +349,7 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
         assert replica.agree("run_id", "a1") == "a1"  # it answers while it runs
         os.kill(lighthouse.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(lighthouse.pid)
             started = time.monotonic()
             with pytest.raises(DistributedError) as stopped:
                 replica.commit("batch 1 of its epoch")
@@ -366,6 +367,17 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
     message = str(stopped.value)
     assert "member m0: the verdict on step 41 cannot be read (TimeoutError: no answer" in message
     assert f"the Lighthouse at {lighthouse.address} is gone" in message
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until ``pid`` is stopped: kill(SIGSTOP) returns before a process that runs on the other
+    core stops (under load it once answered the vote sent right after)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop within 10 s"
+        time.sleep(0.005)
 
 
 class _TwoAbandoned:
