@@ -110,10 +110,11 @@ def _hang() -> None:
 
 def test_a_hang_is_turned_into_an_error_at_the_deadline_naming_the_ranks() -> None:
     with pytest.raises(WorkerTimeoutError) as info:
-        # Room for a slow start (scaled on a loaded machine): the stacks must be in _hang. Two
-        # interpreters importing torch on a loaded 2-core machine (3.9 s of CPU each today)
-        # once took more than 15 s: both stacks were empty.
-        launch(_hang, 2, deadline=scaled(25))
+        # Room for a slow start (scaled by the load now, not only at the session's start):
+        # the stacks must be in _hang. Two interpreters importing torch on a loaded 2-core
+        # machine (3.9 s of CPU each) once took more than 15 s, and at 97247a8 more than
+        # scaled(25) late in a fresh clone's run: both stacks were empty.
+        launch(_hang, 2, deadline=scaled_now(25))
     assert info.value.running == [0, 1]
     assert "in _hang" in info.value.stacks[0] and "in _hang" in info.value.stacks[1]
 
