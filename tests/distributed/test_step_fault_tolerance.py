@@ -294,7 +294,11 @@ def test_nn_handler_supervise_restarts_only_the_dead_member_and_it_joins_the_run
            "FT_MIN_MEMBERS": "1"}  # fmt: skip
     output = _supervise(3, SCRIPT, tmp_path, env, timeout=90)
     restarts = [line for line in output.splitlines() if "; restarted (" in line]
-    assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    assert (
+        len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    ), (
+        output[-6000:]  # why a restarted member exited (seen once under load at dde4c3c)
+    )
     assert (tmp_path / "m1.died").exists()
     expected = digest(unfailed(steps))
     for member in ("m0", "m1", "m2"):
@@ -508,7 +512,11 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
     output = _supervise(2, TRAINER_SCRIPT, tmp_path, env, timeout=150)
     lines = output.splitlines()
     restarts = [line for line in lines if "; restarted (" in line]
-    assert len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    assert (
+        len(restarts) == 1 and "member m1 killed by SIGKILL; restarted (1 of 3)" in restarts[0]
+    ), (
+        output[-6000:]  # why a restarted member exited (seen once under load at dde4c3c)
+    )
     assert "| supervise |" in restarts[0], output
     resumed = [line for line in lines if "resume='on_restart': resumed from" in line]
     assert len(resumed) == 1 and "-s00000006.pt" in resumed[0], output
