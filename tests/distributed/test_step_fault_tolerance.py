@@ -164,6 +164,39 @@ def test_members_killed_in_a_step_are_replaced_without_a_restart_and_the_bits_ho
         assert all(a.startswith("127.0.0.1:") for a in report["listening"]), member
 
 
+def test_a_joiner_whose_quorum_request_arrives_after_the_others_agreed_still_joins(
+    tmp_path: Path,
+) -> None:
+    """A joiner asks to join, and its request for a quorum reaches the Lighthouse 1.5 s later
+    (a loaded machine's delay: seen in a fresh-clone run, where a restarted member waited
+    for its quorum until its timeout and exited 1). The others, told of the join, agree on
+    their members before the request is there (without the joiner), then never again while
+    no step fails: the joiner must ask again while it waits, and joins; every member ends
+    with the unfailed bits."""
+    steps, hold = 160, 3
+    deadline = time.monotonic() + scaled(90)
+    with (
+        Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path) as members,
+    ):
+        for member in ("m0", "m1"):
+            members.start(member, 2, hold=(hold,), least=1, FT_STEPS=str(steps))
+        members.wait_for("m0", hold, deadline)
+        members.start("m2", 0, least=1, FT_STEPS=str(steps), FT_LATE_QUORUM_S="1.5")
+        members.release(hold, deadline, once_ready="m2")
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": 0, "m2": 0}, members.logs()
+    expected = digest(unfailed(steps))
+    joined = 0
+    for member in ("m0", "m1", "m2"):
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == expected, (member, members.logs())
+        first = report["ledger"][0][0]
+        joined = first if member == "m2" else joined
+        _check_ledger(report["ledger"], first, steps)
+    assert hold < joined < steps - 1, joined  # m2 joined mid-run, and trained with the others
+
+
 def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Path) -> None:
     """Four members (min_members 1): m1 stops (SIGSTOP: a hang, its sockets open) before step
     a's sum, m2 and m3 are killed together before step b's; the others time out on m1, leave

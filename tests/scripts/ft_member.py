@@ -17,7 +17,9 @@ stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it
 step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
 sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die
 in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
-member MEMBER those arguments (for a command that is the same for every member).
+member MEMBER those arguments (for a command that is the same for every member);
+FT_LATE_QUORUM_S=S makes its first request for a quorum reach the Lighthouse S seconds after it
+asked to join (a loaded machine's delay between the two).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def main(
         timeout_s=3.0,
         quorum_timeout_s=5.0,
     )
+    late = float(os.environ.get("FT_LATE_QUORUM_S", "0"))
+    if late:
+        _late_first_quorum(replica, late)
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
@@ -158,6 +163,18 @@ def main(
     if stopped:
         print(stopped, file=sys.stderr)
         sys.exit(1)
+
+
+def _late_first_quorum(replica: Replica, late_s: float) -> None:
+    """The first request for a quorum leaves ``late_s`` seconds after it is made."""
+    start = replica.manager.start_quorum
+
+    def late_start(*args: Any, **kwargs: Any) -> Any:
+        replica.manager.start_quorum = start
+        time.sleep(late_s)
+        return start(*args, **kwargs)
+
+    replica.manager.start_quorum = late_start
 
 
 def _write(path: Path, text: str) -> None:

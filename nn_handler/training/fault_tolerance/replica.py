@@ -23,7 +23,9 @@ reason to kill the others.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -154,12 +156,32 @@ class Replica:
         quorum while nothing changes, agree on their members again at their next step but one
         at the latest, so that a new member, or one left out of a quorum after an abort, is
         not left waiting (members that agree again because a verdict said so do not ask: the
-        asking would never end)."""
-        if ask:
-            try:
+        asking would never end); it asks again every second (a tenth of ``quorum_timeout_s`` if
+        less) while it waits."""
+        if not ask:
+            return self._agree(least)
+        try:
+            self._verdicts.add(JOINS, 1)
+        except (RuntimeError, OSError) as error:
+            raise self._gone("the run's members", error) from error
+        asked = threading.Event()
+        threading.Thread(target=self._ask_again, args=(asked,), daemon=True).start()
+        try:
+            return self._agree(least)
+        finally:
+            asked.set()
+
+    def _ask_again(self, asked: threading.Event) -> None:
+        """Ask to join again every second (a tenth of ``quorum_timeout_s`` if less) until
+        ``asked`` is set: the others agree once after the first ask, which may be before this
+        member's request for the quorum reaches the Lighthouse (a loaded machine), and would
+        not agree again while no step fails. Each ask costs them at most one agreement."""
+        while not asked.wait(min(1.0, self.quorum_timeout_s / 10)):
+            with contextlib.suppress(RuntimeError, OSError):  # the quorum's own error says it
                 self._verdicts.add(JOINS, 1)
-            except (RuntimeError, OSError) as error:
-                raise self._gone("the run's members", error) from error
+
+    def _agree(self, least: int | None) -> bool:
+        """``begin_step`` once asked (or not)."""
         deadline = time.monotonic() + self.quorum_timeout_s
         least = self.min_members if least is None else least
         failing_since: float | None = None
