@@ -299,6 +299,32 @@ class TrainingInterrupted(TrainingPreempted):
         return (type(self), (self.checkpoint, self.global_step, self.code))
 
 
+class RunFinished(SystemExit):
+    """A member of a fault-tolerant run started after the run's last step was committed:
+    there is nothing left to train. A ``SystemExit`` with status 0, so an uncaught one ends
+    the process quietly and a supervisor does not restart it.
+
+    Attributes:
+        member: the member's id.
+        step: the run's last committed step.
+        lighthouse: the address of the run's Lighthouse.
+    """
+
+    def __init__(self, member: str, step: int, lighthouse: str) -> None:
+        super().__init__(0)
+        self.member, self.step, self.lighthouse = member, step, lighthouse
+
+    def __str__(self) -> str:
+        return (
+            f"member {self.member}: the run of the Lighthouse at {self.lighthouse} finished "
+            f"(its last step, {self.step}, is committed) before this member joined it; "
+            f"nothing to train: it leaves"
+        )
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.member, self.step, self.lighthouse))
+
+
 __all__ = [
     "CheckpointError",
     "HandlerClosedError",
@@ -315,6 +341,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
     "RankFailedError",
+    "RunFinished",
     "TrainingInterrupted",
     "TrainingPreempted",
     "UnevenDataError",

@@ -256,7 +256,7 @@ class Trainer(TrainerFacade):
             failed = False
         finally:
             self.training_failed = failed
-            self.mode.end_fit()
+            self.mode.end_fit(completed=not failed)
             hooks.call_after_train(failed, self.log)
         return self.history
 

@@ -197,6 +197,50 @@ def test_a_joiner_whose_quorum_request_arrives_after_the_others_agreed_still_joi
     assert hold < joined < steps - 1, joined  # m2 joined mid-run, and trained with the others
 
 
+def test_a_member_that_starts_after_the_run_finished_leaves_at_once_with_exit_0(
+    tmp_path: Path,
+) -> None:
+    """Issue 73's rough edge: a member restarted just before the run's end waited
+    quorum_timeout_s alone and failed ("only 1 member(s) for step 1 ... restart it"), or,
+    with min_members 1, trained the whole run again alone. The members that finish the run
+    say so to the Lighthouse: m3, which asked to join before the end but whose request for a
+    quorum arrives after it (alone then), and m2, started after the end, each leave with one
+    line and exit 0, m2 at once; neither trains a step."""
+    deadline = time.monotonic() + scaled(90)
+    hold = STEPS - 4
+    with (
+        Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path) as members,
+    ):
+        members.start("m0", 2, hold=(hold,), least=1)
+        members.start("m1", 2, hold=(hold,), least=1)
+        members.wait_for("m0", hold, deadline)
+        members.start("m3", 0, least=1, FT_QUORUM_AFTER=str(tmp_path / "m1.json"))
+        while not (tmp_path / "m3.asked").exists():  # it asked before the run's end
+            if time.monotonic() > deadline or members.procs["m3"].poll() is not None:
+                pytest.fail(f"m3 never asked to join:\n{members.logs()}")
+            time.sleep(0.02)
+        members.release(hold, deadline)
+        codes = members.wait(deadline)
+        members.start("m2", 0, least=1)
+        codes.update(members.wait(deadline, "m2"))
+    assert codes == {"m0": 0, "m1": 0, "m2": 0, "m3": 0}, members.logs()
+    for member in ("m0", "m1"):
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == digest(unfailed()), member
+        _check_ledger(report["ledger"], 0)
+    for member in ("m2", "m3"):
+        assert not (tmp_path / f"{member}.json").exists(), members.logs()  # trained nothing
+        lines = (tmp_path / f"{member}.log").read_text().strip().splitlines()
+        assert lines == [
+            f"member {member}: the run of the Lighthouse at {lighthouse.address} finished (its "
+            f"last step, {STEPS}, is committed) before this member joined it; nothing to "
+            f"train: it leaves"
+        ], members.logs()
+    learnt = float((tmp_path / "m2.finished").read_text())
+    assert learnt - (tmp_path / "ready-m2").stat().st_mtime < scaled(2)  # at once
+
+
 def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Path) -> None:
     """Four members (min_members 1): m1 stops (SIGSTOP: a hang, its sockets open) before step
     a's sum, m2 and m3 are killed together before step b's; the others time out on m1, leave
@@ -498,7 +542,9 @@ def test_a_member_with_other_settings_is_refused_by_name_and_the_run_goes_on(
     thread count joined silently and took every member off the run's bits. The members agree
     on a fingerprint of what makes the bits, the first member's, before any step: m0 and m1
     start the run; m2 (lr), m3 (seed) and m4 (threads) are each refused by name with the
-    field and both values, take part in no step, and m0 and m1 end with the unfailed bits."""
+    field and both values, take part in no step, and m0 and m1 end with the unfailed bits.
+    m5, with the run's settings, starts after the run's end: it leaves at once with one line
+    and exit 0 (issue 73's rough edge: it waited quorum_timeout_s alone and failed)."""
     deadline = time.monotonic() + scaled(120)
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
     others = {"m2": {"FT_LR": "0.01"}, "m3": {"FT_SEED": "4"}, "m4": {"FT_THREADS": "2"}}
@@ -512,7 +558,14 @@ def test_a_member_with_other_settings_is_refused_by_name_and_the_run_goes_on(
         for member, env in others.items():
             members.start(member, 0, least=1, **env)
         codes = members.wait(deadline)
-    assert codes == {"m0": 0, "m1": 0, "m2": 1, "m3": 1, "m4": 1}, members.logs()
+        members.start("m5", 0, least=1)  # after the run's end (issue 73): it leaves, exit 0
+        codes.update(members.wait(deadline, "m5"))
+    assert codes == {"m0": 0, "m1": 0, "m2": 1, "m3": 1, "m4": 1, "m5": 0}, members.logs()
+    lines = (tmp_path / "m5.log").read_text().strip().splitlines()
+    said = [line for line in lines if "the run of the Lighthouse at" in line]
+    assert len(said) == 1 and said[0] == lines[-1], members.logs()  # one line, the last
+    assert "member m5: " in said[0] and "finished (its last step, " in said[0], said
+    assert "Traceback" not in "\n".join(lines) and not (tmp_path / "m5.json").exists()
     said = {
         "m2": "lr: 0.01 here, 0.003 in the run",
         "m3": "trainer.reproducible.seed: 4 here, ",

@@ -19,7 +19,10 @@ sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|se
 in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
 member MEMBER those arguments (for a command that is the same for every member);
 FT_LATE_QUORUM_S=S makes its first request for a quorum reach the Lighthouse S seconds after it
-asked to join (a loaded machine's delay between the two).
+asked to join (a loaded machine's delay between the two), FT_QUORUM_AFTER=PATH only once PATH
+exists (RUN_DIR/<id>.asked is made when it asked to join). A member that finishes the run says
+so (Replica.finish); one that starts after that writes RUN_DIR/<id>.finished (the time it learnt
+it) and exits 0 (RunFinished).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
 
-from nn_handler.errors import DistributedError, PeerLostError
+from nn_handler.errors import DistributedError, PeerLostError, RunFinished
 from nn_handler.training.fault_tolerance import Replica
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 from tests.ft_helpers import FEATURES, STEPS, apply, batch_of, data, digest, slots
@@ -90,9 +93,9 @@ def main(
         timeout_s=3.0,
         quorum_timeout_s=5.0,
     )
-    late = float(os.environ.get("FT_LATE_QUORUM_S", "0"))
-    if late:
-        _late_first_quorum(replica, late)
+    late, after = float(os.environ.get("FT_LATE_QUORUM_S", "0")), os.environ.get("FT_QUORUM_AFTER")
+    if late or after:
+        _late_first_quorum(replica, late, Path(after) if after else None)
     (run / f"ready-{member}").touch()
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
@@ -113,6 +116,10 @@ def main(
         except DistributedError as error:  # no quorum: the Lighthouse is gone
             stopped, stopped_at = str(error), time.time()
             break
+        except RunFinished as finished:  # started after the run's end: nothing to train
+            (run / f"{member}.finished").write_text(repr(time.time()))
+            print(finished, file=sys.stderr)
+            raise
         step, rank, members = replica.step, replica.rank, replica.members
         _write(run / f"{member}.in", str(step))  # the latest step it can have been part of
         mine = [i for j, i in enumerate(batch_of(step)) if j % members == rank]
@@ -143,6 +150,8 @@ def main(
                 commits.write(" ".join(map(repr, [step, ledger[-1][-1], *committed[1:3]])) + "\n")
         else:
             redone += 1
+    if not stopped:
+        replica.finish()
     store = f":{replica.store_port}"
     listening = {
         f"{c.laddr.ip}:{c.laddr.port}"
@@ -165,13 +174,18 @@ def main(
         sys.exit(1)
 
 
-def _late_first_quorum(replica: Replica, late_s: float) -> None:
-    """The first request for a quorum leaves ``late_s`` seconds after it is made."""
+def _late_first_quorum(replica: Replica, late_s: float, after: Path | None) -> None:
+    """The first request for a quorum leaves ``late_s`` seconds after it is made, or once
+    ``after`` exists (for at most a minute)."""
     start = replica.manager.start_quorum
 
     def late_start(*args: Any, **kwargs: Any) -> Any:
         replica.manager.start_quorum = start
+        (Path(sys.argv[2]) / f"{replica.member_id}.asked").touch()  # it asked to join
         time.sleep(late_s)
+        end = time.monotonic() + 60
+        while after is not None and not after.exists() and time.monotonic() < end:
+            time.sleep(0.01)
         return start(*args, **kwargs)
 
     replica.manager.start_quorum = late_start

@@ -71,9 +71,10 @@ class MemberMode(StepMode):
     def first_inputs(self, batch: Any) -> Any:
         return self.inner.first_inputs(batch)
 
-    def end_fit(self) -> None:
-        """Leave the run (the others go on without this member)."""
-        self.steps.end_fit()
+    def end_fit(self, completed: bool = False) -> None:
+        """Leave the run (the others go on without this member); ``completed``: it ended
+        with the run's last step."""
+        self.steps.end_fit(completed)
 
     def parts(self) -> list[Part]:
         return self.inner.parts()

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from nn_handler.errors import DistributedError, NNHandlerError
+from nn_handler.errors import DistributedError, NNHandlerError, RunFinished
 from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
-from nn_handler.training.fault_tolerance.verdicts import JOINS
+from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS
 
 
 class Replica:
@@ -159,17 +159,33 @@ class Replica:
         asking would never end); it asks again every second (a tenth of ``quorum_timeout_s`` if
         less) while it waits."""
         if not ask:
-            return self._agree(least)
+            return self._agree(least, ask)
         try:
+            self._raise_if_finished()
             self._verdicts.add(JOINS, 1)
         except (RuntimeError, OSError) as error:
             raise self._gone("the run's members", error) from error
         asked = threading.Event()
         threading.Thread(target=self._ask_again, args=(asked,), daemon=True).start()
         try:
-            return self._agree(least)
+            return self._agree(least, ask)
         finally:
             asked.set()
+
+    def finish(self) -> None:
+        """The run's last step is committed: a member that starts after this learns it at
+        once and leaves (``begin_step`` raises RunFinished). Every member may call this at the
+        end of its run; the first one's step is kept."""
+        try:
+            self._verdicts.compare_set(FINISHED, "", str(self.step))
+        except (RuntimeError, OSError) as error:
+            raise self._gone("the run's end", error) from error
+
+    def _raise_if_finished(self) -> None:
+        """RunFinished if a member said the run's last step is committed (``finish``)."""
+        if self._verdicts.check([FINISHED]):
+            step = int(self._verdicts.get(FINISHED).decode())
+            raise RunFinished(self.member_id, step, self.lighthouse)
 
     def _ask_again(self, asked: threading.Event) -> None:
         """Ask to join again every second (a tenth of ``quorum_timeout_s`` if less) until
@@ -180,14 +196,20 @@ class Replica:
             with contextlib.suppress(RuntimeError, OSError):  # the quorum's own error says it
                 self._verdicts.add(JOINS, 1)
 
-    def _agree(self, least: int | None) -> bool:
-        """``begin_step`` once asked (or not)."""
+    def _agree(self, least: int | None, asked: bool) -> bool:
+        """``begin_step`` once ``asked`` (or not): a member that asked learns after each
+        quorum whether the run finished while it waited (the others gone, it may be alone)."""
         deadline = time.monotonic() + self.quorum_timeout_s
         least = self.min_members if least is None else least
         failing_since: float | None = None
         while True:
             before = self.step
             self._quorum_once()
+            if asked:
+                try:
+                    self._raise_if_finished()
+                except (RuntimeError, OSError) as error:
+                    raise self._gone("the run's end", error) from error
             failed = self.manager.errored()
             if failed is None and (self.step != before or self.members >= least):
                 return self.step != before

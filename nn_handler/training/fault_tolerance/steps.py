@@ -18,7 +18,7 @@ from torch import nn
 from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.data.fixed_batches import StepBatch, owns
 from nn_handler.distributed.communicator import Communicator
-from nn_handler.errors import ConfigError, DistributedError, PeerLostError
+from nn_handler.errors import ConfigError, DistributedError, PeerLostError, RunFinished
 from nn_handler.training.fault_tolerance.membership import join_the_run, member_fingerprint
 
 
@@ -112,7 +112,11 @@ class FaultTolerantSteps:
         replica.manager.load_state_dict({"step": global_step, "batches_committed": 0})
         self.exact.comm = replica.communicator
         # The first step waits for the members that start together (not for a joiner).
-        replica.begin_step(config.start_members)
+        try:
+            replica.begin_step(config.start_members)
+        except RunFinished as finished:  # started after the run's end: one line, exit 0
+            self.log.info("{}", finished)
+            raise
         self._members = replica.members
         if own_run is not None:
             self.run_id = own_run(replica.agree("run_id", own_run(None)))
@@ -140,11 +144,19 @@ class FaultTolerantSteps:
             self.member_id, self.replica.step if self.replica else "?",
         )  # fmt: skip
 
-    def end_fit(self) -> None:
-        """Leave the run (the others go on without this member)."""
-        if self.replica is not None:
-            self.replica.close()
-            self.replica = None
+    def end_fit(self, completed: bool = False) -> None:
+        """Leave the run (the others go on without this member); ``completed``: this
+        member's fit ended with the run's last step committed, which the run then keeps (a
+        member that starts after it leaves at once: RunFinished)."""
+        if self.replica is None:
+            return
+        if completed:
+            try:
+                self.replica.finish()
+            except DistributedError as error:  # the training is done: not a failure
+                self.log.debug("the run's end could not be kept: {}", error)
+        self.replica.close()
+        self.replica = None
 
     def step(
         self, batch: StepBatch, run: Callable[[StepBatch], torch.Tensor], global_step: int

@@ -29,6 +29,8 @@ from typing import Any
 GET_WAIT_S = 30.0
 #: The counter a member adds 1 to before it asks to join the run's members.
 JOINS = "joins"
+#: The run's last committed step, once a member finished the run (Replica.finish).
+FINISHED = "finished"
 #: How much longer than the server's wait for the votes a voter waits for its answer.
 VOTE_MARGIN_S = 5.0
 #: What ``Verdicts.answer`` returns for a vote already answered through its ``reply``.
@@ -276,6 +278,7 @@ class VerdictServer:
 __all__ = [
     "ANSWERED",
     "GET_WAIT_S",
+    "FINISHED",
     "JOINS",
     "VOTE_MARGIN_S",
     "VerdictServer",

@@ -80,8 +80,9 @@ class StepMode:
         """A micro-batch of ``batch`` to estimate the activations with (the memory plan)."""
         return batch
 
-    def end_fit(self) -> None:
-        """The fit ended (also when it raised): a member leaves its run."""
+    def end_fit(self, completed: bool = False) -> None:
+        """The fit ended (also when it raised; ``completed``: it did not): a member leaves
+        its run."""
 
     def parts(self) -> list[Part]:
         """The mode's own state in checkpoints (none for the normal mode)."""
