@@ -450,6 +450,31 @@ def test_a_lighthouse_address_where_none_runs_is_named_with_the_fix() -> None:
         verdicts_of(address, 0.5)
 
 
+def test_a_member_given_an_address_where_no_lighthouse_answers_is_told_which() -> None:
+    """Issue 73's rough edge: a Replica pointed where no Lighthouse runs failed after
+    timeout_s with torchft's raw `RuntimeError: failed to connect to http://...` (no
+    DistributedError, no word "Lighthouse"). Nothing there: the verdicts' port is named; only
+    the verdicts' store there (the quorum port dead): the Lighthouse's address is named."""
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance import Replica
+    from nn_handler.training.fault_tolerance.verdicts import VerdictServer
+
+    def member(address: str) -> None:
+        Replica(address, "m0", dict, lambda state: None, timeout_s=1.0, quorum_timeout_s=2.0)
+
+    verdicts = VerdictServer("127.0.0.1", 0)
+    address = f"http://127.0.0.1:{verdicts.port - 1}"  # the Lighthouse's port: none there
+    try:
+        with pytest.raises(
+            DistributedError, match=rf"m0: cannot reach the Lighthouse at {address} wi"
+        ):
+            member(address)
+    finally:
+        verdicts.close()
+    with pytest.raises(DistributedError, match=r"cannot reach the Lighthouse's verdicts at 127"):
+        member(address)
+
+
 @pytest.mark.parametrize(
     ("command", "members", "least", "message"),
     [

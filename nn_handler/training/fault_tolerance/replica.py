@@ -76,31 +76,40 @@ class Replica:
         self.timeout_s = timeout_s
         self.quorum_timeout_s = quorum_timeout_s
         timeout = timedelta(seconds=timeout_s)
+        # First: an address where no Lighthouse runs is named, with the fix (torchft's own
+        # error is a RuntimeError that names neither).
+        self._verdicts = verdicts_of(lighthouse, timeout_s)
         # The replica group's own store (a group of one process): torchft's Manager needs one.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.group: Any = engine.member_group(timeout, self._first_undecided)
-        self.manager: Any = engine.member_manager(
-            host,
-            pg=self.group,
-            load_state_dict=load_state_dict,
-            state_dict=state_dict,
-            min_replica_size=min_members,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_port=self._store.port,
-            lighthouse_addr=lighthouse,
-            replica_id=member_id,
-            checkpoint_transport=VerifiedTransport(self.group, timeout),
-            init_sync=init_sync,
-        )
+        try:
+            self.manager: Any = engine.member_manager(
+                host,
+                pg=self.group,
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=min_members,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_port=self._store.port,
+                lighthouse_addr=lighthouse,
+                replica_id=member_id,
+                checkpoint_transport=VerifiedTransport(self.group, timeout),
+                init_sync=init_sync,
+            )
+        except RuntimeError as error:  # the Lighthouse's quorum port did not answer
+            self._verdicts.close()
+            raise DistributedError(
+                f"member {member_id}: cannot reach the Lighthouse at {lighthouse} within "
+                f"{timeout_s:g} s ({_cause(error)}): is it running there?"
+            ) from None
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
         self.failure: BaseException | None = None
-        self._verdicts = verdicts_of(lighthouse, timeout_s)
         # The step's attempt within its quorum (the members the Lighthouse agreed on): the
         # first whose verdict is not written yet (see _quorum_once).
         self._quorum = -1
