@@ -626,6 +626,36 @@ def test_a_member_restarted_by_supervise_resumes_its_checkpoints_and_joins(
         assert report["digest"] == expected, (member, output)
 
 
+def test_a_redone_step_computes_only_the_micro_batches_of_the_member_lost_in_its_sum(
+    tmp_path: Path,
+) -> None:
+    """Issue 73, a failure cheaper than a step: three members of an NNHandler run (exact sum,
+    4 micro-batches a step: m0 owns 0 and 3, m1 1, m2 2). m2 is SIGKILLed in step 3's
+    forward, so the others' sum fails half-way. They keep their own sums of the abandoned
+    attempt, and the redo computes only m2's micro-batch (on m0, rank 0 of the two): in that
+    step m0 loads 12 samples and m1 4, each sample once (a whole redo loaded 16 and 8: all of
+    it again, dealt over two), and both end with the bits of a run that never failed."""
+    deadline = time.monotonic() + scaled(90)
+    lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
+    with lighthouse, _Members(lighthouse.address, tmp_path, TRAINER_SCRIPT) as members:
+        members.start("m0", 3, least=1, FT_START_MEMBERS="3")
+        members.start("m1", 3, least=1, FT_START_MEMBERS="3")
+        members.start("m2", 3, "2", "forward", least=1, FT_START_MEMBERS="3")
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": 0, "m2": -signal.SIGKILL}, members.logs()
+    reports = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m0", "m1")}
+    assert reports["m0"]["redone"] == 1, members.logs()  # step 3, once
+    loaded = {m: {int(k): v for k, v in r["loaded"].items()} for m, r in reports.items()}
+    for step in range(12):
+        zero, one = loaded["m0"][step], loaded["m1"][step]
+        assert len(zero + one) == len(set(zero + one)), (step, loaded)  # each sample once
+        # 3 members: 2, 1 and 1 micro-batches of 4 samples; the redo: m2's on m0; then 2 each
+        sizes = (8, 4) if step < 2 else (12, 4) if step == 2 else (8, 8)
+        assert (len(zero), len(one)) == sizes, (step, loaded)
+    expected = _unfailed_trainer_run(tmp_path / "unfailed")
+    assert all(report["digest"] == expected for report in reports.values()), members.logs()
+
+
 def test_a_float_sum_run_loses_a_member_to_a_kill_and_one_to_a_preemption(tmp_path: Path) -> None:
     """``reproducible.reduction: float`` (DDP's floating-point sum, no scales), three members
     of an NNHandler run. m2 is SIGKILLed in a step's forward: the others redo the step from
@@ -758,7 +788,8 @@ def test_a_spare_trains_from_the_step_redone_without_the_member_it_replaces(
     take part in each sum with nothing of their own, and train as soon as a member is lost,
     from the step redone without it. Three members, max_members 2: m2 (the third by rank)
     runs no micro-batch until m0 dies before its vote in step 5; from step 5, redone, m2 runs
-    micro-batches of every step, and m1 and m2 end with the bits of a run that never failed."""
+    micro-batches of every step, and m1 and m2 end with the bits of a run that never failed.
+    The redo computes only m0's micro-batches: m1 carries its own sum of the abandoned step."""
     deadline = time.monotonic() + scaled(90)
     run = {"FT_START_MEMBERS": "3", "FT_MAX_MEMBERS": "2"}
     lighthouse = Lighthouse(min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0)
@@ -773,7 +804,9 @@ def test_a_spare_trains_from_the_step_redone_without_the_member_it_replaces(
     assert reports["m2"]["trained"] == list(range(4, 12)), reports  # 0-based: step 5 on
     # A member loads only the micro-batches it trains (its loader loads them on demand), each
     # once: the spare none before it trains, then each of the two its half of every step (8
-    # of 16 samples); in the redone step m1 keeps what it loaded and loads its new half.
+    # of 16 samples). The redone step computes only m0's micro-batches (issue 73): m1 carries
+    # its sum of the abandoned attempt (micro-batches 1 and 3), and m0's two are dealt to m1
+    # (rank 0 now: micro-batch 0) and m2 (micro-batch 2), a quarter of the step each.
     loaded = {m: {int(k): v for k, v in r["loaded"].items()} for m, r in reports.items()}
     assert sorted(loaded["m1"]) == list(range(12)), loaded
     assert sorted(loaded["m2"]) == list(range(4, 12)), loaded
@@ -782,8 +815,9 @@ def test_a_spare_trains_from_the_step_redone_without_the_member_it_replaces(
         assert len(set(one)) == len(one) and len(set(two)) == len(two), (step, loaded)
         if step < 4:
             assert len(one) == 8 and not two, (step, loaded)
-        elif step == 4:  # redone: 16 if m1's half changed with its rank
-            assert len(one) in (8, 16) and len(two) == 8, (step, loaded)
+        elif step == 4:  # redone: only the lost member's micro-batches are computed again
+            assert len(one) == 12 and len(two) == 4, (step, loaded)
+            assert sorted(one + two) == sorted(set(one + two)) and len(one + two) == 16
         else:
             assert len(one) == len(two) == 8 and not set(one) & set(two), (step, loaded)
     expected = _unfailed_trainer_run(tmp_path / "unfailed")

@@ -723,7 +723,7 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
 class _Member:
     """A Replica at rank ``rank`` of ``members`` whose every attempt commits."""
 
-    step = 0
+    step, retried = 0, False
 
     def __init__(self, rank: int, members: int) -> None:
         self.rank, self.members = rank, members
@@ -780,7 +780,7 @@ def test_a_lighthouse_port_taken_is_named_and_its_store_port_let_go() -> None:
 class _AbandonedThenGone:
     """A Replica whose step is abandoned, after which the run cannot agree on its members."""
 
-    step, rank, members, run_position = 41, 0, 2, "batch 1 of its epoch"
+    step, rank, members, run_position, retried = 41, 0, 2, "batch 1 of its epoch", False
 
     def next_attempt(self) -> None:
         from nn_handler.errors import DistributedError

@@ -36,7 +36,7 @@ from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
-from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS
+from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS, abandoned
 
 
 class Replica:
@@ -53,6 +53,10 @@ class Replica:
         init_sync: the members' first step gives every one the state of one of them (False:
             they start with the same state already).
     """
+
+    #: Whether an attempt of this step was abandoned before (the same on every member of the
+    #: attempt, a joiner's too, read at each agreement): the members may carry their sums.
+    retried: bool = False
 
     def __init__(
         self,
@@ -150,6 +154,7 @@ class Replica:
         start of each step after its first, redone ones included."""
         if self._next == "same":
             self._attempt = 0  # a new step: its first attempt, with the same members
+            self.retried = False
         else:
             self.begin_step(ask=self._next == "ask")
 
@@ -313,6 +318,7 @@ class Replica:
         try:
             while self._verdicts.check([f"{key}/{attempt}/verdict"]):
                 attempt += 1
+            self.retried = self._verdicts.check([abandoned(self.step)])
         except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
             raise self._gone("the verdicts", error) from error
         return attempt

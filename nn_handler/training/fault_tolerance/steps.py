@@ -16,7 +16,7 @@ from loguru import logger
 from torch import nn
 
 from nn_handler.config.fault_tolerance import FaultToleranceConfig
-from nn_handler.data.fixed_batches import StepBatch, owns
+from nn_handler.data.fixed_batches import MicroBatch, StepBatch, owns
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, DistributedError, PeerLostError, RunFinished
 from nn_handler.training.fault_tolerance.membership import join_the_run, member_fingerprint
@@ -66,6 +66,11 @@ class FaultTolerantSteps:
         self.redone = 0
         self._members = 0  # the members of the last step agreed on (0: none yet)
         self._abandoned: str | None = None  # why the last attempt was abandoned, not said yet
+        # This member's part of the step's last abandoned attempt's sum (an exact step's):
+        # the redo adds it instead of computing its micro-batches again.
+        self._carried: Any = None
+        if hasattr(exact, "keeps_unsent"):
+            exact.keeps_unsent = True
         self.log = logger.bind(rank=0)
 
     def begin_fit(
@@ -202,21 +207,19 @@ class FaultTolerantSteps:
                     f"{replica.step}: every member must start from the same checkpoint."
                 )
             rank, members = replica.rank, self.training_members(replica.members)
-            mine = tuple(
-                m
-                for m in batch.micro
-                if rank is not None and rank < members and owns(m.index, rank, members)
-            )
             loss: torch.Tensor | None = None
             lost: PeerLostError | None = None
             try:
+                mine = self._share(batch, rank, members, global_step)
                 loss = run(dataclasses.replace(batch, micro=mine))
             except PeerLostError as error:
                 lost = error
             position = f"batch {batch.step + 1} of its epoch"
             if replica.commit(position, self._leaving()) and loss is not None:
                 self.writes = rank == 0
+                self._carried = None
                 return loss
+            self._carried = getattr(self.exact, "unsent", None)  # its sum, kept for the redo
             if (run_at := replica.run_position) != position:
                 self._behind = True  # its position is not the run's: no emergency save
                 raise DistributedError(
@@ -228,6 +231,33 @@ class FaultTolerantSteps:
             self._put_back(scales, buffers)
             # Said once the next attempt's members are agreed (with their number if it changed).
             self._abandoned = str(lost or "a member failed it, or did not vote within timeout_s")
+
+    def _share(
+        self, batch: StepBatch, rank: int | None, members: int, global_step: int
+    ) -> tuple[MicroBatch, ...]:
+        """This member's micro-batches of the attempt: micro-batch ``j`` on member ``j %
+        members``. In a redo of an abandoned attempt (``Replica.retried``, the same on every
+        member) of an exact step, the members first sum which micro-batches each carries
+        from it (one small collective): only the others are dealt out, in order, and each
+        member's carried sum goes into this attempt's (``ExactStep.carried``)."""
+        trains = rank is not None and rank < members
+        if not (self.replica.retried and getattr(self.exact, "keeps_unsent", False)):
+            return tuple(m for m in batch.micro if trains and owns(m.index, rank or 0, members))
+        carried = self._carried
+        exponents = self.exact.state_dict().get("exponents")
+        if carried is not None and not carried.fits(global_step, exponents):
+            carried = None
+        where = {m.index: k for k, m in enumerate(batch.micro)}
+        held = torch.zeros(len(batch.micro), dtype=torch.int64)
+        for index in carried.indices() if carried is not None else ():
+            held[where[index]] = 1
+        self.replica.communicator.all_reduce_(held, "sum")
+        if bool((held > 1).any()):  # a micro-batch carried twice: no carried sum is used
+            held.zero_()
+            carried = None
+        setattr(self.exact, "carried", carried)  # noqa: B010 (ExactStep's, not SummedStep's)
+        left = [m for k, m in enumerate(batch.micro) if held[k] == 0]
+        return tuple(m for k, m in enumerate(left) if trains and owns(k, rank or 0, members))
 
     def _say_the_members(self, members: int, global_step: int) -> None:
         """One line when an attempt was abandoned (its cause, and the members left if their

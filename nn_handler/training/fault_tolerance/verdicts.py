@@ -25,6 +25,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+
+def abandoned(step: int | str) -> str:
+    """The key set once an attempt of ``step`` is abandoned: its next attempts are redone
+    (and members may carry their sums of an abandoned one: Replica.retried)."""
+    return f"{step}/abandoned"
+
+
 #: How long the server waits for a key a ``get`` asks for before it answers without it.
 GET_WAIT_S = 30.0
 #: The counter a member adds 1 to before it asks to join the run's members.
@@ -128,6 +135,8 @@ class Verdicts:
         """The verdict of ``attempt``, just decided or read: every voter still waiting is
         answered (then woken), and this request's answer returned."""
         answer = self._verdict_of(attempt)
+        if answer[0] != "commit":  # the step is redone: its next attempts carry sums
+            self.values[abandoned(attempt.split("/")[0])] = "True"
         for reply in self._waiting.pop(attempt, []):
             reply(answer)
         self.changed.notify_all()
@@ -284,4 +293,5 @@ __all__ = [
     "VerdictServer",
     "VerdictStore",
     "Verdicts",
+    "abandoned",
 ]

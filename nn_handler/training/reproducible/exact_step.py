@@ -16,6 +16,8 @@ mean over the global batch), loss and statistics, and the optimizer steps as usu
 checks it. A step reads the device to the host once (after the sum: samples, losses and the
 scales' verdict), so a GPU's queue stays full; the first step and a rescaled one read more
 (the agreed maxima, and the new scales' exponents: one float per tensor on the host).
+In a fault-tolerant run, a rank's contribution to a sum that failed is kept (``unsent``), and
+the step's redo adds it (``carried``) instead of computing its micro-batches again.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.strategies.exact_gradients import ExactGradients, ReplicatedGradients
 from nn_handler.training.reproducible import fixed_point
+from nn_handler.training.reproducible.carried import Carried
 from nn_handler.training.reproducible.norm_statistics import NormStatistics
+from nn_handler.training.reproducible.workspace import Workspace
 
 
 def micro_seed(seed: int, step: int, index: int) -> int:
@@ -81,9 +85,14 @@ class ExactStep:
         self._loss = 1 + len(self.norms.layers)
         self._stats = self._loss + 1
         self._maxima = self._stats + self.norms.width  # where a row's per-tensor maxima start
-        self._work = _Workspace(device)
+        self._work = Workspace(device)
         self._template: Any = None  # a micro-batch seen, for filler passes (``_fill``)
         self._width = self._maxima
+        #: Fault tolerance: keep this rank's contribution before each sum (``unsent``: what
+        #: a failed sum leaves it), and add ``carried`` (set before a redo) to the next one.
+        self.keeps_unsent = False
+        self.unsent: Carried | None = None
+        self.carried: Carried | None = None
 
     def adopt(self, params: list[nn.Parameter], gradients: ExactGradients | None = None) -> None:
         """The parameters that train (after ``configure_optimizers``) and where their
@@ -119,10 +128,13 @@ class ExactStep:
         others = None if self._checked else _other_buffers(self.module, self.norms)
         known = torch.zeros((self.config.micro_batches, self._loss), dtype=torch.float64)
         passes = StepPasses(step, forward_backward, global_step)
+        carried, self.carried, self.unsent = self.carried, None, None
         self.norms.begin_step()
         try:
             self._pass(passes, buffer, rows, known, accumulate=self._accumulating())
             rows[:, : self._loss].copy_(_pinned(known, self.device), non_blocking=True)
+            if carried is not None and carried.fits(global_step, self.scale.exponents):
+                passes = self._add(carried, passes, buffer, rows)
         except BaseException:
             self.norms.abort()
             raise
@@ -135,6 +147,20 @@ class ExactStep:
             if self.norms.in_step:
                 self.norms.abort()
             raise
+
+    def _add(
+        self, carried: Carried, passes: StepPasses, buffer: torch.Tensor, rows: torch.Tensor
+    ) -> StepPasses:
+        """``carried`` (this rank's part of an abandoned attempt of the step) into this
+        attempt's sum: its gradients added to the accumulator (int64: the same bits as
+        computing them again), its micro-batches' rows put in. The passes returned cover its
+        micro-batches too (a rescaled step passes over every micro-batch again)."""
+        size = int(self._numels.sum())
+        buffer[:size].add_(carried.vector[:size])
+        kept = torch.tensor(carried.indices(), dtype=torch.int64, device=self.device)
+        rows[kept] = fixed_point.from_slots(carried.vector[size:]).reshape(rows.shape)[kept]
+        micro = tuple(sorted((*carried.micro, *passes.step.micro), key=lambda m: m.index))
+        return dataclasses.replace(passes, step=dataclasses.replace(passes.step, micro=micro))
 
     def _buffer(self, size: int) -> torch.Tensor:
         """The step's int64 sum: the gradients' accumulator, then the slots."""
@@ -247,6 +273,11 @@ class ExactStep:
                 self.scale.recenter(agreed)
             self._pass(passes, buffer)
         buffer[size:] = fixed_point.as_slots(rows).reshape(-1)
+        if self.keeps_unsent and (exponents := self.scale.exponents) is not None:
+            # Copied: a sum may fail half-way through the buffer. Kept in the workspace (the
+            # memory plan counts it); a redo reads it (``_add``) before its own copy.
+            vector = self._work.get("unsent", buffer.shape, torch.int64).copy_(buffer)
+            self.unsent = Carried(passes.global_step, exponents.clone(), vector, step.micro)
         summed = self.gradients.sum_(buffer, rows.numel(), self.comm)
         self.collectives += self.gradients.collectives_per_sum
         rows = fixed_point.from_slots(summed[-rows.numel() :]).reshape(rows.shape)
@@ -372,25 +403,6 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
         elif device.type != "cpu":  # another accelerator: every stream, as before
             torch.manual_seed(seed)
         yield
-
-
-class _Workspace:
-    """Buffers kept from step to step: a fresh multi-megabyte allocation per step costs
-    thousands of page faults (see optimization.py)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        #: The buffers, by name.
-        self.kept: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``shape`` (its first dimension may be larger: a prefix is returned)."""
-        kept = self.kept.get(name)
-        fits = kept is not None and kept.dtype == dtype and kept.shape[1:] == shape[1:]
-        if kept is None or not fits or kept.shape[0] < shape[0]:
-            kept = torch.empty(shape, dtype=dtype, device=self.device)
-            self.kept[name] = kept
-        return kept[: shape[0]]
 
 
 def _other_buffers(module: nn.Module, norms: NormStatistics) -> dict[str, torch.Tensor]:

@@ -1,0 +1,119 @@
+"""A fault-tolerant redo adds what a member carries from the abandoned attempt instead of
+computing its micro-batches again (reproducible/carried.py, ExactStep.unsent/carried): in one
+process, a step's gradients, BatchNorm statistics and loss are the same bits whether its
+micro-batches are computed in one attempt or split between a carried sum and a redo, also when
+the redo's gradients outgrow the kept scale (it passes over every micro-batch again)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nn_handler.config.training import ReproducibleConfig
+from nn_handler.data.fixed_batches import MicroBatch, StepBatch
+from nn_handler.distributed.communicator import NullCommunicator
+from nn_handler.training.reproducible.exact_step import ExactStep
+
+MICRO, SIZE = 4, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _batch(step: int, target: float = 0.0) -> StepBatch:
+    """Micro-batches (inputs, targets); ``target`` for the last two (large: their gradients
+    outgrow the scale the first two keep)."""
+    x = torch.randn(MICRO * SIZE, 5, generator=torch.Generator().manual_seed(step))
+    micro = tuple(
+        MicroBatch(
+            j, SIZE, (x[j * SIZE : (j + 1) * SIZE], torch.full((SIZE, 1), target * (j >= 2)))
+        )
+        for j in range(MICRO)
+    )
+    return StepBatch(step=step, micro=micro, samples=MICRO * SIZE)
+
+
+def _step(model: nn.Module) -> tuple[ExactStep, Any]:
+    config = ReproducibleConfig(global_batch_size=MICRO * SIZE, micro_batch_size=SIZE)
+    step = ExactStep(config, model, NullCommunicator(), torch.device("cpu"))
+    step.adopt(list(model.parameters()))
+
+    def forward_backward(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        loss = (model(inputs) - targets).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    return step, forward_backward
+
+
+def _state(step: ExactStep, loss: torch.Tensor) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in step.module.parameters()]  # type: ignore[union-attr]
+    return [*grads, *(b.clone() for b in step.module.buffers()), loss.clone()]
+
+
+@pytest.mark.parametrize("grow", [1.0, 1e6])
+def test_a_redo_that_adds_the_carried_sum_gives_the_bits_of_one_attempt(grow: float) -> None:
+    """grow 1e6: the redo's micro-batches' gradients outgrow the scale the first step kept, so
+    the step is rescaled: its second pass covers the carried micro-batches too."""
+    whole, split = _model(), _model()
+    one, fb_one = _step(whole)
+    two, fb_two = _step(split)
+    two.keeps_unsent = True
+    one.run(_batch(0), fb_one, 0)  # the first step sets the scales (nothing is carried)
+    two.run(_batch(0), fb_two, 0)
+    assert two.unsent is None or two.unsent.global_step == 0
+    batch = _batch(1, grow)
+    later = batch.micro
+    rescaled = one.rescaled_steps
+    expected = _state(one, one.run(batch, fb_one, 1))
+    assert one.rescaled_steps == rescaled + int(grow > 1)
+    before = copy.deepcopy(two.state_dict()), [b.clone() for b in split.buffers()]
+    two.run(StepBatch(step=1, micro=later[:2], samples=batch.samples), fb_two, 1)  # "failed"
+    carried = two.unsent
+    assert carried is not None and carried.indices() == [0, 1]
+    two.load_state_dict(before[0])  # what the fault-tolerant steps put back after an abort
+    for buffer, value in zip(split.buffers(), before[1], strict=True):
+        buffer.copy_(value)
+    two.carried = carried
+    rescaled = two.rescaled_steps
+    found = _state(
+        two, two.run(StepBatch(step=1, micro=later[2:], samples=batch.samples), fb_two, 1)
+    )
+    assert two.carried is None and two.unsent is not None and two.unsent.indices() == [0, 1, 2, 3]
+    assert two.rescaled_steps == rescaled + int(grow > 1)  # the redo was rescaled too
+    assert all(torch.equal(a, b) for a, b in zip(found, expected, strict=True))
+    # Without the carried sum the redo's bits differ (the test sees what it checks).
+    two.load_state_dict(before[0])
+    for buffer, value in zip(split.buffers(), before[1], strict=True):
+        buffer.copy_(value)
+    alone = _state(
+        two, two.run(StepBatch(step=1, micro=later[2:], samples=batch.samples), fb_two, 1)
+    )
+    assert not torch.equal(alone[0], expected[0])
+
+
+def test_a_carried_sum_of_another_step_or_scale_is_not_added() -> None:
+    model = _model()
+    step, forward_backward = _step(model)
+    step.keeps_unsent = True
+    step.run(_batch(0), forward_backward, 0)
+    step.run(_batch(1), forward_backward, 1)
+    carried = step.unsent
+    assert carried is not None
+    assert carried.fits(1, step.scale.exponents) and not carried.fits(2, step.scale.exponents)
+    assert not carried.fits(1, None) and not carried.fits(1, step.scale.exponents + 1)
+    step.carried = carried  # step 2's run: another step, so nothing is added
+    expected_model = _model()
+    expected, fb = _step(expected_model)
+    expected.load_state_dict(step.state_dict())
+    expected_model.load_state_dict(model.state_dict())
+    a = _state(step, step.run(_batch(2), forward_backward, 2))
+    b = _state(expected, expected.run(_batch(2), fb, 2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
