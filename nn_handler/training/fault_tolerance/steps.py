@@ -69,8 +69,8 @@ class FaultTolerantSteps:
         # This member's part of the step's last abandoned attempt's sum (an exact step's):
         # the redo adds it instead of computing its micro-batches again.
         self._carried: Any = None
-        if hasattr(exact, "keeps_unsent"):
-            exact.keeps_unsent = True
+        if getattr(exact, "carries_sums", False):
+            exact.keeps_unsent = True  # type: ignore[attr-defined]
         self.log = logger.bind(rank=0)
 
     def begin_fit(

@@ -60,6 +60,10 @@ class ExactStep:
             step whose gradients outgrew their scale (``rescaled_steps``).
     """
 
+    #: Whether a rank's part of a failed sum can be added to the step's redo (``carried``):
+    #: an integer sum's order does not change its bits.
+    carries_sums = True
+
     def __init__(
         self, config: ReproducibleConfig, module: nn.Module, comm: Communicator,
         device: torch.device,

@@ -20,6 +20,8 @@ from nn_handler.training.reproducible.exact_step import ExactStep, StepPasses
 class FloatStep(ExactStep):
     """ExactStep with a floating-point sum (see the module docstring)."""
 
+    carries_sums = False  # a float sum's bits depend on its order: a redo is done whole
+
     def _keep_maxima(self, row: torch.Tensor, parts: list[torch.Tensor], samples: int) -> None:
         """No scales: the per-tensor maxima are not needed (their slots stay zero)."""
 
