@@ -2,7 +2,9 @@
 computing its micro-batches again (reproducible/carried.py, ExactStep.unsent/carried): in one
 process, a step's gradients, BatchNorm statistics and loss are the same bits whether its
 micro-batches are computed in one attempt or split between a carried sum and a redo, also when
-the redo's gradients outgrow the kept scale (it passes over every micro-batch again)."""
+the redo's gradients outgrow the kept scale (it passes over every micro-batch again); and the
+redo deals out only the micro-batches no member carries (FaultTolerantSteps._share, with a
+test double of the members' sum)."""
 
 from __future__ import annotations
 
@@ -117,3 +119,63 @@ def test_a_carried_sum_of_another_step_or_scale_is_not_added() -> None:
     a = _state(step, step.run(_batch(2), forward_backward, 2))
     b = _state(expected, expected.run(_batch(2), fb, 2))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _Member:
+    """A Replica in a redo (``retried``) whose one other member carries ``theirs``."""
+
+    retried = True
+
+    def __init__(self, theirs: list[int], count: int) -> None:
+        self.communicator = self
+        self.theirs, self.count = theirs, count
+
+    def all_reduce_(self, held: torch.Tensor, op: str) -> torch.Tensor:
+        assert op == "sum"
+        for index in self.theirs:
+            held[index] += 1
+        return held
+
+
+def _redo(mine: list[int], theirs: list[int], rank: int) -> tuple[list[int], Any, Any]:
+    """FaultTolerantSteps._share for a member at ``rank`` of 2 carrying ``mine`` of step 1's
+    four micro-batches, the other member ``theirs``: the micro-batches it computes, the sum
+    it adds, the one it carried."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    model = _model()
+    step, forward_backward = _step(model)
+    batch = _batch(1)
+    step.run(_batch(0), forward_backward, 0)  # scales kept: a carried sum can fit
+    steps = FaultTolerantSteps(
+        FaultToleranceConfig(lighthouse="http://127.0.0.1:1"), step, step.comm
+    )
+    assert step.keeps_unsent  # asked for by the fault-tolerant steps
+    step.run(
+        StepBatch(step=1, micro=tuple(batch.micro[j] for j in mine), samples=16),
+        forward_backward,
+        1,
+    )
+    steps._carried = step.unsent
+    steps.replica = _Member(theirs, 2)
+    dealt = steps._share(batch, rank, 2, 1)
+    return [m.index for m in dealt], step.carried, steps._carried
+
+
+def test_a_redo_deals_out_only_the_micro_batches_no_member_carries() -> None:
+    """m0 (rank 0) carried 0 and 2, the other member 1: only 3 is dealt, to rank 0 (the
+    first of the redo's two members); rank 1 computes nothing new and adds its own."""
+    dealt, added, carried = _redo([0, 2], [1], rank=0)
+    assert dealt == [3] and added is carried and added.indices() == [0, 2]
+    dealt, added, carried = _redo([1], [0, 2], rank=1)
+    assert dealt == [] and added is carried and added.indices() == [1]
+
+
+def test_a_micro_batch_carried_twice_makes_the_redo_whole() -> None:
+    """Two members carrying the same micro-batch (never by construction: a guard): no carried
+    sum is added, and the whole step is dealt out again, the same on every member."""
+    dealt, added, _ = _redo([0, 2], [2, 3], rank=0)
+    assert dealt == [0, 2] and added is None
+    dealt, added, _ = _redo([0, 2], [2, 3], rank=1)
+    assert dealt == [1, 3] and added is None
