@@ -808,6 +808,53 @@ def test_an_abandoned_step_is_said_before_the_run_stops(lines: list[str]) -> Non
     assert len(said) == 1 and said[0].endswith("redone by the members left"), said
 
 
+class _FinishGone:
+    """A Replica whose Lighthouse is gone when the run's end is said."""
+
+    closed = False
+
+    def finish(self) -> None:
+        from nn_handler.errors import DistributedError
+
+        raise DistributedError("member m0: the run's end cannot be read (...): gone")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_completed_fit_whose_lighthouse_is_gone_still_ends_quietly() -> None:
+    """The training is done: a Lighthouse that cannot keep the run's end is no error, and the
+    member still leaves its run (closed); a fit that failed does not say the run ended."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    steps = FaultTolerantSteps(FaultToleranceConfig(**_FT), _Exact(), _OneRank())  # type: ignore[arg-type]
+    gone = _FinishGone()
+    steps.replica = gone
+    steps.end_fit(completed=True)
+    assert gone.closed and steps.replica is None
+    failed = _FinishGone()
+    failed.finish = lambda: pytest.fail("a failed fit said the run ended")  # type: ignore[method-assign]
+    steps.replica = failed
+    steps.end_fit(completed=False)
+    assert failed.closed
+
+
+def test_run_finished_is_a_quiet_exit_0_that_names_the_member_and_survives_pickling() -> None:
+    from nn_handler import RunFinished
+
+    finished = RunFinished("m5", 12, "http://127.0.0.1:29510")
+    assert isinstance(finished, SystemExit) and not isinstance(finished, Exception)
+    assert finished.code == 0 and "member m5: the run of the Lighthouse at http" in str(finished)
+    again = pickle.loads(pickle.dumps(finished))
+    assert (again.member, again.step, again.lighthouse, again.code) == (
+        "m5",
+        12,
+        finished.lighthouse,
+        0,
+    )
+
+
 def test_a_preemption_after_the_vote_waits_for_the_next_step_that_says_it_leaves() -> None:
     """A member stops only after a step whose vote said it leaves: a SIGTERM that comes after
     its vote holds the stop (the watch's ``hold``) until the next vote says so."""

@@ -252,6 +252,7 @@ class FaultTolerantSteps:
         for index in carried.indices() if carried is not None else ():
             held[where[index]] = 1
         self.replica.communicator.all_reduce_(held, "sum")
+        # (held is the host's: the members' group sums CPU tensors; a redo's, not a step's)
         if bool((held > 1).any()):  # a micro-batch carried twice: no carried sum is used
             held.zero_()
             carried = None
