@@ -20,6 +20,7 @@ from nn_handler.training.fault_tolerance.verdicts import (
     Verdicts,
     VerdictServer,
     VerdictStore,
+    abandoned,
 )
 
 
@@ -217,3 +218,17 @@ def test_a_vote_missing_is_an_abort_answered_once_and_a_voter_gone_is_no_error(
         raw.sendall(b'["vote", "3/0/0"]\n')
         refused = json.loads(raw.makefile("rb").readline())
     assert refused["error"].startswith("IndexError"), refused
+
+
+def test_a_step_with_an_abandoned_attempt_is_marked_and_a_committed_one_is_not(
+    served: tuple[VerdictServer, VerdictStore],
+) -> None:
+    """Replica.retried reads the mark: every member of a redo (a joiner's too) learns that
+    its step had an abandoned attempt, so all of them sum their carried micro-batches."""
+    _, store = served
+    assert store.vote("7/1/0", 1, True, "p", 1.0) == (True, "p", False)
+    assert not store.check([abandoned(7)])  # committed: no redo
+    assert store.vote("8/1/0", 1, False, "p", 1.0)[0] is False
+    assert store.check([abandoned(8)]) and not store.check([abandoned(7)])
+    assert store.vote("9/1/0", 2, True, "p", 0.2)[0] is False  # a vote missing: abort
+    assert store.check([abandoned(9)])
