@@ -122,9 +122,10 @@ def test_a_carried_sum_of_another_step_or_scale_is_not_added() -> None:
 
 
 class _Member:
-    """A Replica in a redo (``retried``) whose one other member carries ``theirs``."""
+    """A Replica in a redo (its members ``agreed``) whose one other member carries
+    ``theirs``."""
 
-    retried = True
+    agreed = True
 
     def __init__(self, theirs: list[int], count: int) -> None:
         self.communicator = self
@@ -179,3 +180,40 @@ def test_a_micro_batch_carried_twice_makes_the_redo_whole() -> None:
     assert dealt == [0, 2] and added is None
     dealt, added, _ = _redo([0, 2], [2, 3], rank=1)
     assert dealt == [1, 3] and added is None
+
+
+class _Recording(_Member):
+    """A Replica whose members were agreed, no other member carrying anything; its
+    exchanges recorded."""
+
+    def __init__(self) -> None:
+        super().__init__([], 2)
+        self.exchanges: list[torch.Tensor] = []
+
+    def all_reduce_(self, held: torch.Tensor, op: str) -> torch.Tensor:
+        self.exchanges.append(held.clone())
+        return super().all_reduce_(held, op)
+
+
+def test_an_agreed_attempt_with_nothing_carried_exchanges_and_deals_every_micro_batch() -> None:
+    """The exchange runs after every agreement (``Replica.agreed``), not only in a redo: two
+    members that read the step's past differently (a Lighthouse restarted between their
+    reads) still make the same collectives. With nothing carried on any member, every
+    micro-batch is dealt as in a first attempt; a step whose members were kept exchanges
+    nothing (no collective: the double would count one)."""
+    from nn_handler.config.fault_tolerance import FaultToleranceConfig
+    from nn_handler.training.fault_tolerance.steps import FaultTolerantSteps
+
+    model = _model()
+    step, forward_backward = _step(model)
+    step.run(_batch(0), forward_backward, 0)
+    steps = FaultTolerantSteps(
+        FaultToleranceConfig(lighthouse="http://127.0.0.1:1"), step, step.comm
+    )
+    member = _Recording()
+    steps.replica = member
+    assert [m.index for m in steps._share(_batch(1), 1, 2, 1)] == [1, 3]
+    assert len(member.exchanges) == 1 and not member.exchanges[0].any() and step.carried is None
+    member.agreed = False
+    assert [m.index for m in steps._share(_batch(1), 0, 2, 1)] == [0, 2]
+    assert len(member.exchanges) == 1  # none for a step whose members were kept

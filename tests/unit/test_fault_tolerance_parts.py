@@ -277,7 +277,9 @@ def test_a_lighthouse_that_cannot_listen_says_so_instead_of_waiting() -> None:
 
 
 class _NoVerdicts:
-    """The verdicts' store of a run with no step decided yet."""
+    """The verdicts' store of a run with no step decided yet (its Lighthouse never lost)."""
+
+    reconnects = 0
 
     def check(self, keys: list[str]) -> bool:
         return False
@@ -310,6 +312,7 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
     replica.manager = _OneMemberLeft()
     replica.member_id, replica.lighthouse, replica.timeout_s = "m0", "http://h:1", 1.0
     replica.failure, replica._verdicts, replica._quorum, replica._attempt = None, _GoneStore(), 7, 0
+    replica.quorum_timeout_s = 1.0
     gone = r"member m0: the verdict on step 41 cannot be read .* the Lighthouse at http://h:1"
     with pytest.raises(DistributedError, match=gone):
         replica.commit("batch 1 of its epoch")
@@ -338,6 +341,7 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
     from nn_handler.errors import DistributedError
     from nn_handler.training.fault_tolerance import Lighthouse
     from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
+    from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
     from nn_handler.training.fault_tolerance.replica import Replica
 
     with Lighthouse(min_members=1, join_timeout_s=1.0) as lighthouse:
@@ -345,7 +349,11 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
         replica.manager = _OneMemberLeft()
         replica.member_id, replica.lighthouse, replica.timeout_s = "m0", lighthouse.address, 1.0
         replica.failure, replica._quorum, replica._attempt = None, 7, 0
-        replica._verdicts = verdicts_of(lighthouse.address, 1.0)
+        # A stopped Lighthouse is retried for quorum_timeout_s (it may be restarted), then
+        # its first error stands.
+        replica.quorum_timeout_s = 1.0
+        store = verdicts_of(lighthouse.address, 1.0)
+        replica._verdicts = ReconnectingVerdicts(lighthouse.address, store, 1.0)
         assert replica.agree("run_id", "a1") == "a1"  # it answers while it runs
         os.kill(lighthouse.pid, signal.SIGSTOP)
         try:
@@ -681,15 +689,18 @@ class _EveryAgreementFails(_OneMemberLeft):
 
 
 class _Verdicts:
-    """A real verdicts' store (its server in this process, a member's client of it); its
-    values are the server's."""
+    """A real verdicts' store (its server in this process, a member's client of it, as a
+    Replica has); its values are the server's."""
 
     def __init__(self) -> None:
+        from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
         from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
 
         self.server = VerdictServer("127.0.0.1", 0)
         self.values = self.server.verdicts.values
-        self.client = VerdictStore("127.0.0.1", self.server.port, 10.0)
+        lighthouse = f"http://127.0.0.1:{self.server.port - 1}"  # its store is on port + 1
+        store = VerdictStore("127.0.0.1", self.server.port, 10.0)
+        self.client = ReconnectingVerdicts(lighthouse, store, 10.0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -723,7 +734,7 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
 class _Member:
     """A Replica at rank ``rank`` of ``members`` whose every attempt commits."""
 
-    step, retried = 0, False
+    step, agreed = 0, False
 
     def __init__(self, rank: int, members: int) -> None:
         self.rank, self.members = rank, members
@@ -780,7 +791,7 @@ def test_a_lighthouse_port_taken_is_named_and_its_store_port_let_go() -> None:
 class _AbandonedThenGone:
     """A Replica whose step is abandoned, after which the run cannot agree on its members."""
 
-    step, rank, members, run_position, retried = 41, 0, 2, "batch 1 of its epoch", False
+    step, rank, members, run_position, agreed = 41, 0, 2, "batch 1 of its epoch", False
 
     def next_attempt(self) -> None:
         from nn_handler.errors import DistributedError

@@ -20,7 +20,6 @@ from nn_handler.training.fault_tolerance.verdicts import (
     Verdicts,
     VerdictServer,
     VerdictStore,
-    abandoned,
 )
 
 
@@ -220,15 +219,22 @@ def test_a_vote_missing_is_an_abort_answered_once_and_a_voter_gone_is_no_error(
     assert refused["error"].startswith("IndexError"), refused
 
 
-def test_a_step_with_an_abandoned_attempt_is_marked_and_a_committed_one_is_not(
+def test_a_member_s_vote_sent_again_is_counted_once(
     served: tuple[VerdictServer, VerdictStore],
 ) -> None:
-    """Replica.retried reads the mark: every member of a redo (a joiner's too) learns that
-    its step had an abandoned attempt, so all of them sum their carried micro-batches."""
+    """A vote sent again (its connection lost, or its Lighthouse restarted:
+    ReconnectingVerdicts) counts once per member: a member cannot commit a step of two
+    members alone. Votes without a name (a test's) count each time."""
     _, store = served
-    assert store.vote("7/1/0", 1, True, "p", 1.0) == (True, "p", False)
-    assert not store.check([abandoned(7)])  # committed: no redo
-    assert store.vote("8/1/0", 1, False, "p", 1.0)[0] is False
-    assert store.check([abandoned(8)]) and not store.check([abandoned(7)])
-    assert store.vote("9/1/0", 2, True, "p", 0.2)[0] is False  # a vote missing: abort
-    assert store.check([abandoned(9)])
+    assert store.vote("7/1/0", 2, True, "p", 0.3, voter="m0")[0] is False  # m1 missing
+    assert store.vote("8/1/0", 2, True, "p", 0.2, voter="m0")[0] is False
+    assert store.vote("8/1/0", 2, True, "p", 0.2, voter="m0")[0] is False  # again: not m1
+    other = VerdictStore("127.0.0.1", served[0].port, 5.0)
+    try:
+        first = threading.Thread(target=lambda: store.vote("9/1/0", 2, True, "p", 5, voter="a"))
+        first.start()
+        assert other.vote("9/1/0", 2, True, "p", 5.0, voter="b") == (True, "p", False)
+        first.join()
+    finally:
+        other.close()
+    assert served[0].verdicts.values["9/1/0/done"] == "2"

@@ -8,6 +8,8 @@ What it relies on, beyond torchft's public ``Manager`` and ``ProcessGroupGloo``:
 
 - ``Manager._quorum_id`` (private): the Lighthouse's id of the quorum, read after each
   ``start_quorum``, and set to -1 after an abandoned step so the next builds a new group.
+- ``Manager._quorum_future`` (private): set to None after a quorum failed, so that the next
+  ``start_quorum`` asks again instead of raising that failure again.
 - ``ProcessGroup.configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
   (called by the Manager with these positional arguments; gone in 0.3): wrapped so that each
   attempt of a step gets a store prefix of its own.
@@ -72,6 +74,12 @@ def require_torchft() -> None:
         )
 
 
+def load_lighthouse() -> None:
+    """Import torchft's Lighthouse (a spare's, before it waits to listen)."""
+    require_torchft()
+    from torchft._torchft import LighthouseServer  # noqa: F401
+
+
 def lighthouse_server(
     bind: str, min_members: int, join_timeout_s: float, heartbeat_timeout_s: float
 ) -> Any:
@@ -87,9 +95,9 @@ def lighthouse_server(
     )
 
 
-def member_group(timeout: timedelta, attempt_of: Callable[[int], int]) -> Any:
+def member_group(timeout: timedelta, attempt_of: Callable[[int], str]) -> Any:
     """torchft's reconfigurable gloo group of a member, whose every configuration (a quorum's,
-    an attempt's) gets a store prefix of its own: ``attempt_of(quorum_id)`` is the step's
+    an attempt's) gets a store prefix of its own: ``attempt_of(quorum_id)`` names the step's
     attempt in that quorum. An abandoned attempt's group is never reused (torchft configures
     a group only when the quorum's id changes, and a step abandoned by members all alive
     keeps it), and the new one never meets the keys of the one before."""
@@ -126,6 +134,12 @@ def quorum_id(manager: Any) -> int:
 def forget_quorum(manager: Any) -> None:
     """Make the manager's next quorum configure a new group, even with the same members."""
     manager._quorum_id = -1
+
+
+def drop_failed_quorum(manager: Any) -> None:
+    """Let the manager ask for a quorum again after one failed (torchft's ``start_quorum``
+    raises the last one's error again otherwise)."""
+    manager._quorum_future = None
 
 
 class _NoFlightRecorder(logging.Filter):
@@ -175,8 +189,10 @@ __all__ = [
     "TORCHFT_SUPPORTED",
     "AllgatherOptions",
     "TCPStore",
+    "drop_failed_quorum",
     "forget_quorum",
     "lighthouse_server",
+    "load_lighthouse",
     "member_group",
     "member_manager",
     "quorum_id",

@@ -35,15 +35,24 @@ def member_fingerprint(run: Mapping[str, Any], module: nn.Module) -> dict[str, A
     }
 
 
-def join_the_run(member: str, mine: Mapping[str, Any], lighthouse: str, timeout_s: float) -> None:
+def fingerprint_text(mine: Mapping[str, Any]) -> str:
+    """``mine`` as the run's members compare it."""
+    return json.dumps(dict(mine), sort_keys=True, default=str)
+
+
+def join_the_run(
+    member: str, mine: Mapping[str, Any], lighthouse: str, timeout_s: float, wait_s: float = 0.0
+) -> None:
     """Agree on the run's fingerprint with the Lighthouse at ``lighthouse`` (the first
-    member's to propose one), before this member has a replica there (so no quorum ever
-    waits for a member that is refused); a ConfigError naming every field on which ``mine``
-    differs from it. Every member calls this before its first step."""
+    member's to propose one; reached within ``wait_s``: one being restarted), before this
+    member has a replica there (so no quorum ever waits for a member that is refused); a
+    ConfigError naming every field on which ``mine`` differs from it. Every member calls this
+    before its first step (and ``check_fingerprint`` after it: a Lighthouse restarted in
+    between learns the run's from its members)."""
     from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
 
-    proposal = json.dumps(dict(mine), sort_keys=True, default=str)
-    store = verdicts_of(lighthouse, timeout_s)
+    proposal = fingerprint_text(mine)
+    store = verdicts_of(lighthouse, timeout_s, wait_s)
     try:
         agreed = agreed_value(store, "fingerprint", proposal)
     except (RuntimeError, OSError) as error:
@@ -54,7 +63,13 @@ def join_the_run(member: str, mine: Mapping[str, Any], lighthouse: str, timeout_
         ) from error
     finally:
         store.close()
-    if agreed == proposal:
+    check_fingerprint(member, mine, agreed, lighthouse)
+
+
+def check_fingerprint(member: str, mine: Mapping[str, Any], agreed: str, lighthouse: str) -> None:
+    """A ConfigError naming every field on which ``mine`` differs from the run's
+    fingerprint ``agreed`` (none: nothing)."""
+    if agreed == fingerprint_text(mine):
         return
     try:
         run = json.loads(agreed)
@@ -70,4 +85,4 @@ def join_the_run(member: str, mine: Mapping[str, Any], lighthouse: str, timeout_
     )
 
 
-__all__ = ["join_the_run", "member_fingerprint"]
+__all__ = ["check_fingerprint", "fingerprint_text", "join_the_run", "member_fingerprint"]

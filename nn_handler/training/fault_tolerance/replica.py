@@ -24,19 +24,23 @@ reason to kill the others.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from nn_handler.errors import DistributedError, NNHandlerError, RunFinished
 from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
-from nn_handler.training.fault_tolerance.lighthouse import agreed_value, verdicts_of
-from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS, abandoned
+from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
+from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
+from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS
+
+Answer = TypeVar("Answer")
 
 
 class Replica:
@@ -49,14 +53,19 @@ class Replica:
         host: the address this member listens on and is reached at.
         timeout_s: the longest wait for a collective or a state transfer (a member silent
             that long is lost).
-        quorum_timeout_s: the longest wait for a step's members to be agreed.
+        quorum_timeout_s: the longest wait for a step's members to be agreed, and for a
+            Lighthouse that is gone to answer again at its address (restarted).
         init_sync: the members' first step gives every one the state of one of them (False:
             they start with the same state already).
     """
 
-    #: Whether an attempt of this step was abandoned before (the same on every member of the
-    #: attempt, a joiner's too, read at each agreement): the members may carry their sums.
-    retried: bool = False
+    #: Whether this attempt's members were agreed (a quorum: the run's first step, after an
+    #: abort or a join), not the last step's kept: the same on every member of the attempt
+    #: (the verdict says which, a joiner's always is), so that the members may exchange
+    #: what they carry from an abandoned attempt of the step (FaultTolerantSteps._share).
+    agreed: bool = True
+    #: The key of a verdict this member read that a restarted Lighthouse decided otherwise.
+    _diverged: str = ""
 
     def __init__(
         self,
@@ -82,10 +91,15 @@ class Replica:
         timeout = timedelta(seconds=timeout_s)
         # First: an address where no Lighthouse runs is named, with the fix (torchft's own
         # error is a RuntimeError that names neither).
-        self._verdicts = verdicts_of(lighthouse, timeout_s)
+        self._verdicts = ReconnectingVerdicts(
+            lighthouse,
+            verdicts_of(lighthouse, timeout_s, quorum_timeout_s),
+            quorum_timeout_s,
+            self._restored,
+        )
         # The replica group's own store (a group of one process): torchft's Manager needs one.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.group: Any = engine.member_group(timeout, self._first_undecided)
+        self.group: Any = engine.member_group(timeout, self._group_label)
         try:
             self.manager: Any = engine.member_manager(
                 host,
@@ -154,7 +168,7 @@ class Replica:
         start of each step after its first, redone ones included."""
         if self._next == "same":
             self._attempt = 0  # a new step: its first attempt, with the same members
-            self.retried = False
+            self.agreed = False
         else:
             self.begin_step(ask=self._next == "ask")
 
@@ -174,11 +188,8 @@ class Replica:
         less) while it waits."""
         if not ask:
             return self._agree(least, ask)
-        try:
-            self._raise_if_finished()
-            self._verdicts.add(JOINS, 1)
-        except (RuntimeError, OSError) as error:
-            raise self._gone("the run's members", error) from error
+        self._ask("the run's members", self._raise_if_finished)
+        self._ask("the run's members", lambda: self._verdicts.add(JOINS, 1))
         asked = threading.Event()
         threading.Thread(target=self._ask_again, args=(asked,), daemon=True).start()
         try:
@@ -190,10 +201,7 @@ class Replica:
         """The run's last step is committed: a member that starts after this learns it at
         once and leaves (``begin_step`` raises RunFinished). Every member may call this at the
         end of its run; the first one's step is kept."""
-        try:
-            self._verdicts.compare_set(FINISHED, "", str(self.step))
-        except (RuntimeError, OSError) as error:
-            raise self._gone("the run's end", error) from error
+        self._ask("the run's end", lambda: self._verdicts.compare_set(FINISHED, "", str(self.step)))
 
     def _raise_if_finished(self) -> None:
         """RunFinished if a member said the run's last step is committed (``finish``)."""
@@ -220,10 +228,7 @@ class Replica:
             before = self.step
             self._quorum_once()
             if asked:
-                try:
-                    self._raise_if_finished()
-                except (RuntimeError, OSError) as error:
-                    raise self._gone("the run's end", error) from error
+                self._ask("the run's end", self._raise_if_finished)
             failed = self.manager.errored()
             if failed is None and (self.step != before or self.members >= least):
                 return self.step != before
@@ -253,30 +258,42 @@ class Replica:
             time.sleep(min(0.5, self.quorum_timeout_s / 10))
 
     def _quorum_once(self) -> None:
+        """One quorum (torchft's), asked once the Lighthouse answers; asked again once if
+        the Lighthouse was restarted while it waited (torchft's request then waits out its
+        timeout: the new Lighthouse never heard of it)."""
         self.failure = None
-        try:
-            self.manager.start_quorum()
-            self._quorum = engine.quorum_id(self.manager)
-            self._attempt = self._first_undecided(self._quorum)
-            self._next = "same"
-        except NNHandlerError:  # ours: a state it cannot take
-            raise
-        except Exception as error:  # torchft's quorum timed out or its server failed
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise DistributedError(
-                f"member {self.member_id}: no agreement on the members of step {self.step} "
-                f"({type(error).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
-                f"gone, or fewer than min_members={self.min_members} members are left. The "
-                f"run cannot go on step by step: restart it from its latest checkpoint."
-            ) from error
+        for _ in range(2):
+            reconnects = self._verdicts.reconnects
+            self._ask("the run's members", lambda: self._verdicts.check([]))
+            try:
+                self.manager.start_quorum()
+                self._quorum = engine.quorum_id(self.manager)
+                self._attempt = self._first_undecided(self._quorum)
+                self._next, self.agreed = "same", True
+                return
+            except NNHandlerError:  # ours: a state it cannot take
+                raise
+            except Exception as error:  # torchft's quorum timed out or its server failed
+                failure = error
+            engine.drop_failed_quorum(self.manager)
+            self._ask("the run's members", lambda: self._verdicts.check([]))
+            if self._verdicts.reconnects == reconnects:
+                break  # the same Lighthouse all along: its answer stands
+        first = (str(failure).strip().splitlines() or [""])[0]
+        raise DistributedError(
+            f"member {self.member_id}: no agreement on the members of step {self.step} "
+            f"({type(failure).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
+            f"gone, or fewer than min_members={self.min_members} members are left. The "
+            f"run cannot go on step by step: restart it from its latest checkpoint."
+        ) from failure
 
     def agree(self, name: str, proposal: str) -> str:
         """The value of ``name`` for the whole run: the first member's to propose one (this
         one's is ``proposal``), kept by the Lighthouse's store while it lives."""
-        try:
-            return agreed_value(self._verdicts, name, proposal)
-        except (RuntimeError, OSError) as error:
-            raise self._gone(f"the run's {name}", error) from error
+        key = f"agreed/{name}"
+        return self._ask(
+            f"the run's {name}", lambda: self._verdicts.compare_set(key, "", proposal).decode()
+        )
 
     def lost(self, error: BaseException) -> None:
         """A collective of this step failed: the step will not be committed. The group is
@@ -314,39 +331,70 @@ class Replica:
         """This step's attempt in ``quorum``: the first without a verdict. Every member of the
         quorum asked for it after the verdicts of the earlier attempts were written (it read
         them, or they were written without its vote), so every member finds the same one."""
-        attempt, key = 0, f"{self.step}/{quorum}"
-        try:
-            while self._verdicts.check([f"{key}/{attempt}/verdict"]):
-                attempt += 1
-            self.retried = self._verdicts.check([abandoned(self.step)])
-        except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
-            raise self._gone("the verdicts", error) from error
+        key = f"{self.step}/{quorum}"
+
+        def decided(attempt: int) -> bool:
+            return self._verdicts.check([f"{key}/{attempt}/verdict"])
+
+        attempt = 0
+        while self._ask("the verdicts", functools.partial(decided, attempt)):
+            attempt += 1
         return attempt
+
+    def _group_label(self, quorum: int) -> str:
+        """The store prefix of the group of this step's attempt in ``quorum`` (two members
+        that read it differently, a Lighthouse restarted between their reads, never form a
+        group: the attempt fails, and is agreed again)."""
+        return str(self._first_undecided(quorum))
 
     def _vote(self, position: str, leaving: bool = False) -> bool:
         """This member's vote on this attempt of the step (done, or abort after a failure)
         and the run's verdict, in one request: commit when every member voted done at the
         same place in the data, abort when one failed or a vote is missing after
         ``timeout_s`` (the first verdict decided stands)."""
-        key = f"{self.step}/{self._quorum}/{self._attempt}"
-        try:
-            committed, self.run_position, again = self._verdicts.vote(
-                key, self.members, self.failure is None, position, self.timeout_s, leaving
-            )
-            self._next = "same" if committed and not again else "agree" if committed else "ask"
-        except (RuntimeError, OSError) as error:  # the store is gone with its Lighthouse
-            raise self._gone(f"the verdict on step {self.step}", error) from error
+        key, done = f"{self.step}/{self._quorum}/{self._attempt}", self.failure is None
+        committed, self.run_position, again = self._ask(
+            f"the verdict on step {self.step}",
+            lambda: self._verdicts.vote(
+                key, self.members, done, position, self.timeout_s, leaving, self.member_id
+            ),
+        )
+        self._next = "same" if committed and not again else "agree" if committed else "ask"
         if not committed:  # a new group for the next attempt, even with the same members
             engine.forget_quorum(self.manager)
         return committed
 
-    def _gone(self, what: str, error: BaseException) -> DistributedError:
-        first = (str(error).strip().splitlines() or [""])[0]  # not torch's C++ frames
-        return DistributedError(
-            f"member {self.member_id}: {what} cannot be read ({type(error).__name__}: "
-            f"{first}): the Lighthouse at {self.lighthouse} is gone. The run cannot go on "
-            f"step by step: restart it from its latest checkpoint."
-        )
+    def _ask(self, what: str, request: Callable[[], Answer]) -> Answer:
+        """``request``'s answer from the verdicts' store (``what``: what it reads, for its
+        error): a DistributedError once no Lighthouse answered for ``quorum_timeout_s``, or
+        once a restarted one decided otherwise a verdict this member read (``_restored``)."""
+        try:
+            answer = request()
+        except NNHandlerError:
+            raise
+        except (RuntimeError, OSError) as error:
+            first = (str(error).strip().splitlines() or [""])[0]  # not torch's C++ frames
+            raise DistributedError(
+                f"member {self.member_id}: {what} cannot be read ({type(error).__name__}: "
+                f"{first}): the Lighthouse at {self.lighthouse} is gone (no answer there for "
+                f"{self.quorum_timeout_s:g} s). The run cannot go on step by step: restart "
+                f"it from its latest checkpoint."
+            ) from error
+        if self._diverged:
+            raise DistributedError(
+                f"member {self.member_id}: the Lighthouse at {self.lighthouse} was restarted "
+                f"and the run decided {self._diverged} otherwise than this member read it "
+                f"(every other member that read it was lost): this member left the run's "
+                f"bits, and leaves. Restart it: it joins the run with a live member's state."
+            )
+        return answer
+
+    def _restored(self, differing: list[str]) -> None:
+        """A Lighthouse answered again after it was lost (restarted): the next quorum builds
+        a new group whatever its id (the new Lighthouse counts from the start); a verdict it
+        holds that differs from this member's is kept to be said (``_ask``)."""
+        engine.forget_quorum(self.manager)
+        self._diverged = next((key for key in differing if key.endswith("/verdict")), "")
 
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""

@@ -19,7 +19,12 @@ from nn_handler.config.fault_tolerance import FaultToleranceConfig
 from nn_handler.data.fixed_batches import MicroBatch, StepBatch, owns
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError, DistributedError, PeerLostError, RunFinished
-from nn_handler.training.fault_tolerance.membership import join_the_run, member_fingerprint
+from nn_handler.training.fault_tolerance.membership import (
+    check_fingerprint,
+    fingerprint_text,
+    join_the_run,
+    member_fingerprint,
+)
 
 
 class SummedStep(Protocol):
@@ -102,7 +107,9 @@ class FaultTolerantSteps:
         self._load, self._in_loop, self._emergency = load, False, emergency
         self._leaving = leaving
         mine = member_fingerprint(fingerprint or {}, self.exact.module)
-        join_the_run(self.member_id, mine, config.lighthouse, config.timeout_s)
+        join_the_run(
+            self.member_id, mine, config.lighthouse, config.timeout_s, config.quorum_timeout_s
+        )
         self.replica = replica = Replica(
             config.lighthouse,
             self.member_id,
@@ -123,6 +130,14 @@ class FaultTolerantSteps:
             self.log.info("{}", finished)
             raise
         self._members = replica.members
+        # Again with the run's members (the Lighthouse may have been restarted since, and a
+        # restarted one learns the run's fingerprint from them): refused now, it leaves.
+        agreed = replica.agree("fingerprint", fingerprint_text(mine))
+        try:
+            check_fingerprint(self.member_id, mine, agreed, config.lighthouse)
+        except ConfigError:
+            self.end_fit()
+            raise
         if own_run is not None:
             self.run_id = own_run(replica.agree("run_id", own_run(None)))
         self.writes = replica.rank == 0
@@ -236,12 +251,14 @@ class FaultTolerantSteps:
         self, batch: StepBatch, rank: int | None, members: int, global_step: int
     ) -> tuple[MicroBatch, ...]:
         """This member's micro-batches of the attempt: micro-batch ``j`` on member ``j %
-        members``. In a redo of an abandoned attempt (``Replica.retried``, the same on every
-        member) of an exact step, the members first sum which micro-batches each carries
-        from it (one small collective): only the others are dealt out, in order, and each
-        member's carried sum goes into this attempt's (``ExactStep.carried``)."""
+        members``. In an attempt whose members were agreed (``Replica.agreed``: a redo of an
+        abandoned attempt is one; the same on every member, a joiner's too) of an exact step,
+        the members first sum which micro-batches each carries from an abandoned attempt of
+        the step (one small collective, none in a step whose members were kept): only the
+        others are dealt out, in order, and each member's carried sum goes into this
+        attempt's (``ExactStep.carried``)."""
         trains = rank is not None and rank < members
-        if not (self.replica.retried and getattr(self.exact, "keeps_unsent", False)):
+        if not (self.replica.agreed and getattr(self.exact, "keeps_unsent", False)):
             return tuple(m for m in batch.micro if trains and owns(m.index, rank or 0, members))
         carried = self._carried
         exponents = self.exact.state_dict().get("exponents")

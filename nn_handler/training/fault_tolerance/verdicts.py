@@ -25,13 +25,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-
-def abandoned(step: int | str) -> str:
-    """The key set once an attempt of ``step`` is abandoned: its next attempts are redone
-    (and members may carry their sums of an abandoned one: Replica.retried)."""
-    return f"{step}/abandoned"
-
-
 #: How long the server waits for a key a ``get`` asks for before it answers without it.
 GET_WAIT_S = 30.0
 #: The counter a member adds 1 to before it asks to join the run's members.
@@ -84,9 +77,33 @@ class Verdicts:
                 return values[key]
             if op == "vote":
                 leaving = len(args) > 5 and args[5] is True  # JSON's true, nothing else
+                voter = str(args[6]) if len(args) > 6 else ""
                 return self._vote(str(args[0]), int(args[1]), args[2] is True, str(args[3]),
-                                  float(args[4]), leaving, reply)  # fmt: skip
+                                  float(args[4]), leaving, voter, reply)  # fmt: skip
+            if op == "restore":
+                return self._restore({str(key): str(value) for key, value in args[0].items()})
             raise KeyError(f"no request {op!r}")
+
+    def _restore(self, known: dict[str, str]) -> list[str]:
+        """What a member knows of the run, told to a store that may have restarted (a new
+        Lighthouse process: ``ReconnectingVerdicts``): each key not set is set; the run's
+        agreed values (``agreed/``) are set whatever this store holds (a member of the run
+        knows them, a joiner may have proposed its own first); a verdict set makes its
+        attempt decided (its voters still waiting are answered). The answer: the keys whose
+        value here differs from the member's (a verdict that differs: that member left the
+        run's bits). Called under the lock."""
+        values, differing = self.values, []
+        for key, value in known.items():
+            if key.startswith("agreed/"):
+                values[key] = value
+            elif values.setdefault(key, value) != value:
+                differing.append(key)
+        for key in known:
+            attempt = key.removesuffix("/verdict")
+            if key.endswith("/verdict") and f"{attempt}/position" in values:
+                self._decided(attempt)
+        self.changed.notify_all()
+        return differing
 
     def _vote(
         self,
@@ -96,10 +113,12 @@ class Verdicts:
         position: str,
         wait_s: float,
         leaving: bool,
+        voter: str,
         reply: Callable[[Any], None] | None,
     ) -> Any:
         """One member's vote on ``attempt`` (``step/quorum/attempt``) of a step of ``members``
-        members (``leaving``: it leaves the run after this step, preempted); waits up to
+        members (``leaving``: it leaves the run after this step, preempted; ``voter``: its
+        name, so that a vote sent again after a lost connection is counted once); waits up to
         ``wait_s`` for the verdict (then decides abort). The answer: [verdict, the run's place
         in the data (the first voter's), whether the next step agrees on its members: after an
         abort, a join asked since the last commit, or a member leaving]. Called under the
@@ -111,8 +130,11 @@ class Verdicts:
         if not done or position != run_position:
             values.setdefault(verdict, "abort")
         else:
-            votes = int(values.get(f"{attempt}/done", "0")) + 1
-            values[f"{attempt}/done"] = str(votes)
+            votes, counted = int(values.get(f"{attempt}/done", "0")), f"{attempt}/done/{voter}"
+            if not voter or counted not in values:  # a vote sent again is counted once
+                votes += 1
+                values[f"{attempt}/done"] = str(votes)
+                values[counted] = "True"
             if votes >= members and verdict not in values:
                 values[verdict] = "commit"
                 joins = values.get(JOINS, "0")  # a join asked since the last commit: agree
@@ -135,8 +157,6 @@ class Verdicts:
         """The verdict of ``attempt``, just decided or read: every voter still waiting is
         answered (then woken), and this request's answer returned."""
         answer = self._verdict_of(attempt)
-        if answer[0] != "commit":  # the step is redone: its next attempts carry sums
-            self.values[abandoned(attempt.split("/")[0])] = "True"
         for reply in self._waiting.pop(attempt, []):
             reply(answer)
         self.changed.notify_all()
@@ -210,17 +230,25 @@ class VerdictStore:
         position: str,
         wait_s: float,
         leaving: bool = False,
+        voter: str = "",
     ) -> tuple[bool, str, bool]:
         """This member's vote on ``attempt`` and the run's verdict (Verdicts._vote): (commit,
         the run's place in the data, whether the next step agrees on its members again). The
-        request is bounded by ``wait_s`` + VOTE_MARGIN_S."""
+        request is bounded by ``wait_s`` + VOTE_MARGIN_S. ``voter``: this member's name (its
+        vote sent again is counted once)."""
         self._socket.settimeout(wait_s + VOTE_MARGIN_S)
         try:
             verdict, position_of_run, again = self._request("vote", attempt, members, done,
-                                                            position, wait_s, leaving)  # fmt: skip
+                                                            position, wait_s, leaving,
+                                                            voter)  # fmt: skip
         finally:
             self._socket.settimeout(self.timeout_s)
         return verdict == "commit", str(position_of_run), again is True
+
+    def restore(self, known: dict[str, str]) -> list[str]:
+        """Tell the store what this member knows of the run (Verdicts._restore); the keys
+        whose value there differs."""
+        return [str(key) for key in self._request("restore", known)]
 
     def close(self) -> None:
         with self._lock:
@@ -293,5 +321,4 @@ __all__ = [
     "VerdictServer",
     "VerdictStore",
     "Verdicts",
-    "abandoned",
 ]
