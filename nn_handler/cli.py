@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     lighthouse.add_argument("--min-members", type=_positive_int, default=1)
     lighthouse.add_argument("--join-timeout-s", type=float, default=60.0)
     lighthouse.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    lighthouse.add_argument(
+        "--standby",
+        action="store_true",
+        help="load, then wait for a line on stdin before listening (a warm spare for a "
+        "restart at the same address)",
+    )
     supervise = commands.add_parser(
         "supervise",
         help="run a fault-tolerant run's members on this machine, restarting only a dead one",
@@ -266,7 +272,14 @@ def run_lighthouse(args: argparse.Namespace) -> int:
     from nn_handler.training.fault_tolerance.lighthouse import serve
 
     try:
-        serve(args.host, args.port, args.min_members, args.join_timeout_s, args.heartbeat_timeout_s)
+        serve(
+            args.host,
+            args.port,
+            args.min_members,
+            args.join_timeout_s,
+            args.heartbeat_timeout_s,
+            standby=args.standby,
+        )
     except (ConfigError, RuntimeError, OSError) as error:
         print(f"nn-handler lighthouse: {error}", file=sys.stderr)
         return 1

@@ -406,8 +406,8 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_supervisor_killed_with_sigkill_leaves_no_lighthouse_and_no_member_behind() -> None:
     """Issue 69's third bug: `nn-handler supervise` SIGKILLed (no cleanup of its own runs) left
-    its Lighthouse, re-parented to PID 1, running on. Its three children (the Lighthouse and
-    two members that would sleep for two minutes) end within seconds of it."""
+    its Lighthouse, re-parented to PID 1, running on. Its four children (the Lighthouse, its
+    loaded spare and two members that would sleep for two minutes) end within seconds of it."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "{member}", "{lighthouse}"]
     command = [sys.executable, "-m", "nn_handler.cli", "supervise", "--members", "2", "--",
                *sleeper]  # fmt: skip
@@ -418,9 +418,9 @@ def test_a_supervisor_killed_with_sigkill_leaves_no_lighthouse_and_no_member_beh
     )  # fmt: skip
     try:
         deadline = time.monotonic() + scaled(60)
-        while len(children := _children(supervisor.pid)) < 3 and time.monotonic() < deadline:
+        while len(children := _children(supervisor.pid)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(children) == 3, children  # the Lighthouse, then its two members
+        assert len(children) == 4, children  # the Lighthouse, its spare, its two members
         supervisor.kill()
         supervisor.wait()
         deadline = time.monotonic() + scaled(15)

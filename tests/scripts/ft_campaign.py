@@ -1,15 +1,17 @@
 """A kill campaign against per-step fault tolerance (tests/scripts/ft_member.py's members of
 tests/ft_helpers.py's exact problem, a Lighthouse process): seeded kills at random moments,
 SIGKILL (a death) or SIGSTOP (a hang, killed once it is left out), each member replaced by a
-new one that joins the run going on. Reports the recoveries, the steps redone, the catch-ups
-(a live member left out of a step's quorum, given the state at the next), and the time from
-each kill to the first committed step its victim cannot have been part of (p50, p95, for deaths
-and hangs), and checks that every member that finished holds the bits of a run that never
-failed, every step committed with all its samples (by the members killed later too) and no
-member committing one twice.
+new one that joins the run going on; or a SIGKILL of the Lighthouse, started again at its
+address at once from its loaded spare (as ``nn-handler supervise`` does). Reports the
+recoveries, the steps redone, the catch-ups (a live member left out of a step's quorum, given
+the state at the next), the time from each member's kill to the first committed step its
+victim cannot have been part of (p50, p95, for deaths and hangs) and from each Lighthouse's
+kill to the run's next commit, and checks that every member that finished holds the bits of a
+run that never failed, every step committed with all its samples (by the members killed later
+too) and no member committing one twice.
 
 Usage: python tests/scripts/ft_campaign.py [--kills 30] [--seed 51] [--members 4]
-       [--hang-share 0.2] [--out report.json]
+       [--hang-share 0.2] [--lighthouse-share 0.2] [--out report.json]
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str, Any]:
+def campaign(
+    kills: int, seed: int, members: int, hang_share: float, lighthouse_share: float = 0.0
+) -> dict[str, Any]:
     rng = random.Random(seed)
     steps = int(kills * 3.0 / STEP_S)  # about 3 s of steps per kill
     run = Path(tempfile.mkdtemp(prefix="ft-campaign-"))
@@ -68,7 +72,7 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
 
     started = time.time()
     with Lighthouse(
-        min_members=2, join_timeout_s=JOIN_S, heartbeat_timeout_s=HEARTBEAT_S
+        min_members=2, join_timeout_s=JOIN_S, heartbeat_timeout_s=HEARTBEAT_S, standby=True
     ) as lighthouse:
         for i in range(members):
             start(f"m{i}", members)
@@ -76,6 +80,11 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
             time.sleep(0.05)
         for n in range(kills):
             time.sleep(rng.uniform(1.5, 3.0))
+            if rng.random() < lighthouse_share:  # the coordinator, restarted at once
+                events.append({"member": "", "kind": "lighthouse", "time": time.time()})
+                lighthouse.kill()
+                lighthouse.restart()
+                continue
             live = [m for m, p in procs.items() if p.poll() is None and m not in _stopped(events)]
             victim = rng.choice(sorted(live))
             hang = rng.random() < hang_share
@@ -98,9 +107,10 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
         sum(b != a + 1 for a, b in itertools.pairwise(own))
         for own in ([e[0] for e in r["ledger"]] for r in finished.values())
     )
-    latency: dict[str, list[float]] = {"death": [], "hang": []}
+    latency: dict[str, list[float]] = {"death": [], "hang": [], "lighthouse": []}
     for event in events:
-        recovered = recovery_s(event, at.get(event["member"], -1), commits)
+        victim_at = at.get(event["member"], -1)  # a Lighthouse's kill: any later commit
+        recovered = recovery_s(event, victim_at, commits)
         if recovered is not None:
             latency[event["kind"]].append(recovered)
     return {
@@ -108,6 +118,7 @@ def campaign(kills: int, seed: int, members: int, hang_share: float) -> dict[str
         "members": members,
         "kills": len(events),
         "hangs": sum(e["kind"] == "hang" for e in events),
+        "lighthouse_kills": sum(e["kind"] == "lighthouse" for e in events),
         "steps": steps,
         "recoveries": sum(len(v) for v in latency.values()),
         "steps_redone": max((r["redone"] for r in finished.values()), default=0),
@@ -198,9 +209,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=51)
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--hang-share", type=float, default=0.2)
+    parser.add_argument("--lighthouse-share", type=float, default=0.2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    report = campaign(args.kills, args.seed, args.members, args.hang_share)
+    report = campaign(args.kills, args.seed, args.members, args.hang_share, args.lighthouse_share)
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

@@ -3,8 +3,11 @@ from their heartbeats (torchft's Lighthouse, on port N) and records each step's 
 or abort, once for all of them (its verdicts' store on port N+1, verdicts.py: the first
 verdict written stands, so no member commits a step another abandons). It runs in a process
 of its own (``nn-handler lighthouse``, or ``Lighthouse`` starting one), never in a member that
-can die: with it gone the members cannot agree on a step and each stops with an error that
-says so (the run then restarts from its latest checkpoint)."""
+can die. Killed, it can be started again at the same address (``nn-handler supervise`` does,
+``Lighthouse.restart``): the members wait for it up to their ``quorum_timeout_s`` and carry on
+through the new one, which learns the quorum from their heartbeats and the run's state from
+the members themselves (reconnecting.py); gone for longer, every member stops with an error
+that says so (the run then restarts from its latest checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,11 +17,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import IO
 
 from nn_handler.errors import DistributedError
-from nn_handler.training.fault_tolerance.engine import lighthouse_server, require_torchft
+from nn_handler.training.fault_tolerance.engine import (
+    lighthouse_server,
+    load_lighthouse,
+    require_torchft,
+)
 from nn_handler.training.fault_tolerance.orphans import ending_with_this_process
 from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
 
@@ -27,13 +35,25 @@ READY = "nn_handler lighthouse listening on "
 
 
 def serve(
-    host: str, port: int, min_members: int, join_timeout_s: float, heartbeat_timeout_s: float
+    host: str,
+    port: int,
+    min_members: int,
+    join_timeout_s: float,
+    heartbeat_timeout_s: float,
+    standby: bool = False,
 ) -> None:
     """Run the Lighthouse on ``host``:``port`` and its verdicts' store on ``port`` + 1 until
     this process is stopped (``port`` 0: two free ones); prints ``READY`` and its address
-    first (torchft names it by the machine's hostname; members dial the host it bound)."""
+    first (torchft names it by the machine's hostname; members dial the host it bound).
+    ``standby``: first wait for a line on stdin (its end: return), everything loaded."""
     require_torchft()
-    for _ in range(50 if port == 0 else 1):
+    if standby:
+        load_lighthouse()  # everything loaded before the wait
+        if not sys.stdin.readline():
+            return
+    # A free port is tried again elsewhere; a given one (a restart) again for a few seconds,
+    # while the process that held it ends.
+    for _ in range(50):
         quorum = port or _free_port(host)
         store: VerdictServer | None = None
         try:
@@ -45,6 +65,7 @@ def serve(
             if store is not None:
                 store.close()
             failure = error
+            time.sleep(0 if port == 0 else 0.1)
             continue
         print(f"{READY}http://{host}:{quorum}", flush=True)
         serving = (server, store)  # held: they serve until the process ends
@@ -59,22 +80,33 @@ def agreed_value(store: VerdictStore, name: str, proposal: str) -> str:
     return store.compare_set(f"agreed/{name}", "", proposal).decode()
 
 
-def verdicts_of(lighthouse: str, timeout_s: float) -> VerdictStore:
+def verdicts_of(lighthouse: str, timeout_s: float, wait_s: float = 0.0) -> VerdictStore:
     """A client of the verdicts' store of the Lighthouse at ``lighthouse``, every request
     bounded by ``timeout_s``; its first request made now (a stopped Lighthouse accepts the
-    connection and answers nothing)."""
+    connection and answers nothing), tried again for up to ``wait_s`` (a Lighthouse being
+    restarted there: ``nn-handler supervise``'s)."""
     host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
-    try:
-        store = VerdictStore(host, int(port) + 1, timeout_s)
-        store.check([])
-    except OSError as error:
-        raise DistributedError(
-            f"cannot reach the Lighthouse's verdicts at {host}:{int(port) + 1} within "
-            f"{timeout_s:g} s ({error or type(error).__name__}): is `nn-handler lighthouse "
-            f"--port {port}` running there, and is fault_tolerance.lighthouse ({lighthouse}) "
-            f"its address?"
-        ) from None
-    return store
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            store = VerdictStore(host, int(port) + 1, timeout_s)
+        except OSError as error:
+            failure = error
+        else:
+            try:
+                store.check([])
+                return store
+            except OSError as error:
+                store.close()
+                failure = error
+        if time.monotonic() >= deadline:
+            raise DistributedError(
+                f"cannot reach the Lighthouse's verdicts at {host}:{int(port) + 1} within "
+                f"{max(timeout_s, wait_s):g} s ({failure or type(failure).__name__}): is "
+                f"`nn-handler lighthouse --port {port}` running there, and is "
+                f"fault_tolerance.lighthouse ({lighthouse}) its address?"
+            ) from None
+        time.sleep(0.1)
 
 
 def _free_port(host: str) -> int:
@@ -93,6 +125,8 @@ class Lighthouse:
             is dropped once its heartbeats stop). torchft's default, 60 s.
         heartbeat_timeout_s: a member silent that long is left out of the next step.
         start_timeout_s: how long it may take to start.
+        standby: keep a second process loaded beside it, that ``restart`` starts listening
+            at once (0.1 s, not the 1.5 s of a new interpreter that imports torch).
     Its log is the child's stderr (this process's); torchft's per-step lines are left out
     unless ``RUST_LOG`` asks for them. It ends with the thread that made it (on Linux also
     when this process is SIGKILLed: ``orphans.ending_with_this_process``).
@@ -107,17 +141,13 @@ class Lighthouse:
         join_timeout_s: float = 60.0,
         heartbeat_timeout_s: float = 1.0,
         start_timeout_s: float = 30.0,
+        standby: bool = False,
     ) -> None:
         require_torchft()
-        command = [sys.executable, "-m", "nn_handler.cli", "lighthouse", "--host", host,
-                   "--port", str(port), "--min-members", str(min_members),
-                   "--join-timeout-s", str(join_timeout_s),
-                   "--heartbeat-timeout-s", str(heartbeat_timeout_s)]  # fmt: skip
-        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        self._process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, text=True, env=env,
-            preexec_fn=ending_with_this_process(),  # not left running if this one is killed
-        )  # fmt: skip
+        self._settings = (host, min_members, join_timeout_s, heartbeat_timeout_s)
+        self.start_timeout_s = start_timeout_s
+        self._process = self._start(port)
+        self._spare: subprocess.Popen[str] | None = None
         line = _first_line(self._process.stdout, start_timeout_s)
         if not line.startswith(READY):
             self.kill()
@@ -127,13 +157,65 @@ class Lighthouse:
             )
         self.address = line[len(READY) :].strip()
         self.port = int(self.address.rsplit(":", 1)[1])
+        if standby:
+            self._spare = self._start(self.port, standby=True)
+
+    def _start(self, port: int, standby: bool = False) -> subprocess.Popen[str]:
+        host, min_members, join_timeout_s, heartbeat_timeout_s = self._settings
+        command = [sys.executable, "-m", "nn_handler.cli", "lighthouse", "--host", host,
+                   "--port", str(port), "--min-members", str(min_members),
+                   "--join-timeout-s", str(join_timeout_s),
+                   "--heartbeat-timeout-s", str(heartbeat_timeout_s)]  # fmt: skip
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        # (preexec_fn: not left running if this process is killed)
+        return subprocess.Popen(
+            [*command, "--standby"] if standby else command,
+            stdin=subprocess.PIPE if standby else None, stdout=subprocess.PIPE, text=True,
+            env=env, preexec_fn=ending_with_this_process(),
+        )  # fmt: skip
 
     @property
     def pid(self) -> int:
         return self._process.pid
 
+    def poll(self) -> int | None:
+        """Its exit status once it ended (None while it runs)."""
+        return self._process.poll()
+
+    def restart(self) -> None:
+        """Start it again at the same address, once it ended (killed, or its process lost):
+        the members carry on through the new one (reconnecting.py). A DistributedError if
+        it does not listen there within ``start_timeout_s``."""
+        if self._process.poll() is None:
+            raise DistributedError(f"the Lighthouse at {self.address} still runs: not restarted")
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is None and spare.stdin is not None:
+            spare.stdin.write("\n")  # listen now
+            spare.stdin.flush()
+            self._process = spare
+        else:
+            self._process = self._start(self.port)
+        line = _first_line(self._process.stdout, self.start_timeout_s)
+        if line.strip() != f"{READY}{self.address}":
+            self.kill()
+            raise DistributedError(
+                f"the Lighthouse did not start again at {self.address} within "
+                f"{self.start_timeout_s:g} s (exit {self._process.poll()}; its errors are "
+                f"above): the members stop once their quorum_timeout_s passes."
+            )
+        if spare is not None:
+            self._spare = self._start(self.port, standby=True)
+
     def close(self) -> None:
-        """Stop it (members then fail their next quorum). Idempotent."""
+        """Stop it and its spare (members then fail their next quorum). Idempotent."""
+        if self._spare is not None:
+            self._spare.kill()  # it never listened: nothing to end cleanly
+            self._spare.wait()
+            for stream in (self._spare.stdin, self._spare.stdout):
+                if stream is not None:
+                    stream.close()
         if self._process.poll() is None:
             self._process.terminate()
             try:
