@@ -134,3 +134,41 @@ def test_a_lighthouse_a_cluster_restarts_after_a_member_died_lets_the_others_go_
     assert codes == {"m0": 0, "m1": -signal.SIGKILL, "m2": 0}, members.logs()
     reports = _reports(tmp_path, ["m0", "m2"], steps)
     assert reports["m0"]["redone"] or reports["m2"]["redone"], members.logs()  # step 8 again
+
+
+def test_a_quorum_in_flight_when_its_lighthouse_dies_is_asked_again_of_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """m0 and m1 wait before step 6; m2 asks to join and its request for a quorum is at the
+    Lighthouse (which waits for the others) when the Lighthouse is killed and restarted at
+    once. torchft's server would wait out the request's timeout (5 s) without asking the new
+    Lighthouse; the member sends its request again there: once the others are released, m2
+    joins within a second or two, not after 5 s, and all end with the unfailed bits."""
+    steps, hold = 40, 6
+    deadline = time.monotonic() + scaled(90)
+    lighthouse = Lighthouse(
+        min_members=1, join_timeout_s=10.0, heartbeat_timeout_s=1.0, standby=True
+    )
+    with lighthouse, _Members(lighthouse.address, tmp_path) as members:
+        for member in ("m0", "m1"):
+            members.start(member, 2, hold=(hold,), least=1, FT_STEPS=str(steps), FT_STEP_S="0.1")
+        members.wait_for("m0", hold, deadline)
+        now = tmp_path / "now"
+        now.touch()  # its quorum asked at once (and m2.asked made just before)
+        members.start("m2", 0, least=1, FT_STEPS=str(steps), FT_STEP_S="0.1",
+                      FT_QUORUM_AFTER=str(now))  # fmt: skip
+        while not (tmp_path / "m2.asked").exists():
+            assert time.monotonic() < deadline, f"m2 never asked:\n{members.logs()}"
+            time.sleep(0.01)
+        time.sleep(0.5)  # its request at the Lighthouse, which waits for m0 and m1
+        lighthouse.kill()
+        lighthouse.restart()
+        released = time.time()
+        members.release(hold, deadline)
+        codes = members.wait(deadline)
+    assert codes == {"m0": 0, "m1": 0, "m2": 0}, members.logs()
+    reports = _reports(tmp_path, ["m0", "m1", "m2"], steps)
+    joined = reports["m2"]["ledger"][0][4]  # its first commit
+    # Asked again: well under the 5 s its first request would have waited (a bound, scaled
+    # by the load now; not a speed target).
+    assert joined - released < scaled_now(2.5), (joined - released, members.logs())

@@ -136,6 +136,9 @@ def campaign(
             "step_s": STEP_S,
         },
         "wall_s": time.time() - started,
+        "events": [  # each kill: its kind, its victim, its time from the campaign's start
+            {**event, "time": round(event["time"] - started, 3)} for event in events
+        ],
     }
 
 

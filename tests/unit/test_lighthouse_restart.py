@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, cast
 
 import pytest
@@ -285,3 +286,59 @@ def test_a_member_told_its_verdict_differs_leaves_naming_it_and_builds_a_new_gro
     replica._restored(["agreed/run_id", "9/2/0/verdict"])
     with pytest.raises(DistributedError, match=r"decided 9/2/0/verdict otherwise.*Restart it"):
         replica._ask("the verdicts", lambda: True)
+
+
+class _HungQuorum(_Manager):
+    """torchft's Manager whose request for a quorum hangs (its Lighthouse died under it)
+    until the request is sent again: torchft's server answers both with the new quorum."""
+
+    def __init__(self) -> None:
+        super().__init__(failures=0)
+        self.asked_again = threading.Event()
+        self._client = self
+        self._group_rank, self._step, self._init_sync, self._commit_failures = 0, 3, False, 0
+        self._checkpoint_transport = self
+        self.requests: list[dict[str, Any]] = []
+
+    def metadata(self) -> str:
+        return "transport"
+
+    def _quorum(self, **request: Any) -> None:
+        self.requests.append(request)
+        self.asked_again.set()
+
+    def start_quorum(self) -> None:
+        assert self.asked_again.wait(10), "never asked again: the quorum waited out its timeout"
+        super().start_quorum()
+
+
+def test_a_quorum_whose_lighthouse_was_restarted_under_it_is_asked_again_at_once() -> None:
+    """The member reconnects (its Lighthouse restarted) while its quorum is in flight: the
+    request is sent again, with the Manager's own arguments, and the quorum in flight
+    returns with it (torchft's server answers both), not after quorum_timeout_s."""
+    manager = _HungQuorum()
+    store = _Store(restarted=False)
+    original = store.check
+
+    def check(keys: list[str]) -> bool:
+        if store.checks == 2:  # the first look during the quorum: a new Lighthouse
+            store.reconnects += 1
+        return original(keys)
+
+    store.check = check  # type: ignore[method-assign]
+    replica = _replica(manager, store)
+    started = time.monotonic()
+    replica._quorum_once()
+    assert replica._quorum == 6 and time.monotonic() - started < 5.0
+    assert manager.requests == [{
+        "group_rank": 0, "step": 3, "checkpoint_metadata": "transport", "shrink_only": False,
+        "timeout": timedelta(seconds=5.0), "init_sync": False, "commit_failures": 0,
+    }]  # fmt: skip
+
+
+def test_a_quorum_in_flight_is_not_asked_again_while_its_lighthouse_lives() -> None:
+    manager = _HungQuorum()
+    replica = _replica(manager, _Store(restarted=False))
+    threading.Timer(0.8, manager.asked_again.set).start()  # answered by the Lighthouse
+    replica._quorum_once()
+    assert manager.requests == []

@@ -10,6 +10,9 @@ What it relies on, beyond torchft's public ``Manager`` and ``ProcessGroupGloo``:
   ``start_quorum``, and set to -1 after an abandoned step so the next builds a new group.
 - ``Manager._quorum_future`` (private): set to None after a quorum failed, so that the next
   ``start_quorum`` asks again instead of raising that failure again.
+- ``Manager._client._quorum`` and the Manager's ``_group_rank``, ``_step``,
+  ``_checkpoint_transport``, ``_init_sync``, ``_commit_failures`` (private): a request for a
+  quorum sent again while one is in flight whose Lighthouse died (``ask_quorum_again``).
 - ``ProcessGroup.configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
   (called by the Manager with these positional arguments; gone in 0.3): wrapped so that each
   attempt of a step gets a store prefix of its own.
@@ -136,6 +139,23 @@ def forget_quorum(manager: Any) -> None:
     manager._quorum_id = -1
 
 
+def ask_quorum_again(manager: Any, timeout: timedelta) -> None:
+    """Send the manager's request for a quorum again, beside the one in flight (its
+    Lighthouse died under it: torchft's server then waits out the request's timeout without
+    asking the new one): the server asks the Lighthouse again and answers both requests with
+    its quorum. Blocks until then; an error if the server could not ask (the same arguments as
+    torchft 0.2's ``Manager._async_quorum``)."""
+    manager._client._quorum(
+        group_rank=manager._group_rank,
+        step=manager._step,
+        checkpoint_metadata=manager._checkpoint_transport.metadata(),
+        shrink_only=False,
+        timeout=timeout,
+        init_sync=manager._init_sync,
+        commit_failures=manager._commit_failures,
+    )
+
+
 def drop_failed_quorum(manager: Any) -> None:
     """Let the manager ask for a quorum again after one failed (torchft's ``start_quorum``
     raises the last one's error again otherwise)."""
@@ -189,6 +209,7 @@ __all__ = [
     "TORCHFT_SUPPORTED",
     "AllgatherOptions",
     "TCPStore",
+    "ask_quorum_again",
     "drop_failed_quorum",
     "forget_quorum",
     "lighthouse_server",

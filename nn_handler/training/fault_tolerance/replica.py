@@ -265,6 +265,8 @@ class Replica:
         for _ in range(2):
             reconnects = self._verdicts.reconnects
             self._ask("the run's members", lambda: self._verdicts.check([]))
+            asked = threading.Event()
+            threading.Thread(target=self._ask_quorum_again, args=(asked,), daemon=True).start()
             try:
                 self.manager.start_quorum()
                 self._quorum = engine.quorum_id(self.manager)
@@ -275,6 +277,8 @@ class Replica:
                 raise
             except Exception as error:  # torchft's quorum timed out or its server failed
                 failure = error
+            finally:
+                asked.set()
             engine.drop_failed_quorum(self.manager)
             self._ask("the run's members", lambda: self._verdicts.check([]))
             if self._verdicts.reconnects == reconnects:
@@ -286,6 +290,25 @@ class Replica:
             f"gone, or fewer than min_members={self.min_members} members are left. The "
             f"run cannot go on step by step: restart it from its latest checkpoint."
         ) from failure
+
+    def _ask_quorum_again(self, answered: threading.Event) -> None:
+        """While this member's request for a quorum is in flight (until ``answered``): once
+        its Lighthouse was restarted (this member reconnected), send the request again
+        (engine.ask_quorum_again), until one is sent to the new Lighthouse (it blocks until
+        the quorum: the one in flight is answered with it) instead of waiting out the first's
+        ``quorum_timeout_s``. Looks every quarter second (one request to the store)."""
+        seen = self._verdicts.reconnects
+        again = timedelta(seconds=self.quorum_timeout_s)
+        while not answered.wait(0.25):
+            with contextlib.suppress(NNHandlerError, RuntimeError, OSError):
+                self._verdicts.check([])  # reconnects if the Lighthouse is a new one
+            if self._verdicts.reconnects == seen or answered.is_set():
+                continue
+            try:
+                engine.ask_quorum_again(self.manager, again)
+                return  # answered: the quorum in flight too
+            except Exception:  # the new Lighthouse not reached yet: again
+                continue
 
     def agree(self, name: str, proposal: str) -> str:
         """The value of ``name`` for the whole run: the first member's to propose one (this
