@@ -342,3 +342,23 @@ def test_a_quorum_in_flight_is_not_asked_again_while_its_lighthouse_lives() -> N
     threading.Timer(0.8, manager.asked_again.set).start()  # answered by the Lighthouse
     replica._quorum_once()
     assert manager.requests == []
+
+
+def test_a_running_lighthouse_is_not_restarted_and_supervise_gives_up_after_its_restarts() -> None:
+    """Lighthouse.restart refuses one that still runs (two processes on one address), and
+    `supervise` stops restarting its Lighthouse after --max-restarts (the members then stop
+    after their quorum_timeout_s, with their emergency checkpoints)."""
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance import Lighthouse
+    from nn_handler.training.fault_tolerance.supervisor import Supervisor
+
+    with Lighthouse(min_members=1) as running:
+        with pytest.raises(DistributedError, match=r"still runs: not restarted"):
+            running.restart()
+        running.kill()
+        supervisor = Supervisor(["t.py", "{member}", "{lighthouse}"], 1, max_restarts=1)
+        assert supervisor._restart_lighthouse(running) is running  # 1 of 1
+        assert running.poll() is None
+        running.kill()
+        assert supervisor._restart_lighthouse(running) is None  # no more
+        assert supervisor.lighthouse_restarts == 1
