@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     supervise.add_argument("--min-members", type=_positive_int, default=1)
     supervise.add_argument("--join-timeout-s", type=float, default=60.0)
     supervise.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=1.0,
+        help="a member silent that long is left out of the next step (a death's recovery "
+        "takes about this long)",
+    )
+    supervise.add_argument(
         "program", metavar="COMMAND", nargs=argparse.REMAINDER, help="-- then the command"
     )
     return parser
@@ -307,6 +314,7 @@ def run_supervise(args: argparse.Namespace) -> int:
             lighthouse=args.lighthouse,
             min_members=args.min_members,
             join_timeout_s=args.join_timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
             host=args.host,
         )
     except ConfigError as error:  # its message starts with "supervise:"

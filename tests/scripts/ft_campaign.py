@@ -11,7 +11,8 @@ run that never failed, every step committed with all its samples (by the members
 too) and no member committing one twice.
 
 Usage: python tests/scripts/ft_campaign.py [--kills 30] [--seed 51] [--members 4]
-       [--hang-share 0.2] [--lighthouse-share 0.2] [--out report.json]
+       [--hang-share 0.2] [--lighthouse-share 0.2] [--heartbeat-timeout-s 1.0]
+       [--out report.json]
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ from tests.interpreters import python_path
 
 ROOT = Path(__file__).parents[2]
 MEMBER = ROOT / "tests" / "scripts" / "ft_member.py"
-TIMEOUT_S, HEARTBEAT_S, STEP_S = 3.0, 1.0, 0.05
+TIMEOUT_S, STEP_S = 3.0, 0.05
 #: The Lighthouse waits this long for a live member (above TIMEOUT_S: one late after a failure
 #: is waited for, not left out to catch up).
 JOIN_S = float(os.environ.get("FT_JOIN_S", "10"))
+
+
+#: The members of a step read its commit within this long of each other (one verdict); two
+#: commits of a step further apart are two runs: new members that started the run again.
+AGAIN_S = 2.0
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -52,7 +58,12 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def campaign(
-    kills: int, seed: int, members: int, hang_share: float, lighthouse_share: float = 0.0
+    kills: int,
+    seed: int,
+    members: int,
+    hang_share: float,
+    lighthouse_share: float = 0.0,
+    heartbeat_s: float = 1.0,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     steps = int(kills * 3.0 / STEP_S)  # about 3 s of steps per kill
@@ -72,7 +83,7 @@ def campaign(
 
     started = time.time()
     with Lighthouse(
-        min_members=2, join_timeout_s=JOIN_S, heartbeat_timeout_s=HEARTBEAT_S, standby=True
+        min_members=2, join_timeout_s=JOIN_S, heartbeat_timeout_s=heartbeat_s, standby=True
     ) as lighthouse:
         for i in range(members):
             start(f"m{i}", members)
@@ -101,7 +112,10 @@ def campaign(
     commits = {path.stem: _commits(path) for path in run.glob("*.commits")}
     at = {m: int((run / f"{m}.in").read_text()) for m in procs if (run / f"{m}.in").exists()}
     expected = digest(unfailed(steps))
-    problems = [f"{m}: digest" for m, r in finished.items() if r["digest"] != expected]
+    problems = [f"{m}: stopped: {r['stopped'][:160]}" for m, r in finished.items() if r["stopped"]]
+    problems += [
+        f"{m}: digest" for m, r in finished.items() if r["digest"] != expected and not r["stopped"]
+    ]
     problems += ledger_problems(finished, commits, steps)
     heals = sum(
         sum(b != a + 1 for a, b in itertools.pairwise(own))
@@ -131,7 +145,7 @@ def campaign(
         },
         "settings": {
             "timeout_s": TIMEOUT_S,
-            "heartbeat_timeout_s": HEARTBEAT_S,
+            "heartbeat_timeout_s": heartbeat_s,
             "join_timeout_s": JOIN_S,
             "step_s": STEP_S,
         },
@@ -157,7 +171,9 @@ def ledger_problems(
     """What is wrong with the run's ledger: a step never committed, a commit of a step without
     all of its samples (by any member: those that finished, and those killed later, from their
     .commits files), a member committing a step twice or out of order (a member left out of a
-    step's quorum catches up by a state transfer: a gap in its own is allowed)."""
+    step's quorum catches up by a state transfer: a gap in its own is allowed), a step
+    committed twice by different members (far apart: the run started again by members that
+    missed it; they reach the same bits from the same start, so only the times tell)."""
     problems = []
     seen: dict[int, set[tuple[int, int]]] = {}
     for member, report in finished.items():
@@ -170,11 +186,23 @@ def ledger_problems(
             problems.append(f"{member}: a step committed twice or out of order")
         for step, _, samples, id_sum in rows:
             seen.setdefault(step, set()).add((samples, id_sum))
+    again = sorted(
+        step for step, times in _commit_times(commits).items() if max(times) - min(times) > AGAIN_S
+    )
+    problems += [f"steps committed again, by a run started again: {again[:5]}"] * bool(again)
     missing = [s for s in range(steps) if s not in seen]
     wrong = sorted(s for s, sums in seen.items() if sums != {(BATCH, sum(batch_of(s)))})
     problems += [f"steps never committed: {missing[:5]}"] * bool(missing)
     problems += [f"steps without all their samples: {wrong[:5]}"] * bool(wrong)
     return problems
+
+
+def _commit_times(commits: dict[str, list[Commit]]) -> dict[int, list[float]]:
+    times: dict[int, list[float]] = {}
+    for rows in commits.values():
+        for step, when, *_ in rows:
+            times.setdefault(step, []).append(when)
+    return times
 
 
 def _in_order(own: list[int]) -> bool:
@@ -213,9 +241,13 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--hang-share", type=float, default=0.2)
     parser.add_argument("--lighthouse-share", type=float, default=0.2)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    report = campaign(args.kills, args.seed, args.members, args.hang_share, args.lighthouse_share)
+    report = campaign(
+        args.kills, args.seed, args.members, args.hang_share, args.lighthouse_share,
+        args.heartbeat_timeout_s,
+    )  # fmt: skip
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

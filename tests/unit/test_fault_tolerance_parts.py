@@ -23,6 +23,7 @@ pytest.importorskip("torchft")
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.fault_tolerance import Lighthouse, require_torchft
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
+from nn_handler.training.fault_tolerance.verdicts import COMMITTED
 
 
 class _Done:
@@ -266,6 +267,31 @@ def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() 
     assert manager.quorums >= 2 and manager.skipped == manager.quorums  # waited, did nothing
 
 
+def test_members_behind_the_runs_committed_steps_never_start_it_again() -> None:
+    """New members alone in a quorum (every member with the run's state gone, or left out)
+    hold 42 steps of a run that committed 60: they do nothing and wait for the members with
+    its state, then stop saying so (they never train the run again from their own step)."""
+    from nn_handler.errors import DistributedError
+    from nn_handler.training.fault_tolerance.replica import Replica
+
+    replica = object.__new__(Replica)
+    replica.manager = manager = _TwoMembersBehind()
+    replica.member_id, replica.lighthouse, replica.min_members = "j8", "http://h:1", 2
+    replica.quorum_timeout_s, replica._verdicts = 0.05, _NoVerdicts()
+    replica._verdicts.committed = "59"
+    behind = r"member j8: members that hold 41 of the run's 60 committed steps \(every member"
+    with pytest.raises(DistributedError, match=behind + r".*restart it from its latest checkpoint"):
+        replica.begin_step()
+    assert manager.quorums >= 2 and manager.skipped == manager.quorums  # waited, did nothing
+    replica._verdicts.committed = "40"  # the run's latest step is theirs: they go on
+    assert replica.begin_step() is False
+
+
+class _TwoMembersBehind(_OneMemberLeft):
+    def num_participants(self) -> int:
+        return 2
+
+
 def test_a_lighthouse_that_cannot_listen_says_so_instead_of_waiting() -> None:
     from nn_handler.errors import DistributedError
 
@@ -286,6 +312,12 @@ class _NoVerdicts:
 
     def add(self, key: str, value: int) -> int:
         return value
+
+    def value(self, key: str, default: str) -> str:
+        return self.committed if key == COMMITTED else default
+
+    #: The run's latest committed step.
+    committed = "-1"
 
 
 class _GoneStore:
@@ -504,6 +536,8 @@ def test_a_supervisor_given_a_command_it_cannot_run_says_why(
         Supervisor(command, members, min_members=least)
     with pytest.raises(ConfigError, match=r"members must be >= 1 and max_restarts >= 0"):
         Supervisor(["t.py", "{member}", "{lighthouse}"], 2, max_restarts=-1)
+    with pytest.raises(ConfigError, match=r"--heartbeat-timeout-s must be > 0, got 0 \(e.g."):
+        Supervisor(["t.py", "{member}", "{lighthouse}"], 2, heartbeat_timeout_s=0)
 
 
 def test_a_given_lighthouse_needs_no_placeholder_and_the_first_step_is_checked() -> None:

@@ -59,6 +59,20 @@ def test_missing_steps_and_a_step_committed_twice_are_named(campaign: ModuleType
     ]
 
 
+def test_a_run_started_again_by_new_members_is_named(campaign: ModuleType) -> None:
+    """New members alone that trained the run again from step 0 (its members all gone) reach
+    the same bits from the same start: only the second commit of its steps, seconds after
+    the first, tells it (one verdict is read by a step's members within a second)."""
+    finished = {"j8": _report(range(0, 3))}
+    first = {"m0": [_entry(0, 1.0), _entry(1, 1.1), _entry(2, 1.2)]}
+    again = {**first, "j8": [_entry(0, 9.0), _entry(1, 9.1), _entry(2, 9.2)]}
+    assert campaign.ledger_problems(finished, again, 3) == [
+        "steps committed again, by a run started again: [0, 1, 2]"
+    ]
+    together = {**first, "j8": [_entry(0, 1.3), _entry(1, 1.1), _entry(2, 1.2)]}
+    assert campaign.ledger_problems(finished, together, 3) == []
+
+
 def test_the_recovery_is_timed_to_a_step_the_victim_cannot_have_been_in(
     campaign: ModuleType,
 ) -> None:

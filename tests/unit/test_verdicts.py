@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nn_handler.training.fault_tolerance.verdicts import (
+    COMMITTED,
     JOINS,
     Verdicts,
     VerdictServer,
@@ -238,3 +239,27 @@ def test_a_member_s_vote_sent_again_is_counted_once(
     finally:
         other.close()
     assert served[0].verdicts.values["9/1/0/done"] == "2"
+
+
+def test_a_step_is_committed_once_in_the_run_members_behind_it_never_commit(
+    served: tuple[VerdictServer, VerdictStore],
+) -> None:
+    """Once step 7 is committed, an attempt of step 7 or of one before it (in another
+    quorum: members that missed the run's steps, new ones alone with their own step 0) is an
+    abort whatever its votes, and the store says the run's latest step (at once, a default
+    for a key not set). A late vote on the committed attempt itself still reads commit, and
+    a restarted store learns the latest step from the verdicts its members tell it."""
+    _, store = served
+    assert store.value(COMMITTED, "-1") == "-1"
+    assert store.vote("7/3/0", 1, True, "p", 1.0, voter="a") == (True, "p", False)
+    assert store.value(COMMITTED, "-1") == "7"
+    for attempt in ("7/4/0", "0/1/0", "6/9/2"):
+        assert store.vote(attempt, 1, True, "p", 1.0, voter="j")[0] is False, attempt
+    assert store.vote("7/3/0", 2, True, "p", 1.0, voter="b") == (True, "p", False)
+    assert store.vote("8/3/0", 1, True, "p", 1.0, voter="a")[0] is True
+    assert store.value(COMMITTED, "-1") == "8"
+    restarted = Verdicts()
+    restarted.answer("restore", [{"12/1/0/verdict": "commit", "12/1/0/position": "p",
+                                  "13/1/0/verdict": "abort", "13/1/0/position": "p"}])  # fmt: skip
+    assert restarted.committed() == 12
+    assert restarted.answer("vote", ["11/2/0", 1, True, "p", 1.0, False, "j"])[0] == "abort"

@@ -81,6 +81,9 @@ class ReconnectingVerdicts:
             self._known[key] = value.decode()
         return value
 
+    def value(self, key: str, default: str) -> str:
+        return str(self._call(lambda store: store.value(key, default)))
+
     def vote(
         self, attempt: str, members: int, done: bool, position: str, wait_s: float,
         leaving: bool = False, voter: str = "",

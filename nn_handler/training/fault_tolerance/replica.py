@@ -38,7 +38,7 @@ from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
 from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
-from nn_handler.training.fault_tolerance.verdicts import FINISHED, JOINS
+from nn_handler.training.fault_tolerance.verdicts import COMMITTED, FINISHED, JOINS, LIFE
 
 Answer = TypeVar("Answer")
 
@@ -230,7 +230,8 @@ class Replica:
             if asked:
                 self._ask("the run's end", self._raise_if_finished)
             failed = self.manager.errored()
-            if failed is None and (self.step != before or self.members >= least):
+            behind = failed is None and self._behind()
+            if failed is None and not behind and (self.step != before or self.members >= least):
                 return self.step != before
             if failed is not None:  # a state transfer (or the group's change) failed: abort
                 self.failure = failed.original_exception
@@ -249,13 +250,24 @@ class Replica:
             self.manager.report_error(DistributedError("too few members"))
             self.manager.should_commit()  # nothing was done: torchft's step is not counted
             if time.monotonic() > deadline:
+                stuck = (
+                    f"members that hold {self.step} of the run's {behind} committed steps "
+                    f"(every member with the run's state is gone or left out)"
+                    if behind
+                    else f"only {self.members} member(s) for step {self.step + 1}, fewer than "
+                    f"{least} (min_members={self.min_members})"
+                )
                 raise DistributedError(
-                    f"member {self.member_id}: only {self.members} member(s) for step "
-                    f"{self.step + 1}, fewer than {least} (min_members={self.min_members}), for "
-                    f"{self.quorum_timeout_s:g} s. The run cannot go on step by step: restart "
-                    f"it from its latest checkpoint."
+                    f"member {self.member_id}: {stuck}, for {self.quorum_timeout_s:g} s. The "
+                    f"run cannot go on step by step: restart it from its latest checkpoint."
                 )
             time.sleep(min(0.5, self.quorum_timeout_s / 10))
+
+    def _behind(self) -> int:
+        """The run's committed steps when this quorum's members hold fewer (none of them has
+        the run's state: new members alone, say; they must not start it again), else 0."""
+        done = int(self._ask("the run's steps", lambda: self._verdicts.value(COMMITTED, "-1")))
+        return done + 1 if self.step <= done else 0
 
     def _quorum_once(self) -> None:
         """One quorum (torchft's), asked once the Lighthouse answers; asked again once if
@@ -365,10 +377,11 @@ class Replica:
         return attempt
 
     def _group_label(self, quorum: int) -> str:
-        """The store prefix of the group of this step's attempt in ``quorum`` (two members
-        that read it differently, a Lighthouse restarted between their reads, never form a
-        group: the attempt fails, and is agreed again)."""
-        return str(self._first_undecided(quorum))
+        """The store prefix of the group of this step's attempt in ``quorum`` of this
+        Lighthouse's life (two members that read it differently, a Lighthouse restarted
+        between their reads, never form a group: the attempt fails, and is agreed again)."""
+        attempt = self._first_undecided(quorum)
+        return f"{self._ask('the run', lambda: self._verdicts.value(LIFE, ''))}.{attempt}"
 
     def _vote(self, position: str, leaving: bool = False) -> bool:
         """This member's vote on this attempt of the step (done, or abort after a failure)

@@ -45,7 +45,9 @@ class Supervisor:
 
     Args:
         lighthouse: the address of a Lighthouse already running (None: start one here, with
-            ``min_members``, ``join_timeout_s`` and ``host``).
+            ``min_members``, ``join_timeout_s``, ``heartbeat_timeout_s`` and ``host``).
+        heartbeat_timeout_s: a member silent that long is left out of the next step: a
+            dead member's step is agreed again about this long after its death.
         poll_s: how often the members are looked at.
     """
 
@@ -60,6 +62,7 @@ class Supervisor:
         join_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         poll_s: float = 0.2,
+        heartbeat_timeout_s: float = 1.0,
     ) -> None:
         if not command:
             raise ConfigError(
@@ -83,6 +86,11 @@ class Supervisor:
                 f"supervise: members must be >= 1 and max_restarts >= 0, got {members} and "
                 f"{max_restarts}."
             )
+        if heartbeat_timeout_s <= 0:
+            raise ConfigError(
+                f"supervise: --heartbeat-timeout-s must be > 0, got {heartbeat_timeout_s:g} "
+                f"(e.g. 1.0; 0.5 for a faster recovery on a machine that is not overloaded)."
+            )
         if lighthouse is None and min_members > members:
             raise ConfigError(
                 f"supervise: --min-members {min_members} is more than the {members} member(s) "
@@ -95,6 +103,7 @@ class Supervisor:
         self.lighthouse = lighthouse
         self.min_members = min_members
         self.join_timeout_s = join_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.host = host
         self.poll_s = poll_s
         #: How many times each member was restarted, and the Lighthouse.
@@ -112,6 +121,7 @@ class Supervisor:
             self.host,
             min_members=self.min_members,
             join_timeout_s=self.join_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
             standby=True,  # a loaded spare: a restart in 0.1 s, not 1.5 s
         ) as lighthouse:
             self.log.info("supervise: Lighthouse at {}", lighthouse.address)

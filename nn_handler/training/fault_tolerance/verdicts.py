@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import socket
 import socketserver
 import threading
@@ -31,6 +32,14 @@ GET_WAIT_S = 30.0
 JOINS = "joins"
 #: The run's last committed step, once a member finished the run (Replica.finish).
 FINISHED = "finished"
+#: The latest step committed (its number): a later attempt of it, or of a step before it, is
+#: an abort (members that missed the run's steps, e.g. new ones alone in a quorum, never
+#: commit a step twice nor start the run again), and a quorum behind it waits (Replica).
+COMMITTED = "committed"
+#: This store's own name, new in each Lighthouse process: torchft's quorum ids count again
+#: from 1 in a restarted one, and a group named by its quorum id alone could meet the keys of
+#: an earlier group of the same id (the addresses of members long gone).
+LIFE = "life"
 #: How much longer than the server's wait for the votes a voter waits for its answer.
 VOTE_MARGIN_S = 5.0
 #: What ``Verdicts.answer`` returns for a vote already answered through its ``reply``.
@@ -42,7 +51,7 @@ class Verdicts:
     a test's in one process. Loading never runs code (strings and integers only)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, str] = {}
+        self.values: dict[str, str] = {LIFE: secrets.token_hex(6)}
         self.changed = threading.Condition()
         #: The voters of each attempt still waiting, by how to answer them.
         self._waiting: dict[str, list[Callable[[Any], None]]] = {}
@@ -71,6 +80,8 @@ class Verdicts:
                 return current
             if op == "check":
                 return all(str(key) in values for key in args[0])
+            if op == "value":  # at once: ``args[1]`` for a key not set
+                return values.get(str(args[0]), str(args[1]))
             if op == "get":
                 key = str(args[0])
                 self.changed.wait_for(lambda: key in values, timeout=GET_WAIT_S)
@@ -100,6 +111,8 @@ class Verdicts:
                 differing.append(key)
         for key in known:
             attempt = key.removesuffix("/verdict")
+            if key.endswith("/verdict") and values[key] == "commit":
+                self._committed(attempt)
             if key.endswith("/verdict") and f"{attempt}/position" in values:
                 self._decided(attempt)
         self.changed.notify_all()
@@ -127,7 +140,7 @@ class Verdicts:
         run_position = values.setdefault(f"{attempt}/position", position)
         if leaving:
             values[f"{attempt}/leaving"] = "True"
-        if not done or position != run_position:
+        if not done or position != run_position or _step(attempt) <= self.committed():
             values.setdefault(verdict, "abort")
         else:
             votes, counted = int(values.get(f"{attempt}/done", "0")), f"{attempt}/done/{voter}"
@@ -137,6 +150,7 @@ class Verdicts:
                 values[counted] = "True"
             if votes >= members and verdict not in values:
                 values[verdict] = "commit"
+                self._committed(attempt)
                 joins = values.get(JOINS, "0")  # a join asked since the last commit: agree
                 changed = joins != values.get(f"{JOINS}/seen", "0")
                 values[f"{attempt}/quorum_next"] = str(changed or f"{attempt}/leaving" in values)
@@ -153,6 +167,14 @@ class Verdicts:
             return self._decided(attempt)
         return ANSWERED if reply is not None else self._verdict_of(attempt)
 
+    def committed(self) -> int:
+        """The latest step committed (-1: none)."""
+        return int(self.values.get(COMMITTED, "-1"))
+
+    def _committed(self, attempt: str) -> None:
+        """``attempt`` (``step/quorum/attempt``) was committed."""
+        self.values[COMMITTED] = str(max(self.committed(), _step(attempt)))
+
     def _decided(self, attempt: str) -> list[Any]:
         """The verdict of ``attempt``, just decided or read: every voter still waiting is
         answered (then woken), and this request's answer returned."""
@@ -167,6 +189,12 @@ class Verdicts:
         verdict, position = values[f"{attempt}/verdict"], values[f"{attempt}/position"]
         again = verdict != "commit" or values.get(f"{attempt}/quorum_next") == "True"
         return [verdict, position, again]
+
+
+def _step(attempt: str) -> int:
+    """The step of ``attempt`` (``step/quorum/attempt``; -1: a name that holds none)."""
+    first = attempt.split("/", 1)[0]
+    return int(first) if first.isdigit() else -1
 
 
 class VerdictStore:
@@ -221,6 +249,10 @@ class VerdictStore:
     def get(self, key: str) -> bytes:
         """``key``'s value (the server waits up to GET_WAIT_S for it to be set)."""
         return str(self._request("get", key)).encode()
+
+    def value(self, key: str, default: str) -> str:
+        """``key``'s value, or ``default`` for a key not set (at once)."""
+        return str(self._request("value", key, default))
 
     def vote(
         self,
@@ -314,9 +346,11 @@ class VerdictServer:
 
 __all__ = [
     "ANSWERED",
+    "COMMITTED",
     "GET_WAIT_S",
     "FINISHED",
     "JOINS",
+    "LIFE",
     "VOTE_MARGIN_S",
     "VerdictServer",
     "VerdictStore",
