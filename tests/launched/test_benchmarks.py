@@ -391,3 +391,31 @@ def test_ft_agreement_times_each_job_alone_and_plots_the_overhead(tmp_path: Path
     svg = ft_agreement.overhead_svg(rows)
     assert svg.startswith("<svg") and svg.count("<polyline") == 2
     assert ">nn_handler</text>" in svg and ">torchft</text>" in svg
+
+
+def test_ft_goodput_checks_every_step_s_bits_and_samples_and_plots_beside_torchft() -> None:
+    """benchmarks/ft_goodput.py runs by hand (about 15 minutes; `--quick` in a minute): its
+    oracles must be able to fail: a member holding other bits after any step both runs ran,
+    two SHA-256s after one step, a step that loaded other samples, an epoch of the
+    failure-free run that misses a sample; its plot has torchft's published points."""
+    import ft_goodput
+
+    reference = {
+        "sha256": {"1": ["a"], "2": ["b"], "3": ["c"]},
+        "ledger": {str(s): list(range(96 * s, 96 * s + 96)) for s in range(20)},
+    }
+    held = {"sha256": {"1": ["a"], "2": ["b"]}, "ledger": {"0": list(range(96))}}
+    assert ft_goodput._bits_hold(held, reference)
+    assert not ft_goodput._bits_hold({"sha256": {"1": ["a"], "2": ["x"]}}, reference)
+    assert not ft_goodput._bits_hold({"sha256": {"1": ["a", "x"]}}, reference)
+    assert ft_goodput._ledger_holds(held, reference)
+    assert not ft_goodput._ledger_holds({"ledger": {"0": list(range(1, 97))}}, reference)
+    short = {**reference, "ledger": {**reference["ledger"], "19": list(range(1824, 1919))}}
+    assert not ft_goodput._ledger_holds(held, short)
+    rows = [
+        {"steps_per_failure": every, "efficiency": share}
+        for every, share in ((50.0, 0.97), (20.0, 0.93), (5.5, 0.8), (1.4, 0.5))
+    ]
+    svg = ft_goodput.efficiency_svg(rows)
+    assert svg.startswith("<svg") and svg.count("<circle") == 2
+    assert "nn_handler (measured)" in svg and "torchft (published)" in svg
