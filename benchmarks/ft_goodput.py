@@ -247,8 +247,8 @@ def main() -> None:
             "steps_per_failure": every,
             **{k: v for k, v in result.items() if k not in ("sha256", "ledger")},
             "efficiency": result["steps_per_minute"] / reference["steps_per_minute"],
-            "sha256_as_failure_free": _bits_hold(result, reference),
-            "ledger_as_failure_free": _ledger_holds(result, reference),
+            "sha256_as_failure_free": bits_hold(result, reference),
+            "ledger_as_failure_free": ledger_holds(result, reference),
             "torchft_published": TORCHFT.get(every),
         })  # fmt: skip
     if not args.quick:
@@ -276,7 +276,7 @@ def main() -> None:
     )
 
 
-def _bits_hold(result: dict[str, Any], reference: dict[str, Any]) -> bool:
+def bits_hold(result: dict[str, Any], reference: dict[str, Any]) -> bool:
     """Every member of ``result`` held after each step the failure-free run's SHA-256 after
     it (the steps both ran)."""
     theirs, ours = result["sha256"], reference["sha256"]
@@ -284,7 +284,7 @@ def _bits_hold(result: dict[str, Any], reference: dict[str, Any]) -> bool:
     return bool(common_steps) and all(theirs[s] == ours[s] == ours[s][:1] for s in common_steps)
 
 
-def _ledger_holds(result: dict[str, Any], reference: dict[str, Any]) -> bool:
+def ledger_holds(result: dict[str, Any], reference: dict[str, Any]) -> bool:
     """Each step of ``result`` loaded the failure-free run's samples for it (the steps both
     ran), and every epoch of the failure-free run used each sample once."""
     theirs, ours = result["ledger"], reference["ledger"]

@@ -31,23 +31,14 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ft_job import SlowMLP
+
 from nn_handler import NNHandler
 from nn_handler.training.hooks import Hook
 
 SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 1920, 96, 4
 #: A micro-batch's emulated compute.
 MICRO_BATCH_S = float(os.environ.get("FT_GOODPUT_MICRO_BATCH_S", "0.3"))
-
-
-class SlowMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            time.sleep(MICRO_BATCH_S)
-        return self.net(x)
 
 
 class Noted(Dataset[Any]):
@@ -104,7 +95,7 @@ def main(run: Path, steps: int, lighthouse: str, member: str) -> None:
     }  # fmt: skip
     torch.manual_seed(0)
     h = NNHandler(
-        SlowMLP(),
+        SlowMLP(MICRO_BATCH_S),
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
         nn.CrossEntropyLoss(),
         config={"loader": {"seed": 3}, "trainer": trainer, "logging": {"level": "WARNING"}},

@@ -33,13 +33,16 @@ MICRO_BATCH_S = 0.03
 
 
 class SlowMLP(nn.Module):
-    def __init__(self) -> None:
+    """An MLP whose training forward also sleeps ``micro_batch_s`` (a micro-batch's compute)."""
+
+    def __init__(self, micro_batch_s: float = MICRO_BATCH_S) -> None:
         super().__init__()
+        self.micro_batch_s = micro_batch_s
         self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            time.sleep(MICRO_BATCH_S)
+            time.sleep(self.micro_batch_s)
         return self.net(x)
 
 

@@ -405,13 +405,13 @@ def test_ft_goodput_checks_every_step_s_bits_and_samples_and_plots_beside_torchf
         "ledger": {str(s): list(range(96 * s, 96 * s + 96)) for s in range(20)},
     }
     held = {"sha256": {"1": ["a"], "2": ["b"]}, "ledger": {"0": list(range(96))}}
-    assert ft_goodput._bits_hold(held, reference)
-    assert not ft_goodput._bits_hold({"sha256": {"1": ["a"], "2": ["x"]}}, reference)
-    assert not ft_goodput._bits_hold({"sha256": {"1": ["a", "x"]}}, reference)
-    assert ft_goodput._ledger_holds(held, reference)
-    assert not ft_goodput._ledger_holds({"ledger": {"0": list(range(1, 97))}}, reference)
+    assert ft_goodput.bits_hold(held, reference)
+    assert not ft_goodput.bits_hold({"sha256": {"1": ["a"], "2": ["x"]}}, reference)
+    assert not ft_goodput.bits_hold({"sha256": {"1": ["a", "x"]}}, reference)
+    assert ft_goodput.ledger_holds(held, reference)
+    assert not ft_goodput.ledger_holds({"ledger": {"0": list(range(1, 97))}}, reference)
     short = {**reference, "ledger": {**reference["ledger"], "19": list(range(1824, 1919))}}
-    assert not ft_goodput._ledger_holds(held, short)
+    assert not ft_goodput.ledger_holds(held, short)
     rows = [
         {"steps_per_failure": every, "efficiency": share}
         for every, share in ((50.0, 0.97), (20.0, 0.93), (5.5, 0.8), (1.4, 0.5))
