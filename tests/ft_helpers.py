@@ -58,3 +58,27 @@ def unfailed(steps: int = STEPS) -> torch.Tensor:
 
 def digest(w: torch.Tensor) -> str:
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()
+
+
+class NoPulse:
+    """A Replica's pulse (pulse_watch.PulseWatch) for a test's Replica without a store: no
+    member is ever gone."""
+
+    def started(self, attempt: str, members: list[str]) -> None:
+        pass
+
+    def ended(self) -> None:
+        pass
+
+    def left_in_flight(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class NoQuorumClient:
+    """A test manager's client (engine.quorum_members reads its last quorum's members)."""
+
+    def __init__(self) -> None:
+        self.members: list[str] = []

@@ -246,7 +246,8 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     a's sum, m2 and m3 are killed together before step b's; the others time out on m1, leave
     it out, lose two more at once, and m0 goes on alone with the bits of a run that never
     failed, each step once; the first commit after each failure comes within the collective
-    timeout (3 s) and the Lighthouse's heartbeat timeout (1 s), with 2 s to spare. Then the
+    timeout (3 s) and the Lighthouse's heartbeat timeout (1 s), with 2 s to spare, and m1's
+    hang ends m0's wait in step a's collective by m1's pulse (pulses.py). Then the
     Lighthouse (which lives in no member) is killed before step c: m0 stops within its quorum
     timeout (5 s) with an error naming it and the way on, its c committed steps intact."""
     seed = int(os.environ.get("NN_HANDLER_FT_SEED", "52"))
@@ -280,6 +281,10 @@ def test_a_hung_member_two_killed_at_once_then_a_killed_lighthouse(tmp_path: Pat
     assert 0 < report["stopped_at"] - released < scaled_now(5.0 + 2.0), report["stopped_at"]
     sizes = {entry[0]: entry[3] for entry in report["ledger"]}
     assert (sizes[a - 1], sizes[a], sizes[b - 1], sizes[b]) == (4, 3, 3, 1)
+    # The hang ended m0's wait in step a's collective by m1's pulse (silent for the heartbeat
+    # timeout, 1 s), not by the collective's own timeout (3 s).
+    causes = [cause for step, cause, _ in report["abandoned"] if step == a]
+    assert causes and causes[0].startswith("member m1 is gone in the middle of the step"), causes
     commits = {entry[0]: entry[4] for entry in report["ledger"]}
     for died, step in (("m1", a), ("m2", b)):
         recovery = commits[step] - float((tmp_path / f"{died}.died").read_text())

@@ -124,7 +124,7 @@ def campaign(
     latency: dict[str, list[float]] = {"death": [], "hang": [], "lighthouse": []}
     for event in events:
         victim_at = at.get(event["member"], -1)  # a Lighthouse's kill: any later commit
-        recovered = recovery_s(event, victim_at, commits)
+        recovered = event["recovery_s"] = recovery_s(event, victim_at, commits)
         if recovered is not None:
             latency[event["kind"]].append(recovered)
     return {
@@ -150,7 +150,8 @@ def campaign(
             "step_s": STEP_S,
         },
         "wall_s": time.time() - started,
-        "events": [  # each kill: its kind, its victim, its time from the campaign's start
+        "started": started,
+        "events": [  # each kill: its kind, victim, time from the campaign's start, recovery
             {**event, "time": round(event["time"] - started, 3)} for event in events
         ],
     }

@@ -11,7 +11,8 @@ before a death. RUN_DIR/<id>.step has the step it is at, RUN_DIR/<id>.in the lat
 was told it is a member of (the latest it can have given a sum to), RUN_DIR/<id>.commits each
 commit's step, time, samples and sum of sample ids as it comes (kept by a member killed later);
 RUN_DIR/<id>.json gets the report: the final weights' SHA-256, the ledger of committed steps
-(step, samples, sum of sample ids, members, time), the steps abandoned and redone, the
+(step, samples, sum of sample ids, members, time), the steps abandoned and redone (and each
+abandoned attempt's step, this member's cause of it and time), the
 addresses this process listens on besides its replica group's store, and why and when it
 stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
 step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
@@ -100,6 +101,7 @@ def main(
     while len(list(run.glob("ready-*"))) < starters:
         time.sleep(0.01)
     ledger, redone, stopped, stopped_at, slowed, begun = [], 0, "", 0.0, False, False
+    abandoned: list[list[Any]] = []  # each attempt abandoned: step, this member's cause, time
     holds = {int(step) for step in os.environ.get("FT_HOLD_AT", "").split(",") if step}
     while replica.step < RUN_STEPS:
         (run / f"{member}.step").write_text(str(replica.step))
@@ -150,6 +152,7 @@ def main(
                 commits.write(" ".join(map(repr, [step, ledger[-1][-1], *committed[1:3]])) + "\n")
         else:
             redone += 1
+            abandoned.append([step, str(replica.failure or ""), time.time()])
     if not stopped:
         replica.finish()
     store = f":{replica.store_port}"
@@ -166,6 +169,7 @@ def main(
         "digest": digest(w),
         "ledger": ledger,
         "redone": redone,
+        "abandoned": abandoned,
         "listening": sorted(a for a in listening if not a.endswith(store)),
     }
     (run / f"{member}.json").write_text(json.dumps(report))

@@ -24,6 +24,7 @@ from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.fault_tolerance import Lighthouse, require_torchft
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 from nn_handler.training.fault_tolerance.verdicts import COMMITTED
+from tests.ft_helpers import NoPulse, NoQuorumClient
 
 
 class _Done:
@@ -223,6 +224,7 @@ class _OneMemberLeft:
     """torchft's Manager as a member left alone sees it: every quorum has one member."""
 
     _quorum_id = 7
+    _client = NoQuorumClient()
 
     def __init__(self) -> None:
         self.quorums = self.skipped = 0
@@ -258,6 +260,7 @@ def test_below_min_members_a_member_waits_then_stops_saying_how_many_are_left() 
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager = manager = _OneMemberLeft()
     replica.member_id, replica.lighthouse, replica.min_members = "m0", "http://h:1", 2
     replica.quorum_timeout_s, replica._verdicts = 0.05, _NoVerdicts()
@@ -275,6 +278,7 @@ def test_members_behind_the_runs_committed_steps_never_start_it_again() -> None:
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager = manager = _TwoMembersBehind()
     replica.member_id, replica.lighthouse, replica.min_members = "j8", "http://h:1", 2
     replica.quorum_timeout_s, replica._verdicts = 0.05, _NoVerdicts()
@@ -341,6 +345,7 @@ def test_a_verdict_that_cannot_be_read_stops_the_member_naming_the_lighthouse() 
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager = _OneMemberLeft()
     replica.member_id, replica.lighthouse, replica.timeout_s = "m0", "http://h:1", 1.0
     replica.failure, replica._verdicts, replica._quorum, replica._attempt = None, _GoneStore(), 7, 0
@@ -378,6 +383,7 @@ def test_a_vote_to_a_stopped_lighthouse_stops_the_member_within_its_timeout() ->
 
     with Lighthouse(min_members=1, join_timeout_s=1.0) as lighthouse:
         replica = object.__new__(Replica)
+        replica._pulse = NoPulse()
         replica.manager = _OneMemberLeft()
         replica.member_id, replica.lighthouse, replica.timeout_s = "m0", lighthouse.address, 1.0
         replica.failure, replica._quorum, replica._attempt = None, 7, 0
@@ -433,6 +439,7 @@ def test_every_member_of_a_quorum_finds_the_same_attempt_in_the_verdicts() -> No
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager, replica._verdicts = _OneMemberLeft(), _TwoAbandoned()
     assert replica._first_undecided(7) == 2
     assert replica._first_undecided(8) == 0  # a new quorum starts the step's attempts again
@@ -607,6 +614,7 @@ def test_the_members_agree_on_the_first_run_id_proposed() -> None:
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica._verdicts = _FirstWins()
     assert replica.agree("run_id", "a1") == "a1"
     assert replica.agree("run_id", "b2") == "a1"  # a later member takes the run's
@@ -634,6 +642,7 @@ def test_a_member_at_another_place_in_the_data_than_the_run_is_stopped_by_name()
     while "41/7/0/position" not in store.values:
         threading.Event().wait(0.01)
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager, replica._verdicts, replica.member_id = _AtStep41(), store, "m1b"
     replica._quorum, replica._attempt, replica.failure, replica.timeout_s = 7, 0, None, 1.0
     replica._next = "same"
@@ -754,6 +763,7 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager = manager = _EveryAgreementFails()
     replica._verdicts, replica.member_id, replica.lighthouse = _Verdicts(), "m2", "http://h:1"
     replica.min_members, replica.quorum_timeout_s, replica.timeout_s = 1, 0.05, 1.0

@@ -19,6 +19,7 @@ import pytest
 
 from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
 from nn_handler.training.fault_tolerance.verdicts import VerdictServer, VerdictStore
+from tests.ft_helpers import NoPulse
 
 
 class _Lighthouse:
@@ -249,6 +250,7 @@ def _replica(manager: _Manager, store: _Store) -> Any:
     from nn_handler.training.fault_tolerance.replica import Replica
 
     replica = object.__new__(Replica)
+    replica._pulse = NoPulse()
     replica.manager, replica._verdicts = manager, cast(Any, store)
     replica.member_id, replica.lighthouse, replica.min_members = "m0", "http://h:1", 1
     replica.quorum_timeout_s = 5.0

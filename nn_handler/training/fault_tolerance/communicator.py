@@ -42,6 +42,8 @@ class Member(Protocol):
     @property
     def members(self) -> int: ...
 
+    def wait(self, work: Any) -> None: ...
+
     def lost(self, error: BaseException) -> None: ...
 
     def abandoned(self, what: str, error: BaseException) -> str: ...
@@ -79,7 +81,7 @@ class ReplicaCommunicator(Communicator):
         if replica.failure is not None:
             raise PeerLostError(replica.abandoned(what, replica.failure))
         try:
-            start().wait(timedelta(seconds=replica.timeout_s))
+            replica.wait(start())
         except Exception as error:
             replica.lost(error)
             raise PeerLostError(replica.abandoned(what, error)) from error

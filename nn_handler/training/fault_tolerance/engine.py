@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from importlib import metadata
@@ -118,6 +119,21 @@ def member_group(timeout: timedelta, attempt_of: Callable[[int], str]) -> Any:
     return group
 
 
+def abort_later(group: Any, work: Any, timeout: timedelta) -> None:
+    """Abort ``group`` once ``work``, a collective of it still in flight, ends (at gloo's
+    ``timeout``; a member stopped never answers it): torchft's abort would wait for it now,
+    holding the GIL. The group is dropped at once: its next configuration makes a new one."""
+    pg, group._pg = group._pg, None
+
+    def later() -> None:
+        with contextlib.suppress(Exception):  # its failure is the point
+            work.wait(timeout)
+        if pg is not None and hasattr(pg, "abort"):
+            pg.abort()
+
+    threading.Thread(target=later, name="nn_handler-abort", daemon=True).start()
+
+
 def member_manager(host: str, **settings: Any) -> Any:
     """torchft's Manager of a member (``settings``: its arguments), its server listening on
     ``host`` only; torchft's log lines about it made one line each."""
@@ -126,7 +142,38 @@ def member_manager(host: str, **settings: Any) -> Any:
 
     _quiet_torchft()
     with _listening_on(host):
-        return Manager(hostname=host, store_addr=host, **settings)
+        manager = Manager(hostname=host, store_addr=host, **settings)
+    manager._client = _MembersOfQuorums(manager._client)
+    return manager
+
+
+class _MembersOfQuorums:
+    """A manager's client that keeps the replica ids of the last quorum it was given."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.members: list[str] = []
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.members = [str(member) for member in quorum.replica_ids]
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def quorum_members(manager: Any) -> list[str]:
+    """The replica ids of the members of the manager's last quorum (``replica_id``'s)."""
+    return list(manager._client.members)
+
+
+def replica_id(manager: Any) -> str:
+    """The manager's replica id, as the Lighthouse's quorums name it (its ``replica_id``
+    and a uuid: torchft 0.2's)."""
+    from torchft.manager import REPLICA_ID_KEY
+
+    return str(manager._store.get(REPLICA_ID_KEY).decode())
 
 
 def quorum_id(manager: Any) -> int:
@@ -209,6 +256,7 @@ __all__ = [
     "TORCHFT_SUPPORTED",
     "AllgatherOptions",
     "TCPStore",
+    "abort_later",
     "ask_quorum_again",
     "drop_failed_quorum",
     "forget_quorum",
@@ -217,5 +265,7 @@ __all__ = [
     "member_group",
     "member_manager",
     "quorum_id",
+    "quorum_members",
+    "replica_id",
     "require_torchft",
 ]

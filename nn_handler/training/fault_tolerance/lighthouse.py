@@ -57,7 +57,7 @@ def serve(
         quorum = port or _free_port(host)
         store: VerdictServer | None = None
         try:
-            store = VerdictServer(host, quorum + 1)
+            store = VerdictServer(host, quorum + 1, heartbeat_timeout_s)
             server = lighthouse_server(
                 f"{host}:{quorum}", min_members, join_timeout_s, heartbeat_timeout_s
             )

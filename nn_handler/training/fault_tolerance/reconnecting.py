@@ -52,7 +52,8 @@ class ReconnectingVerdicts:
         on_restored: Callable[[list[str]], None] = lambda differing: None,
     ) -> None:
         host, port = lighthouse.removeprefix("http://").rsplit(":", 1)
-        self._address = (host, int(port) + 1)
+        #: The store's address: the Lighthouse's port + 1.
+        self.address = (host, int(port) + 1)
         self._store = store
         self._reconnecting = threading.Lock()
         self.retry_s = retry_s
@@ -139,7 +140,7 @@ class ReconnectingVerdicts:
         self._store.close()
         while time.monotonic() < deadline:
             try:
-                store = VerdictStore(*self._address, self._store.timeout_s)
+                store = VerdictStore(*self.address, self._store.timeout_s)
             except OSError:
                 time.sleep(RETRY_PAUSE_S)
                 continue

@@ -37,6 +37,7 @@ from nn_handler.training.fault_tolerance import engine
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
+from nn_handler.training.fault_tolerance.pulse_watch import PulseWatch
 from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
 from nn_handler.training.fault_tolerance.verdicts import COMMITTED, FINISHED, JOINS, LIFE
 
@@ -128,6 +129,10 @@ class Replica:
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
         self.failure: BaseException | None = None
+        # A member of the attempt gone (its process ended, or silent) ends it now (pulses.py).
+        self._pulse = PulseWatch(
+            self._verdicts.address, engine.replica_id(self.manager), timeout_s + 5
+        )
         # The step's attempt within its quorum (the members the Lighthouse agreed on): the
         # first whose verdict is not written yet (see _quorum_once).
         self._quorum = -1
@@ -169,6 +174,7 @@ class Replica:
         if self._next == "same":
             self._attempt = 0  # a new step: its first attempt, with the same members
             self.agreed = False
+            self._started()
         else:
             self.begin_step(ask=self._next == "ask")
 
@@ -232,6 +238,7 @@ class Replica:
             failed = self.manager.errored()
             behind = failed is None and self._behind()
             if failed is None and not behind and (self.step != before or self.members >= least):
+                self._started()
                 return self.step != before
             if failed is not None:  # a state transfer (or the group's change) failed: abort
                 self.failure = failed.original_exception
@@ -330,13 +337,26 @@ class Replica:
             f"the run's {name}", lambda: self._verdicts.compare_set(key, "", proposal).decode()
         )
 
+    def _started(self) -> None:
+        """This attempt's members agreed: a member of it gone from now on ends it."""
+        self._pulse.started(self._key, engine.quorum_members(self.manager))
+
+    def wait(self, work: Any) -> None:
+        """The end of the collective ``work``: its error, or at once a member of the attempt
+        gone (PulseWatch.wait)."""
+        self._pulse.wait(work, self.timeout_s)
+
     def lost(self, error: BaseException) -> None:
         """A collective of this step failed: the step will not be committed. The group is
         aborted at once (its connections closed), so that members still waiting in a
         collective on this one fail now instead of at their timeout."""
         self.failure = error
         self.manager.report_error(error)
-        self.group.abort()
+        in_flight = self._pulse.left_in_flight()
+        if in_flight is None:
+            self.group.abort()
+        else:  # ``wait`` ended for a member gone: torchft's abort would wait for it
+            engine.abort_later(self.group, in_flight, timedelta(seconds=self.timeout_s))
 
     def abandoned(self, what: str, error: BaseException) -> str:
         """What a collective's failure says: its cause in one line (gloo's without its source
@@ -388,17 +408,25 @@ class Replica:
         and the run's verdict, in one request: commit when every member voted done at the
         same place in the data, abort when one failed or a vote is missing after
         ``timeout_s`` (the first verdict decided stands)."""
-        key, done = f"{self.step}/{self._quorum}/{self._attempt}", self.failure is None
-        committed, self.run_position, again = self._ask(
-            f"the verdict on step {self.step}",
-            lambda: self._verdicts.vote(
-                key, self.members, done, position, self.timeout_s, leaving, self.member_id
-            ),
-        )
+        key, done = self._key, self.failure is None
+        try:
+            committed, self.run_position, again = self._ask(
+                f"the verdict on step {self.step}",
+                lambda: self._verdicts.vote(
+                    key, self.members, done, position, self.timeout_s, leaving, self.member_id
+                ),
+            )
+        finally:
+            self._pulse.ended()
         self._next = "same" if committed and not again else "agree" if committed else "ask"
         if not committed:  # a new group for the next attempt, even with the same members
             engine.forget_quorum(self.manager)
         return committed
+
+    @property
+    def _key(self) -> str:
+        """This attempt's name in the verdicts' store: ``step/quorum/attempt``."""
+        return f"{self.step}/{self._quorum}/{self._attempt}"
 
     def _ask(self, what: str, request: Callable[[], Answer]) -> Answer:
         """``request``'s answer from the verdicts' store (``what``: what it reads, for its
@@ -434,6 +462,7 @@ class Replica:
 
     def close(self) -> None:
         """Leave the run (the others go on without this member)."""
+        self._pulse.close()
         self.manager.shutdown(wait=False)
         self._verdicts.close()
 

@@ -23,8 +23,11 @@ import secrets
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from nn_handler.training.fault_tolerance.pulses import Pulses
 
 #: How long the server waits for a key a ``get`` asks for before it answers without it.
 GET_WAIT_S = 30.0
@@ -44,15 +47,19 @@ LIFE = "life"
 VOTE_MARGIN_S = 5.0
 #: What ``Verdicts.answer`` returns for a vote already answered through its ``reply``.
 ANSWERED = object()
+#: A member silent this long on its pulse is gone, unless the server is told otherwise.
+HEARTBEAT_TIMEOUT_S = 1.0
 
 
 class Verdicts:
     """The store's values and its whole logic (``answer``), under one lock: the server's, or
-    a test's in one process. Loading never runs code (strings and integers only)."""
+    a test's in one process. Loading never runs code (strings and integers only). A member
+    silent on its pulse for ``heartbeat_timeout_s`` is gone (pulses.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.values: dict[str, str] = {LIFE: secrets.token_hex(6)}
         self.changed = threading.Condition()
+        self.pulses = Pulses(self.changed, heartbeat_timeout_s)
         #: The voters of each attempt still waiting, by how to answer them.
         self._waiting: dict[str, list[Callable[[Any], None]]] = {}
 
@@ -93,6 +100,12 @@ class Verdicts:
                                   float(args[4]), leaving, voter, reply)  # fmt: skip
             if op == "restore":
                 return self._restore({str(key): str(value) for key, value in args[0].items()})
+            if op == "pulse":
+                return self.pulses.pulse(str(args[0]), int(args[1]))
+            if op == "leave":
+                return self.pulses.leave(str(args[0]))
+            if op == "abort_missing":
+                return self._abort_missing(str(args[0]), str(args[1]))
             raise KeyError(f"no request {op!r}")
 
     def _restore(self, known: dict[str, str]) -> list[str]:
@@ -166,6 +179,19 @@ class Verdicts:
                 waiting.remove(reply)  # this request answers for itself
             return self._decided(attempt)
         return ANSWERED if reply is not None else self._verdict_of(attempt)
+
+    def _abort_missing(self, attempt: str, member: str) -> bool:
+        """``member`` of ``attempt`` is gone: abort it unless it is decided or ``member``
+        voted done on it (its collectives finished); whether its verdict is abort. Called under
+        the lock."""
+        values, verdict = self.values, f"{attempt}/verdict"
+        if verdict not in values and f"{attempt}/done/{member}" not in values:
+            values[verdict] = "abort"
+            if f"{attempt}/position" in values:  # its voters waiting are answered
+                self._decided(attempt)
+            else:  # no vote yet: the first voter's place is the run's, as in any attempt
+                self.changed.notify_all()
+        return values.get(verdict) == "abort"
 
     def committed(self) -> int:
         """The latest step committed (-1: none)."""
@@ -277,6 +303,21 @@ class VerdictStore:
             self._socket.settimeout(self.timeout_s)
         return verdict == "commit", str(position_of_run), again is True
 
+    def pulse(self, member: str, seen: int) -> tuple[int, list[str]]:
+        """``member`` is alive (Pulses.pulse): the count of members gone, and those gone after
+        the first ``seen``."""
+        count, gone = self._request("pulse", member, seen)
+        return int(count), [str(m) for m in gone]
+
+    def leave(self, member: str) -> None:
+        """``member`` leaves: the end of its pulse's connection is no death."""
+        self._request("leave", member)
+
+    def abort_missing(self, attempt: str, member: str) -> bool:
+        """``member`` of ``attempt`` is gone: abort it unless decided or ``member`` voted done
+        on it; whether its verdict is abort."""
+        return self._request("abort_missing", attempt, member) is True
+
     def restore(self, known: dict[str, str]) -> list[str]:
         """Tell the store what this member knows of the run (Verdicts._restore); the keys
         whose value there differs."""
@@ -291,21 +332,27 @@ class VerdictStore:
 
 class VerdictServer:
     """The store's server on ``host``:``port`` (0: a free one), in daemon threads of this
-    process, until ``close``."""
+    process, until ``close``; a member whose pulse's connection closes, or that is silent on
+    it for ``heartbeat_timeout_s``, is gone (pulses.py)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.verdicts = verdicts = Verdicts()
+    def __init__(
+        self, host: str, port: int, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    ) -> None:
+        self.verdicts = verdicts = Verdicts(heartbeat_timeout_s)
         self._connections: set[socket.socket] = set()
         connections = self._connections
+        self._closed = threading.Event()
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
                 with verdicts.changed:
                     connections.add(self.connection)
+                pulsing = ""  # the member whose pulse this connection carries
                 try:
                     for line in self.rfile:
                         try:
                             op, *args = json.loads(line)
+                            pulsing = str(args[0]) if op == "pulse" else pulsing
                             value = verdicts.answer(str(op), args, self.reply)
                             if value is ANSWERED:
                                 continue
@@ -318,6 +365,8 @@ class VerdictServer:
                 finally:
                     with verdicts.changed:
                         connections.discard(self.connection)
+                        if pulsing:
+                            verdicts.pulses.closed(pulsing)
 
             def reply(self, value: Any) -> None:
                 """This member's answer, written by the request that decided it."""
@@ -333,9 +382,18 @@ class VerdictServer:
         threading.Thread(
             target=self._server.serve_forever, name="nn_handler-verdicts", daemon=True
         ).start()
+        threading.Thread(target=self._sweep, name="nn_handler-pulses", daemon=True).start()
+
+    def _sweep(self) -> None:
+        """Every eighth of the heartbeat timeout: the members silent that long are gone."""
+        verdicts = self.verdicts
+        while not self._closed.wait(verdicts.pulses.timeout_s / 8):
+            with verdicts.changed:
+                verdicts.pulses.sweep(time.monotonic())
 
     def close(self) -> None:
         """Stop serving and close every member's connection (as the process's end would)."""
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
         with self.verdicts.changed:
@@ -349,6 +407,7 @@ __all__ = [
     "COMMITTED",
     "GET_WAIT_S",
     "FINISHED",
+    "HEARTBEAT_TIMEOUT_S",
     "JOINS",
     "LIFE",
     "VOTE_MARGIN_S",
