@@ -11,7 +11,7 @@ run that never failed, every step committed with all its samples (by the members
 too) and no member committing one twice.
 
 Usage: python tests/scripts/ft_campaign.py [--kills 30] [--seed 51] [--members 4]
-       [--hang-share 0.2] [--lighthouse-share 0.2] [--heartbeat-timeout-s 1.0]
+       [--hang-share 0.2] [--lighthouse-share 0.2] [--heartbeat-timeout-s 0.5]
        [--out report.json]
 """
 
@@ -63,7 +63,7 @@ def campaign(
     members: int,
     hang_share: float,
     lighthouse_share: float = 0.0,
-    heartbeat_s: float = 1.0,
+    heartbeat_s: float = 0.5,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     steps = int(kills * 3.0 / STEP_S)  # about 3 s of steps per kill
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--hang-share", type=float, default=0.2)
     parser.add_argument("--lighthouse-share", type=float, default=0.2)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=0.5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     report = campaign(
