@@ -15,6 +15,8 @@ from nn_handler.training.fault_tolerance.verdicts import VerdictStore
 
 #: The pause between two tries to reach a store that is gone (a Lighthouse restarting).
 RETRY_PAUSE_S = 0.1
+#: The longest a member's ``close`` waits to say it leaves.
+LEAVE_S = 1.0
 
 
 class PulseWatch:
@@ -47,7 +49,8 @@ class PulseWatch:
             self._attempt, self._members = attempt, frozenset(members)
             gone = sorted(self._between & self._members)
             self._between.clear()
-            self.gone = DistributedError(_gone(gone[0], "before the step began")) if gone else None
+            before = "was gone before the step began"
+            self.gone = DistributedError(_gone(gone[0], before)) if gone else None
 
     def ended(self) -> None:
         """This member read the verdict of its attempt: a member gone now is the next's."""
@@ -73,14 +76,18 @@ class PulseWatch:
         return work
 
     def close(self) -> None:
-        """Stop, leaving the run: this member's end is not a death."""
+        """Stop, leaving the run: this member's end is not a death. Said on a connection of
+        its own, bounded by LEAVE_S (the pulse's may wait in its request; a stopped Lighthouse
+        answers neither): unsaid, the end is a death, which costs nothing once this member
+        voted on every attempt it took part in."""
         self._closed.set()
-        with self._lock:
-            store, self._store = self._store, None
-        if store is not None:
-            with contextlib.suppress(OSError):
-                store.leave(self.member)
-            store.close()
+        with contextlib.suppress(OSError):
+            leaving = VerdictStore(*self._address, LEAVE_S)
+            try:
+                leaving.leave(self.member)
+            finally:
+                leaving.close()
+        self._drop()
 
     def _run(self) -> None:
         seen = -1
@@ -126,15 +133,15 @@ class PulseWatch:
             except OSError:  # the store is gone: the collective's own timeout says it
                 return
             if aborted:
-                self.gone = DistributedError(_gone(member, "in the middle of the step"))
+                self.gone = DistributedError(_gone(member, "is gone"))
                 self._woken.set()
 
 
 def _gone(member: str, when: str) -> str:
     return (
-        f"member {member.rsplit(':', 1)[0]} is gone {when} (its process ended, or it was "
-        f"silent for the Lighthouse's heartbeat timeout)"
+        f"member {member.rsplit(':', 1)[0]} {when}: its process ended, or it was silent for "
+        f"the heartbeat timeout"
     )
 
 
-__all__ = ["RETRY_PAUSE_S", "PulseWatch"]
+__all__ = ["LEAVE_S", "RETRY_PAUSE_S", "PulseWatch"]

@@ -324,6 +324,9 @@ class VerdictStore:
         return [str(key) for key in self._request("restore", known)]
 
     def close(self) -> None:
+        """Close the connection; a request waiting in another thread ends (an OSError)."""
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._broken = self._broken or ConnectionError("the store was closed")
             self._reader.close()
