@@ -16,7 +16,8 @@ abandoned attempt's step, this member's cause of it and time), the
 addresses this process listens on besides its replica group's store, and why and when it
 stopped early (exit 1) if it did. With FT_HOLD_AT=N[,M...] in its environment it waits before
 step N until RUN_DIR/release-N exists; FT_STEPS and FT_STEP_S set the run's steps and a step's
-sleep, FT_MIN_MEMBERS its min_members (default 2); FT_DIE_IN_TRANSFER=receive|send makes it die
+sleep, FT_MIN_MEMBERS its min_members (default 2), FT_QUORUM_TIMEOUT_S its quorum_timeout_s
+(default 5); FT_DIE_IN_TRANSFER=receive|send makes it die
 in the middle of a state transfer (see die_in_transfers); FT_KILL=MEMBER:KILL_STEP:WHEN gives
 member MEMBER those arguments (for a command that is the same for every member);
 FT_LATE_QUORUM_S=S makes its first request for a quorum reach the Lighthouse S seconds after it
@@ -92,7 +93,7 @@ def main(
         load_state_dict=lambda state: w.copy_(state["w"]),
         min_members=int(os.environ.get("FT_MIN_MEMBERS", "2")),
         timeout_s=3.0,
-        quorum_timeout_s=5.0,
+        quorum_timeout_s=float(os.environ.get("FT_QUORUM_TIMEOUT_S", "5")),
     )
     late, after = float(os.environ.get("FT_LATE_QUORUM_S", "0")), os.environ.get("FT_QUORUM_AFTER")
     if late or after:

@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from nn_handler.errors import DistributedError, NNHandlerError, RunFinished
-from nn_handler.training.fault_tolerance import engine
+from nn_handler.training.fault_tolerance import engine, quorum
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore
 from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
@@ -277,57 +277,29 @@ class Replica:
         return done + 1 if self.step <= done else 0
 
     def _quorum_once(self) -> None:
-        """One quorum (torchft's), asked once the Lighthouse answers; asked again once if
-        the Lighthouse was restarted while it waited (torchft's request then waits out its
-        timeout: the new Lighthouse never heard of it)."""
+        """One quorum (torchft's), asked again once of a Lighthouse restarted while it waited
+        (quorum.py); this attempt's place in it."""
         self.failure = None
-        for _ in range(2):
-            reconnects = self._verdicts.reconnects
-            self._ask("the run's members", lambda: self._verdicts.check([]))
-            asked = threading.Event()
-            threading.Thread(target=self._ask_quorum_again, args=(asked,), daemon=True).start()
-            try:
-                self.manager.start_quorum()
-                self._quorum = engine.quorum_id(self.manager)
-                self._attempt = self._first_undecided(self._quorum)
-                self._next, self.agreed = "same", True
-                return
-            except NNHandlerError:  # ours: a state it cannot take
-                raise
-            except Exception as error:  # torchft's quorum timed out or its server failed
-                failure = error
-            finally:
-                asked.set()
-            engine.drop_failed_quorum(self.manager)
-            self._ask("the run's members", lambda: self._verdicts.check([]))
-            if self._verdicts.reconnects == reconnects:
-                break  # the same Lighthouse all along: its answer stands
-        first = (str(failure).strip().splitlines() or [""])[0]
-        raise DistributedError(
-            f"member {self.member_id}: no agreement on the members of step {self.step} "
-            f"({type(failure).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
-            f"gone, or fewer than min_members={self.min_members} members are left. The "
-            f"run cannot go on step by step: restart it from its latest checkpoint."
-        ) from failure
-
-    def _ask_quorum_again(self, answered: threading.Event) -> None:
-        """While this member's request for a quorum is in flight (until ``answered``): once
-        its Lighthouse was restarted (this member reconnected), send the request again
-        (engine.ask_quorum_again), until one is sent to the new Lighthouse (it blocks until
-        the quorum: the one in flight is answered with it) instead of waiting out the first's
-        ``quorum_timeout_s``. Looks every quarter second (one request to the store)."""
-        seen = self._verdicts.reconnects
-        again = timedelta(seconds=self.quorum_timeout_s)
-        while not answered.wait(0.25):
-            with contextlib.suppress(NNHandlerError, RuntimeError, OSError):
-                self._verdicts.check([])  # reconnects if the Lighthouse is a new one
-            if self._verdicts.reconnects == seen or answered.is_set():
-                continue
-            try:
-                engine.ask_quorum_again(self.manager, again)
-                return  # answered: the quorum in flight too
-            except Exception:  # the new Lighthouse not reached yet: again
-                continue
+        try:
+            quorum.start_quorum(
+                self.manager,
+                self._verdicts,
+                functools.partial(self._ask, "the run's members"),
+                self.quorum_timeout_s,
+            )
+        except NNHandlerError:  # ours: a state it cannot take
+            raise
+        except Exception as failure:
+            first = (str(failure).strip().splitlines() or [""])[0]
+            raise DistributedError(
+                f"member {self.member_id}: no agreement on the members of step {self.step} "
+                f"({type(failure).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
+                f"gone, or fewer than min_members={self.min_members} members are left. The "
+                f"run cannot go on step by step: restart it from its latest checkpoint."
+            ) from failure
+        self._quorum = engine.quorum_id(self.manager)
+        self._attempt = self._first_undecided(self._quorum)
+        self._next, self.agreed = "same", True
 
     def agree(self, name: str, proposal: str) -> str:
         """The value of ``name`` for the whole run: the first member's to propose one (this
