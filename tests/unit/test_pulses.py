@@ -242,3 +242,32 @@ def test_a_member_s_close_is_bounded_when_its_lighthouse_is_stopped() -> None:
         closing.start()
         closing.join(LEAVE_S + 10)
         assert not closing.is_alive(), "close waited on a stopped Lighthouse"
+
+
+def test_the_pulse_reaches_a_restarted_lighthouse_and_its_deaths_still_end_the_attempt() -> None:
+    """The Lighthouse's store dies and a new one listens at the same address (``supervise``'s
+    restart): the watch pulses there again (a new store counts from 0: its first notices are
+    read whole), and a death it learns of there ends the attempt in flight as before."""
+    first = VerdictServer("127.0.0.1", 0, heartbeat_timeout_s=NEVER_S)
+    port = first.port
+    watch = PulseWatch(("127.0.0.1", port), "a:1", NEVER_S)
+    try:
+        _until(lambda: "a:1" in _members(first))
+        for member in ("x:7", "y:8"):  # the first store counts two deaths
+            _pulse_once(first, member).close()
+        _until(lambda: len(first.verdicts.pulses.gone) == 2)
+        first.close()
+        second = VerdictServer("127.0.0.1", port, heartbeat_timeout_s=NEVER_S)
+        try:
+            _until(lambda: "a:1" in _members(second))  # it pulses at the new store
+            watch.started("3/1/0", ["a:1", "b:2"])
+            thread, raised = _waiting(watch, _Collective())
+            _pulse_once(second, "b:2").close()  # the new store's first death
+            thread.join(30)
+            assert len(raised) == 1 and raised[0].startswith("member b is gone: "), raised
+            assert second.verdicts.values["3/1/0/verdict"] == "abort"
+        finally:
+            watch.close()
+            second.close()
+    finally:
+        first.close()
