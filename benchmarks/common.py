@@ -178,3 +178,21 @@ def ratio_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[st
         "ratio_spread": [min(ratios), max(ratios)],
         "ratio_ci95": median_ci(ratios),
     }
+
+
+def svg_axes(
+    width: int, height: int, left: int, bottom: int, x_label: str, y_label: str
+) -> list[str]:
+    """The opening of a plot as SVG (no plotting package needed): the element, its two axes
+    (the x axis ``bottom`` above the foot, the y axis ``left`` from the side) and their
+    labels; a caller appends its lines and ``</svg>``."""
+    axis = height - bottom
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<line x1="{left}" y1="{axis}" x2="{width - 10}" y2="{axis}" stroke="black"/>',
+        f'<line x1="{left}" y1="20" x2="{left}" y2="{axis}" stroke="black"/>',
+        f'<text x="{width / 2}" y="{height - 8}" text-anchor="middle">{x_label}</text>',
+        f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" '
+        f'text-anchor="middle">{y_label}</text>',
+    ]

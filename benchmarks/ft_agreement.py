@@ -114,15 +114,7 @@ def overhead_svg(rows: list[dict[str, Any]]) -> str:
         return height - bottom - (height - bottom - 20) * max(0.0, ms) / top
 
     axis = height - bottom
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="12">',
-        f'<line x1="{left}" y1="{axis}" x2="{width - 10}" y2="{axis}" stroke="black"/>',
-        f'<line x1="{left}" y1="20" x2="{left}" y2="{axis}" stroke="black"/>',
-        f'<text x="{width / 2}" y="{height - 8}" text-anchor="middle">members</text>',
-        f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" '
-        'text-anchor="middle">ms per step above one process</text>',
-    ]
+    parts = common.svg_axes(width, height, left, bottom, "members", "ms per step above one process")
     for members in xs:
         parts.append(
             f'<text x="{x(members)}" y="{axis + 16}" text-anchor="middle">{members}</text>'

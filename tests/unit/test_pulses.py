@@ -116,20 +116,26 @@ def test_a_silent_member_is_told_over_real_connections() -> None:
         server.close()
 
 
+def _voted_done_by_a(verdicts: Verdicts, attempt: str, answers: list[object]) -> threading.Thread:
+    """Member "a" votes done on ``attempt`` of two members in a thread of its own and waits for
+    the verdict (appended to ``answers``); returns once its vote is counted."""
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            verdicts.answer("vote", [attempt, 2, True, "p", 30.0, False, "a"])
+        )
+    )
+    thread.start()
+    _until(lambda: f"{attempt}/done/a" in verdicts.values)
+    return thread
+
+
 def test_an_attempt_of_a_gone_member_is_aborted_only_if_it_had_not_voted() -> None:
     """The store's rule: a gone member's attempt is aborted once for all (its voters waiting
     are answered) unless the gone one voted done on it (its collectives finished: the others'
     done votes still commit it) or it is decided."""
     verdicts = Verdicts()
     answers: list[object] = []
-    waiting = threading.Thread(
-        target=lambda: answers.append(
-            verdicts.answer("vote", ["3/1/0", 2, True, "p", 30.0, False, "a"])
-        )
-    )
-    waiting.start()
-    while "3/1/0/done/a" not in verdicts.values:
-        time.sleep(0.01)
+    waiting = _voted_done_by_a(verdicts, "3/1/0", answers)
     assert verdicts.answer("abort_missing", ["3/1/0", "b"]) is True
     waiting.join(10)
     assert answers == [["abort", "p", True]]
@@ -139,14 +145,7 @@ def test_an_attempt_of_a_gone_member_is_aborted_only_if_it_had_not_voted() -> No
     # voter's place is the run's (a Trainer member stops when told another place than its own)
     assert verdicts.answer("vote", ["5/1/0", 2, True, "p", 1.0, False, "a"]) == ["abort", "p", True]
     assert verdicts.answer("vote", ["5/1/0", 2, True, "p", 1.0, False, "b"]) == ["abort", "p", True]
-    commit = threading.Thread(
-        target=lambda: answers.append(
-            verdicts.answer("vote", ["6/1/0", 2, True, "p", 30.0, False, "a"])
-        )
-    )
-    commit.start()
-    while "6/1/0/done/a" not in verdicts.values:
-        time.sleep(0.01)
+    commit = _voted_done_by_a(verdicts, "6/1/0", answers)
     assert verdicts.answer("abort_missing", ["6/1/0", "a"]) is False  # a voted: not aborted
     assert verdicts.answer("vote", ["6/1/0", 2, True, "p", 30.0, False, "b"])[0] == "commit"
     commit.join(10)
