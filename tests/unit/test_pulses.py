@@ -210,7 +210,7 @@ def test_a_member_of_the_attempt_gone_ends_its_collective_at_once_and_others_do_
         assert other.vote("7/2/0", 2, True, "p", 1.0, voter="a") == (False, "p", True)
         watch.ended()
         _pulse_once(server, "e:5").close()  # between two attempts
-        _until(lambda: "e:5" in watch._between)  # the watch has read it
+        _until(lambda: "e:5" in watch.gone_between)  # the watch has read it
         watch.started("8/3/0", ["a:1", "e:5"])
         thread, raised = _waiting(watch, _Collective())
         thread.join(30)

@@ -52,6 +52,13 @@ class PulseWatch:
             before = "was gone before the step began"
             self.gone = DistributedError(_gone(gone[0], before)) if gone else None
 
+    @property
+    def gone_between(self) -> frozenset[str]:
+        """The members told gone since the last attempt ended (the next one's start reads
+        them)."""
+        with self._lock:
+            return frozenset(self._between)
+
     def ended(self) -> None:
         """This member read the verdict of its attempt: a member gone now is the next's."""
         with self._lock:
