@@ -77,6 +77,17 @@ class NoPulse:
         pass
 
 
+class NoPartition:
+    """A Replica's reachability (reachability.Reachability) for a test's Replica without a
+    store: nobody is cut off; counts the checks made (one after each failed agreement)."""
+
+    group: tuple[str, list[str]] = ("", [])
+    checks = 0
+
+    def leave_if_cut_off(self) -> None:
+        self.checks += 1
+
+
 class NoQuorumClient:
     """A test manager's client (engine.quorum_members reads its last quorum's members)."""
 

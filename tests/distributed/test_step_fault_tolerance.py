@@ -17,9 +17,11 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch
 pytest.importorskip("torchft")
 
 from nn_handler.training.fault_tolerance import Lighthouse
+from tests import netns
 from tests.ft_helpers import BATCH, STEPS, batch_of, digest, unfailed
 from tests.interpreters import python_path
 from tests.timeouts import scaled, scaled_now
@@ -53,14 +56,19 @@ class _Members:
         *kill: str,
         hold: tuple[int, ...] = (),
         least: int = 2,
+        cut_off: tuple[Path, list[int]] | None = None,
         **env: str,
     ) -> None:
-        """Start ``member``; it waits before each step in ``hold`` until :meth:`release`."""
+        """Start ``member``; it waits before each step in ``hold`` until :meth:`release`.
+        ``cut_off`` (a folder, ports): in a network namespace of its own, reaching only those
+        ports of 127.0.0.1 (tests/netns.py's bridge of the folder)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "PYTHONPATH": python_path(ROOT), "RUST_LOG": "error",
                "FT_HOLD_AT": ",".join(map(str, hold)),
                "FT_MIN_MEMBERS": str(least), **env}  # fmt: skip
         command = [sys.executable, str(self.script), self.lighthouse, str(self.run), member]
+        if cut_off is not None:
+            command = netns.cut_off(*cut_off, command[1:])
         with open(self.run / f"{member}.log", "wb") as log:
             self.procs[member] = subprocess.Popen(
                 [*command, str(starters), *kill], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -195,6 +203,50 @@ def test_a_joiner_whose_quorum_request_arrives_after_the_others_agreed_still_joi
         joined = first if member == "m2" else joined
         _check_ledger(report["ledger"], first, steps)
     assert hold < joined < steps - 1, joined  # m2 joined mid-run, and trained with the others
+
+
+def test_a_member_cut_off_from_the_others_but_reaching_the_lighthouse_leaves_and_they_go_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 69, item 19, as a real partition: m2 runs in a network namespace of its own
+    whose only way out is a bridge to the Lighthouse's two ports, and joins m0 and m1 mid-run.
+    The Lighthouse puts it in their quorum (it asks, it sends heartbeats), and the group's
+    set-up fails on every member (before: again at every quorum until ``quorum_timeout_s``,
+    then the whole run stopped). They probe each other: m0 and m1 reach each other and go on
+    at once; m2 reached neither, learns that both report it unreachable, and leaves with one
+    line naming them. m0 and m1 end with the unfailed bits, every step once, all with two."""
+    why = netns.why_no_namespace()
+    if why:
+        pytest.skip(f"no network namespace here: {why}")
+    hold = 5
+    deadline = time.monotonic() + scaled(90)
+    sockets = Path(tempfile.mkdtemp(prefix="ns", dir="/tmp"))  # a Unix socket's path is short
+    with (
+        Lighthouse(min_members=2, join_timeout_s=10.0, heartbeat_timeout_s=1.0) as lighthouse,
+        _Members(lighthouse.address, tmp_path) as members,
+    ):
+        port = int(lighthouse.address.rsplit(":", 1)[1])
+        bridge = netns.UnixBridge(sockets, [port, port + 1])  # the verdicts' store: port + 1
+        for member in ("m0", "m1"):
+            members.start(member, 2, hold=(hold,), FT_QUORUM_TIMEOUT_S="20")
+        members.wait_for("m0", hold, deadline)
+        members.start("m2", 0, cut_off=(sockets, [port, port + 1]), FT_QUORUM_TIMEOUT_S="20")
+        members.release(hold, deadline, once_ready="m2")
+        codes = members.wait(deadline)
+        bridge.close()
+    shutil.rmtree(sockets, ignore_errors=True)
+    assert codes == {"m0": 0, "m1": 0, "m2": 1}, members.logs()
+    expected = digest(unfailed())
+    for member in ("m0", "m1"):
+        report = json.loads((tmp_path / f"{member}.json").read_text())
+        assert report["digest"] == expected, (member, members.logs())
+        _check_ledger(report["ledger"], 0)
+        assert {entry[3] for entry in report["ledger"]} == {2}, member  # m2 never in a step
+    left = json.loads((tmp_path / "m2.json").read_text())
+    assert left["ledger"] == [], members.logs()
+    assert left["stopped"].startswith("member m2: cut off from the run's other members: it "
+                                      "reaches the Lighthouse"), members.logs()  # fmt: skip
+    assert "but not m0, m1, and they cannot reach it at 127.0.0.1:" in left["stopped"]
 
 
 def test_a_member_that_starts_after_the_run_finished_leaves_at_once_with_exit_0(

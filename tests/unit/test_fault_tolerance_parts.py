@@ -24,7 +24,7 @@ from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.fault_tolerance import Lighthouse, require_torchft
 from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 from nn_handler.training.fault_tolerance.verdicts import COMMITTED
-from tests.ft_helpers import NoPulse, NoQuorumClient
+from tests.ft_helpers import NoPartition, NoPulse, NoQuorumClient
 
 
 class _Done:
@@ -767,12 +767,14 @@ def test_agreements_that_keep_failing_stop_the_member_instead_of_trying_forever(
     replica.manager = manager = _EveryAgreementFails()
     replica._verdicts, replica.member_id, replica.lighthouse = _Verdicts(), "m2", "http://h:1"
     replica.min_members, replica.quorum_timeout_s, replica.timeout_s = 1, 0.05, 1.0
+    replica._reach = reach = NoPartition()
     with pytest.raises(DistributedError) as caught:
         replica.begin_step()
     message = str(caught.value)
     assert message.startswith("member m2: every agreement on the members of step 42 failed for")
     assert "(the last: Connection refused)" in message and "\n" not in message
     assert manager.quorums >= 2 and replica._verdicts.values["41/7/0/verdict"] == "abort"
+    assert reach.checks == manager.quorums  # who is cut off, asked after each failure
 
 
 class _Member:

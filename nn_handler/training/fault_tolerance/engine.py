@@ -209,6 +209,13 @@ def drop_failed_quorum(manager: Any) -> None:
     manager._quorum_future = None
 
 
+def cause(error: BaseException) -> str:
+    """An error's first line, without gloo's source location and advice (its name if empty)."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+    return cause or type(error).__name__
+
+
 class _NoFlightRecorder(logging.Filter):
     """Drops torchft's warning, at every change of members, that it cannot reset NCCL's flight
     recorder: said on every build without NCCL (gloo, CPU), where there is nothing to reset;
@@ -258,6 +265,7 @@ __all__ = [
     "TCPStore",
     "abort_later",
     "ask_quorum_again",
+    "cause",
     "drop_failed_quorum",
     "forget_quorum",
     "lighthouse_server",

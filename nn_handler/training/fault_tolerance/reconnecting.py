@@ -7,9 +7,9 @@ error stands (the run stops, as it did before the Lighthouse could come back).
 
 A restarted Lighthouse's store is empty: the verdict of the step in flight is re-derived from
 the members, who hold every input of it. On reconnecting, a member first tells the new store
-what it knows (``restore``): the run's agreed values, whether the run finished and the
-verdicts it read last (with their attempts' place in the data). Then it sends its request
-again (a vote sent again is counted once: votes are by member). So:
+what it knows (``restore``): the run's agreed values, its address (reachability.py), whether
+the run finished and the verdicts it read last (with their attempts' place in the data). Then
+it sends its request again (a vote sent again is counted once: votes are by member). So:
 
 - a verdict some member read (commit or abort) is the verdict (that member restores it, and
   the members still waiting for it are answered with it);
@@ -69,7 +69,7 @@ class ReconnectingVerdicts:
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         value: bytes = self._call(lambda store: store.compare_set(key, expected, desired))
-        if key.startswith("agreed/") or key == FINISHED:
+        if key.startswith(("agreed/", "address/")) or key == FINISHED:
             self._known[key] = value.decode()
         return value
 

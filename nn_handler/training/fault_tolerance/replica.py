@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +34,10 @@ from typing import Any, TypeVar
 from nn_handler.errors import DistributedError, NNHandlerError, RunFinished
 from nn_handler.training.fault_tolerance import engine, quorum
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
-from nn_handler.training.fault_tolerance.engine import TCPStore
+from nn_handler.training.fault_tolerance.engine import TCPStore, cause
 from nn_handler.training.fault_tolerance.lighthouse import verdicts_of
 from nn_handler.training.fault_tolerance.pulse_watch import PulseWatch
+from nn_handler.training.fault_tolerance.reachability import Reachability
 from nn_handler.training.fault_tolerance.reconnecting import ReconnectingVerdicts
 from nn_handler.training.fault_tolerance.verdicts import COMMITTED, FINISHED, JOINS, LIFE
 
@@ -124,7 +124,7 @@ class Replica:
             self._verdicts.close()
             raise DistributedError(
                 f"member {member_id}: cannot reach the Lighthouse at {lighthouse} within "
-                f"{timeout_s:g} s ({_cause(error)}): is it running there?"
+                f"{timeout_s:g} s ({cause(error)}): is it running there?"
             ) from None
         self.communicator = ReplicaCommunicator(self)
         #: The collective failure of the step in flight (None: none).
@@ -133,6 +133,10 @@ class Replica:
         self._pulse = PulseWatch(
             self._verdicts.address, engine.replica_id(self.manager), timeout_s + 5
         )
+        self._reach = Reachability(  # a member cut off from the others leaves (reachability.py)
+            self._verdicts, lighthouse, self._pulse.member, f"{host}:{self.store_port}", timeout_s
+        )
+        self._ask("the run's members", self._reach.register)
         # The step's attempt within its quorum (the members the Lighthouse agreed on): the
         # first whose verdict is not written yet (see _quorum_once).
         self._quorum = -1
@@ -244,12 +248,13 @@ class Replica:
                 self.failure = failed.original_exception
                 self._vote("")
                 self.manager.should_commit()  # torchft's bookkeeping of the abort
+                self._ask("who reaches whom", self._reach.leave_if_cut_off)  # a partition?
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.quorum_timeout_s:
                     raise DistributedError(
                         f"member {self.member_id}: every agreement on the members of step "
                         f"{self.step + 1} failed for {self.quorum_timeout_s:g} s (the last: "
-                        f"{_cause(self.failure)}). The run cannot go on step by step: restart "
+                        f"{cause(self.failure)}). The run cannot go on step by step: restart "
                         f"it from its latest checkpoint."
                     )
                 continue  # agreed again at once, with the members left
@@ -290,12 +295,11 @@ class Replica:
         except NNHandlerError:  # ours: a state it cannot take
             raise
         except Exception as failure:
-            first = (str(failure).strip().splitlines() or [""])[0]
             raise DistributedError(
                 f"member {self.member_id}: no agreement on the members of step {self.step} "
-                f"({type(failure).__name__}: {first}): the Lighthouse at {self.lighthouse} is "
-                f"gone, or fewer than min_members={self.min_members} members are left. The "
-                f"run cannot go on step by step: restart it from its latest checkpoint."
+                f"({type(failure).__name__}: {cause(failure)}): the Lighthouse at "
+                f"{self.lighthouse} is gone, or fewer than min_members={self.min_members} are "
+                f"left. The run cannot go on step by step: restart it from its latest checkpoint."
             ) from failure
         self._quorum = engine.quorum_id(self.manager)
         self._attempt = self._first_undecided(self._quorum)
@@ -333,7 +337,7 @@ class Replica:
     def abandoned(self, what: str, error: BaseException) -> str:
         """What a collective's failure says: its cause in one line (gloo's without its source
         location and advice)."""
-        return f"{what} of step {self.step + 1} failed: a member was lost ({_cause(error)})"
+        return f"{what} of step {self.step + 1} failed: a member was lost ({cause(error)})"
 
     def commit(self, position: str = "", leaving: bool = False) -> bool:
         """Whether the step counts: every collective of it completed on every one of its
@@ -373,7 +377,9 @@ class Replica:
         Lighthouse's life (two members that read it differently, a Lighthouse restarted
         between their reads, never form a group: the attempt fails, and is agreed again)."""
         attempt = self._first_undecided(quorum)
-        return f"{self._ask('the run', lambda: self._verdicts.value(LIFE, ''))}.{attempt}"
+        label = f"{self._ask('the run', lambda: self._verdicts.value(LIFE, ''))}.{attempt}"
+        self._reach.group = f"{quorum}/{label}", engine.quorum_members(self.manager)
+        return label
 
     def _vote(self, position: str, leaving: bool = False) -> bool:
         """This member's vote on this attempt of the step (done, or abort after a failure)
@@ -408,13 +414,12 @@ class Replica:
             answer = request()
         except NNHandlerError:
             raise
-        except (RuntimeError, OSError) as error:
-            first = (str(error).strip().splitlines() or [""])[0]  # not torch's C++ frames
+        except (RuntimeError, OSError) as error:  # its first line: not torch's C++ frames
             raise DistributedError(
                 f"member {self.member_id}: {what} cannot be read ({type(error).__name__}: "
-                f"{first}): the Lighthouse at {self.lighthouse} is gone (no answer there for "
-                f"{self.quorum_timeout_s:g} s). The run cannot go on step by step: restart "
-                f"it from its latest checkpoint."
+                f"{cause(error)}): the Lighthouse at {self.lighthouse} is gone (no "
+                f"answer there for {self.quorum_timeout_s:g} s). The run cannot go on step by "
+                f"step: restart it from its latest checkpoint."
             ) from error
         if self._diverged:
             raise DistributedError(
@@ -437,13 +442,6 @@ class Replica:
         self._pulse.close()
         self.manager.shutdown(wait=False)
         self._verdicts.close()
-
-
-def _cause(error: BaseException) -> str:
-    """An error's first line, without gloo's source location and advice."""
-    first = (str(error).strip().splitlines() or [""])[0]
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
-    return cause or type(error).__name__
 
 
 __all__ = ["Replica"]
