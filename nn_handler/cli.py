@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from nn_handler.config.checkpoint import is_url
+from nn_handler.planning.command import add_plan_parser, run_plan_command
 
 
 def _positive_int(text: str) -> int:
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     supervise.add_argument(
         "program", metavar="COMMAND", nargs=argparse.REMAINDER, help="-- then the command"
     )
+    add_plan_parser(commands)
     return parser
 
 
@@ -351,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_lighthouse(args)
     if args.command == "supervise":
         return run_supervise(args)
+    if args.command == "plan":
+        return run_plan_command(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -18,6 +18,24 @@ from nn_handler.strategies.single import SingleDeviceStrategy
 STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDeviceStrategy, "ddp": DDPStrategy}
 
 
+def strategy_name(config: TrainerConfig, world: int, grouped: bool = True) -> str:
+    """The strategy a run of ``world`` ranks (``grouped``: with a process group) takes:
+    'replicated' under the reproducible mode unless 'fsdp' (its exact sum replaces DDP's),
+    'auto' as DDP with more than one rank in a group, else as given. ConfigError for
+    'single' over several ranks."""
+    name = config.strategy
+    if config.reproducible is not None and name != "fsdp":
+        return "replicated"
+    if name == "auto":
+        return "ddp" if world > 1 and grouped else "single"
+    if name == "single" and world > 1:
+        raise ConfigError(
+            f"strategy 'single' trains one replica without synchronising gradients, but the "
+            f"run has {world} ranks: the replicas would drift apart. Use 'ddp' (or 'auto')."
+        )
+    return name
+
+
 def select_strategy(
     comm: Communicator, device: torch.device, config: TrainerConfig, precision: str = "32"
 ) -> Strategy:
@@ -25,20 +43,12 @@ def select_strategy(
     rank and a process group, one device otherwise (a test double of several ranks without a
     group trains its one replica as it is). ``precision`` is the run's resolved precision
     ('32', 'bf16', 'fp16'), which a sharded strategy applies to its communication."""
-    name = config.strategy
-    if config.reproducible is not None and name != "fsdp":  # its exact sum replaces DDP's
-        return ReplicatedStrategy(comm, device, config, precision)
-    if name == "auto":
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        grouped = dist.is_available() and dist.is_initialized()
-        name = "ddp" if comm.world_size > 1 and grouped else "single"
-    if name == "single" and comm.world_size > 1 and config.strategy == "single":
-        raise ConfigError(
-            f"strategy 'single' trains one replica without synchronising gradients, but the "
-            f"run has {comm.world_size} ranks: the replicas would drift apart. Use 'ddp' (or "
-            f"'auto')."
-        )
+    grouped = dist.is_available() and dist.is_initialized()
+    name = strategy_name(config, comm.world_size, grouped)
+    if name == "replicated":
+        return ReplicatedStrategy(comm, device, config, precision)
     if name == "fsdp":  # imported when chosen: torch.distributed.checkpoint costs ~1 s
         from nn_handler.strategies.fsdp import FSDP2Strategy
 
@@ -62,4 +72,5 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "select_strategy",
+    "strategy_name",
 ]

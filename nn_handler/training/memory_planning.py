@@ -153,30 +153,43 @@ def _gib(size: int | None) -> str:
 
 
 def _layout_of(strategy: Strategy, config: TrainerConfig, device: torch.device) -> Layout:
-    settings = config.fsdp
-    world = strategy.comm.world_size
-    mode = config.reproducible
+    mesh = getattr(strategy, "mesh_shape", (1, strategy.comm.world_size))
+    world, precision = strategy.comm.world_size, strategy.precision
+    return layout_for(strategy.name, config, world, mesh, precision, device.type)
+
+
+def layout_for(
+    strategy: str,
+    config: TrainerConfig,
+    world: int,
+    mesh: tuple[int, int],
+    precision: str,
+    device_type: str,
+) -> Layout:
+    """The memory plan's layout of ``strategy`` (a resolved name: 'single', 'ddp',
+    'replicated' or 'fsdp') over ``world`` ranks, ``mesh`` (replicate, shard) under FSDP2:
+    the Trainer's at its start, and ``nn-handler plan``'s for a world it is not running in."""
+    settings, mode = config.fsdp, config.reproducible
     exact = math.ceil(mode.micro_batches / world) if mode and mode.reduction == "exact" else 0
-    if strategy.name == "fsdp":
-        replicate, shard = getattr(strategy, "mesh_shape", (1, world))
-        mixed = strategy.precision == "bf16" and settings.mixed_precision
+    if strategy == "fsdp":
+        replicate, shard = mesh
         return Layout(
             "fsdp",
             shard=shard,
             replicate=replicate,
             activation_checkpointing=settings.activation_checkpointing,
-            gathered_dtype_bytes=0.5 if mixed else 1.0,
-            foreach=device.type == "cuda",
+            gathered_dtype_bytes=0.5 if precision == "bf16" and settings.mixed_precision else 1.0,
+            foreach=device_type == "cuda",
             exact_micro_batches=exact,
         )
     return Layout(
-        strategy.name,
+        strategy,
         shard=1,
         replicate=world,
         activation_checkpointing=settings.activation_checkpointing,
-        foreach=device.type == "cuda",
+        foreach=device_type == "cuda",
         exact_micro_batches=exact,
     )
 
 
-__all__ = ["MemoryPlanner", "device_budget"]
+__all__ = ["MemoryPlanner", "device_budget", "layout_for"]

@@ -51,6 +51,18 @@ def micro_seed(seed: int, step: int, index: int) -> int:
     return int(state[0]) & (2**63 - 1)
 
 
+def check_sharded_micro_batches(micro_batches: int, world: int) -> None:
+    """ConfigError when a sharded model's step has fewer micro-batches than ranks: every rank
+    must run a forward and backward of its own (the parameters are gathered in each)."""
+    if micro_batches < world:
+        raise ConfigError(
+            f"reproducible with sharded parameters: a step has {micro_batches} micro-batches "
+            f"(global_batch_size / micro_batch_size) for {world} ranks, and every rank must "
+            f"run a forward and backward of its own (the parameters are gathered in each); "
+            f"make global_batch_size at least {world} x micro_batch_size."
+        )
+
+
 class ExactStep:
     """The reproducible mode's step for ``module`` (the plain module the optimizer trains).
 
@@ -105,14 +117,8 @@ class ExactStep:
         self.gradients = gradients if gradients is not None else ReplicatedGradients(params)
         self._numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
         self._width = self._maxima + len(params)
-        if self.gradients.balanced and self.config.micro_batches < self.comm.world_size:
-            raise ConfigError(
-                f"reproducible with sharded parameters: a step has {self.config.micro_batches} "
-                f"micro-batches (global_batch_size / micro_batch_size) for "
-                f"{self.comm.world_size} ranks, and every rank must run a forward and backward "
-                f"of its own (the parameters are gathered in each); make global_batch_size at "
-                f"least {self.comm.world_size} x micro_batch_size."
-            )
+        if self.gradients.balanced:
+            check_sharded_micro_batches(self.config.micro_batches, self.comm.world_size)
         dtypes = {p.dtype for p in params}
         if any(not d.is_floating_point for d in dtypes):
             raise ConfigError("the reproducible mode trains floating-point parameters only.")
@@ -435,4 +441,4 @@ def _check_unchanged(module: nn.Module, before: dict[str, torch.Tensor]) -> None
             )
 
 
-__all__ = ["ExactStep", "micro_seed"]
+__all__ = ["ExactStep", "check_sharded_micro_batches", "micro_seed"]

@@ -1,0 +1,244 @@
+"""A run planned before it is launched (``nn-handler plan``): in this process, on the meta
+device, for a world of any size. The model is built on meta (no memory), the strategy's
+layout resolved for that world as the launch resolves it (the mesh, the blocks, the modes),
+and the report says what one rank holds, how the data is dealt and what the launch would
+refuse. Every refusal comes from the function the launch itself calls, so the plan finds the
+same ConfigError without the cluster.
+
+Not planned yet: the collectives of a step and the checkpoint's shard map (issue 75's next
+parts)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nn_handler.config.handler import HandlerConfig
+from nn_handler.data.fixed_batches import steps_per_epoch
+from nn_handler.errors import ConfigError
+from nn_handler.strategies import strategy_name
+from nn_handler.strategies.activation_estimate import estimate_activations
+from nn_handler.strategies.blocks import blocks_of
+from nn_handler.strategies.memory_plan import (
+    MemoryPlan,
+    ModelSizes,
+    check_budget,
+    fitting_layout,
+    plan_memory,
+)
+from nn_handler.strategies.mesh import mesh_shape
+from nn_handler.training.memory_planning import layout_for
+from nn_handler.training.reproducible.exact_step import check_sharded_micro_batches
+
+#: What a model factory gives: the model, or the model and one training batch's inputs (on
+#: any device: they are moved to meta) for the activations.
+Built = nn.Module | tuple[nn.Module, Any]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A ConfigError the launch would raise: where it comes from, and its message."""
+
+    where: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How a step's samples are dealt over the ranks.
+
+    Attributes:
+        global_batch: samples per optimizer step (all ranks).
+        per_rank: the most samples one rank computes per step.
+        micro_batches: micro-batches per step (the reproducible mode's), else None.
+        micro_batches_per_rank: the most micro-batches one rank runs per step (else None).
+        steps_per_epoch: optimizer steps per epoch (None: the dataset's size not given).
+        resume: what a resume at ``resume_world`` ranks gives (None: not asked).
+    """
+
+    global_batch: int
+    per_rank: int
+    micro_batches: int | None
+    micro_batches_per_rank: int | None
+    steps_per_epoch: int | None
+    resume: str | None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The plan of one run at ``world`` ranks on ``nodes`` machines (see the module)."""
+
+    world: int
+    nodes: int
+    strategy: str
+    layout: str
+    memory: MemoryPlan | None
+    budget: int | None
+    data: DataPlan | None
+    refusals: list[Refusal] = field(default_factory=list)
+
+
+def plan_run(
+    config: HandlerConfig | Mapping[str, Any],
+    world: int,
+    model: Callable[[], Built],
+    *,
+    nodes: int = 1,
+    device_memory: int | None = None,
+    resume_world: int | None = None,
+    samples: int | None = None,
+    device_type: str = "cuda",
+    optimizer_slots: float = 2.0,
+) -> RunPlan:
+    """The plan of ``config`` at ``world`` ranks over ``nodes`` machines; ``model()`` is
+    called under the meta device. ``device_memory``: one rank's budget in bytes (else the
+    config's ``trainer.memory_budget``, else none); ``samples``: the training set's size;
+    ``optimizer_slots``: optimizer state elements per parameter element (AdamW's 2)."""
+    if world < 1 or nodes < 1:
+        raise ConfigError(f"world={world} and nodes={nodes} must be at least 1.")
+    refusals: list[Refusal] = []
+    try:
+        handler = config if isinstance(config, HandlerConfig) else HandlerConfig.from_dict(config)
+    except ConfigError as error:
+        refusals.append(Refusal("config", str(error)))
+        return RunPlan(world, nodes, "?", "?", None, device_memory, None, refusals)
+    trainer = handler.trainer
+    if world % nodes:
+        refusals.append(
+            Refusal(
+                "launch",
+                f"--world {world} over --nodes {nodes}: every machine runs the same number of "
+                f"ranks (torchrun's --nproc-per-node), so nodes must divide the world.",
+            )
+        )
+    strategy = _refused(refusals, "trainer.strategy", "single", strategy_name, trainer, world)
+    with torch.device("meta"):
+        built = model()
+    module, inputs = built if isinstance(built, tuple) else (built, None)
+    mesh = (1, world)
+    if strategy == "fsdp":
+        sizes_asked = (trainer.fsdp.replicate, trainer.fsdp.shard)
+        local = max(world // nodes, 1)
+        mesh = _refused(refusals, "trainer.fsdp", mesh, mesh_shape, world, local, *sizes_asked)
+    purpose = "the blocks to shard and checkpoint"
+    blocks = _refused(refusals, "trainer.fsdp.blocks", [], blocks_of, module, trainer.fsdp, purpose)
+    data = _data(handler, world, samples, resume_world, strategy, refusals)
+    precision = handler.precision.precision
+    layout = layout_for(strategy, trainer, world, mesh, precision, device_type)
+    sizes = ModelSizes.of(module, blocks)
+    activations = None
+    if inputs is not None:
+        names = {id(m): name for name, m in module.named_modules()}
+        activations = estimate_activations(module, [names[id(b)] for b in blocks], inputs)
+    memory = plan_memory(sizes, layout, optimizer_slots, "an optimizer", activations)
+    budget = device_memory if device_memory is not None else _budget(trainer.memory_budget)
+    if budget is not None and memory.total > budget:
+        fits = fitting_layout(
+            sizes, layout, optimizer_slots, "an optimizer", activations, world, budget
+        )
+        source = "--device-memory" if device_memory is not None else "trainer.memory_budget"
+        _refused(refusals, "memory", None, check_budget, memory, budget, fits, source)
+    return RunPlan(world, nodes, strategy, layout.describe(), memory, budget, data, refusals)
+
+
+def _refused(
+    refusals: list[Refusal], where: str, default: Any, check: Callable[..., Any], *args: Any
+) -> Any:
+    """``check(*args)``, or ``default`` with its ConfigError kept in ``refusals``."""
+    try:
+        return check(*args)
+    except ConfigError as error:
+        refusals.append(Refusal(where, str(error)))
+        return default
+
+
+def _data(
+    handler: HandlerConfig,
+    world: int,
+    samples: int | None,
+    resume_world: int | None,
+    strategy: str,
+    refusals: list[Refusal],
+) -> DataPlan:
+    """The data's part of the plan, with the refusals it finds."""
+    trainer, mode = handler.trainer, handler.trainer.reproducible
+    if mode is not None:
+        per_rank = math.ceil(mode.micro_batches / world)
+        if strategy == "fsdp":
+            _refused(
+                refusals,
+                "trainer.reproducible",
+                None,
+                check_sharded_micro_batches,
+                mode.micro_batches,
+                world,
+            )
+        steps = None
+        if samples is not None:
+            steps = _refused(
+                refusals,
+                "data",
+                None,
+                steps_per_epoch,
+                samples,
+                mode.global_batch_size,
+                handler.loader.drop_last,
+            )
+        resume = None
+        if resume_world is not None:
+            resume = _exact_resume(mode.micro_batches, resume_world, strategy)
+        return DataPlan(
+            mode.global_batch_size,
+            per_rank * mode.micro_batch_size,
+            mode.micro_batches,
+            per_rank,
+            steps,
+            resume,
+        )
+    batch = handler.loader.batch_size * trainer.accumulate_grad_batches
+    global_batch = batch * world
+    steps = None
+    if samples is not None:
+        per_rank_samples = math.ceil(samples / world)
+        whole = per_rank_samples // handler.loader.batch_size
+        batches = (
+            whole
+            if handler.loader.drop_last
+            else math.ceil(per_rank_samples / handler.loader.batch_size)
+        )
+        steps = math.ceil(batches / trainer.accumulate_grad_batches)
+    resume = None
+    if resume_world is not None:
+        resume = (
+            f"at {resume_world} ranks: the rest of an interrupted epoch is dealt over them, "
+            f"every sample once (data/reshard.py); the global batch becomes "
+            f"{batch * resume_world} samples (loader.batch_size x accumulate_grad_batches x "
+            f"ranks), not {global_batch}: the reproducible mode keeps it"
+        )
+    return DataPlan(global_batch, batch, None, None, steps, resume)
+
+
+def _exact_resume(micro_batches: int, world: int, strategy: str) -> str:
+    """What the reproducible mode's resume at ``world`` ranks gives."""
+    if strategy == "fsdp" and micro_batches < world:
+        return (
+            f"refused at {world} ranks: {micro_batches} micro-batches a step, fewer than the "
+            f"ranks (every rank of a sharded model runs one of its own)"
+        )
+    return (
+        f"exactly once at {world} ranks: the same steps, samples and bits (the mode's fixed "
+        f"batches do not depend on the ranks); at most {math.ceil(micro_batches / world)} "
+        f"micro-batches per rank"
+    )
+
+
+def _budget(memory_budget: Any) -> int | None:
+    return None if memory_budget is None else int(memory_budget)
+
+
+__all__ = ["Built", "DataPlan", "Refusal", "RunPlan", "plan_run"]

@@ -1,0 +1,71 @@
+"""``nn-handler plan`` finds the launch's refusals without launching (issue 75): for configs
+that a real launch of two ranks refuses (an HSDP mesh whose product is not the world, a
+sharded step with fewer micro-batches than ranks, strategy 'single' over two ranks, a global
+batch that is no multiple of the micro-batch, fault tolerance with FSDP, a memory budget too
+small), the plan's refusals are exactly the ConfigErrors the real NNHandler raises on each rank
+of a real gloo group, word for word; a config the launch takes, the plan takes too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from nn_handler import NNHandler
+from nn_handler.errors import ConfigError
+from nn_handler.planning import plan_run
+from tests.harness import run_group
+from tests.training_helpers import mlp, regression_data, sgd
+
+pytestmark = pytest.mark.distributed
+
+_FSDP_EXACT = {"strategy": "fsdp", "reproducible": {"global_batch_size": 4, "micro_batch_size": 1}}
+CASES: dict[str, dict[str, Any]] = {
+    "mesh": {"strategy": "fsdp", "fsdp": {"replicate": 2, "shard": 2}},
+    "micro-batches": {
+        "strategy": "fsdp",
+        "reproducible": {"global_batch_size": 4, "micro_batch_size": 4},
+    },
+    "single": {"strategy": "single"},
+    "not a multiple": {"reproducible": {"global_batch_size": 5, "micro_batch_size": 2}},
+    "memory": {"memory_budget": "1KB"},
+    "fault tolerance with fsdp": {
+        **_FSDP_EXACT,
+        "fault_tolerance": {"lighthouse": "http://127.0.0.1:1"},
+    },
+    "taken": _FSDP_EXACT,
+}
+
+
+def _config(trainer: dict[str, Any]) -> dict[str, Any]:
+    return {"loader": {"batch_size": 4}, "trainer": {**trainer, "progress_bar": False}}
+
+
+def _launch(rank: int, world_size: int) -> dict[str, str | None]:
+    """Each case launched for real in this group: its ConfigError's text, None if it trained."""
+    raised: dict[str, str | None] = {}
+    for name, trainer in CASES.items():
+        try:
+            handler = NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=_config(trainer))
+            try:
+                handler.train(regression_data(), epochs=1)
+                raised[name] = None
+            finally:
+                handler.close()
+        except ConfigError as error:
+            raised[name] = str(error)
+    return raised
+
+
+def test_the_plan_refuses_exactly_what_a_real_launch_of_two_ranks_refuses() -> None:
+    real = run_group(_launch, 2, init="harness", timeout=120)
+    assert real[0] == real[1]  # every rank refuses alike
+    for name, trainer in CASES.items():
+        plan = plan_run(_config(trainer), 2, mlp, device_type="cpu", optimizer_slots=1.0)
+        planned = [refusal.message for refusal in plan.refusals]
+        expected = [] if real[0][name] is None else [real[0][name]]
+        assert planned == expected, name
+    assert real[0]["taken"] is None and all(
+        real[0][name] is not None for name in CASES if name != "taken"
+    )
