@@ -28,6 +28,9 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
         "memory_per_rank": memory,
         "budget": plan.budget,
         "data": data,
+        "collectives_per_step": None
+        if plan.collectives is None
+        else [vars(collective) for collective in plan.collectives],
         "refusals": [{"where": r.where, "message": r.message} for r in plan.refusals],
     }
 
@@ -59,6 +62,13 @@ def plan_table(plan: RunPlan) -> str:
             lines.append(f"  {data.steps_per_epoch} optimizer steps per epoch")
         if data.resume is not None:
             lines.append(f"  resume {data.resume}")
+    if plan.collectives is None:
+        lines.append("collectives per step: not planned for this mode yet")
+    elif plan.collectives:
+        lines.append("collectives per optimizer step, per rank:")
+        for c in plan.collectives:
+            shown = f"{c.bytes} B" if c.bytes < 1024 else gib(c.bytes)
+            lines.append(f"  {c.op:<15} over {c.group:<10} {c.count:>4} x {shown:>11}")
     if plan.refusals:
         lines.append(f"the launch would refuse it ({len(plan.refusals)}):")
         for refusal in plan.refusals:

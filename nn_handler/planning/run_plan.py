@@ -5,8 +5,9 @@ and the report says what one rank holds, how the data is dealt and what the laun
 refuse. Every refusal comes from the function the launch itself calls, so the plan finds the
 same ConfigError without the cluster.
 
-Not planned yet: the collectives of a step and the checkpoint's shard map (issue 75's next
-parts)."""
+The collectives of one optimizer step are planned for DDP and FSDP2/HSDP (collectives.py); not
+planned yet: the reproducible and fault-tolerant modes' collectives and the checkpoint's shard
+map (issue 75's next parts)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 from nn_handler.config.handler import HandlerConfig
 from nn_handler.data.fixed_batches import steps_per_epoch
 from nn_handler.errors import ConfigError
+from nn_handler.planning.collectives import Collective, ddp_step, fsdp_step
 from nn_handler.strategies import strategy_name
 from nn_handler.strategies.activation_estimate import estimate_activations
 from nn_handler.strategies.blocks import blocks_of
@@ -81,6 +83,8 @@ class RunPlan:
     budget: int | None
     data: DataPlan | None
     refusals: list[Refusal] = field(default_factory=list)
+    #: One optimizer step's collectives per rank (None: not planned for this mode).
+    collectives: list[Collective] | None = None
 
 
 def plan_run(
@@ -143,7 +147,41 @@ def plan_run(
         )
         source = "--device-memory" if device_memory is not None else "trainer.memory_budget"
         _refused(refusals, "memory", None, check_budget, memory, budget, fits, source)
-    return RunPlan(world, nodes, strategy, layout.describe(), memory, budget, data, refusals)
+    steps = _collectives(strategy, module, blocks, mesh, handler)
+    return RunPlan(world, nodes, strategy, layout.describe(), memory, budget, data, refusals, steps)
+
+
+def _collectives(
+    strategy: str,
+    module: nn.Module,
+    blocks: list[nn.Module],
+    mesh: tuple[int, int],
+    handler: HandlerConfig,
+) -> list[Collective] | None:
+    """One optimizer step's collectives, where planned (see collectives.py)."""
+    trainer, settings = handler.trainer, handler.trainer.fsdp
+    micro_batches = trainer.accumulate_grad_batches
+    if strategy == "single":
+        return []
+    if strategy == "ddp":
+        return ddp_step(module, mesh[0] * mesh[1])
+    if strategy != "fsdp" or trainer.reproducible is not None:
+        return None  # the exact sums: not planned yet
+    mixed = handler.precision.precision == "bf16" and settings.mixed_precision
+    if mixed and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        return None  # BatchNorm units of their own under mixed precision: not planned yet
+    planned = fsdp_step(
+        module,
+        blocks,
+        mesh,
+        micro_batches,
+        gathered=torch.bfloat16 if mixed else None,
+        reshard_after_forward=settings.reshard_after_forward,
+        reduce_every_micro_batch=settings.reduce_every_micro_batch,
+    )
+    if trainer.nonfinite != "off":  # each rank checks its shard; the ranks agree (int64)
+        planned = sorted([*planned, Collective("all_reduce", "world", 8, 1)])
+    return planned
 
 
 def _refused(

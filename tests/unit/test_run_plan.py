@@ -20,6 +20,7 @@ from examples.plan.model import LanguageModel, language_model, language_model_on
 from nn_handler.cli import main
 from nn_handler.config.training import FsdpConfig
 from nn_handler.planning import plan_run
+from nn_handler.planning.report import plan_table
 from nn_handler.strategies.blocks import blocks_of
 from nn_handler.strategies.memory_plan import ModelSizes
 
@@ -146,12 +147,26 @@ def test_a_mistake_in_the_command_is_one_line_and_exit_2(
     assert "'lots' is not a size" in capsys.readouterr().err
 
 
-def test_the_docs_show_the_output_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/planning.md's example, run as written: its output block is what it prints."""
+def test_the_docs_show_the_output_the_commands_print(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/planning.md's examples, run as written: each output block is what its command
+    prints."""
     docs = (Path(__file__).parents[2] / "docs" / "planning.md").read_text()
-    command = docs.split("```bash\n", 1)[1].split("```", 1)[0]
-    argv = command.replace("\\\n", " ").split()
-    assert argv[:2] == ["nn-handler", "plan"]
-    assert main(argv[1:]) == 0
-    shown = docs.split("```text\n", 1)[1].split("```", 1)[0]
-    assert capsys.readouterr().out == shown
+    pairs = docs.split("```bash\n")[1:]
+    assert len(pairs) == 2
+    for pair in pairs:
+        command, after = pair.split("```", 1)
+        argv = command.replace("\\\n", " ").split()
+        assert argv[:2] == ["nn-handler", "plan"]
+        assert main(argv[1:]) == 0
+        shown = after.split("```text\n", 1)[1].split("```", 1)[0]
+        assert capsys.readouterr().out == shown
+
+
+def test_a_mode_whose_collectives_are_not_planned_says_so() -> None:
+    plan = plan_run(HSDP, 512, language_model_only, nodes=64)
+    assert plan.collectives is None
+    assert "collectives per step: not planned for this mode yet" in plan_table(plan)
+    plain = plan_run({"trainer": {"strategy": "ddp"}}, 4, lambda: torch.nn.Linear(3, 2))
+    assert [(c.op, c.group, c.bytes, c.count) for c in plain.collectives or []] == [
+        ("all_reduce", "world", 32, 1)
+    ]
