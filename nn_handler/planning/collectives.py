@@ -14,7 +14,15 @@ tensor, an all-gather's gathered output, a reduce-scatter's one-shard output).
   in the gathered dtype (bf16 under mixed precision); at the step's last micro-batch (or every
   one with ``reduce_every_micro_batch``) a reduce-scatter of each unit's gradients (fp32), and
   under HSDP an all-reduce of the shard across the copies.
-- The reproducible mode's exact sums, 'single' and the fault-tolerant mode: not planned yet.
+- The reproducible mode ('exact'): one int64 sum a step of every rank's fixed-point gradients
+  and, per micro-batch, a row of float64 values as int64 slots (samples, BatchNorm element
+  counts, loss, BatchNorm means and variances, each tensor's largest magnitude): an all-reduce
+  of the whole model's gradients when replicated; sharded, a reduce-scatter inside the copy
+  whose output is the rank's padded chunk of every parameter and the rows (then an all-reduce
+  across HSDP's copies), and FSDP2's all-gathers for each of the rank's passes (the most
+  micro-batches a rank owns: the others run filler passes). The run's first step and a
+  rescaled one sum again (and the first agrees on the maxima first): not a steady step's.
+- 'single', the 'float' reduction and the fault-tolerant mode: not planned yet.
 """
 
 from __future__ import annotations
@@ -118,8 +126,57 @@ def fsdp_step(
     return sorted(Collective(op, g, size, n) for (op, g, size), n in counts.items())
 
 
+def exact_row_width(module: nn.Module, trained: int) -> int:
+    """Float64 values in one micro-batch's row of the exact sum (ExactStep's layout): its
+    samples, each BatchNorm layer's elements per channel, its loss, every tracked BatchNorm
+    layer's means and variances, each of the ``trained`` tensors' largest magnitude."""
+    norms = [
+        m for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]  # fmt: skip
+    return 2 + len(norms) + 2 * sum(m.num_features for m in norms) + trained
+
+
+def exact_step(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: tuple[int, int],
+    micro_batches: int,
+    sharded: bool,
+    *,
+    gathered: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> list[Collective]:
+    """The reproducible mode's collectives in a steady optimizer step of ``micro_batches``
+    micro-batches (see the module): ``sharded`` under FSDP2 over ``mesh``."""
+    replicate, shard = mesh
+    world = replicate * shard
+    trained = [p for p in module.parameters() if p.requires_grad]
+    rows = micro_batches * exact_row_width(module, len(trained))
+    if not sharded:
+        whole = (sum(p.numel() for p in trained) + rows) * 8
+        return [Collective("all_reduce", "world", whole, 1)] if world > 1 else []
+    passes = math.ceil(micro_batches / world)
+    gathers = fsdp_step(
+        module, blocks, mesh, passes, gathered=gathered, reshard_after_forward=reshard_after_forward
+    )
+    planned = [c for c in gathers if c.op == "all_gather"]
+    chunk = sum(math.ceil(_rows(p) / shard) * (p.numel() // max(_rows(p), 1)) for p in trained)
+    received = (chunk + rows) * 8
+    group = "shard" if replicate > 1 else "world"
+    if shard > 1:
+        planned.append(Collective("reduce_scatter", group, received, 1))
+    if replicate > 1:
+        planned.append(Collective("all_reduce", "replicate", received, 1))
+    return sorted(planned)
+
+
+def _rows(parameter: torch.Tensor) -> int:
+    return parameter.shape[0] if parameter.dim() else 1
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-__all__ = ["Collective", "ddp_step", "fsdp_step", "padded"]
+__all__ = ["Collective", "ddp_step", "exact_row_width", "exact_step", "fsdp_step", "padded"]

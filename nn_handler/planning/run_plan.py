@@ -5,9 +5,9 @@ and the report says what one rank holds, how the data is dealt and what the laun
 refuse. Every refusal comes from the function the launch itself calls, so the plan finds the
 same ConfigError without the cluster.
 
-The collectives of one optimizer step are planned for DDP and FSDP2/HSDP (collectives.py); not
-planned yet: the reproducible and fault-tolerant modes' collectives and the checkpoint's shard
-map (issue 75's next parts)."""
+The collectives of one optimizer step are planned for DDP, FSDP2/HSDP and the reproducible
+mode's exact sums (collectives.py); not planned yet: the float sum's and the fault-tolerant
+mode's collectives and the checkpoint's shard map (issue 75's next parts)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import nn
 from nn_handler.config.handler import HandlerConfig
 from nn_handler.data.fixed_batches import steps_per_epoch
 from nn_handler.errors import ConfigError
-from nn_handler.planning.collectives import Collective, ddp_step, fsdp_step
+from nn_handler.planning.collectives import Collective, ddp_step, exact_step, fsdp_step
 from nn_handler.strategies import strategy_name
 from nn_handler.strategies.activation_estimate import estimate_activations
 from nn_handler.strategies.blocks import blocks_of
@@ -165,23 +165,38 @@ def _collectives(
         return []
     if strategy == "ddp":
         return ddp_step(module, mesh[0] * mesh[1])
-    if strategy != "fsdp" or trainer.reproducible is not None:
-        return None  # the exact sums: not planned yet
-    mixed = handler.precision.precision == "bf16" and settings.mixed_precision
+    sharded = strategy == "fsdp"
+    mixed = sharded and handler.precision.precision == "bf16" and settings.mixed_precision
     if mixed and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
         return None  # BatchNorm units of their own under mixed precision: not planned yet
+    gathered = torch.bfloat16 if mixed else None
+    mode = trainer.reproducible
+    if mode is not None:
+        if mode.reduction != "exact" or trainer.fault_tolerance is not None:
+            return None  # the float sum and the fault-tolerant mode: not planned yet
+        planned = exact_step(
+            module, blocks, mesh, mode.micro_batches, sharded, gathered=gathered,
+            reshard_after_forward=settings.reshard_after_forward,
+        )  # fmt: skip
+        return _agreement(planned, trainer.nonfinite) if sharded else planned
     planned = fsdp_step(
         module,
         blocks,
         mesh,
         micro_batches,
-        gathered=torch.bfloat16 if mixed else None,
+        gathered=gathered,
         reshard_after_forward=settings.reshard_after_forward,
         reduce_every_micro_batch=settings.reduce_every_micro_batch,
     )
-    if trainer.nonfinite != "off":  # each rank checks its shard; the ranks agree (int64)
-        planned = sorted([*planned, Collective("all_reduce", "world", 8, 1)])
-    return planned
+    return _agreement(planned, trainer.nonfinite)
+
+
+def _agreement(planned: list[Collective], nonfinite: str) -> list[Collective]:
+    """With sharded gradients, each rank checks its shard and the ranks agree on whether the
+    step's gradients are finite (one int64 all-reduce), unless ``nonfinite`` is off."""
+    if nonfinite == "off":
+        return planned
+    return sorted([*planned, Collective("all_reduce", "world", 8, 1)])
 
 
 def _refused(

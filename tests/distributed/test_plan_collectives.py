@@ -3,7 +3,9 @@ collectives.py) are those a real step makes, op for op and byte for byte: counte
 c10d ops (a dispatch mode sees every one, DDP's C++ reducer's and FSDP2's included) during the
 third optimizer step of a real NNHandler run in real gloo groups of 2 and 4 ranks: DDP (with
 and without buffers to broadcast, with gradient accumulation), FSDP2 over 2 and 4 ranks (fp32
-and bf16 mixed precision), HSDP 2 x 2 (issue 75's calibration)."""
+and bf16 mixed precision), HSDP 2 x 2, and the reproducible mode's exact sums (replicated with
+and without BatchNorm, over FSDP2 and HSDP, with micro-batches that do not divide over the
+ranks) (issue 75's calibration)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ def _model(batchnorm: bool) -> nn.Module:
     return mlp(batchnorm=batchnorm)
 
 
+#: The reproducible mode's steps: 4 micro-batches of 2 (a rank owns 2 of them at 2 ranks).
+_EXACT = {"global_batch_size": 8, "micro_batch_size": 2}
 CASES: dict[str, tuple[int, dict[str, Any], bool]] = {
     "ddp 2": (2, {"strategy": "ddp"}, False),
     "ddp 2, buffers, accumulation 2": (2, {"strategy": "ddp", "accumulate_grad_batches": 2}, True),
@@ -77,6 +81,27 @@ CASES: dict[str, tuple[int, dict[str, Any], bool]] = {
     "ddp 4": (4, {"strategy": "ddp"}, False),
     "fsdp 4": (4, {"strategy": "fsdp", "fsdp": {"min_params": 50}}, False),
     "hsdp 2 x 2": (4, {"strategy": "fsdp", "fsdp": {"min_params": 50, "replicate": 2}}, False),
+    "reproducible 2": (2, {"reproducible": _EXACT}, False),
+    "reproducible 2, batchnorm": (2, {"reproducible": _EXACT}, True),
+    "reproducible fsdp 2": (
+        2,
+        {"strategy": "fsdp", "fsdp": {"min_params": 50}, "reproducible": _EXACT},
+        False,
+    ),
+    "reproducible 4, 6 micro-batches": (
+        4,
+        {"reproducible": {**_EXACT, "global_batch_size": 12}},
+        True,
+    ),
+    "reproducible hsdp 2 x 2": (
+        4,
+        {
+            "strategy": "fsdp",
+            "fsdp": {"min_params": 50, "replicate": 2},
+            "reproducible": {**_EXACT, "global_batch_size": 12},
+        },
+        False,
+    ),
 }
 
 

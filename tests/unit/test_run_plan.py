@@ -163,7 +163,8 @@ def test_the_docs_show_the_output_the_commands_print(capsys: pytest.CaptureFixtu
 
 
 def test_a_mode_whose_collectives_are_not_planned_says_so() -> None:
-    plan = plan_run(HSDP, 512, language_model_only, nodes=64)
+    floats = {"global_batch_size": 8, "micro_batch_size": 2, "reduction": "float"}
+    plan = plan_run({"trainer": {"reproducible": floats}}, 4, lambda: torch.nn.Linear(3, 2))
     assert plan.collectives is None
     assert "collectives per step: not planned for this mode yet" in plan_table(plan)
     plain = plan_run({"trainer": {"strategy": "ddp"}}, 4, lambda: torch.nn.Linear(3, 2))
