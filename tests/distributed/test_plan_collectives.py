@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,6 +72,11 @@ def _model(batchnorm: bool) -> nn.Module:
     return mlp(batchnorm=batchnorm)
 
 
+def _model_and_inputs(batchnorm: bool, micro: int) -> tuple[nn.Module, torch.Tensor]:
+    """The model and one micro-batch's inputs, for the plan's activations."""
+    return mlp(batchnorm=batchnorm), torch.zeros(micro, 6)
+
+
 #: The reproducible mode's steps: 4 micro-batches of 2 (a rank owns 2 of them at 2 ranks).
 _EXACT = {"global_batch_size": 8, "micro_batch_size": 2}
 CASES: dict[str, tuple[int, dict[str, Any], bool]] = {
@@ -115,8 +121,10 @@ def _config(name: str, trainer: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _count(rank: int, world_size: int) -> dict[str, list[tuple[str, int, int, int]]]:
-    out = {}
+def _count(rank: int, world_size: int) -> dict[str, Any]:
+    """Each case of ``world_size`` ranks trained for real: its counted collectives, and the
+    items of the memory plan its Trainer printed and checked (name, bytes)."""
+    out: dict[str, Any] = {}
     for name, (world, trainer, batchnorm) in CASES.items():
         if world != world_size:
             continue
@@ -132,6 +140,9 @@ def _count(rank: int, world_size: int) -> dict[str, list[tuple[str, int, int, in
         finally:
             handler.close()
         out[name] = sorted((op, size, nbytes, n) for (op, size, nbytes), n in counted.seen.items())
+        plan = handler.trainer.memory.plan
+        assert plan is not None
+        out[f"{name} memory"] = [(item, size) for item, size, _ in plan.items]
     return out
 
 
@@ -142,10 +153,21 @@ def test_the_planned_collectives_of_a_step_are_those_a_real_step_makes(world: in
     for name, (w, trainer, batchnorm) in CASES.items():
         if w != world:
             continue
-        model = functools.partial(_model, batchnorm)
-        plan = plan_run(_config(name, trainer), world, model, device_type="cpu")
+        mode = trainer.get("reproducible")
+        micro = mode["micro_batch_size"] if mode else 4  # loader.batch_size
+        model = functools.partial(_model_and_inputs, batchnorm, micro)
+        plan = plan_run(_config(name, trainer), world, model, device_type="cpu", optimizer_slots=1)
         sizes = {"world": world, "shard": 2, "replicate": 2}  # HSDP's one case: 2 x 2
         planned = sorted((c.op, sizes[c.group] if c.group != "world" else world, c.bytes, c.count)
                          for c in plan.collectives)  # fmt: skip
         assert planned == counted[0][name], name
         assert planned, name  # a step of several ranks communicates
+        # The memory per rank is the Trainer's own plan, item for item (its calibration
+        # against measured peaks: benchmarks/memory_plan.py). The Trainer estimates the
+        # activations only for a model with a meta twin (FSDP2, a meta-built one) and counts
+        # no evaluation pass without validation data: the plan's extra items are those.
+        assert plan.memory is not None
+        planned_items = {item: size for item, size, _ in plan.memory.items}
+        trainers = dict(counted[0][f"{name} memory"])
+        assert {k: planned_items[k] for k in trainers} == trainers, name
+        assert set(planned_items) - set(trainers) <= {"activations", "validation"}, name
