@@ -21,7 +21,7 @@ from torch import nn
 
 from nn_handler.config.handler import HandlerConfig
 from nn_handler.data.fixed_batches import steps_per_epoch
-from nn_handler.errors import ConfigError
+from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.planning.collectives import Collective, ddp_step, exact_step, fsdp_step
 from nn_handler.strategies import strategy_name
 from nn_handler.strategies.activation_estimate import estimate_activations
@@ -34,6 +34,7 @@ from nn_handler.strategies.memory_plan import (
     plan_memory,
 )
 from nn_handler.strategies.mesh import mesh_shape
+from nn_handler.training.checkpoint_format import world_change_note
 from nn_handler.training.memory_planning import layout_for
 from nn_handler.training.reproducible.exact_step import check_sharded_micro_batches
 
@@ -244,7 +245,15 @@ def _data(
             )
         resume = None
         if resume_world is not None:
-            resume = _exact_resume(mode.micro_batches, resume_world, strategy)
+            resume = _resume_refusal(handler, world, resume_world, refusals)
+            where, check = f"resume at {resume_world} ranks", check_sharded_micro_batches
+            if strategy == "fsdp" and _refused(
+                refusals, where, "refused", check, mode.micro_batches, resume_world
+            ):
+                resume = None
+            elif resume is not None:
+                most = math.ceil(mode.micro_batches / resume_world)
+                resume += f"; at most {most} micro-batches per rank"
         return DataPlan(
             mode.global_batch_size,
             per_rank * mode.micro_batch_size,
@@ -267,27 +276,28 @@ def _data(
         steps = math.ceil(batches / trainer.accumulate_grad_batches)
     resume = None
     if resume_world is not None:
-        resume = (
-            f"at {resume_world} ranks: the rest of an interrupted epoch is dealt over them, "
-            f"every sample once (data/reshard.py); the global batch becomes "
-            f"{batch * resume_world} samples (loader.batch_size x accumulate_grad_batches x "
-            f"ranks), not {global_batch}: the reproducible mode keeps it"
-        )
+        resume = _resume_refusal(handler, world, resume_world, refusals)
     return DataPlan(global_batch, batch, None, None, steps, resume)
 
 
-def _exact_resume(micro_batches: int, world: int, strategy: str) -> str:
-    """What the reproducible mode's resume at ``world`` ranks gives."""
-    if strategy == "fsdp" and micro_batches < world:
-        return (
-            f"refused at {world} ranks: {micro_batches} micro-batches a step, fewer than the "
-            f"ranks (every rank of a sharded model runs one of its own)"
-        )
-    return (
-        f"exactly once at {world} ranks: the same steps, samples and bits (the mode's fixed "
-        f"batches do not depend on the ranks); at most {math.ceil(micro_batches / world)} "
-        f"micro-batches per rank"
-    )
+def _resume_refusal(
+    handler: HandlerConfig, world: int, resume_world: int, refusals: list[Refusal]
+) -> str | None:
+    """What the launch says of a mid-epoch resume at ``resume_world`` ranks of a checkpoint
+    written by ``world`` (training/checkpoint_format.world_change_note), or its refusal kept
+    in ``refusals`` (None then)."""
+    if resume_world == world:
+        return f"at {resume_world} ranks: the same run, exactly"
+    try:
+        note = world_change_note(
+            "a checkpoint of this run", world, resume_world, 1,
+            handler.checkpoint.allow_world_size_change,
+            exact=handler.trainer.reproducible is not None,
+        )  # fmt: skip
+    except CheckpointError as error:
+        refusals.append(Refusal(f"resume at {resume_world} ranks", str(error)))
+        return None
+    return f"at {resume_world} ranks: {note.split(' ranks: ', 1)[1]}"
 
 
 def _budget(memory_budget: Any) -> int | None:

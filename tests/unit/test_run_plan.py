@@ -55,7 +55,10 @@ def test_a_512_rank_hsdp_plan_of_a_billion_parameter_model_counts_one_shard_per_
     assert plan.data is not None
     assert (plan.data.micro_batches, plan.data.micro_batches_per_rank) == (512, 1)
     assert plan.data.steps_per_epoch == math.ceil(100_000 / 1024)
-    assert plan.data.resume is not None and plan.data.resume.startswith("exactly once at 256")
+    assert plan.data.resume == (
+        "at 256 ranks: the reproducible mode's steps do not depend on the world size, so the "
+        "run continues bit-identical to an uninterrupted one; at most 2 micro-batches per rank"
+    )
 
 
 def test_inputs_from_the_factory_add_the_activations_and_the_budget_names_the_largest() -> None:
@@ -171,3 +174,28 @@ def test_a_mode_whose_collectives_are_not_planned_says_so() -> None:
     assert [(c.op, c.group, c.bytes, c.count) for c in plain.collectives or []] == [
         ("all_reduce", "world", 32, 1)
     ]
+
+
+def test_a_resume_at_another_world_is_what_the_launch_says_or_its_refusal() -> None:
+    """The launch's own words (checkpoint_format.world_change_note): refused without
+    checkpoint.allow_world_size_change, re-sharded with it; a sharded reproducible run resumed
+    at more ranks than micro-batches is refused as its launch there would be."""
+    linear = lambda: torch.nn.Linear(2, 2)  # noqa: E731
+    refused = plan_run({"trainer": {"strategy": "ddp"}}, 4, linear, resume_world=8)
+    assert refused.data is not None and refused.data.resume is None
+    [refusal] = refused.refusals
+    assert refusal.where == "resume at 8 ranks"
+    assert refusal.message.startswith("a checkpoint of this run was written by 4 rank(s); this")
+    allowed = {"trainer": {"strategy": "ddp"}, "checkpoint": {"allow_world_size_change": True}}
+    taken = plan_run(allowed, 4, linear, resume_world=8)
+    assert taken.refusals == [] and taken.data is not None
+    assert taken.data.resume == (
+        "at 8 ranks: the data is re-sharded, so the order differs from an uninterrupted run "
+        "from here on (the rest of the interrupted epoch visits each of its remaining samples "
+        "once)"
+    )
+    exact = {"global_batch_size": 8, "micro_batch_size": 2}
+    sharded = {"trainer": {"strategy": "fsdp", "reproducible": exact}}
+    plan = plan_run(sharded, 2, linear, resume_world=8)
+    assert [r.where for r in plan.refusals] == ["resume at 8 ranks"]
+    assert "a step has 4 micro-batches" in plan.refusals[0].message
