@@ -34,7 +34,7 @@ from nn_handler.strategies.memory_plan import (
     plan_memory,
 )
 from nn_handler.strategies.mesh import mesh_shape
-from nn_handler.training.checkpoint_format import world_change_note
+from nn_handler.training.checkpoint_format import sharded_checkpoints, world_change_note
 from nn_handler.training.memory_planning import layout_for
 from nn_handler.training.reproducible.exact_step import check_sharded_micro_batches
 
@@ -133,6 +133,8 @@ def plan_run(
     purpose = "the blocks to shard and checkpoint"
     blocks = _refused(refusals, "trainer.fsdp.blocks", [], blocks_of, module, trainer.fsdp, purpose)
     data = _data(handler, world, samples, resume_world, strategy, refusals)
+    sharded = strategy == "fsdp"  # the strategies whose state is collective (FSDP2's)
+    _refused(refusals, "checkpoint", None, sharded_checkpoints, handler.checkpoint, sharded)
     precision = handler.precision.precision
     layout = layout_for(strategy, trainer, world, mesh, precision, device_type)
     sizes = ModelSizes.of(module, blocks)

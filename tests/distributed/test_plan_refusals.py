@@ -2,11 +2,13 @@
 that a real launch of two ranks refuses (an HSDP mesh whose product is not the world, a
 sharded step with fewer micro-batches than ranks, strategy 'single' over two ranks, a global
 batch that is no multiple of the micro-batch, fault tolerance with FSDP, a memory budget too
-small), the plan's refusals are exactly the ConfigErrors the real NNHandler raises on each rank
-of a real gloo group, word for word; a config the launch takes, the plan takes too."""
+small, an async save of single files), the plan's refusals are exactly the ConfigErrors the
+real NNHandler raises on each rank of a real gloo group, word for word; a config the launch
+takes, the plan takes too."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,18 +38,31 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "taken": _FSDP_EXACT,
 }
+#: Cases whose culprit is outside ``trainer``: (the trainer's section, the others).
+OUTSIDE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "async single files": ({"strategy": "ddp"}, {"checkpoint": {"async_save": True}}),
+}
 
 
-def _config(trainer: dict[str, Any]) -> dict[str, Any]:
-    return {"loader": {"batch_size": 4}, "trainer": {**trainer, "progress_bar": False}}
+def _config(trainer: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    return {"loader": {"batch_size": 4}, "trainer": {**trainer, "progress_bar": False}, **sections}
 
 
-def _launch(rank: int, world_size: int) -> dict[str, str | None]:
+def _cases(folder: str) -> dict[str, dict[str, Any]]:
+    """Every case's config (a checkpoint folder of ``folder``'s where one is needed)."""
+    configs = {name: _config(trainer) for name, trainer in CASES.items()}
+    for name, (trainer, sections) in OUTSIDE.items():
+        checkpoint = {**sections.get("checkpoint", {}), "dir": f"{folder}/{len(configs)}"}
+        configs[name] = _config(trainer, **{**sections, "checkpoint": checkpoint})
+    return configs
+
+
+def _launch(rank: int, world_size: int, folder: str) -> dict[str, str | None]:
     """Each case launched for real in this group: its ConfigError's text, None if it trained."""
     raised: dict[str, str | None] = {}
-    for name, trainer in CASES.items():
+    for name, config in _cases(folder).items():
         try:
-            handler = NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=_config(trainer))
+            handler = NNHandler(mlp(), sgd, nn.CrossEntropyLoss(), config=config)
             try:
                 handler.train(regression_data(), epochs=1)
                 raised[name] = None
@@ -58,14 +73,16 @@ def _launch(rank: int, world_size: int) -> dict[str, str | None]:
     return raised
 
 
-def test_the_plan_refuses_exactly_what_a_real_launch_of_two_ranks_refuses() -> None:
-    real = run_group(_launch, 2, init="harness", timeout=120)
+def test_the_plan_refuses_exactly_what_a_real_launch_of_two_ranks_refuses(
+    tmp_path: Path,
+) -> None:
+    real = run_group(_launch, 2, args=(str(tmp_path),), init="harness", timeout=120)
     assert real[0] == real[1]  # every rank refuses alike
-    for name, trainer in CASES.items():
-        plan = plan_run(_config(trainer), 2, mlp, device_type="cpu", optimizer_slots=1.0)
+    for name, config in _cases(str(tmp_path)).items():
+        plan = plan_run(config, 2, mlp, device_type="cpu", optimizer_slots=1.0)
         planned = [refusal.message for refusal in plan.refusals]
         expected = [] if real[0][name] is None else [real[0][name]]
         assert planned == expected, name
     assert real[0]["taken"] is None and all(
-        real[0][name] is not None for name in CASES if name != "taken"
+        real[0][name] is not None for name in _cases(str(tmp_path)) if name != "taken"
     )
