@@ -128,6 +128,12 @@ def test_the_command_prints_the_table_and_exits_0_or_1(
     out = capsys.readouterr().out
     assert "the launch would refuse it (1):" in out
     assert "trainer.fsdp: fsdp.replicate=8 x fsdp.shard=32 must equal the world size 512" in out
+    invalid = tmp_path / "invalid.yaml"
+    invalid.write_text("trainer:\n  reproducible: {global_batch_size: 5, micro_batch_size: 2}\n")
+    assert main(["plan", str(invalid), "--world", "2", "--model", MODEL]) == 1
+    out = capsys.readouterr().out
+    assert "the launch would refuse it (1):\n  config: invalid config:\n" in out
+    assert "global_batch_size=5 is not a multiple of micro_batch_size=2" in out
 
 
 def test_a_mistake_in_the_command_is_one_line_and_exit_2(
