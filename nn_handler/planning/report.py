@@ -31,6 +31,7 @@ def plan_json(plan: RunPlan) -> dict[str, Any]:
         "collectives_per_step": None
         if plan.collectives is None
         else [vars(collective) for collective in plan.collectives],
+        "checkpoint": None if plan.checkpoint is None else dict(vars(plan.checkpoint)),
         "refusals": [{"where": r.where, "message": r.message} for r in plan.refusals],
     }
 
@@ -69,6 +70,12 @@ def plan_table(plan: RunPlan) -> str:
         for c in plan.collectives:
             shown = f"{c.bytes} B" if c.bytes < 1024 else gib(c.bytes)
             lines.append(f"  {c.op:<15} over {c.group:<10} {c.count:>4} x {shown:>11}")
+    if plan.checkpoint is not None:
+        saved = plan.checkpoint
+        lines.append(f"checkpoint ({saved.format}): {gib(saved.tensors)} of tensors")
+        lines.append(f"  {saved.writers}; at most {gib(saved.most_per_rank)} a rank")
+        if saved.resume is not None:
+            lines.append(f"  resumed: {saved.resume}")
     if plan.refusals:
         lines.append(f"the launch would refuse it ({len(plan.refusals)}):")
         for refusal in plan.refusals:

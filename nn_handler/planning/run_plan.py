@@ -22,6 +22,7 @@ from torch import nn
 from nn_handler.config.handler import HandlerConfig
 from nn_handler.data.fixed_batches import steps_per_epoch
 from nn_handler.errors import CheckpointError, ConfigError
+from nn_handler.planning.checkpoint_plan import CheckpointPlan, plan_checkpoint
 from nn_handler.planning.collectives import Collective, ddp_step, exact_step, fsdp_step
 from nn_handler.strategies import strategy_name
 from nn_handler.strategies.activation_estimate import estimate_activations
@@ -86,6 +87,8 @@ class RunPlan:
     refusals: list[Refusal] = field(default_factory=list)
     #: One optimizer step's collectives per rank (None: not planned for this mode).
     collectives: list[Collective] | None = None
+    #: What a checkpoint of the run writes (None: not planned).
+    checkpoint: CheckpointPlan | None = None
 
 
 def plan_run(
@@ -133,8 +136,10 @@ def plan_run(
     purpose = "the blocks to shard and checkpoint"
     blocks = _refused(refusals, "trainer.fsdp.blocks", [], blocks_of, module, trainer.fsdp, purpose)
     data = _data(handler, world, samples, resume_world, strategy, refusals)
-    sharded = strategy == "fsdp"  # the strategies whose state is collective (FSDP2's)
-    _refused(refusals, "checkpoint", None, sharded_checkpoints, handler.checkpoint, sharded)
+    collective = strategy == "fsdp"  # the strategies whose state is collective (FSDP2's)
+    checkpoint = handler.checkpoint
+    sharded = _refused(refusals, "checkpoint", checkpoint.format == "sharded" or collective,
+                       sharded_checkpoints, checkpoint, collective)  # fmt: skip
     precision = handler.precision.precision
     layout = layout_for(strategy, trainer, world, mesh, precision, device_type)
     sizes = ModelSizes.of(module, blocks)
@@ -151,7 +156,11 @@ def plan_run(
         source = "--device-memory" if device_memory is not None else "trainer.memory_budget"
         _refused(refusals, "memory", None, check_budget, memory, budget, fits, source)
     steps = _collectives(strategy, module, blocks, mesh, handler)
-    return RunPlan(world, nodes, strategy, layout.describe(), memory, budget, data, refusals, steps)
+    saved = plan_checkpoint(module, sharded, strategy, mesh, optimizer_slots, handler.ema.enabled,
+                            resume_world)  # fmt: skip
+    return RunPlan(
+        world, nodes, strategy, layout.describe(), memory, budget, data, refusals, steps, saved
+    )
 
 
 def _collectives(
