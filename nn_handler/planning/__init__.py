@@ -1,5 +1,6 @@
-"""Plans of runs not launched yet (``nn-handler plan``): memory per rank, the data's deal and
-every refusal of the launch, for any world size, in one process on the meta device. The
+"""Plans of runs not launched yet (``nn-handler plan``): memory per rank, the data's deal, one
+step's collectives, the checkpoint and every refusal of the launch, for any world size, in one
+process on the meta device. The
 names load when first asked for (the CLI imports ``command`` alone, without torch)."""
 
 from __future__ import annotations

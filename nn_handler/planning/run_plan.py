@@ -6,8 +6,9 @@ refuse. Every refusal comes from the function the launch itself calls, so the pl
 same ConfigError without the cluster.
 
 The collectives of one optimizer step are planned for DDP, FSDP2/HSDP and the reproducible
-mode's exact sums (collectives.py); not planned yet: the float sum's and the fault-tolerant
-mode's collectives and the checkpoint's shard map (issue 75's next parts)."""
+mode's exact sums (collectives.py), and the checkpoint's format, size and writers
+(checkpoint_plan.py); not planned yet: the float sum's and the fault-tolerant mode's
+collectives."""
 
 from __future__ import annotations
 
