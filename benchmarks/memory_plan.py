@@ -4,7 +4,9 @@
 
 A model built on the meta device (residual blocks of LayerNorm + Linear(W, W); W=2048 and 12
 blocks: 50.4M parameters, 806 MB of fp32 weights + Adam state) trains 3 steps with Adam under
-each layout, in its own torchrun job on 127.0.0.1 (gloo, one thread per rank), with
+each layout (DDP over 2 and 4 ranks, FSDP2 over 2 and 4, HSDP 2 x 2, activation checkpointing,
+and the reproducible mode's exact sum replicated, over FSDP2 and over HSDP: micro-batches of
+4), in its own torchrun job on 127.0.0.1 (gloo, one thread per rank), with
 MALLOC_MMAP_THRESHOLD_=131072 (glibc then returns freed blocks: the peak measures tensors, not
 the allocator's cache). Measured per rank: Linux's VmHWM over the process's resident memory
 after the libraries' own first-run memory (a tiny run of the same layout first); the plan's
@@ -37,11 +39,15 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
 CASES: dict[str, tuple[int, list[str]]] = {
     "ddp 2": (2, ["--strategy", "ddp"]),
     "fsdp 2": (2, []),
+    "ddp 4": (4, ["--strategy", "ddp"]),
     "fsdp 4": (4, []),
     "hsdp 2x2": (4, ["--replicate", "2"]),
     "fsdp 2, batch 512": (2, ["--batch", "512"]),
     "fsdp 2, batch 512, selective": (2, ["--batch", "512", "--checkpointing", "selective"]),
     "fsdp 2, batch 512, full": (2, ["--batch", "512", "--checkpointing", "full"]),
+    "reproducible 2": (2, ["--strategy", "auto", "--micro", "4"]),
+    "reproducible fsdp 2": (2, ["--micro", "4"]),
+    "reproducible hsdp 2x2": (4, ["--replicate", "2", "--micro", "4"]),
 }
 QUICK = ("fsdp 2, batch 512, full",)
 

@@ -27,6 +27,11 @@ EVALUATION_NOTE = (
     "the evaluation pass of one batch, bounded by full checkpointing's activations (its "
     "forward keeps none for backward), the gradients still held"
 )
+#: The reproducible mode's item for a micro-batch's own gradients (replicated), and its note.
+MICRO_GRADIENTS = "micro-batch gradients"
+MICRO_GRADIENTS_NOTE = (
+    "a micro-batch's own gradients while the step's flat gradient is kept for the optimizer"
+)
 #: How many blocks FSDP2 holds gathered at once (the one computing and the one prefetched),
 #: for their parameters in forward and again for their unsharded gradients in backward.
 BLOCKS_IN_FLIGHT = 2
@@ -216,6 +221,8 @@ def plan_memory(
         items.append(("communication buffers", sizes.trainable, "DDP's gradient buckets"))
     if layout.exact_micro_batches:
         items.append(("reproducible mode", *exact_mode_bytes(sizes.trainable, layout)))
+        if layout.strategy != "fsdp":  # sharded: FSDP2's unsharded gradients, in the item
+            items.append((MICRO_GRADIENTS, sizes.trainable, MICRO_GRADIENTS_NOTE))
     if activations is not None:
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
@@ -231,7 +238,10 @@ def exact_mode_bytes(trainable: int, layout: Layout) -> tuple[int, str]:
     are summed into as their backwards end and a float64 workspace (2T each; the scales are
     one float per tensor); sharded, also the whole unsharded gradients FSDP2 keeps for it
     (T), the reduce-scatter's padded input (2T) and what it receives (2T/shard). Measured
-    against the buffers a step allocates in tests/distributed/test_reproducible_sharded.py."""
+    against the buffers a step allocates in tests/distributed/test_reproducible_sharded.py,
+    and against each rank's peak (benchmarks/memory_plan.py). Replicated, a micro-batch's own
+    gradients while the step's flat one is kept for the optimizer are the plan's item
+    ``MICRO_GRADIENTS``."""
     t, shard = trainable, layout.shard
     if layout.strategy != "fsdp":
         return 4 * t, "one int64 accumulator, one float64 workspace"
@@ -304,6 +314,7 @@ def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) ->
 
 
 __all__ = [
+    "MICRO_GRADIENTS",
     "VALIDATION",
     "Activations",
     "Layout",

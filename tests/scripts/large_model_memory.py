@@ -9,7 +9,8 @@ training (Linux VmHWM, reset to the resident memory before each run through
 MALLOC_MMAP_THRESHOLD_=131072 (the test and the benchmark do): otherwise glibc keeps freed
 blocks and the high-water mark measures the allocator, not the tensors.
 
-``--checkpointing none,selective,full`` measures each mode in turn in the same processes (the
+``--micro M`` trains in the reproducible mode (a global batch of ``--batch`` samples in
+micro-batches of M, the exact int64 sum). ``--checkpointing none,selective,full`` measures each mode in turn in the same processes (the
 model built again for each, the high-water mark reset between them) and writes
 OUT.json.<mode>.<rank> for each.
 """
@@ -71,6 +72,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--replicate", default="1")
     parser.add_argument("--checkpointing", default="none")
     parser.add_argument("--budget", default=None)
+    parser.add_argument(
+        "--micro", type=int, default=0, help="the reproducible mode: micro-batch size (0: off)"
+    )
     return parser.parse_args()
 
 
@@ -105,6 +109,11 @@ def train(
         },
         "logging": {"enabled": False, "monitor": False},
     }
+    if args.micro:  # the reproducible mode: a global batch of --batch in micro-batches
+        config["trainer"]["reproducible"] = {
+            "global_batch_size": args.batch,
+            "micro_batch_size": args.micro,
+        }
     reset_peak()
     baseline = status("VmRSS")
     with NNHandler(

@@ -218,6 +218,7 @@ class ExactStep:
                 known[micro.index] = torch.tensor([micro.size, *counts], dtype=torch.float64)
             if accumulate:
                 self._accumulate(parts, micro.size, accumulator, first=i == 0)
+            del parts  # else they live through the next backward: the gradients twice
         self._fill(step, passes.forward_backward, passes.global_step)
 
     def _accumulate(
@@ -235,8 +236,8 @@ class ExactStep:
         scaled = fixed_point.scaled(parts, self.scale.multipliers(samples), work)  # exact
         if first:
             accumulator.copy_(scaled)
-        else:
-            accumulator.add_(scaled.to(torch.int64))
+        else:  # through int64 chunks: a whole copy would cost the accumulator's size again
+            fixed_point.add_as_int64(accumulator, scaled)
 
     def _fill(
         self, step: StepBatch, forward_backward: Callable[[Any], torch.Tensor], global_step: int

@@ -46,6 +46,19 @@ def scaled(
     return out.round_()
 
 
+#: Elements converted at once by ``add_as_int64`` (32 MiB of int64).
+CHUNK = 1 << 22
+
+
+def add_as_int64(accumulator: torch.Tensor, values: torch.Tensor) -> None:
+    """``accumulator += values`` (int64 += float64 holding exact integers), converted a chunk
+    at a time: a whole int64 copy of ``values`` would hold as much memory as the accumulator
+    (torch refuses a float added into an int64 tensor in place). Integer sums are exact in
+    any order: the same bits as one conversion."""
+    for into, part in zip(torch.split(accumulator, CHUNK), torch.split(values, CHUNK), strict=True):
+        into.add_(part.to(torch.int64))
+
+
 def quantize(parts: Sequence[torch.Tensor], multipliers: Sequence[float]) -> torch.Tensor:
     """``scaled`` as int64."""
     total = sum(p.numel() for p in parts)
@@ -195,7 +208,9 @@ def from_slots(slots: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "CHUNK",
     "Scale",
+    "add_as_int64",
     "as_slots",
     "dequantize",
     "from_slots",
