@@ -10,9 +10,9 @@ MALLOC_MMAP_THRESHOLD_=131072 (the test and the benchmark do): otherwise glibc k
 blocks and the high-water mark measures the allocator, not the tensors.
 
 ``--micro M`` trains in the reproducible mode (a global batch of ``--batch`` samples in
-micro-batches of M, the exact int64 sum). ``--checkpointing none,selective,full`` measures each mode in turn in the same processes (the
-model built again for each, the high-water mark reset between them) and writes
-OUT.json.<mode>.<rank> for each.
+micro-batches of M, the exact int64 sum). ``--checkpointing none,selective,full`` measures
+each mode in turn in the same processes (the model built again for each, the high-water mark
+reset between them) and writes OUT.json.<mode>.<rank> for each.
 """
 
 from __future__ import annotations
