@@ -35,7 +35,7 @@ from nn_handler.strategies.memory_plan import (
     fitting_layout,
     plan_memory,
 )
-from nn_handler.strategies.mesh import mesh_shape
+from nn_handler.strategies.mesh import check_cpu_offload, mesh_shape
 from nn_handler.training.checkpoint_format import sharded_checkpoints, world_change_note
 from nn_handler.training.memory_planning import layout_for
 from nn_handler.training.reproducible.exact_step import check_sharded_micro_batches
@@ -126,14 +126,26 @@ def plan_run(
             )
         )
     strategy = _refused(refusals, "trainer.strategy", "single", strategy_name, trainer, world)
-    with torch.device("meta"):
-        built = model()
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception as error:  # the user's factory: say where, in one line
+        raise ConfigError(
+            f"the model factory failed on the meta device ({type(error).__name__}: {error}); "
+            f"it must build the model from its shapes alone (no weights read, no data)."
+        ) from error
     module, inputs = built if isinstance(built, tuple) else (built, None)
+    if not isinstance(module, nn.Module):
+        raise ConfigError(
+            f"the model factory returned a {type(module).__name__}: return the model (an "
+            f"nn.Module), or the model and one micro-batch's inputs."
+        )
     mesh = (1, world)
     if strategy == "fsdp":
         sizes_asked = (trainer.fsdp.replicate, trainer.fsdp.shard)
         local = max(world // nodes, 1)
         mesh = _refused(refusals, "trainer.fsdp", mesh, mesh_shape, world, local, *sizes_asked)
+        _refused(refusals, "trainer.fsdp", None, check_cpu_offload, trainer.fsdp, device_type)
     purpose = "the blocks to shard and checkpoint"
     blocks = _refused(refusals, "trainer.fsdp.blocks", [], blocks_of, module, trainer.fsdp, purpose)
     data = _data(handler, world, samples, resume_world, strategy, refusals)
@@ -147,7 +159,14 @@ def plan_run(
     activations = None
     if inputs is not None:
         names = {id(m): name for name, m in module.named_modules()}
-        activations = estimate_activations(module, [names[id(b)] for b in blocks], inputs)
+        try:
+            activations = estimate_activations(module, [names[id(b)] for b in blocks], inputs)
+        except Exception as error:  # a forward the meta device cannot run (data-dependent)
+            raise ConfigError(
+                f"the model's forward does not run on the meta device ({type(error).__name__}: "
+                f"{error}): return the model alone from the factory (the plan then counts no "
+                f"activations), or make its forward independent of the data's values."
+            ) from error
     memory = plan_memory(sizes, layout, optimizer_slots, "an optimizer", activations)
     budget = device_memory if device_memory is not None else _budget(trainer.memory_budget)
     if budget is not None and memory.total > budget:

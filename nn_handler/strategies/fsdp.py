@@ -42,7 +42,7 @@ from nn_handler.strategies.base import Strategy, check_loaded
 from nn_handler.strategies.blocks import shard_blocks
 from nn_handler.strategies.exact_gradients import ExactGradients
 from nn_handler.strategies.fsdp_gradients import ShardedGradients
-from nn_handler.strategies.mesh import build_mesh, mesh_shape
+from nn_handler.strategies.mesh import build_mesh, check_cpu_offload, mesh_shape
 from nn_handler.strategies.sync_batchnorm import convert_sync_batchnorm
 
 #: Full (unsharded) state, on rank 0 only: what a single-file checkpoint holds.
@@ -68,12 +68,7 @@ class FSDP2Strategy(Strategy):
     collective_state = True
 
     def prepare(self, module: nn.Module) -> nn.Module:
-        if self.config.fsdp.cpu_offload and self.device.type == "cpu":
-            raise ConfigError(
-                "fsdp.cpu_offload moves the shards, gradients and optimizer state from the "
-                "accelerator to CPU memory, and this run's device is the CPU already: leave "
-                "cpu_offload off."
-            )
+        check_cpu_offload(self.config.fsdp, self.device.type)
         if not (dist.is_available() and dist.is_initialized()):
             alone = self.comm.world_size == 1
             raise ConfigError(

@@ -32,6 +32,11 @@ MICRO_GRADIENTS = "micro-batch gradients"
 MICRO_GRADIENTS_NOTE = (
     "a micro-batch's own gradients while the step's flat gradient is kept for the optimizer"
 )
+#: What a member of a fault-tolerant run keeps (its item in the plan).
+FAULT_TOLERANCE_NOTE = (
+    "an int64 copy of each step's sum, kept for a redo without a lost member (twice that "
+    "during a redo)"
+)
 #: How many blocks FSDP2 holds gathered at once (the one computing and the one prefetched),
 #: for their parameters in forward and again for their unsharded gradients in backward.
 BLOCKS_IN_FLIGHT = 2
@@ -92,6 +97,7 @@ class Layout:
             one by one).
         exact_micro_batches: in the reproducible mode, the most micro-batches one rank runs
             in a step (0: not the mode).
+        fault_tolerant: a member of a fault-tolerant run (it keeps each step's sum for a redo).
     """
 
     strategy: str
@@ -101,6 +107,7 @@ class Layout:
     gathered_dtype_bytes: float = 1.0
     foreach: bool = False
     exact_micro_batches: int = 0
+    fault_tolerant: bool = False
 
     def describe(self) -> str:
         if self.strategy != "fsdp":
@@ -223,6 +230,8 @@ def plan_memory(
         items.append(("reproducible mode", *exact_mode_bytes(sizes.trainable, layout)))
         if layout.strategy != "fsdp":  # sharded: FSDP2's unsharded gradients, in the item
             items.append((MICRO_GRADIENTS, sizes.trainable, MICRO_GRADIENTS_NOTE))
+        if layout.fault_tolerant:  # ExactStep.unsent: the int64 sum, whole (2T)
+            items.append(("fault tolerance", 2 * sizes.trainable, FAULT_TOLERANCE_NOTE))
     if activations is not None:
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"

@@ -1,11 +1,12 @@
 """The FSDP2 device mesh: one dimension (FSDP over every rank) or two (HSDP: ``replicate``
-copies, each sharded over ``shard`` ranks), sized by FsdpConfig."""
+copies, each sharded over ``shard`` ranks), sized by FsdpConfig; and where the shards may
+live (``cpu_offload``)."""
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nn_handler.config.training import MeshSize
+from nn_handler.config.training import FsdpConfig, MeshSize
 from nn_handler.errors import ConfigError
 
 #: The names of HSDP's mesh dimensions (outer: across copies, inner: inside one copy).
@@ -37,6 +38,16 @@ def mesh_shape(
     return copies, ranks
 
 
+def check_cpu_offload(settings: FsdpConfig, device_type: str) -> None:
+    """ConfigError for ``fsdp.cpu_offload`` on ranks whose device is the CPU."""
+    if settings.cpu_offload and device_type == "cpu":
+        raise ConfigError(
+            "fsdp.cpu_offload moves the shards, gradients and optimizer state from the "
+            "accelerator to CPU memory, and this run's device is the CPU already: leave "
+            "cpu_offload off."
+        )
+
+
 def build_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh:
     """A 1-D mesh (``replicate == 1``: plain FSDP) or HSDP's 2-D ``replicate x shard`` mesh,
     in which ranks ``i*shard .. (i+1)*shard-1`` hold copy ``i``. Every rank must call this."""
@@ -45,4 +56,4 @@ def build_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh:
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIMS)
 
 
-__all__ = ["MESH_DIMS", "build_mesh", "mesh_shape"]
+__all__ = ["MESH_DIMS", "build_mesh", "check_cpu_offload", "mesh_shape"]

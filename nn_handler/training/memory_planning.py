@@ -189,6 +189,7 @@ def layout_for(
         activation_checkpointing=settings.activation_checkpointing,
         foreach=device_type == "cuda",
         exact_micro_batches=exact,
+        fault_tolerant=config.fault_tolerance is not None,
     )
 
 

@@ -1,6 +1,7 @@
 """``nn-handler plan`` finds the launch's refusals without launching (issue 75): for configs
 that a real launch of two ranks refuses (an HSDP mesh whose product is not the world, a
-sharded step with fewer micro-batches than ranks, strategy 'single' over two ranks, a global
+sharded step with fewer micro-batches than ranks, strategy 'single' over two ranks, FSDP2's CPU
+offload on CPU ranks, a global
 batch that is no multiple of the micro-batch, fault tolerance with FSDP, a memory budget too
 small, an async save of single files), the plan's refusals are exactly the ConfigErrors the
 real NNHandler raises on each rank of a real gloo group, word for word; a config the launch
@@ -31,6 +32,7 @@ CASES: dict[str, dict[str, Any]] = {
         "reproducible": {"global_batch_size": 4, "micro_batch_size": 4},
     },
     "single": {"strategy": "single"},
+    "cpu offload on the cpu": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}},
     "not a multiple": {"reproducible": {"global_batch_size": 5, "micro_batch_size": 2}},
     "memory": {"memory_budget": "1KB"},
     "fault tolerance with fsdp": {

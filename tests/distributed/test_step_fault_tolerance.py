@@ -559,6 +559,10 @@ def test_an_nnhandler_run_loses_members_then_its_lighthouse_and_ends_with_the_un
         members.logs()
     )
     first = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("m9", "m1b")}
+    for member, report in first.items():  # the memory plan counts the kept copy of a sum
+        held, planned, slots = report["memory"]
+        item = planned["reproducible mode"] + planned["fault tolerance"]
+        assert item <= held - slots <= 1.1 * item, (member, held, slots, planned)
     stopped = first["m9"]["step"]
     assert first["m1b"]["step"] == stopped and b < stopped < 12, members.logs()
     assert "the Lighthouse at" in first["m9"]["stopped"]

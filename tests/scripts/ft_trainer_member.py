@@ -258,7 +258,17 @@ def main(lighthouse: str, run: Path, member: str, starters: int, *kill: str) -> 
     except DistributedError as error:  # the run cannot go on step by step
         stopped = str(error)
     steps = h.trainer.mode.steps  # type: ignore[attr-defined]
+    exact = h.trainer.mode.inner.exact  # type: ignore[attr-defined]
+    plan = h.trainer.memory.plan
+    width = 2 + len(exact.norms.layers) + exact.norms.width + len(exact.params)
     report = {
+        # What the exact sum holds (its kept copy of each step's sum included), the plan's
+        # items, and the slots (a row per micro-batch, in the sum and in its copy; not planned).
+        "memory": [
+            exact.held_bytes(),
+            {item: size for item, size, _ in plan.items} if plan else {},
+            8 * width * exact.config.micro_batches * 2,
+        ],
         "digest": digest(h),
         "redone": steps.redone if steps else 0,
         "trained": sorted(trained),

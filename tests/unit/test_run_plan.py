@@ -205,3 +205,37 @@ def test_a_resume_at_another_world_is_what_the_launch_says_or_its_refusal() -> N
     plan = plan_run(sharded, 2, linear, resume_world=8)
     assert [r.where for r in plan.refusals] == ["resume at 8 ranks"]
     assert "a step has 4 micro-batches" in plan.refusals[0].message
+
+
+def test_a_fault_tolerant_member_plans_the_copy_of_each_sum_it_keeps() -> None:
+    """A member keeps each step's int64 sum for a redo without a lost member (ExactStep's
+    ``unsent``): twice the float32 gradients' bytes, in the plan (the held bytes against it:
+    test_step_fault_tolerance.py's NNHandler run); its collectives are not planned yet."""
+    exact = {"global_batch_size": 8, "micro_batch_size": 2}
+    member = {"reproducible": exact, "fault_tolerance": {"lighthouse": "http://127.0.0.1:1"}}
+    plan = plan_run({"trainer": member}, 1, lambda: torch.nn.Linear(10, 10), device_type="cpu")
+    assert plan.memory is not None and plan.refusals == []
+    items = {name: size for name, size, _ in plan.memory.items}
+    assert items["fault tolerance"] == 2 * 110 * 4  # int64 of 110 float32 parameters
+    assert items["reproducible mode"] == 4 * 110 * 4 and items["micro-batch gradients"] == 440
+    assert plan.collectives is None
+
+
+def test_a_factory_that_fails_on_meta_is_one_line_naming_the_fix() -> None:
+    from nn_handler.errors import ConfigError
+
+    def reads_weights() -> torch.nn.Module:
+        raise FileNotFoundError("weights.pt")
+
+    with pytest.raises(ConfigError, match=r"the model factory failed on the meta device "
+                       r"\(FileNotFoundError: weights.pt\); it must build"):  # fmt: skip
+        plan_run({}, 2, reads_weights)
+    with pytest.raises(ConfigError, match="returned a str: return the model"):
+        plan_run({}, 2, lambda: "model")  # type: ignore[arg-type,return-value]
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[: int(x.sum().item())]
+
+    with pytest.raises(ConfigError, match="forward does not run on the meta device"):
+        plan_run({}, 2, lambda: (DataDependent(), torch.ones(2, 2)))
