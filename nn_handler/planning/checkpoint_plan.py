@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nn_handler.planning.collectives import padded
 from nn_handler.strategies.memory_plan import gib
 
 
@@ -87,12 +88,8 @@ def plan_checkpoint(
 
 def _first_share(tensors: Sequence[torch.Tensor], shard: int, per_element: float) -> int:
     """Rank 0's bytes of ``tensors`` sharded on dim 0 over ``shard`` ranks (the first ranks
-    hold the padded rows' full share), times ``per_element``."""
-    total = 0
-    for t in tensors:
-        rows = t.shape[0] if t.dim() else 1
-        total += math.ceil(rows / shard) * (t.numel() // max(rows, 1)) * t.element_size()
-    return int(per_element * total)
+    hold a padded chunk whole), times ``per_element``."""
+    return int(per_element * sum(padded(t, shard) // shard * t.element_size() for t in tensors))
 
 
 def _bytes(tensor: torch.Tensor) -> int:

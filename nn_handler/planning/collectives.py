@@ -161,7 +161,7 @@ def exact_step(
         module, blocks, mesh, passes, gathered=gathered, reshard_after_forward=reshard_after_forward
     )
     planned = [c for c in gathers if c.op == "all_gather"]
-    chunk = sum(math.ceil(_rows(p) / shard) * (p.numel() // max(_rows(p), 1)) for p in trained)
+    chunk = sum(padded(p, shard) // shard for p in trained)  # each rank's padded chunk
     received = (chunk + rows) * 8
     group = "shard" if replicate > 1 else "world"
     if shard > 1:
@@ -169,10 +169,6 @@ def exact_step(
     if replicate > 1:
         planned.append(Collective("all_reduce", "replicate", received, 1))
     return sorted(planned)
-
-
-def _rows(parameter: torch.Tensor) -> int:
-    return parameter.shape[0] if parameter.dim() else 1
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -62,7 +62,7 @@ def plan_table(plan: RunPlan) -> str:
         if data.steps_per_epoch is not None:
             lines.append(f"  {data.steps_per_epoch} optimizer steps per epoch")
         if data.resume is not None:
-            lines.append(f"  resume {data.resume}")
+            lines.append(f"  {data.resume}")
     if plan.collectives is None:
         lines.append("collectives per step: not planned for this mode yet")
     elif plan.collectives:

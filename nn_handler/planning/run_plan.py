@@ -318,7 +318,7 @@ def _resume_refusal(
     written by ``world`` (training/checkpoint_format.world_change_note), or its refusal kept
     in ``refusals`` (None then)."""
     if resume_world == world:
-        return f"at {resume_world} ranks: the same run, exactly"
+        return f"resuming at the same {world} ranks: the same run, exactly"
     try:
         note = world_change_note(
             "a checkpoint of this run", world, resume_world, 1,
@@ -328,7 +328,7 @@ def _resume_refusal(
     except CheckpointError as error:
         refusals.append(Refusal(f"resume at {resume_world} ranks", str(error)))
         return None
-    return f"at {resume_world} ranks: {note.split(' ranks: ', 1)[1]}"
+    return note
 
 
 def _budget(memory_budget: Any) -> int | None:

@@ -177,3 +177,16 @@ def test_a_member_that_reaches_nobody_and_hears_nothing_stays_after_its_wait(
     assert alone.wait_s <= time.monotonic() - started < alone.wait_s + 5
     alone.group = ("", [])  # no group set up yet: nothing to probe
     alone.leave_if_cut_off()
+
+
+def test_an_unreadable_report_counts_as_none(server: _Server) -> None:
+    """A report that is not a JSON list of names (a member of another release, a torn value)
+    is no report: never a list of names read from garbage."""
+    reach = server.member("a:1", _closed_address())
+    store = server.clients[-1]
+    store.compare_set("g/unreached/b:2", "", "{not json")
+    store.compare_set("g/unreached/c:3", "", '{"b:2": 1}')
+    store.compare_set("g/unreached/d:4", "", '["a:1", 5]')
+    assert reach._report("g", "b:2") is None and reach._report("g", "c:3") is None
+    assert reach._report("g", "d:4") == ["a:1", "5"]
+    assert reach._report("g", "e:5") is None  # none yet

@@ -472,3 +472,47 @@ def test_a_micro_batch_draws_from_its_seeded_streams_and_leaves_the_others(
         inside = draws()
     assert torch.equal(inside, expected_inside)
     assert torch.equal(draws(), expected_after)
+
+
+def test_an_int64_accumulator_takes_a_float64_sum_chunk_by_chunk_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fixed_point.add_as_int64 (the exact step's accumulation without a whole int64 copy):
+    the same integers as one conversion, across chunk boundaries and a short last chunk."""
+    from nn_handler.training.reproducible import fixed_point
+
+    monkeypatch.setattr(fixed_point, "CHUNK", 7)
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randint(-(2**52), 2**52, (50,), generator=generator, dtype=torch.int64)
+    start = torch.randint(-(2**40), 2**40, (50,), generator=generator, dtype=torch.int64)
+    accumulator = start.clone()
+    fixed_point.add_as_int64(accumulator, values.to(torch.float64))
+    assert torch.equal(accumulator, start + values)
+
+
+def test_a_micro_batchs_gradients_are_freed_before_the_next_ones_backward() -> None:
+    """A step's peak holds one micro-batch's gradients at a time (the memory plan's
+    "micro-batch gradients"): those of the micro-batch before are gone (accumulated) by the
+    next one's forward. Until 2026-11-29 a local list kept them through it, 2T more at the
+    peak than planned (benchmarks/memory_plan.py measured plan / peak 0.74)."""
+    import weakref
+
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive_at_forward: list[int] = []
+
+    class Recording(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+            for p in self.inner.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: made.append(weakref.ref(p.grad)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            alive_at_forward.append(sum(ref() is not None for ref in made))
+            made.clear()
+            return self.inner(x)
+
+    with _handler(Recording()) as h:
+        h.train(images(32, 0), epochs=1)  # two steps of 4 micro-batches
+    assert len(alive_at_forward) >= 8 and alive_at_forward[0] == 0
+    assert alive_at_forward[1:] == [0] * (len(alive_at_forward) - 1), alive_at_forward

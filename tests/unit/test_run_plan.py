@@ -56,8 +56,14 @@ def test_a_512_rank_hsdp_plan_of_a_billion_parameter_model_counts_one_shard_per_
     assert (plan.data.micro_batches, plan.data.micro_batches_per_rank) == (512, 1)
     assert plan.data.steps_per_epoch == math.ceil(100_000 / 1024)
     assert plan.data.resume == (
-        "at 256 ranks: the reproducible mode's steps do not depend on the world size, so the "
-        "run continues bit-identical to an uninterrupted one; at most 2 micro-batches per rank"
+        "resuming a checkpoint of this run (written by 512 ranks) with 256 ranks: the "
+        "reproducible mode's steps do not depend on the world size, so the run continues "
+        "bit-identical to an uninterrupted one; at most 2 micro-batches per rank"
+    )
+    same = plan_run(HSDP, 512, language_model_only, nodes=64, resume_world=512)
+    assert same.data is not None and same.refusals == []
+    assert same.data.resume == (
+        "resuming at the same 512 ranks: the same run, exactly; at most 1 micro-batches per rank"
     )
 
 
@@ -146,6 +152,8 @@ def test_a_mistake_in_the_command_is_one_line_and_exit_2(
         "nn-handler plan: --model 'examples.plan.model:nothing': examples.plan.model has no "
         "function nothing."
     )
+    assert main([*args, "--model", "examples.plan.model"]) == 2
+    assert "give MODULE:FACTORY, e.g. train:build_model" in capsys.readouterr().err
     assert main([*args, "--model", "no_such_module:f"]) == 2
     assert "cannot import no_such_module" in capsys.readouterr().err
     assert main(["plan", "missing.yaml", "--world", "8", "--model", MODEL]) == 2
@@ -196,9 +204,9 @@ def test_a_resume_at_another_world_is_what_the_launch_says_or_its_refusal() -> N
     taken = plan_run(allowed, 4, linear, resume_world=8)
     assert taken.refusals == [] and taken.data is not None
     assert taken.data.resume == (
-        "at 8 ranks: the data is re-sharded, so the order differs from an uninterrupted run "
-        "from here on (the rest of the interrupted epoch visits each of its remaining samples "
-        "once)"
+        "resuming a checkpoint of this run (written by 4 ranks) with 8 ranks: the data is "
+        "re-sharded, so the order differs from an uninterrupted run from here on (the rest of "
+        "the interrupted epoch visits each of its remaining samples once)"
     )
     exact = {"global_batch_size": 8, "micro_batch_size": 2}
     sharded = {"trainer": {"strategy": "fsdp", "reproducible": exact}}
