@@ -1,12 +1,14 @@
-"""The checkpoint formats of the release before the checkpoint-protocol rewrite still load.
+"""The checkpoint formats of earlier releases still load.
 
-tests/fixtures/legacy/ holds one epoch of resume_helpers' run written at 24b4425 (see
-tests/fixtures/make_legacy_checkpoints.py): single files, a sharded folder with its
-``manifest.json``, and both committed to a ``file://`` object store by their
-``<name>.manifest.json``. Each resumes bit-exact (the run ends where the uninterrupted run
-does; on a CPU whose kernels give other last bits than the fixtures' machine's, an AVX-512
-one, within float tolerance), loads for inference, and a changed byte in it is named, never
-loaded.
+Each set of tests/fixtures/ holds one epoch of resume_helpers' run written by the code of its
+day (see tests/fixtures/make_legacy_checkpoints.py): ``legacy/`` at 24b4425, before the
+checkpoint-protocol rewrite (single files, a sharded folder with its ``manifest.json``, and
+both committed to a ``file://`` object store by their ``<name>.manifest.json``), ``routes/``
+at 1b9fcdd, before the checkpoint-routes change (the same, and the background saves: a
+sharded folder and an object store's single files). Each resumes bit-exact (the run ends
+where the uninterrupted run does; on a CPU whose kernels give other last bits than the
+fixtures' machine's, an AVX-512 one, within float tolerance), loads for inference, and a
+changed byte in it is named, never loaded.
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from torch import nn
 from nn_handler import NNHandler
 from nn_handler.errors import CheckpointError
 from tests import resume_helpers as rh
-from tests.fixtures.make_legacy_checkpoints import HERE, KINDS
+from tests.fixtures.make_legacy_checkpoints import FIXTURES, SETS, on_a_store, options_of
 from tests.training_helpers import regression_data
 
 NAME = "ckpt-e0001-s00000005"
+#: Every fixture as (its set, its kind).
+FIXTURE_KINDS = [(name, kind) for name, kinds in SETS.items() for kind in kinds]
 
 
-def copy_of(kind: str, tmp_path: Path) -> tuple[str, dict[str, Any], Path]:
-    """The fixture ``kind`` copied under ``tmp_path``: (checkpoint.dir, the other checkpoint
-    options, the folder holding the checkpoints' bytes)."""
-    shutil.copytree(HERE / kind, tmp_path / kind)
-    options: dict[str, Any] = {"keep_last": 1}
-    if kind.endswith("sharded"):
-        options["format"] = "sharded"
-    if kind.startswith("store"):
+def copy_of(fixture: str, kind: str, tmp_path: Path) -> tuple[str, dict[str, Any], Path]:
+    """The fixture ``kind`` of the set ``fixture`` copied under ``tmp_path``: (checkpoint.dir,
+    the other checkpoint options, the folder holding the checkpoints' bytes)."""
+    shutil.copytree(FIXTURES / fixture / kind, tmp_path / kind)
+    options: dict[str, Any] = options_of(kind)
+    if on_a_store(kind):
         options["staging_dir"] = str(tmp_path / "fresh-machine")
         return f"file://{tmp_path / kind}/run", options, tmp_path / kind / "run"
     return str(tmp_path / kind), options, tmp_path / kind
@@ -64,59 +66,72 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def computes_like_the_fixtures(tmp_path_factory: pytest.TempPathFactory) -> bool:
-    """Whether this CPU's kernels give the fixtures' machine's bits: the run's first epoch
-    here ends with exactly the weights of the fixture (written at its step 5). An AVX-512
-    machine's float sums differ from an AVX2 one's in the last bits (3e-8 after an epoch):
-    there a legacy checkpoint's continuation cannot match this machine's uninterrupted run
-    bit for bit, whatever the loader does (docs/checkpoints.md)."""
+def first_epoch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     with rh.handler(tmp_path_factory.mktemp("first-epoch"), 1, False, None) as h:
         h.train(regression_data(), regression_data(n=16, seed=1), epochs=1)
-        here = h.model.state_dict()
-    saved = NNHandler.load(checkpoint_path("file", str(HERE / "file")), rh.model()).model
-    return all(torch.equal(here[k], v) for k, v in saved.state_dict().items())
+        return dict(h.model.state_dict())
 
 
-#: SHA-256 of every fixture file as committed in d1ebdac (written by 24b4425's code), in
-#: ``sha256sum`` format: a regenerated fixture, which would test nothing, fails here instead
-#: of passing silently.
-PINNED = HERE.parent / "legacy.sha256"
+def computes_like(fixture: str, first_epoch: dict[str, torch.Tensor]) -> bool:
+    """Whether this CPU's kernels give the bits of the machine that wrote the set
+    ``fixture``: the run's first epoch here ends with exactly the weights of its ``file``
+    fixture (written at its step 5). An AVX-512 machine's float sums differ from an AVX2
+    one's in the last bits (3e-8 after an epoch): there a fixture's continuation cannot
+    match this machine's uninterrupted run bit for bit, whatever the loader does
+    (docs/checkpoints.md)."""
+    where = str(FIXTURES / fixture / "file")
+    saved = NNHandler.load(checkpoint_path("file", where), rh.model()).model
+    return all(torch.equal(first_epoch[k], v) for k, v in saved.state_dict().items())
 
 
-def test_the_fixtures_are_the_bytes_the_old_code_wrote() -> None:
+@pytest.mark.parametrize("fixture", sorted(SETS))
+def test_the_fixtures_are_the_bytes_the_old_code_wrote(fixture: str) -> None:
+    """SHA-256 of every fixture file as committed (``legacy`` in d1ebdac, written by
+    24b4425's code; ``routes`` by 1b9fcdd's), in ``sha256sum`` format: a regenerated
+    fixture, which would test nothing, fails here instead of passing silently."""
+    here = FIXTURES / fixture
     pinned = {}
-    for line in PINNED.read_text().splitlines():
+    for line in (FIXTURES / f"{fixture}.sha256").read_text().splitlines():
         digest, name = line.split("  ", 1)
         pinned[name] = digest
-    found = {p.relative_to(HERE).as_posix(): p for p in HERE.rglob("*") if p.is_file()}
+    found = {p.relative_to(here).as_posix(): p for p in here.rglob("*") if p.is_file()}
     assert sorted(found) == sorted(pinned)
     for name, path in found.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == pinned[name], name
 
 
-def test_the_fixtures_are_the_four_formats() -> None:
-    found = {p.relative_to(HERE).as_posix() for p in HERE.rglob("*") if p.is_file()}
+@pytest.mark.parametrize("fixture", sorted(SETS))
+def test_the_fixtures_are_their_formats(fixture: str) -> None:
+    here = FIXTURES / fixture
+    found = {p.relative_to(here).as_posix() for p in here.rglob("*") if p.is_file()}
     assert f"file/{NAME}.pt" in found
     assert f"sharded/{NAME}/manifest.json" in found
     assert f"store/run/{NAME}.pt.manifest.json" in found
     assert f"store_sharded/run/{NAME}.manifest.json" in found
     assert f"store_sharded/run/{NAME}/__0_0.distcp" in found
-    assert sorted(p.name for p in HERE.iterdir() if p.is_dir()) == sorted(KINDS)
+    if fixture != "legacy":
+        assert f"async_sharded/{NAME}/manifest.json" in found
+        assert f"async_store/run/{NAME}.pt.manifest.json" in found
+    assert sorted(p.name for p in here.iterdir() if p.is_dir()) == sorted(SETS[fixture])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("fixture", "kind"), FIXTURE_KINDS)
 def test_a_legacy_checkpoint_resumes_bit_exact(
-    kind: str, tmp_path: Path, uninterrupted: dict[str, Any], computes_like_the_fixtures: bool
+    fixture: str,
+    kind: str,
+    tmp_path: Path,
+    uninterrupted: dict[str, Any],
+    first_epoch: dict[str, torch.Tensor],
 ) -> None:
     """Resumed, a legacy checkpoint ends where the uninterrupted run does: bit for bit on a
     CPU that computes as the fixtures' machine did (this project's machines, CI); on another
     kind (AVX-512) every count, step and position exactly and each float within 1e-5 (a
     lost RNG state or data position would miss by far more: the order of the samples)."""
-    where, options, _ = copy_of(kind, tmp_path)
+    where, options, _ = copy_of(fixture, kind, tmp_path)
     with handler(where, resume="auto", **options) as h:
         h.train(regression_data(), regression_data(n=16, seed=1), epochs=rh.EPOCHS)
         resumed = rh.outcome(h)
-    if computes_like_the_fixtures:
+    if computes_like(fixture, first_epoch):
         assert rh.same(resumed, uninterrupted), kind
     else:
         assert close(resumed, uninterrupted), kind
@@ -151,15 +166,19 @@ def test_the_tolerant_comparison_still_tells_a_different_run() -> None:
     assert not close({**base, "loss": 0.51}, base)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("fixture", "kind"), FIXTURE_KINDS)
 def test_a_legacy_checkpoint_loads_for_inference(
-    kind: str, tmp_path: Path, uninterrupted: dict[str, Any], computes_like_the_fixtures: bool
+    fixture: str,
+    kind: str,
+    tmp_path: Path,
+    uninterrupted: dict[str, Any],
+    first_epoch: dict[str, torch.Tensor],
 ) -> None:
-    where, _, _ = copy_of(kind, tmp_path)
+    where, _, _ = copy_of(fixture, kind, tmp_path)
     loaded = NNHandler.load(checkpoint_path(kind, where), rh.model())
     assert loaded.trainer.state.global_step == 5
     first = loaded.history.records[0]["train_loss"]
-    if computes_like_the_fixtures:
+    if computes_like(fixture, first_epoch):
         assert first == uninterrupted["history"][0]["train_loss"]
     else:
         assert close(first, uninterrupted["history"][0]["train_loss"])
@@ -173,19 +192,12 @@ def flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(
-    ("kind", "damaged"),
-    [
-        ("file", f"{NAME}.pt"),
-        ("sharded", f"{NAME}/__0_0.distcp"),
-        ("store", f"{NAME}.pt"),
-        ("store_sharded", f"{NAME}/__0_0.distcp"),
-    ],
-)
+@pytest.mark.parametrize(("fixture", "kind"), FIXTURE_KINDS)
 def test_a_changed_byte_in_a_legacy_checkpoint_is_named(
-    kind: str, damaged: str, tmp_path: Path
+    fixture: str, kind: str, tmp_path: Path
 ) -> None:
-    where, _, stored = copy_of(kind, tmp_path)
+    damaged = f"{NAME}/__0_0.distcp" if kind.endswith("sharded") else f"{NAME}.pt"
+    where, _, stored = copy_of(fixture, kind, tmp_path)
     flip_a_byte(stored / damaged)
     with pytest.raises(CheckpointError, match=r"corrupt|changed|has CRC-32|does not match") as e:
         NNHandler.load(checkpoint_path(kind, where), rh.model())
