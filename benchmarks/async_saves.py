@@ -17,9 +17,8 @@ tensor once), back to back in each repetition (one warm-up round excluded):
 - ``synchronous save`` against ``fsync'd write``: the same bytes written to one file and
   fsynced (the disk's bandwidth as a save can reach it);
 - beside: a small model's training step (1 thread) while an async save writes in the
-  background, against the same step alone: with the thread writer (it shares the training
-  process's GIL) and with the writer process (``checkpoint.async_writer: process``); no
-  target.
+  background (a thread of the training process: it shares the GIL), against the same step
+  alone; no target.
 
 Targets (the checkpoint-protocol issue's): blocked per async save <= 1.2x the memcpy; a
 synchronous save >= 85% of the fsync'd write bandwidth; 200 steps of a small model on 2 ranks
@@ -150,10 +149,9 @@ def one_process(width: int, repeats: int, url: str | None) -> dict[str, Any]:
     return summary(measured["times"], measured["bytes"])
 
 
-def beside(width: int, saves: int, in_process: bool = False) -> dict[str, Any]:
+def beside(width: int, saves: int) -> dict[str, Any]:
     """A training step's median time while an async save of the state writes in the
-    background (in a thread, or ``in_process``: a writer process), against alone (1 process,
-    the step on 1 thread)."""
+    background, against alone (1 process, the step on 1 thread)."""
     from nn_handler.checkpoint.store import LocalStore
 
     state = {k: v.detach() for k, v in model(width).state_dict().items()}
@@ -182,14 +180,14 @@ def beside(width: int, saves: int, in_process: bool = False) -> dict[str, Any]:
         during: list[float] = []
         with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
             base = Path(scratch)
-            writer = ShardedWriter(NullCommunicator(), lambda: None, in_process=in_process)
+            writer = ShardedWriter(NullCommunicator(), lambda: None)
             for index in range(saves + 1):
                 target = base / f"ckpt-e0000-s{index:08d}"
                 writer.save({"format": "bench"}, {"model": state}, target, LocalStore(base),
                             asynchronous=True)  # fmt: skip
                 measured = steps(60.0, writer)
                 writer.wait()
-                if index:  # the first save warms the staging buffers (and starts the child)
+                if index:  # the first save warms the staging buffers
                     during += measured
             writer.close()
     finally:
@@ -264,7 +262,6 @@ def main() -> None:
         alone = one_process(width, repeats, url)
         two = common.run_two_ranks(_ranks, width, repeats, f"{url}-2", timeout=1200)
     stall = beside(width, 1 if args.quick else 3)
-    stall_process = beside(width, 1 if args.quick else 3, in_process=True)
     every = common.run_two_ranks(_every_step, steps, timeout=600)
     state_mb = sum(p.numel() * 4 for p in model(width).parameters()) / 2**20
     params = sum(p.numel() for p in model(width).parameters())
@@ -288,7 +285,6 @@ def main() -> None:
             "results": {"1 process": alone, "2 ranks": two},
             "every_step": every,
             "beside": stall,
-            "beside_process": stall_process,
             "targets_met": targets,
         },
         args.out,

@@ -318,16 +318,14 @@ def async_saves(data: dict[str, Any]) -> Table:
         f"{every['steps']} steps on 2 ranks with an async sharded save after each: finished in "
         f"{every['seconds']:.1f} s.",
     ]
-    for key, writer in (("beside", "a thread"), ("beside_process", "a writer process")):
-        stall = data.get(key)
-        if stall:
-            lines += [
-                "",
-                f"A training step (1 thread) while an async save writes in the background in "
-                f"{writer}: {stall['step_ms_during']:.2f} ms median over "
-                f"{stall['steps_during']} steps, {_x(stall['ratio_median'])} the step alone "
-                f"({stall['step_ms_alone']:.2f} ms).",
-            ]
+    stall = data.get("beside")
+    if stall:
+        lines += [
+            "",
+            f"A training step (1 thread) while an async save writes in the background: "
+            f"{stall['step_ms_during']:.2f} ms median over {stall['steps_during']} steps, "
+            f"{_x(stall['ratio_median'])} the step alone ({stall['step_ms_alone']:.2f} ms).",
+        ]
     return lines
 
 

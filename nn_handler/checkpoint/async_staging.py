@@ -16,9 +16,7 @@ class CachedStager:
     rebuilt when the state's layout changes. The writer waits for the previous save before
     staging the next one, so a buffer is never overwritten while it is written."""
 
-    def __init__(self, shared: bool = False) -> None:
-        """``shared``: the buffers in shared memory (a writer process reads them in place)."""
-        self._shared = shared
+    def __init__(self) -> None:
         self._cache: dict[str, Any] | None = None
         self._layout: list[tuple[Any, ...]] = []
 
@@ -28,9 +26,7 @@ class CachedStager:
         layout = _layout(state_dict)
         if self._cache is None or layout != self._layout:
             pinned = torch.cuda.is_available()
-            self._cache = _create_cpu_state_dict(
-                state_dict, pin_memory=pinned, share_memory=self._shared
-            )
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=pinned)
             self._layout = layout
         return _copy_state_dict(state_dict, self._cache, type_check=False)
 

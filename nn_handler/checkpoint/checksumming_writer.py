@@ -6,13 +6,12 @@ folder (DCP itself stores no checksum)."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -90,14 +89,6 @@ def checksum_results(
     return checked
 
 
-class ItemWriter(Protocol):
-    """Where a save's items can be written instead of here (a WriterProcess)."""
-
-    def write(
-        self, path: str, plan: SavePlan, items: list[tuple[WriteItem, Any]]
-    ) -> list[WriteResult]: ...
-
-
 class ChecksummingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that checksums every item it writes; rank 0 (the coordinator)
     writes DCP's index and keeps every shard file's entry in ``files``."""
@@ -110,11 +101,9 @@ class ChecksummingWriter(FileSystemWriter):
     #: On the coordinator once finished: every rank's, by name.
     files: dict[str, Entry]
 
-    def __init__(self, *args: Any, process: ItemWriter | None = None, **kwargs: Any) -> None:
-        """``process``: the child that serializes and writes the items (None: here)."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fs = self.streams = _PassingFileSystem()
-        self.process = process
         #: Why this rank's part of the save must not go on (its state could not be copied,
         #: rank 0's preparation failed): raised in DCP's local planning, which DCP reports
         #: to every rank before any of them writes.
@@ -126,12 +115,8 @@ class ChecksummingWriter(FileSystemWriter):
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.process is not None:
-            items = [(item, planner.resolve_data(item)) for item in plan.items]
-            checked = self.process.write(str(self.path), plan, items)
-        else:
-            written = super().write_data(plan, planner).wait()
-            checked = checksum_results(Path(self.path), written, self.streams.seen)
+        written = super().write_data(plan, planner).wait()
+        checked = checksum_results(Path(self.path), written, self.streams.seen)
         names = {result.storage_data.relative_path for result in checked}
         self.written = sorted(set(getattr(self, "written", [])) | names)
         self.entries = _entries([checked])
@@ -170,38 +155,4 @@ def _entries(results: list[list[WriteResult]]) -> dict[str, Entry]:
     return files
 
 
-class _Resolved:
-    """The planner a writer process's ChecksummingWriter asks for each item's data: what
-    the parent sent (a BytesIO's bytes, tensors in shared memory)."""
-
-    def __init__(self, payload: list[tuple[WriteItem, Any]]) -> None:
-        self._data = {
-            item.index: io.BytesIO(data) if isinstance(data, bytes) else data
-            for item, data in payload
-        }
-
-    def resolve_data(self, item: WriteItem) -> Any:
-        return self._data[item.index]
-
-
-def serve_writes(conn: Any) -> None:
-    """A writer process's loop (checkpoint/writer_process.py): write the items each message
-    asks for, checksummed as they pass, and send back the checked results, until told to
-    stop (None) or orphaned."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        path, plan, payload = message
-        try:
-            writer = ChecksummingWriter(path, sync_files=True)
-            written = writer.write_data(plan, _Resolved(payload)).wait()  # type: ignore[arg-type]
-            conn.send(("ok", written))
-        except BaseException as error:  # said to the parent, which raises it
-            conn.send(("error", f"{type(error).__name__}: {error}"))
-
-
-__all__ = ["ChecksummingWriter", "ItemWriter", "checksum_results", "serve_writes"]
+__all__ = ["ChecksummingWriter", "checksum_results"]

@@ -49,7 +49,6 @@ from nn_handler.checkpoint.sharded_errors import (
     save_failure,
 )
 from nn_handler.checkpoint.verify import verify_files
-from nn_handler.checkpoint.writer_process import WriterProcess
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -126,40 +125,24 @@ class ShardedWriter:
     ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
     save returns once this rank has copied its state; the files are written (and put in the
     store) in background threads, and the next ``save`` or ``wait`` waits for them and has the
-    store commit the folder. ``in_process``: an asynchronous save's items are serialized,
-    written and checksummed by a child process of this rank (checkpoint/writer_process.py),
-    outside this process's GIL; ``close`` stops it.
+    store commit the folder; ``close`` stops the threads.
     """
 
-    def __init__(
-        self,
-        comm: Communicator,
-        group: Callable[[], dist.ProcessGroup | None],
-        in_process: bool = False,
-    ) -> None:
+    def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
         self.comm = comm
         self._group = group
         self._pending: _Save | None = None
-        self._process = WriterProcess(_serve_writes()) if in_process else None
-        self._stager = CachedStager(shared=in_process)
+        self._stager = CachedStager()
         # Made at the first asynchronous save: its DCP writes, and its puts to a store.
         self._writes: ThreadPoolExecutor | None = None
         self._puts: ThreadPoolExecutor | None = None
 
-    @property
-    def in_process(self) -> bool:
-        """Whether an asynchronous save's shards are written by a writer process."""
-        return self._process is not None
-
     def close(self) -> None:
-        """Stop the writer process and threads, if any (after ``wait``). Every rank may call
-        it."""
+        """Stop the writer's threads, if any (after ``wait``). Every rank may call it."""
         for pool in (self._writes, self._puts):
             if pool is not None:  # not waited for: after a failure a write may still hang
                 pool.shutdown(wait=False)
         self._writes = self._puts = None
-        if self._process is not None:
-            self._process.close()
 
     @property
     def pending(self) -> Path | None:
@@ -194,8 +177,7 @@ class ShardedWriter:
         error = _prepare(staging, rest, store, target) if self.comm.rank == 0 else None
         group = self._group()
         options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
-        process = self._process if asynchronous else None
-        save = _Save(staging, target, store, _writer(staging, process), _run_of(rest), then)
+        save = _Save(staging, target, store, _writer(staging), _run_of(rest), then)
         if asynchronous:
             staged = shards
             try:
@@ -382,16 +364,10 @@ def dcp_save(shards: dict[str, Any], writer: Any, options: dict[str, Any]) -> No
     save(shards, storage_writer=writer, **options)
 
 
-def _serve_writes() -> Callable[[Any], None]:
-    from nn_handler.checkpoint.checksumming_writer import serve_writes
-
-    return serve_writes
-
-
-def _writer(staging: Path, process: WriterProcess | None = None) -> Any:
+def _writer(staging: Path) -> Any:
     from nn_handler.checkpoint.checksumming_writer import ChecksummingWriter
 
-    return ChecksummingWriter(str(staging), sync_files=True, process=process)
+    return ChecksummingWriter(str(staging), sync_files=True)
 
 
 def _prepare(

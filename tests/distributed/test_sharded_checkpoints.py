@@ -137,17 +137,15 @@ def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, 
         out["ema"] = h.trainer.ema.state_dict()["module"]  # type: ignore[union-attr]
         out["losses"] = [r["val_loss"] for r in h.history.records]
     out["files"] = sorted(p.name for p in (folder / "sync" / "ckpt-e0003-s00000009").iterdir())
-    # The same run saving in the background, each rank's shards written by a writer process
-    # of its own: the same weights, every checkpoint complete, and resuming one of them
-    # ends where the uninterrupted run did.
-    config = _config(2, folder / "async", async_save=True, async_writer="process")
+    # The same run saving in the background: the same weights, every checkpoint complete,
+    # and resuming one of them ends where the uninterrupted run did.
+    config = _config(2, folder / "async", async_save=True)
     sees = SeesPending()
     with NNHandler(mlp(), _adam, nn.CrossEntropyLoss(), config=config, hooks=[sees]) as h:
         h.train(DATA, VAL, epochs=3)
         out["pending_at_epoch_start"] = sees.seen
         out["async"] = _whole(h)
         out["async_pending"] = h.trainer.checkpointing.writer.pending  # type: ignore[union-attr]
-        out["async_in_process"] = h.trainer.checkpointing.writer.in_process  # type: ignore[union-attr]
     out["async_names"] = sorted(p.name for p in (folder / "async").iterdir())
     with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
         h.trainer.resume(folder / "async" / "ckpt-e0001-s00000003")
@@ -327,13 +325,12 @@ def test_a_preempted_fsdp_run_saves_its_shards_and_resumes_exactly(
         assert max_difference(seen["after_preemption"], seen["straight"]) == 0.0
 
 
-def test_an_asynchronous_save_in_writer_processes_trains_the_same_and_resumes_exactly(
+def test_an_asynchronous_save_trains_the_same_and_resumes_exactly(
     runs: dict[str, Any],
 ) -> None:
     for seen in runs["ranks"]:
         assert max_difference(seen["async"], seen["straight"]) == 0.0
         assert max_difference(seen["async_resumed"], seen["straight"]) == 0.0
-        assert seen["async_in_process"] is True
         assert seen["async_pending"] is None
         # Each save was still in flight when the next epoch started (it waits at the next).
         assert seen["pending_at_epoch_start"] == [

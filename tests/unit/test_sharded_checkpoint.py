@@ -132,6 +132,29 @@ def test_an_asynchronous_save_is_complete_when_fit_returns(
         assert max_difference(state_of(h.model), straight["model"]) == 0.0
 
 
+def test_the_removed_writer_process_is_said_once_and_the_thread_saves(
+    straight: dict[str, Any], tmp_path: Path
+) -> None:
+    """``async_writer: process`` (removed: no measured gain) still loads from an earlier
+    configuration: one warning naming the setting, and the background saves in the thread
+    end with the same weights."""
+    from loguru import logger
+
+    seen: list[str] = []
+    logger.enable("nn_handler")
+    sink = logger.add(seen.append, level="WARNING", format="{message}")
+    try:
+        with _handler(tmp_path, async_save=True, async_writer="process") as h:
+            h.train(DATA, VAL, epochs=3)
+            assert max_difference(state_of(h.model), straight["model"]) == 0.0
+    finally:
+        logger.remove(sink)
+        logger.disable("nn_handler")
+    removed = [m for m in seen if "async_writer='process' was removed" in m]
+    assert len(removed) == 1, seen
+    assert "drop the setting" in removed[0]
+
+
 def test_a_save_due_while_the_previous_is_still_writing_waits_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str]
 ) -> None:
