@@ -51,6 +51,7 @@ from torch.utils.data import TensorDataset
 
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.checkpoint import sharded as sharded_io
+from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.store import LocalStore
 from nn_handler.checkpoint.store import local as local_store
@@ -182,9 +183,7 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         plain, entry_of = sharded_io._writer, local_store.entry_of
-        sharded_io._writer = lambda staging, process=None: FileSystemWriter(
-            str(staging), sync_files=True
-        )
+        sharded_io._writer = lambda staging: FileSystemWriter(str(staging), sync_files=True)
         local_store.entry_of = lambda path: {"size": path.stat().st_size}
         try:
             trainer.save_checkpoint(unchecked)
@@ -192,11 +191,11 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
             sharded_io._writer, local_store.entry_of = plain, entry_of
 
     def load_unverified() -> None:
-        rest = sharded_io.read_rest(sharded)
+        rest = read(sharded).contents
         trainer.checkpointing.load(rest, str(sharded), None, sharded, verified=True)
 
     def verify() -> None:
-        sharded_io.verify_sharded(sharded, trainer.comm, sharded_io.read_rest(sharded))
+        sharded_io.verify_sharded(sharded, trainer.comm, read(sharded).contents)
 
     def train_one_more() -> None:
         handler.train(data, epochs=trainer.state.epoch + 1)

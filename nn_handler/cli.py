@@ -227,32 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _local(path: str) -> tuple[str, str]:
-    """(``path``, itself); for a local folder of checkpoints, its newest complete one (as a
-    resume chooses it); for a URL (the committed checkpoint there, or the latest of a folder
-    of them, downloaded into the local working copy and checked against its manifest, that
-    checkpoint's URL)."""
-    if not is_url(path):
-        from nn_handler.checkpoint.latest import open_in_one_process
-        from nn_handler.checkpoint.sharded import is_sharded
-
-        if Path(path).is_dir() and not is_sharded(path):
-            newest = str(open_in_one_process(path).path)
-            return newest, newest
-        return path, path
-    from nn_handler.checkpoint.store.urls import fetch_url
-
-    local, url = fetch_url(path)
-    return str(local), url
-
-
 def run_inspect(path: str) -> int:
     """Print the checkpoint's description; 1 with the reason when it cannot be read."""
     from nn_handler.checkpoint.inspect import describe_checkpoint
+    from nn_handler.checkpoint.opening import open_checkpoint
     from nn_handler.errors import CheckpointError
 
-    try:
-        print(describe_checkpoint(*_local(path)))
+    try:  # a folder of checkpoints (or a URL of one): its newest, as a resume chooses it
+        print(describe_checkpoint(open_checkpoint(path, glance=True)))
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint inspect: {error}", file=sys.stderr)
         return 1
@@ -262,12 +244,13 @@ def run_inspect(path: str) -> int:
 def run_consolidate(folder: str, out: str) -> int:
     """Write the consolidated file; 1 with the reason when the folder cannot be read."""
     from nn_handler.checkpoint.consolidate import consolidate
+    from nn_handler.checkpoint.opening import open_checkpoint
     from nn_handler.errors import CheckpointError
 
     try:
         if is_url(out):
             raise CheckpointError(f"consolidate writes a local file; {out} is a URL.")
-        written = consolidate(_local(folder)[0], out)
+        written = consolidate(open_checkpoint(folder, glance=True).path, out)
     except (CheckpointError, OSError) as error:
         print(f"nn-handler checkpoint consolidate: {error}", file=sys.stderr)
         return 1

@@ -22,8 +22,6 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from nn_handler.checkpoint.consolidate import loadable_in_one_process
-from nn_handler.checkpoint.latest import open_in_one_process
 from nn_handler.config import HandlerConfig
 from nn_handler.data.factory import LoaderFactory
 from nn_handler.distributed.communicator import Communicator
@@ -33,9 +31,9 @@ from nn_handler.errors import ConfigError, HandlerClosedError
 from nn_handler.lr_finder import LRFinderResult, find_lr
 from nn_handler.monitoring import ThroughputMonitor
 from nn_handler.run_logging import add_log_sinks, observers, remove_log_sinks
-from nn_handler.training.checkpoint_format import check_checkpoint, plain_config
 from nn_handler.training.history import History
 from nn_handler.training.hooks import Hook
+from nn_handler.training.saved_run import open_saved, run_config_of, saved_handler_config
 from nn_handler.training.trainer import Metric, OptimizerFactory, Trainer
 
 ConfigLike = HandlerConfig | Mapping[str, Any] | str | Path | None
@@ -160,7 +158,7 @@ class NNHandler:
         )
         # The trainer's settings as it resolved them (a run-length scheduler steps per step).
         self.config = self.config.model_copy(update={"trainer": self.trainer.config})
-        self.trainer.checkpointing.run_config = {"handler": plain_config(self.config)}
+        self.trainer.checkpointing.run_config = run_config_of(self.config)
 
     # ----------------------------------------------------------------- parts
     @property
@@ -329,14 +327,10 @@ class NNHandler:
         is allowed (the data is re-sharded; mid-epoch, the rest of the epoch visits each
         remaining sample once; a warning says so). Every rank must call this.
         """
-        opened = open_in_one_process(path)  # a folder of checkpoints: its newest
+        opened = open_saved(path)  # a folder of checkpoints: its newest
         if config is None:
-            saved = check_checkpoint(opened.contents, str(path)).get("config") or {}
-            if _alone(communicator) and isinstance(saved, Mapping):
-                saved = loadable_in_one_process(saved)  # an FSDP run's: the model as it is
-            config = _without_checkpoint_dir(
-                saved.get("handler") if isinstance(saved, Mapping) else None, path
-            )
+            saved = saved_handler_config(opened, str(path), _alone(communicator))
+            config = _without_checkpoint_dir(saved, path)
         handler = cls(model, optimizer, loss_fn, scheduler, config, communicator, **kwargs)
         try:
             checkpointing = handler.trainer.checkpointing

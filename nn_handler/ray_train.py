@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nn_handler.checkpoint.format import kind_of
 from nn_handler.checkpoint.naming import PERIODIC
 from nn_handler.checkpoint.store.files import TMP_MARKER, atomic_link
 from nn_handler.errors import CheckpointError, ConfigError
@@ -154,7 +155,7 @@ def report_folder(path: Path) -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     try:
-        if path.is_dir():
+        if kind_of(path) == "folder":
             shutil.copytree(path, folder / path.name, copy_function=atomic_link)
         elif path.is_file():
             atomic_link(path, folder / path.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,3 +35,10 @@ def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def read_rest(folder: Path | str) -> Any:
+    """The unsharded parts (``trainer.pt``) of the sharded checkpoint ``folder``, verified."""
+    from nn_handler.checkpoint.opening import read
+
+    return read(folder).contents

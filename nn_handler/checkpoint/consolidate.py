@@ -16,16 +16,11 @@ from typing import Any
 
 import torch
 
+from nn_handler.checkpoint.format import CHECKSUMS, SHARDED, kind_of
 from nn_handler.checkpoint.io import write_file
+from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import RUN
-from nn_handler.checkpoint.sharded import (
-    CHECKSUMS,
-    SHARDED,
-    is_sharded,
-    load_shards,
-    read_rest,
-    verify_sharded,
-)
+from nn_handler.checkpoint.sharded import load_shards, verify_sharded
 from nn_handler.checkpoint.store.local import LocalStore
 from nn_handler.errors import CheckpointError
 
@@ -67,7 +62,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     checksums first; ``out`` may not lie inside the folder (it would replace or add to the
     checkpoint's own files)."""
     source = Path(folder)
-    if not is_sharded(source):
+    if kind_of(source) != "folder":
         raise CheckpointError(
             f"{source} is not a sharded checkpoint folder (it has no trainer.pt); "
             f"consolidate takes a folder such as ckpt-e0003-s00000120/."
@@ -78,7 +73,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
             f"consolidate would write {target} inside the checkpoint {source} it reads (and "
             f"replace or add to its files); write it elsewhere, e.g. {source.parent / 'model.pt'}."
         )
-    rest = dict(read_rest(source, "cpu"))
+    rest = dict(read(source, "cpu").contents)
     verify_sharded(source, None, rest)
     rest.pop(CHECKSUMS, None)
     sharded = [str(name) for name in rest.pop(SHARDED, None) or []]

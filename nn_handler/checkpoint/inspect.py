@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.format import META
 from nn_handler.checkpoint.manifest import MANIFEST, read_manifest
+from nn_handler.checkpoint.opening import Opened
 from nn_handler.checkpoint.safe_dcp import INDEX, read_index
-from nn_handler.checkpoint.sharded import META, is_sharded
-from nn_handler.checkpoint.source import top_file
 from nn_handler.checkpoint.verify import verify_files_named
 
 
@@ -51,13 +50,12 @@ def _bytes(count: float) -> str:
     return f"{count:.1f} GiB"  # pragma: no cover - the loop returns
 
 
-def describe_checkpoint(path: str | Path, where: str | None = None) -> str:
-    """A few lines saying what the checkpoint at ``path`` holds (raises CheckpointError when
-    it cannot be read)."""
-    path = Path(path)
-    sharded = is_sharded(path)
-    checkpoint = load_file(top_file(path), mmap=True, verify=False)
-    lines = [_heading(path, sharded, where or str(path))]
+def describe_checkpoint(opened: Opened) -> str:
+    """A few lines saying what the ``opened`` checkpoint holds (raises CheckpointError when
+    its index cannot be read)."""
+    path, checkpoint = opened.path, opened.contents
+    sharded = opened.folder is not None
+    lines = [_heading(path, sharded, opened.where)]
     if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != "nn_handler.checkpoint":
         kind = type(checkpoint).__name__
         lines.append(f"not an nn_handler training checkpoint ({kind}): {_size(checkpoint)}")

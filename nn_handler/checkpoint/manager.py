@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from loguru import logger
 
 from nn_handler.checkpoint.agreement import agree_on
-from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.naming import (
     BEST,
     BEST_SHARDED,
@@ -47,10 +45,10 @@ from nn_handler.checkpoint.naming import (
     periodic_name,
     restart_count,
 )
+from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.source import Opened, top_file
-from nn_handler.checkpoint.store import LATEST, CheckpointStore, is_checkpoint, open_store
+from nn_handler.checkpoint.store import CheckpointStore, is_checkpoint, open_store
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -197,10 +195,7 @@ class CheckpointManager:
     def publish(self, path: Path, epoch: int, step: int) -> None:
         """Rank 0, once the periodic checkpoint ``path`` is complete: point latest.json at it
         and delete periodic ones beyond ``keep_last``."""
-        try:
-            self._point_latest(path, epoch, step, "periodic")
-        except OSError as error:
-            raise CheckpointError(f"cannot write {self.where}/{LATEST}: {error}") from error
+        self._point_latest(path, epoch, step, "periodic")
         self._prune(keep=path)
 
     def remember(self, path: Path, epoch: int, step: int) -> None:
@@ -218,7 +213,7 @@ class CheckpointManager:
         landed."""
         if self.comm.rank != 0:
             return True
-        path = self.last_saved_path or self._pointed()
+        path = self.last_saved_path or self.folder.latest()
         epoch, step = self.last_saved_epoch, self.last_saved_step
         if path is not None and (epoch is None or step is None):
             match = PERIODIC.match(path.name)
@@ -228,7 +223,7 @@ class CheckpointManager:
             self.folder.flush()  # the process exits next: the emergency upload lands first
         except Exception as error:  # best effort: the run is stopping either way
             logger.bind(rank=0).error(
-                "could not mark {}/{} as {}: {}", self.where, LATEST, reason, error
+                "could not mark the latest checkpoint of {} as {}: {}", self.where, reason, error
             )
             return False
         return True
@@ -324,8 +319,7 @@ class CheckpointManager:
             return owner
         if path not in self._owners:
             try:
-                contents = load_file(top_file(path), mmap=True, verify=False)
-                self._owners[path] = run_of(contents)[0]
+                self._owners[path] = run_of(read(path, glance=True).contents)[0]
             except CheckpointError:
                 self._owners[path] = None  # unreadable: not known to be ours, so kept
         return self._owners[path]
@@ -334,54 +328,12 @@ class CheckpointManager:
     def periodic(self) -> list[Path]:
         return [path for path in self.folder.entries() if PERIODIC.match(path.name)]
 
-    def candidates(self) -> list[Path]:
-        """Checkpoints to resume from, best first: latest.json's, then the others newest first."""
-        self.folder.refresh()
-        ordered = sorted(self.periodic(), key=order, reverse=True)
-        pointed = self._pointed()
-        if pointed is not None:
-            ordered = [pointed] + [p for p in ordered if p != pointed]
-        return ordered
-
-    def _pointed(self) -> Path | None:
-        try:
-            data = self.folder.read_latest()
-            name = None if data is None else data["checkpoint"]
-            if name is None:
-                return None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            logger.warning("ignoring unreadable {}: {}", f"{self.where}/{LATEST}", error)
-            return None
-        target = self.dir / str(name)
-        return target if self.folder.exists(target) else None
-
-    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        """Read the checkpoint at ``path`` (see CheckpointStore.open). Any rank."""
-        return self.folder.open(path, map_location)
-
-    def load_latest(
-        self, map_location: torch.device | str | None = None, skip: Iterable[Path] = ()
-    ) -> Opened | None:
-        """The newest readable checkpoint not in ``skip`` and its contents (a sharded one's
-        unsharded parts), or None when there is none; an unreadable newest one is reported
-        and the previous complete one is used."""
-        skipped = set(skip)
-        for candidate in self.candidates():
-            if candidate in skipped:
-                continue
-            try:
-                return self.open(candidate, map_location)
-            except CheckpointError as error:
-                logger.warning("{}; trying the previous checkpoint", error)
-        return None
-
 
 __all__ = [
     "BEST",
     "BEST_SHARDED",
     "is_checkpoint",
     "agree_on",
-    "LATEST",
     "CheckpointManager",
     "periodic_name",
     "restart_count",

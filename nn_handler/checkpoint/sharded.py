@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
-from nn_handler.checkpoint.io import load_file, write_file
+from nn_handler.checkpoint.format import CHECKSUMS, REST
+from nn_handler.checkpoint.io import write_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded_errors import (
@@ -51,31 +51,6 @@ from nn_handler.checkpoint.sharded_errors import (
 from nn_handler.checkpoint.verify import verify_files
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
-
-#: The file of a sharded checkpoint holding its unsharded parts.
-REST = "trainer.pt"
-#: The entry of REST naming the parts that are in the shards.
-SHARDED = "sharded"
-#: The entry of REST naming the folder's checksum file (absent: written before checksums).
-CHECKSUMS = "checksums"
-#: Top-level keys of a training checkpoint that are not parts (training/checkpointing.py).
-META = ("format", "version", "world_size", "config", "ranks", SHARDED, CHECKSUMS,
-        "consolidated_without", RUN)  # fmt: skip
-
-
-def is_sharded(path: str | Path) -> bool:
-    """Whether ``path`` is a (committed) sharded checkpoint folder."""
-    folder = Path(path)
-    return folder.is_dir() and (folder / REST).is_file()
-
-
-def read_rest(
-    path: str | Path, map_location: torch.device | str | None = None, verify: bool = True
-) -> Any:
-    """The unsharded parts of the sharded checkpoint at ``path`` (a training checkpoint's
-    top level, with ``sharded`` naming the parts in the shards); ``verify``: check its
-    records' CRC-32s (not when its bytes were checked as they were fetched)."""
-    return load_file(Path(path) / REST, map_location, verify=verify)
 
 
 class FolderStore(Protocol):
@@ -388,15 +363,4 @@ def _prepare(
     return None
 
 
-__all__ = [
-    "CHECKSUMS",
-    "CachedStager",
-    "META",
-    "REST",
-    "SHARDED",
-    "ShardedWriter",
-    "is_sharded",
-    "load_shards",
-    "read_rest",
-    "verify_sharded",
-]
+__all__ = ["CachedStager", "ShardedWriter", "load_shards", "verify_sharded"]

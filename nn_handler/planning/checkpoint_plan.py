@@ -1,5 +1,5 @@
 """What a run's checkpoint writes, planned from the model's shapes: its format (the launch's own
-decision: training/checkpoint_format.sharded_checkpoints), the tensors it holds (the model, the
+decision: checkpoint/format.sharded_checkpoints), the tensors it holds (the model, the
 optimizer state, the EMA), the most one rank writes, and what a resume at another world reads.
 
 Counted: tensors' bytes. A sharded folder also holds torch.distributed.checkpoint's records

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nn_handler.checkpoint.format import sharded_checkpoints
 from nn_handler.config.handler import HandlerConfig
 from nn_handler.data.fixed_batches import steps_per_epoch
 from nn_handler.errors import CheckpointError, ConfigError
@@ -36,7 +37,7 @@ from nn_handler.strategies.memory_plan import (
     plan_memory,
 )
 from nn_handler.strategies.mesh import check_cpu_offload, mesh_shape
-from nn_handler.training.checkpoint_format import sharded_checkpoints, world_change_note
+from nn_handler.training.checkpoint_format import world_change_note
 from nn_handler.training.memory_planning import layout_for
 from nn_handler.training.reproducible.exact_step import check_sharded_micro_batches
 

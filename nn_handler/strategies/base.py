@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nn_handler.checkpoint.format import kind_of
 from nn_handler.checkpoint.model_state import load_model_state, model_state_dict
+from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.optimizer_state import is_named, to_indexed
 from nn_handler.checkpoint.registry import Part
-from nn_handler.checkpoint.sharded import is_sharded, load_shards, read_rest, verify_sharded
+from nn_handler.checkpoint.sharded import load_shards, verify_sharded
 from nn_handler.config.training import TrainerConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
@@ -135,7 +137,7 @@ class Strategy(ABC):
             materialize(module, self.device, self.config.init_seed)
         elif meta:
             module.to_empty(device=self.device)
-        if path is not None and is_sharded(path):
+        if path is not None and kind_of(path) == "folder":
             self.load_sharded_weights(module, Path(path))
         elif path is not None:
             load_weights_file(module, path)
@@ -145,7 +147,7 @@ class Strategy(ABC):
         reading its own pieces (verified first). Every rank must call this."""
         group = self.checkpoint_group()
         comm = self.comm if group is not None else None
-        verify_sharded(folder, comm, read_rest(folder))
+        verify_sharded(folder, comm, read(folder).contents)
         template = {"model": self.model_shards(module)}
         load_shards(folder, template, group)
         self.load_model_shards(module, template["model"], str(folder))

@@ -26,7 +26,6 @@ from pydantic import BaseModel
 
 from nn_handler.checkpoint.naming import order
 from nn_handler.checkpoint.run_identity import field_differences
-from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -69,18 +68,6 @@ def rank_parts(saved: Mapping[str, Any]) -> dict[str, Any]:
     for name, state in (saved.get("tracked") or {}).items():
         parts[f"tracked.{name}"] = state
     return parts
-
-
-def sharded_checkpoints(config: CheckpointConfig, sharded_model: bool) -> bool:
-    """Whether checkpoints are sharded folders (``format``; 'auto': when the model is)."""
-    sharded = config.format == "sharded" or (config.format == "auto" and sharded_model)
-    if config.async_save and not sharded and not is_url(config.dir):
-        raise ConfigError(
-            "checkpoint.async_save writes sharded checkpoints in the background, and this run "
-            "writes single files (format='auto' shards with strategy='fsdp' only): set "
-            "checkpoint.format='sharded', or async_save=False."
-        )
-    return sharded
 
 
 def check_world_change(source: str, saved_world: int, world: int, allowed: bool) -> None:
@@ -177,5 +164,4 @@ __all__ = [
     "world_change_note",
     "rank_parts",
     "refuse_a_shorter_latest",
-    "sharded_checkpoints",
 ]

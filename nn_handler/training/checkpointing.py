@@ -15,8 +15,9 @@ import torch
 from loguru import logger
 from torch.distributed import ProcessGroup
 
-from nn_handler.checkpoint.latest import open_for_resume
+from nn_handler.checkpoint.format import META, SHARDED
 from nn_handler.checkpoint.manager import CheckpointManager, restart_count
+from nn_handler.checkpoint.opening import open_on_every_rank
 from nn_handler.checkpoint.registry import (
     Part,
     Stateful,
@@ -25,7 +26,7 @@ from nn_handler.checkpoint.registry import (
     tracked_part,
 )
 from nn_handler.checkpoint.run_identity import RUN, new_run_id, run_to_continue
-from nn_handler.checkpoint.sharded import META, SHARDED, ShardedWriter, load_shards, verify_sharded
+from nn_handler.checkpoint.sharded import ShardedWriter, load_shards, verify_sharded
 from nn_handler.checkpoint.single_file import write_together
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
 from nn_handler.checkpoint.store.urls import store_of
@@ -388,14 +389,13 @@ class TrainerCheckpoints:
         """Load ``path`` (a file, a sharded folder, a folder of checkpoints or 'latest') on
         every rank; see ``Trainer.resume``."""
         self.finish()
-        opened, latest = open_for_resume(
+        opened, latest = open_on_every_rank(
             path,
             missing_ok,
             self.comm,
             self.device,
             self.config,
-            lambda: self.require_manager("resume('latest')"),
-            sharded=self.writer is not None,
+            lambda: self.require_manager("resume('latest')").folder,
         )
         if opened is None:
             return None

@@ -16,6 +16,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from nn_handler.checkpoint.format import sharded_checkpoints
 from nn_handler.checkpoint.registry import part_of
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.config.training import EmaConfig, PrecisionConfig, TrainerConfig
@@ -24,7 +25,6 @@ from nn_handler.distributed.faults.failure import failing_together
 from nn_handler.errors import ConfigError
 from nn_handler.strategies import Strategy, select_strategy
 from nn_handler.training.batch import batch_size_of, move_to_device, set_epoch
-from nn_handler.training.checkpoint_format import sharded_checkpoints
 from nn_handler.training.checkpoint_hook import CheckpointHook
 from nn_handler.training.checkpointing import TrainerCheckpoints
 from nn_handler.training.early_stopping import (

@@ -19,11 +19,11 @@ from torch.utils.data import TensorDataset
 
 from nn_handler import HandlerConfig, Hook, NNHandler, Trainer, TrainingPreempted
 from nn_handler.checkpoint.consolidate import consolidate
-from nn_handler.checkpoint.sharded import is_sharded, read_rest
+from nn_handler.checkpoint.format import is_sharded
 from nn_handler.checkpoint.store.lease import LOCK
 from tests.harness import run_commands, run_group, torchrun_command
 from tests.resume_helpers import SigtermAt
-from tests.training_helpers import max_difference, mlp, regression_data, state_of
+from tests.training_helpers import max_difference, mlp, read_rest, regression_data, state_of
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).parents[2]

@@ -72,23 +72,25 @@ def check(url: str, scratch: Path) -> dict[str, Any]:
     """What a reader on a fresh machine finds on the store."""
     import fsspec
 
-    from nn_handler.checkpoint.io import load_file
     from nn_handler.checkpoint.manifest import SUFFIX
-    from nn_handler.checkpoint.store.urls import fetch_url
+    from nn_handler.checkpoint.opening import open_checkpoint
     from nn_handler.errors import CheckpointError
 
     outcome: dict[str, Any] = {"latest": None, "committed": 0, "broken": []}
-    try:
-        path, _ = fetch_url(url, staging_dir=str(scratch / "latest"))
-        load_file(path)
-        outcome["latest"] = path.name
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+    try:  # the newest committed one is the one latest.json names (no fallback needed)
+        opened = open_checkpoint(url, staging_dir=str(scratch / "latest"))
+        pointed = json.loads(fs.cat(f"{root}/latest.json"))["checkpoint"]
+        if opened.path.name == pointed:
+            outcome["latest"] = pointed
+        else:
+            outcome["latest_error"] = f"opened {opened.path.name}; latest.json names {pointed}"
     except CheckpointError as error:
         outcome["latest_error"] = str(error)
-    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     names = [Path(key).name[: -len(SUFFIX)] for key in fs.ls(root) if key.endswith(SUFFIX)]
     for name in names:
         try:
-            load_file(fetch_url(f"{url}/{name}", staging_dir=str(scratch / "all"))[0])
+            open_checkpoint(f"{url}/{name}", staging_dir=str(scratch / "all"))
             outcome["committed"] += 1
         except CheckpointError as error:
             if "not committed" in str(error):  # deleted (rotated) since the listing

@@ -17,8 +17,8 @@ import pytest
 from torch import nn
 
 from nn_handler import ConfigError, HandlerConfig, Hook, NNHandler
-from nn_handler.checkpoint.manager import LATEST
-from nn_handler.checkpoint.sharded import is_sharded
+from nn_handler.checkpoint.format import is_sharded
+from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.files import TMP_MARKER, remove_orphans
 from nn_handler.ray_train import RayTrainReport, in_ray_train_worker, report_folder
 from tests.training_helpers import max_difference, mlp, regression_data, sgd, state_of

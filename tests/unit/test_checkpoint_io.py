@@ -32,7 +32,9 @@ from nn_handler.checkpoint import (
     strip_wrapper_prefixes,
 )
 from nn_handler.checkpoint.io import unsafe_entries
-from nn_handler.checkpoint.manager import LATEST, periodic_name
+from nn_handler.checkpoint.manager import periodic_name
+from nn_handler.checkpoint.opening import Opened, open_checkpoint
+from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.lease import LOCK
 from nn_handler.checkpoint.verify import verify_records
 from nn_handler.distributed.communicator import NullCommunicator
@@ -322,6 +324,11 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> No
 
 
 # ----------------------------------------------------------------- the manager
+def newest(folder: Path) -> Opened:
+    """What a folder of checkpoints opens as (its newest complete, readable checkpoint)."""
+    return open_checkpoint(folder)
+
+
 def _periodic(manager: CheckpointManager, epoch: int, step: int) -> Path:
     return manager.save_periodic({"step": step}, epoch, step, None)
 
@@ -333,7 +340,7 @@ def test_manager_keeps_the_last_n_and_points_at_the_newest(tmp_path: Path) -> No
     names = sorted(p.name for p in manager.periodic())
     assert names == [periodic_name(0, 4), periodic_name(0, 6)]
     assert (tmp_path / LATEST).read_text().count(periodic_name(0, 6)) == 1
-    found = manager.load_latest()
+    found = newest(tmp_path)
     assert found is not None and found[1]["step"] == 6
 
 
@@ -342,7 +349,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Pa
     for step in (2, 4):
         _periodic(manager, 0, step)
     (tmp_path / periodic_name(0, 4)).write_bytes(b"torn")
-    found = manager.load_latest()
+    found = newest(tmp_path)
     assert found is not None and found[1]["step"] == 2
 
 
@@ -351,12 +358,14 @@ def test_a_corrupt_pointer_falls_back_to_the_newest_file(tmp_path: Path) -> None
     for step in (2, 4):
         _periodic(manager, 0, step)
     (tmp_path / LATEST).write_text("{not json")
-    found = manager.load_latest()
+    found = newest(tmp_path)
     assert found is not None and found[1]["step"] == 4
 
 
-def test_no_checkpoint_means_none(tmp_path: Path) -> None:
-    assert _manager(tmp_path).load_latest() is None
+def test_a_folder_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    _manager(tmp_path)
+    with pytest.raises(CheckpointError, match="no complete checkpoint in"):
+        newest(tmp_path)
 
 
 def test_best_is_a_link_to_the_improving_checkpoint(tmp_path: Path) -> None:

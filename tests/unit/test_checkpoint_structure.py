@@ -166,3 +166,113 @@ def test_only_the_verifier_computes_checksums() -> None:
             ):
                 users.append(str(path.relative_to(PACKAGE)))
     assert users == ["checkpoint/verify.py"]
+
+
+def _outside(*allowed: str) -> list[Path]:
+    """Every module of the package but ``allowed`` (paths relative to it; a folder ends with
+    a slash)."""
+    return [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(
+            str(path.relative_to(PACKAGE)).startswith(a) if a.endswith("/") else
+            str(path.relative_to(PACKAGE)) == a
+            for a in allowed
+        )
+    ]  # fmt: skip
+
+
+def _calls(path: Path) -> list[tuple[str, str]]:
+    """(the function it is in, the name called) for every call in ``path``, a method call by
+    its attribute name."""
+    found: list[tuple[str, str]] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = child.name
+            if isinstance(child, ast.Call):
+                func = child.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                found.append((inner, name))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_one_module_decides_what_a_path_holds() -> None:
+    """File or folder, checkpoint or folder of checkpoints: format.py decides (``is_sharded``,
+    ``kind_of``); the opener and the stores ask it, nobody else names ``is_sharded``."""
+    naming = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in _outside("checkpoint/store/")
+        if "is_sharded" in path.read_text()
+    )
+    assert naming == ["checkpoint/format.py", "checkpoint/opening.py"]
+
+
+def test_checkpoints_are_opened_in_one_module_by_at_most_four_functions() -> None:
+    """Reading a checkpoint's bytes (``load_file``, a store's ``fetch``, a folder's
+    ``top_file``) happens in checkpoint/opening.py only, in at most 4 functions; every other
+    reader (NNHandler.load, a resume, inspect, consolidate, rotation's owner check) asks it.
+    Outside: io.py's own definition, and init_weights' weights file (any torch.save of a
+    state dict, not a checkpoint)."""
+    opening = {"load_file", "fetch", "top_file"}
+    outside = {
+        f"{path.relative_to(PACKAGE)}:{function}"
+        for path in _outside("checkpoint/store/", "checkpoint/opening.py", "checkpoint/format.py")
+        for function, name in _calls(path)
+        if name in opening
+    }
+    assert outside == {"strategies/meta_init.py:load_weights_file"}, outside
+    inside = {
+        function
+        for function, name in _calls(PACKAGE / "checkpoint" / "opening.py")
+        if name in opening | {"read"}
+    }
+    assert inside == {"read", "open_checkpoint", "open_on_every_rank", "_newest"}
+
+
+def test_latest_json_is_named_by_the_store_only() -> None:
+    """The pointer to the newest checkpoint is read and written by the store: the file's name
+    is a string in one module's code, and only the store's modules use its constant."""
+    literal = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and node.value == "latest.json"
+                and id(node) not in docstrings
+            ):
+                literal.append(str(path.relative_to(PACKAGE)))
+    assert literal == ["checkpoint/store/local.py"]
+    using = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in _outside("checkpoint/store/")
+        if "LATEST"
+        in {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        or any(
+            isinstance(n, ast.ImportFrom) and "LATEST" in {a.name for a in n.names}
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert using == []
+
+
+def test_the_handler_knows_no_checkpoint_internals() -> None:
+    """NNHandler loads and records runs through the Trainer's parts (training/saved_run.py):
+    it imports nothing from checkpoint/ nor the Trainer's checkpoint format."""
+    imported = imported_modules(PACKAGE / "handler.py")
+    assert len(imported) > 10  # the scan sees the handler's imports
+    inside = {m for m in imported if m.startswith("nn_handler.checkpoint")}
+    assert inside | ({"nn_handler.training.checkpoint_format"} & imported) == set()

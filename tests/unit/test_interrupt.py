@@ -19,7 +19,7 @@ from nn_handler import (
     TrainingInterrupted,
     TrainingPreempted,
 )
-from nn_handler.checkpoint.manager import LATEST
+from nn_handler.checkpoint.store import LATEST
 from tests.resume_helpers import SigtermAt, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd
 

@@ -19,7 +19,7 @@ from nn_handler import (
     TrainingPreempted,
 )
 from nn_handler.checkpoint import atomic_save, load_file
-from nn_handler.checkpoint.manager import LATEST
+from nn_handler.checkpoint.store import LATEST
 from nn_handler.training.hooks import Hook
 from tests.resume_helpers import EPOCHS, SigtermAt, same, scenario
 from tests.training_helpers import mlp, regression_data, sgd

@@ -16,12 +16,12 @@ from torch import nn
 
 from nn_handler import CheckpointError, ConfigError, HandlerConfig, NNHandler
 from nn_handler.checkpoint.consolidate import consolidate
+from nn_handler.checkpoint.format import REST, is_sharded
 from nn_handler.checkpoint.io import load_file
-from nn_handler.checkpoint.manager import LATEST
-from nn_handler.checkpoint.sharded import REST, is_sharded, read_rest
+from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.files import staging_path
 from nn_handler.cli import main
-from tests.training_helpers import max_difference, mlp, regression_data, state_of
+from tests.training_helpers import max_difference, mlp, read_rest, regression_data, state_of
 
 DATA = regression_data()
 VAL = regression_data(n=16, seed=1)

@@ -22,8 +22,8 @@ from torch import nn
 
 from nn_handler import CheckpointError, HandlerConfig, NNHandler
 from nn_handler.checkpoint.consolidate import consolidate
+from nn_handler.checkpoint.format import CHECKSUMS, REST
 from nn_handler.checkpoint.manifest import MANIFEST
-from nn_handler.checkpoint.sharded import CHECKSUMS, REST
 from tests.forked import Script, run_script_split
 from tests.tamper import (
     craft_index,

@@ -18,6 +18,7 @@ import torch
 
 from nn_handler.checkpoint.manifest import MANIFEST, Manifest, manifest_name, read_manifest
 from nn_handler.checkpoint.naming import is_checkpoint_name
+from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.sharded import ShardedWriter
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
@@ -82,8 +83,8 @@ def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore
     store.refresh()
     assert [p.name for p in store.entries()] == [FILE, FOLDER]
     assert store.exists(file) and store.exists(folder)
-    assert torch.equal(store.open(file).contents["w"], WEIGHTS)
-    opened = store.open(folder)
+    assert torch.equal(read(file, store=store).contents["w"], WEIGHTS)
+    opened = read(folder, store=store)
     assert opened.folder is not None and opened.contents["n"] == 1
     local = read_manifest(folder)  # one format, inside a local folder...
     assert local is not None and local.run == "run-1"
@@ -136,7 +137,7 @@ def test_a_changed_byte_is_named_when_the_checkpoint_is_opened(
         target.write_bytes(bytes(data))
     try:
         with pytest.raises(CheckpointError, match=rf"{FILE}.* is corrupt|corrupt: .*{FILE}"):
-            store.open(store.dir / FILE)
+            read(store.dir / FILE, store=store)
     finally:
         store.release()
 
@@ -216,7 +217,7 @@ def test_a_damaged_shard_on_the_store_is_named_as_it_arrives(
     fresh = _restart("object store", tmp_path, store, "copy-2")
     try:
         with pytest.raises(CheckpointError, match=named):
-            fresh.open(fresh.dir / FOLDER)
+            read(FOLDER, store=fresh)
     finally:
         fresh.release()
 

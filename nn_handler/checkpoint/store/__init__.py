@@ -2,9 +2,10 @@
 code that commits a checkpoint (renames it into place or writes its manifest).
 
 The protocol, for every checkpoint: a writer writes into ``staging(target)``; each rank hands
-its files to ``put``; rank 0 ``commit``-s once every rank's put is agreed; ``open`` reads a
-committed one, verified. Two implementations: ``LocalStore``, a folder (the commit is one
-rename, a folder's manifest written into it first: checkpoint/store/files.py), and
+its files to ``put``; rank 0 ``commit``-s once every rank's put is agreed; ``fetch`` gives a
+committed one on this machine (checkpoint/opening.py reads it). Two implementations:
+``LocalStore``, a folder (the commit is one rename, a folder's manifest written into it
+first: checkpoint/store/files.py), and
 ``ObjectStore``, a folder of an object store seen through a local working copy (committed
 there as locally, then on the store: every object uploaded, then its manifest; what the store
 has committed is what is trusted). ``open_store`` picks one from ``checkpoint.dir``. The
@@ -16,16 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nn_handler.checkpoint.store.local import LATEST, LocalStore, is_checkpoint
+from nn_handler.checkpoint.format import is_checkpoint
+from nn_handler.checkpoint.store.local import LATEST, LocalStore
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    import torch
-
     from nn_handler.checkpoint.manifest import Entry
-    from nn_handler.checkpoint.source import Opened
     from nn_handler.errors import CheckpointError
 
 
@@ -58,14 +57,15 @@ class CheckpointStore(Protocol):
     def entries(self) -> list[Path]:
         """Every complete checkpoint."""
 
-    def read_latest(self) -> Any:
-        """latest.json's contents (None: there is none)."""
+    def latest(self) -> Path | None:
+        """The complete checkpoint latest.json names (None: none, or unreadable)."""
 
     def owner(self, path: Path) -> tuple[bool, str | None]:
         """(known, the run id) of ``path`` where the store records it."""
 
-    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        """Read the checkpoint ``path``, verified (any rank)."""
+    def fetch(self, name: str) -> Path:
+        """The committed checkpoint ``name`` on this machine (an object store's downloaded
+        into the working copy, every object checked as it arrives). Any rank."""
 
     def write_latest(self, pointer: Mapping[str, Any]) -> None:
         """Point latest.json at ``pointer``, never backwards over another job's."""

@@ -11,13 +11,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from loguru import logger
 
+from nn_handler.checkpoint.format import is_checkpoint
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest
 from nn_handler.checkpoint.naming import is_checkpoint_name
-from nn_handler.checkpoint.sharded import is_sharded
-from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.checkpoint.store.files import (
     atomic_link,
     atomic_write_bytes,
@@ -34,11 +32,6 @@ from nn_handler.checkpoint.verify import entry_of
 from nn_handler.errors import CheckpointError
 
 LATEST = "latest.json"
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A complete checkpoint: a file, or a committed sharded folder."""
-    return path.is_file() or is_sharded(path)
 
 
 class LocalStore:
@@ -103,7 +96,19 @@ class LocalStore:
         found = [p for p in self.dir.iterdir() if is_checkpoint_name(p.name) and is_checkpoint(p)]
         return sorted(found)
 
-    def read_latest(self) -> Any:
+    def latest(self) -> Path | None:
+        """The complete checkpoint latest.json names (None: none; an unreadable latest.json is
+        said in a warning and names none)."""
+        try:
+            data = self._read_pointer()
+            name = None if data is None else data["checkpoint"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("ignoring unreadable {}/{}: {}", self.where, LATEST, error)
+            return None
+        target = None if name is None else self.dir / str(name)
+        return target if target is not None and self.exists(target) else None
+
+    def _read_pointer(self) -> Any:
         """latest.json's contents (None: there is none); raises OSError or ValueError when it
         cannot be read."""
         try:
@@ -115,21 +120,29 @@ class LocalStore:
         """A folder records no owner beside a checkpoint: read it from the checkpoint."""
         return False, None
 
-    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        return open_checkpoint(path, map_location)
+    def fetch(self, name: str) -> Path:
+        """The checkpoint ``name`` on this machine: where it is."""
+        return self.dir / name
 
     # ----------------------------------------------------------------- changing it
     def write_latest(self, pointer: Mapping[str, Any]) -> None:
         """Point latest.json at ``pointer`` (rank 0), never backwards over another job's: a
         pointer that another writer moved since this process last saw it, to a later step
-        than ``pointer``'s, is a CheckpointError."""
+        than ``pointer``'s, is a CheckpointError, as a failed write is."""
         self._forward(self._stored_latest(), pointer)
-        atomic_write_json(dict(pointer), self.dir / LATEST)
+        self._write_pointer(pointer)
+
+    def _write_pointer(self, pointer: Mapping[str, Any]) -> None:
+        """latest.json in the folder (the working copy's, for an object store)."""
+        try:
+            atomic_write_json(dict(pointer), self.dir / LATEST)
+        except OSError as error:
+            raise CheckpointError(f"cannot write {self.where}/{LATEST}: {error}") from error
 
     def _stored_latest(self) -> Any:
         """latest.json as stored now (None: none, or unreadable)."""
         try:
-            return self.read_latest()
+            return self._read_pointer()
         except (OSError, ValueError):
             return None
 

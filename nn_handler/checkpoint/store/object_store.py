@@ -17,16 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 from loguru import logger
 
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest, manifest_name
-from nn_handler.checkpoint.source import Opened, open_checkpoint
 from nn_handler.checkpoint.store import remote_protocol as protocol
 from nn_handler.checkpoint.store.files import (
     atomic_link,
     atomic_write_bytes,
-    atomic_write_json,
     link_tree,
     remove_tree,
 )
@@ -104,29 +101,21 @@ class ObjectStore(LocalStore):
     def entries(self) -> list[Path]:
         return [self.dir / name for name in sorted(self._known)]
 
-    def read_latest(self) -> Any:
-        """The contents of ``latest.json`` on the store (None: none, or unreadable)."""
+    def _read_pointer(self) -> Any:
+        """The contents of ``latest.json`` on the store (None: none); ValueError when it
+        cannot be read."""
         self.flush()
         data = self.store.read(LATEST)
-        try:
-            return None if data is None else json.loads(data)
-        except ValueError as error:
-            logger.warning("ignoring unreadable {}: {}", self.store.url_of(LATEST), error)
-            return None
+        return None if data is None else json.loads(data)
 
     def owner(self, path: Path) -> tuple[bool, str | None]:
         """The run id its manifest records."""
         known = self._known.get(path.name)
         return (False, None) if known is None else (True, known.run)
 
-    def open(self, path: str | Path, map_location: torch.device | str | None = None) -> Opened:
-        """The committed checkpoint of that name, downloaded into the working copy where
-        missing or changed, every object checked as it arrives (not again when loaded)."""
-        local = self.fetch(Path(path).name)
-        return open_checkpoint(local, map_location, where=self.location(local), verified=True)
-
     def fetch(self, name: str) -> Path:
-        """The committed checkpoint ``name`` in the working copy (see ``open``); a
+        """The committed checkpoint ``name`` in the working copy, downloaded where missing or
+        changed, every object checked as it arrives (not again when loaded); a
         CheckpointError names the object that is missing or changed."""
         self.flush()
         key = manifest_name(name)
@@ -151,7 +140,7 @@ class ObjectStore(LocalStore):
         """The working copy's latest.json, then the store's once the changes before it have
         landed (never backwards over another job's: checked then, raised at the next
         flush)."""
-        atomic_write_json(dict(pointer), self.dir / LATEST)
+        self._write_pointer(pointer)
         body = (json.dumps(dict(pointer), indent=1) + "\n").encode()
 
         def task() -> None:

@@ -1,0 +1,244 @@
+"""Opening a checkpoint: the one way in for every reader (``NNHandler.load``, a resume,
+``nn-handler checkpoint inspect``, consolidate, ``init_weights``, rotation's ownership check).
+
+What a path holds is decided once (checkpoint/format.py ``kind_of``): a checkpoint file or
+folder is read as it is; a folder of checkpoints, local or on an object store, gives its
+newest complete, verified checkpoint (latest.json's first, then the others newest first; a
+damaged one is skipped with a warning saying why); a URL naming one committed checkpoint is
+downloaded, every object checked against its manifest as it arrives. The stores
+(checkpoint/store/) know where a checkpoint's bytes are; this module reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from loguru import logger
+
+from nn_handler.checkpoint.agreement import agree_on
+from nn_handler.checkpoint.format import is_sharded, kind_of, top_file
+from nn_handler.checkpoint.io import load_file
+from nn_handler.checkpoint.manifest import SUFFIX
+from nn_handler.checkpoint.naming import PERIODIC, order
+from nn_handler.checkpoint.sharded import verify_sharded
+from nn_handler.checkpoint.store import CheckpointStore, LocalStore
+from nn_handler.checkpoint.store.remote_store import DEFAULT_TIMEOUT_S
+from nn_handler.checkpoint.store.urls import folder_store, is_checkpoint_url, split_url
+from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.distributed.communicator import Communicator, NullCommunicator
+from nn_handler.errors import CheckpointError
+
+if TYPE_CHECKING:
+    MapLocation = torch.device | str | None
+
+
+class Opened(NamedTuple):
+    """A checkpoint read from disk.
+
+    Attributes:
+        path: where it is (on this machine: an object store's working copy).
+        contents: a single file's whole checkpoint, or a sharded folder's unsharded parts
+            (``trainer.pt``), read ``weights_only``.
+        folder: the sharded folder whose DCP shards hold the other parts; None for a file.
+        where: where it lives, as the user names it (an object store's URL, not the local
+            copy ``path``): what logs and errors say.
+        verified: every byte was checked against its manifest as it was fetched (an object
+            store's): nothing checksums it again.
+    """
+
+    path: Path
+    contents: Any
+    folder: Path | None
+    where: str
+    verified: bool = False
+
+
+def read(
+    path: str | Path,
+    map_location: MapLocation = None,
+    *,
+    store: CheckpointStore | None = None,
+    glance: bool = False,
+) -> Opened:
+    """The checkpoint ``path`` (a file, or a committed sharded folder; with ``store``, its
+    checkpoint of that name, fetched: an object store's downloaded and checked as it
+    arrives), its top level read weights-only and its records' CRC-32s checked (not again
+    for a fetched copy). ``glance``: memory-mapped and unchecked, to look at what it says
+    (inspect, a checkpoint's owner). Raises CheckpointError when it cannot be read."""
+    target, where, verified = Path(path), str(path), False
+    if store is not None:
+        target = store.fetch(target.name)
+        where, verified = store.location(target), store.uploads
+    check = not (verified or glance)
+    contents = load_file(top_file(target), map_location, mmap=glance, verify=check)
+    return Opened(target, contents, target if is_sharded(target) else None, where, verified)
+
+
+def open_checkpoint(
+    path: str | Path,
+    map_location: MapLocation = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    staging_dir: str | None = None,
+    glance: bool = False,
+) -> Opened:
+    """The checkpoint ``path`` names, read in this process alone: a file or a checkpoint
+    folder as it is, a folder of checkpoints (local or a URL) its newest complete, verified
+    one, as a resume chooses it, a URL of one committed checkpoint downloaded and checked
+    (``NNHandler.load``, ``nn-handler checkpoint inspect``). ``staging_dir``: the local
+    working copy a URL's checkpoint is downloaded into (None: the default cache)."""
+    kind = kind_of(path)
+    if kind in ("file", "folder"):
+        return read(path, map_location, glance=glance)
+    url = str(path).rstrip("/")
+    if kind == "url" and is_checkpoint_url(url, storage_options, timeout_s):
+        parent, name = split_url(url)
+        with _released(folder_store(parent, storage_options, staging_dir, timeout_s)) as store:
+            return read(name, map_location, store=store, glance=glance)
+    local = kind == "checkpoints"
+    store = (
+        LocalStore(Path(path))
+        if local
+        else folder_store(url, storage_options, staging_dir, timeout_s)
+    )
+    with _released(store):
+        found = _newest(store, NullCommunicator(), map_location, missing_ok=True)
+    if found is None and local:
+        raise CheckpointError(f"no complete checkpoint in {store.where}.")
+    if found is None:
+        raise CheckpointError(
+            f"no committed checkpoint at {url} (neither <name>{SUFFIX} beside it nor a "
+            f"committed checkpoint under it)."
+        )
+    return found
+
+
+def open_on_every_rank(
+    path: str | Path,
+    missing_ok: bool,
+    comm: Communicator,
+    device: torch.device,
+    config: CheckpointConfig,
+    run_store: Callable[[], CheckpointStore],
+) -> tuple[Opened | None, bool]:
+    """What a resume of ``path`` opens, on every rank: 'latest' (``run_store()``, the run's
+    own folder) or a folder of checkpoints (local or a URL) give the newest verified
+    checkpoint there, chosen automatically (True; None when there is none and
+    ``missing_ok``); anything else is the one checkpoint it names (False). Every rank must
+    call this; all raise the same CheckpointError."""
+    kind = "latest" if str(path) == "latest" else kind_of(path)
+    url = str(path).rstrip("/")
+    one = kind in ("file", "folder")
+    if kind == "url":
+        one = bool(_on_rank_0(comm, f"reading {url}", lambda: _names_one(url, config)))
+    if one:
+        opened, problem = None, None
+        try:
+            if kind == "url":
+                parent, name = split_url(url)
+                with _released(_folder(parent, config)) as store:
+                    opened = read(name, device, store=store)
+            else:
+                opened = read(path, device)
+        except Exception as error:
+            problem = error
+        agree_on(comm, problem, f"loading checkpoint {path}")
+        return opened, False
+    if kind == "latest":
+        return _newest(run_store(), comm, device, missing_ok), True
+    with _released(_folder(str(path), config)) as store:
+        return _newest(store, comm, device, missing_ok), True
+
+
+def _newest(
+    store: CheckpointStore, comm: Communicator, device: MapLocation, missing_ok: bool
+) -> Opened | None:
+    """The newest complete, verified checkpoint in ``store``, read on every rank: rank 0 picks
+    the newest readable one (latest.json's first, then the periodic ones newest first); a
+    sharded one's files are checked, each rank its share; a damaged one is skipped with a
+    warning saying why. Every rank must call this."""
+    skipped: set[Path] = set()
+    while True:
+        opened: Opened | None = None
+        problem: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                store.refresh()
+                periodic = [p for p in store.entries() if PERIODIC.match(p.name)]
+                pointed = store.latest()
+                ordered = sorted(periodic, key=order, reverse=True)
+                if pointed is not None:
+                    ordered = [pointed] + [p for p in ordered if p != pointed]
+                for candidate in (p for p in ordered if p not in skipped):
+                    try:
+                        opened = read(candidate, device, store=store)
+                        break
+                    except CheckpointError as error:
+                        logger.warning("{}; trying the previous checkpoint", error)
+                        skipped.add(candidate)
+            except Exception as error:
+                problem = error
+        if comm.world_size > 1:
+            name = comm.broadcast_object(None if opened is None else opened.path.name)
+            if name is not None and comm.rank != 0:
+                try:
+                    opened = read(name, device, store=store)
+                except Exception as error:
+                    problem = error
+        agree_on(comm, problem, f"loading the latest checkpoint in {store.where}")
+        if opened is None:
+            if missing_ok:
+                return None
+            raise CheckpointError(f"no complete checkpoint in {store.where} to resume from.")
+        if opened.folder is None or opened.verified:
+            return opened
+        try:
+            verify_sharded(opened.folder, comm, opened.contents)
+        except CheckpointError as error:
+            if comm.rank == 0:
+                logger.warning("{}; trying the previous checkpoint", error)
+            skipped.add(opened.path)
+            continue
+        return opened
+
+
+def _names_one(url: str, config: CheckpointConfig) -> bool:
+    return is_checkpoint_url(url, config.storage_options, config.store_timeout_s)
+
+
+def _folder(where: str, config: CheckpointConfig) -> CheckpointStore:
+    """The store of the folder of checkpoints ``where`` (read only): this run's own folder
+    through its own working copy."""
+    if kind_of(where) != "url":
+        return LocalStore(Path(where))
+    staging = config.staging_dir if where == config.dir else None
+    return folder_store(where, config.storage_options, staging, config.store_timeout_s)
+
+
+def _on_rank_0(comm: Communicator, what: str, answer: Callable[[], Any]) -> Any:
+    """Rank 0's ``answer()``, or its error, on every rank. Every rank must call this."""
+    found: Any = None
+    problem: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            found = answer()
+        except Exception as error:
+            problem = error
+    agree_on(comm, problem, what)
+    return comm.broadcast_object(found) if comm.world_size > 1 else found
+
+
+@contextlib.contextmanager
+def _released(store: CheckpointStore) -> Iterator[CheckpointStore]:
+    try:
+        yield store
+    finally:
+        store.release()
+
+
+__all__ = ["Opened", "open_checkpoint", "open_on_every_rank", "read"]
