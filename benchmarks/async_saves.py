@@ -9,8 +9,8 @@ tensor once), back to back in each repetition (one warm-up round excluded):
 
 - ``memcpy``: copying the state into CPU buffers kept between copies (the least an
   asynchronous save must block for);
-- ``async save, local folder`` / ``async save, s3://``: what ``ShardedWriter.save(...,
-  asynchronous=True)`` blocks the loop for (the write and, for the local S3 server, the
+- ``async save, local folder`` / ``async save, s3://``: what ``SaveRoute.save(...,
+  background=True)`` blocks the loop for (the write and, for the local S3 server, the
   upload run in the background; waited for outside the measure), and, for the local folder,
   what the next save's wait adds once the background write is done: the agreement on the
   writes, the manifest and the rename that commit it (no target: reported beside);
@@ -45,6 +45,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nn_handler.checkpoint.saving import SaveRoute
 from nn_handler.checkpoint.sharded import ShardedWriter
 from nn_handler.distributed.communicator import NullCommunicator, TorchCommunicator
 
@@ -82,12 +83,13 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
     times: dict[str, list[float]] = {MEMCPY: [], LOCAL: [], COMMIT: [], SYNC: [], FSYNC: []}
     with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
         base = Path(comm.broadcast_object(scratch if comm.rank == 0 else None))
-        local = ShardedWriter(comm, lambda: group)
-        folder = LocalStore(base)
-        store = None
+        writer = ShardedWriter(comm, lambda: group)
+        local = SaveRoute(comm, LocalStore(base))
+        remote = None
         if url is not None:
             times[S3] = []
             store = ObjectStore(CheckpointConfig(dir=url, staging_dir=str(base / "copy")))
+            remote = SaveRoute(comm, store)
             if comm.rank == 0:
                 store.store.check()
         rest = {"format": "bench"} if comm.rank == 0 else None
@@ -99,7 +101,8 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
                 buffers[key].copy_(values)
             spent = {MEMCPY: time.perf_counter() - start}
             start = time.perf_counter()
-            local.save(rest, {"model": state}, base / f"async-{index}", folder, asynchronous=True)
+            contents = (rest, {"model": state})
+            local.save(base / f"async-{index}", writer, contents, background=True)
             spent[LOCAL] = time.perf_counter() - start
             while local.writing:  # the background write: what the next wait adds is the commit
                 time.sleep(0.002)
@@ -107,14 +110,14 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
             start = time.perf_counter()
             local.wait()
             spent[COMMIT] = time.perf_counter() - start
-            if store is not None:
+            if remote is not None:
                 start = time.perf_counter()
-                target = store.dir / f"ckpt-e0000-s{index:08d}"
-                local.save(rest, {"model": state}, target, store, asynchronous=True)
+                target = remote.store.dir / f"ckpt-e0000-s{index:08d}"
+                remote.save(target, writer, contents, background=True)
                 spent[S3] = time.perf_counter() - start
-                local.wait()
+                remote.wait()
             start = time.perf_counter()
-            local.save(rest, {"model": state}, base / f"sync-{index}", folder)
+            local.save(base / f"sync-{index}", writer, contents)
             spent[SYNC] = time.perf_counter() - start
             comm.barrier()
             start = time.perf_counter()
@@ -124,8 +127,9 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
             if index:  # round 0 warms the page cache, the allocator and the staging buffers
                 for name, seconds in spent.items():
                     times[name].append(seconds)
-        if store is not None:
-            store.release()
+        if remote is not None:
+            remote.store.release()
+        local.close()
         comm.barrier()
     return {"times": times, "bytes": nbytes(state)}
 
@@ -161,7 +165,7 @@ def beside(width: int, saves: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def steps(seconds: float, writer: ShardedWriter | None = None) -> list[float]:
+    def steps(seconds: float, writer: SaveRoute | None = None) -> list[float]:
         times: list[float] = []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:  # at least one step (it starts while writing)
@@ -181,15 +185,16 @@ def beside(width: int, saves: int) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="nnh-bench-") as scratch:
             base = Path(scratch)
             writer = ShardedWriter(NullCommunicator(), lambda: None)
+            route = SaveRoute(NullCommunicator(), LocalStore(base))
             for index in range(saves + 1):
                 target = base / f"ckpt-e0000-s{index:08d}"
-                writer.save({"format": "bench"}, {"model": state}, target, LocalStore(base),
-                            asynchronous=True)  # fmt: skip
-                measured = steps(60.0, writer)
-                writer.wait()
+                route.save(target, writer, ({"format": "bench"}, {"model": state}),
+                           background=True)  # fmt: skip
+                measured = steps(60.0, route)
+                route.wait()
                 if index:  # the first save warms the staging buffers
                     during += measured
-            writer.close()
+            route.close()
     finally:
         torch.set_num_threads(threads)
     return {

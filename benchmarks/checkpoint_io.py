@@ -26,6 +26,7 @@ import common
 import torch
 
 from nn_handler.checkpoint import CheckpointManager, atomic_save, load_file
+from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 
@@ -56,7 +57,7 @@ def main() -> None:
 
         def managed() -> None:
             step[0] += 1
-            manager.save_periodic(state, 0, step[0], None)
+            manager.save_periodic(FileWriter(manager.comm), state, 0, step[0])
 
         saves: dict[str, Callable[[], Any]] = {
             "torch.save": lambda: torch.save(state, base / "plain.pt"),

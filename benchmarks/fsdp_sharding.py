@@ -52,7 +52,8 @@ from torch.utils.data import TensorDataset
 from nn_handler import DistributedContext, NNHandler
 from nn_handler.checkpoint import sharded as sharded_io
 from nn_handler.checkpoint.opening import read
-from nn_handler.checkpoint.single_file import write_together
+from nn_handler.checkpoint.saving import SaveRoute
+from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.checkpoint.store import LocalStore
 from nn_handler.checkpoint.store import local as local_store
 
@@ -175,9 +176,8 @@ def _checkpoints(handler: NNHandler, data: Any, folder: Path, repeats: int) -> d
     store = LocalStore(folder)
 
     def save_file() -> None:
-        staging = store.staging(single)
-        commit = lambda: store.commit(single, staging, None)  # noqa: E731
-        write_together(trainer.comm, trainer.state_dict(), single, staging, commit)
+        route = SaveRoute(trainer.comm, store)
+        route.save(single, FileWriter(trainer.comm), trainer.state_dict())
 
     def save_unchecked() -> None:  # DCP's own writer: no checksums (the manifest sizes only)
         from torch.distributed.checkpoint.filesystem import FileSystemWriter

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nn_handler.checkpoint import CheckpointManager
+from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 
@@ -82,7 +83,7 @@ def measure(megabytes: int, repeats: int) -> tuple[dict[str, list[float]], float
         def periodic(target: CheckpointManager) -> Callable[[], Any]:
             def save() -> None:
                 step[0] += 1
-                target.save_periodic(state, 0, step[0], None)
+                target.save_periodic(FileWriter(target.comm), state, 0, step[0])
 
             return save
 

@@ -155,7 +155,7 @@ def report_folder(path: Path) -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     try:
-        if kind_of(path) == "folder":
+        if kind_of(path) in ("folder", "checkpoints"):  # a folder, committed or not
             shutil.copytree(path, folder / path.name, copy_function=atomic_link)
         elif path.is_file():
             atomic_link(path, folder / path.name)

@@ -42,3 +42,15 @@ def read_rest(folder: Path | str) -> Any:
     from nn_handler.checkpoint.opening import read
 
     return read(folder).contents
+
+
+def save_folder(store: Any, target: Path, rest: Any, shards: dict[str, Any]) -> Path:
+    """The sharded checkpoint ``target`` saved into ``store`` in one process, by the one save
+    route (checkpoint/saving.py): ``rest`` as its REST file, ``shards`` through DCP."""
+    from nn_handler.checkpoint.saving import SaveRoute
+    from nn_handler.checkpoint.sharded import ShardedWriter
+    from nn_handler.distributed.communicator import NullCommunicator
+
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    run = rest.get("run", {}).get("id") if isinstance(rest, dict) else None
+    return SaveRoute(NullCommunicator(), store).save(target, writer, (rest, shards), run=run)

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from nn_handler.checkpoint.format import CHECKSUMS, SHARDED, kind_of
-from nn_handler.checkpoint.io import write_file
 from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import RUN
+from nn_handler.checkpoint.saving import SaveRoute
 from nn_handler.checkpoint.sharded import load_shards, verify_sharded
+from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.checkpoint.store.local import LocalStore
+from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError
 
 #: The sharded parts a consolidated file holds whole.
@@ -83,16 +85,12 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     left_out = sorted(set(sharded) - set(whole))
     if left_out:
         rest["consolidated_without"] = left_out
-    # Committed as any single-file checkpoint is: written to the store's staging place, then
-    # the store's commit (one rename, durable).
-    store = LocalStore(target.parent)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = store.staging(target)
-    write_file(rest, staging, name=target)
+    # Saved as any single-file checkpoint is: the one save route, committed by the store.
     run = rest.get(RUN)
-    store.commit(
-        target, staging, str(run["id"]) if isinstance(run, dict) and run.get("id") else None
-    )
+    run_id = str(run["id"]) if isinstance(run, dict) and run.get("id") else None
+    comm = NullCommunicator()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    SaveRoute(comm, LocalStore(target.parent)).save(target, FileWriter(comm), rest, run=run_id)
     return target
 
 

@@ -54,13 +54,13 @@ class _CancellableFile(io.RawIOBase):
 
 
 def write_file(
-    obj: Any, path: Path, cancel: threading.Event | None = None, name: Path | None = None
+    obj: Any, path: Path, cancel: threading.Event | None = None, name: str | Path | None = None
 ) -> None:
     """``torch.save(obj)`` to the staging file ``path``, fsynced (its store commits it);
     ``name``: the checkpoint it will be, for errors. With ``cancel`` (set from another
     thread) the save stops at its next write and raises ``SaveCancelled``. On any failure
     the file is removed."""
-    target = name or path
+    target = str(name or path)
     try:
         if cancel is None:
             torch.save(obj, path)  # by path: torch's own writer, the fastest
@@ -81,18 +81,19 @@ def write_file(
         if cancelled is not None:  # torch's writer wraps the exception raised in write()
             raise SaveCancelled(f"the save to {target} was cancelled") from error
         if isinstance(error, OSError) or "unexpected pos" in str(error):
-            raise CheckpointError(write_failure(target, error, obj)) from error
+            raise CheckpointError(write_failure(target, path, error, obj)) from error
         raise
 
 
-def write_failure(target: Path, error: BaseException, obj: Any) -> str:
-    """What went wrong writing ``target``: a full disk is named as such (torch reports it as
-    'unexpected pos N vs M'), with the space needed and left where they can be known."""
+def write_failure(target: str, place: Path, error: BaseException, obj: Any) -> str:
+    """What went wrong writing the checkpoint ``target`` (as the user names it) at ``place``
+    on this machine: a full disk is named as such (torch reports it as 'unexpected pos N vs
+    M'), with the space needed and left where they can be known."""
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
     if full or "unexpected pos" in str(error):
         needed = _tensor_bytes(obj)
         try:
-            free = shutil.disk_usage(target.parent).free
+            free = shutil.disk_usage(place.parent).free
         except OSError:
             free = None
         if full or (free is not None and free < needed + (1 << 20)):

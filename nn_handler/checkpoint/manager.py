@@ -47,8 +47,8 @@ from nn_handler.checkpoint.naming import (
 )
 from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import run_of
-from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.store import CheckpointStore, is_checkpoint, open_store
+from nn_handler.checkpoint.saving import CheckpointWriter, SaveRoute
+from nn_handler.checkpoint.store import CheckpointStore, flush_together, is_checkpoint, open_store
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -93,6 +93,8 @@ class CheckpointManager:
         #: local working copy).
         self.folder: CheckpointStore = open_store(config)
         self.dir = self.folder.dir
+        #: The one way this run's checkpoints are saved into the folder.
+        self.route = SaveRoute(communicator, self.folder)
         self.sharded = sharded
         self.best_value: float | None = None
         #: The save_top_k best checkpoints kept as top-*.pt (unused when save_top_k is 1).
@@ -123,63 +125,63 @@ class CheckpointManager:
         """The folder as the user named it (a URL for an object store)."""
         return self.folder.where
 
+    @staticmethod
+    def restarted(env: Mapping[str, str]) -> bool:
+        """Whether the launcher restarted this job (``restart_count`` > 0 in ``env``)."""
+        return restart_count(env) > 0
+
     def release(self) -> None:
         """Give up the folder's lock (rank 0; the handler's close does) and wait for uploads
         still running. Idempotent."""
+        self.route.close()
         self.folder.release()
 
     # ----------------------------------------------------------------- writing
-    def write(
+    def save(
         self,
-        checkpoint: Mapping[str, Any] | None,
-        path: str | Path,
+        target: Path,
+        writer: CheckpointWriter,
+        contents: Any,
+        *,
         budget_s: float | None = None,
+        background: bool = False,
         then: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write ``checkpoint`` (used on rank 0 only) as the single-file checkpoint ``path``,
-        committed by the store, then ``then(path)`` on rank 0; every rank must call this and
-        returns once it is committed (on an object store: uploaded and committed, or on its
-        way in the background), or raises the same CheckpointError. ``budget_s`` bounds the
-        write: past it the save is cancelled (the file does not appear)."""
-        target = Path(path)
-        staging = self.folder.staging(target)
-
-        def commit() -> None:
-            self.folder.commit(target, staging, self.run_id)
-            if then is not None:
-                then(target)
-
-        return write_together(self.comm, checkpoint, target, staging, commit, budget_s)
+        """Save ``contents`` through ``writer`` as the checkpoint ``target`` of this run,
+        committed by the folder's store (checkpoint/saving.py: the one save route); every rank
+        must call this. See SaveRoute.save."""
+        return self.route.save(
+            target, writer, contents, run=self.run_id, budget_s=budget_s,
+            background=background, then=then,
+        )  # fmt: skip
 
     def flush(self) -> None:
-        """Wait for the uploads running in the background (rank 0's); every rank raises the
-        same CheckpointError if one failed. Every rank must call this."""
-        if not self.folder.uploads:
-            return
-        error: str | None = None
-        try:
-            self.folder.flush()
-        except Exception as caught:  # a background failure of any kind; agreed below
-            error = f"{type(caught).__name__}: {caught}"
-        with self.comm.patient():
-            agree_on(self.comm, error, f"uploading checkpoints to {self.where}")
-
-    def _agree(self, error: str | None, target: Path) -> Path:
-        agree_on(self.comm, error, f"writing checkpoint {target}")
-        return target
+        """Wait for the store's changes running in the background (an object store's
+        uploads); every rank raises the same CheckpointError if one failed. Every rank must
+        call this."""
+        flush_together(self.folder, self.comm)
 
     def save_periodic(
-        self, checkpoint: Mapping[str, Any] | None, epoch: int, step: int, budget_s: float | None
+        self,
+        writer: CheckpointWriter,
+        contents: Any,
+        epoch: int,
+        step: int,
+        budget_s: float | None = None,
+        background: bool = False,
     ) -> Path:
-        """Write the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
-        latest.json at it and delete periodic ones beyond ``keep_last``. Every rank must call
-        this."""
+        """Save the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
+        latest.json at it and delete periodic ones beyond ``keep_last`` once it is committed.
+        Every rank must call this."""
         target = self.periodic_path(epoch, step)
-        path = self.write(
-            checkpoint, target, budget_s, lambda done: self.publish(done, epoch, step)
-        )
-        self.remember(path, epoch, step)
-        return path
+        publish = lambda done: self.publish(done, epoch, step)  # noqa: E731
+        self.save(target, writer, contents, budget_s=budget_s, background=background, then=publish)
+        self.remember(target, epoch, step)
+        return target
+
+    def _agree(self, error: str | None, target: Path) -> Path:
+        agree_on(self.comm, error, f"writing checkpoint {self.folder.location(target)}")
+        return target
 
     def periodic_path(self, epoch: int, step: int) -> Path:
         """Where the periodic checkpoint after ``epoch`` epochs and ``step`` steps goes: its

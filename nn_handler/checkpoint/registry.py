@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from loguru import logger
 
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 #: What a part does when the checkpoint has no state for it.
 Missing = Literal["warn", "error", "ignore"]
@@ -125,6 +129,26 @@ class StateRegistry:
     def sharded(self) -> list[Part]:
         """The parts a sharded checkpoint writes through DCP (those with ``shards``)."""
         return [p for p in self._parts.values() if p.shards is not None]
+
+    def track(self, name: str, obj: object) -> None:
+        """Add ``obj`` (anything with ``state_dict`` and ``load_state_dict``) as the per-rank
+        part ``tracked.<name>``."""
+        self.add(tracked_part(name, obj))
+
+    def load_shards(
+        self, folder: Path, names: list[str], group: ProcessGroup | None, source: str
+    ) -> list[str]:
+        """Give every sharded part of this registry that the sharded checkpoint ``folder``
+        holds (``names``) its state, resharded to this run; returns the names of the parts
+        saved there that this registry has no shards of. Every rank must call this."""
+        from nn_handler.checkpoint.sharded import load_shards
+
+        parts = [p for p in self.sharded() if p.name in names]
+        template = {p.name: p.shards() for p in parts if p.shards is not None}
+        load_shards(folder, template, group)  # raises alike on every rank
+        for part in parts:
+            restore_shards(part, template[part.name], source)
+        return sorted(set(self.names()) & set(names) - set(template))
 
     def collect(
         self, comm: Communicator, skip: Collection[str] = ()

@@ -12,11 +12,11 @@ Layout::
         manifest.json   the size and CRC-32 checksums of every file and every item in the
                         shards (checkpoint/manifest.py), written by the store's commit
 
-Every rank writes into the store's staging folder (``.ckpt-e0003-s00000120.tmp-sharded``) and
-hands its files to the store (``put``: an object store uploads them); once every rank has,
-rank 0 has the store commit the folder (a local one by its manifest and one rename, an object
-store by its manifest beside it), so a kill at any moment leaves the previous checkpoint the
-newest complete one. The writer knows nothing of object stores.
+Every rank writes into the store's staging folder (``.ckpt-e0003-s00000120.tmp-sharded``); the
+save route (checkpoint/saving.py) hands each rank's files to the store and has it commit the
+folder once every rank has (a local one by its manifest and one rename, an object store by its
+manifest beside it), so a kill at any moment leaves the previous checkpoint the newest
+complete one. The writer knows nothing of stores.
 DCP reshards on load: a folder written by W ranks loads on W' ranks, under FSDP2, DDP or in
 one process. Loading reads the index and the shards' values without running code
 (checkpoint/safe_dcp.py) and only after every file was checked against the manifest
@@ -25,14 +25,11 @@ one process. Loading reads the index and the shards' values without running code
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
@@ -40,8 +37,7 @@ from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.async_staging import CachedStager
 from nn_handler.checkpoint.format import CHECKSUMS, REST
 from nn_handler.checkpoint.io import write_file
-from nn_handler.checkpoint.manifest import MANIFEST, Entry
-from nn_handler.checkpoint.run_identity import RUN
+from nn_handler.checkpoint.manifest import MANIFEST
 from nn_handler.checkpoint.sharded_errors import (
     causes_of,
     dcp_errors,
@@ -49,209 +45,65 @@ from nn_handler.checkpoint.sharded_errors import (
     save_failure,
 )
 from nn_handler.checkpoint.verify import verify_files
+from nn_handler.checkpoint.writing import Written
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
 
-class FolderStore(Protocol):
-    """What a folder checkpoint's writer needs of the store that commits it (a
-    CheckpointStore, checkpoint/store/, has it)."""
-
-    @property
-    def where(self) -> str: ...
-
-    @property
-    def uploads(self) -> bool: ...
-
-    def staging(self, target: Path, folder: bool = False) -> Path: ...
-
-    def prepare(self, name: str) -> None: ...
-
-    def put(
-        self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
-    ) -> dict[str, Entry]: ...
-
-    def commit(
-        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
-    ) -> None: ...
-
-
-@dataclass
-class _Save:
-    """One save: where it goes and what commits it."""
-
-    staging: Path
-    target: Path
-    store: FolderStore
-    writer: Any
-    run: str | None
-    then: Callable[[Path], None] | None
-    #: The DCP write (None: it already finished) and this rank's puts once it has.
-    written: Future[Any] | None = None
-    put: Future[dict[str, Entry]] | None = None
-    #: This rank's shards (a background save's failure names the bytes they need).
-    shards: Any = None
-
-
 class ShardedWriter:
-    """Writes one run's sharded checkpoints (every rank calls every method at the same point).
+    """A sharded checkpoint's folder (``contents``: ``(rest, shards)``, ``rest`` used on rank 0):
+    rank 0 writes ``rest`` as its REST file, every rank its ``shards`` through DCP, every item
+    checksummed as it passes. ``group`` returns the process group DCP's collectives use (the
+    strategy's ``checkpoint_group``: a gloo group of their own; None in one process). A
+    background save first copies this rank's state into CPU buffers kept between saves, and
+    runs no collective before the route's thread writes."""
 
-    ``group`` returns the process group DCP's collectives use (the strategy's
-    ``checkpoint_group``: a gloo group of their own; None in one process). An asynchronous
-    save returns once this rank has copied its state; the files are written (and put in the
-    store) in background threads, and the next ``save`` or ``wait`` waits for them and has the
-    store commit the folder; ``close`` stops the threads.
-    """
+    folder = True
 
     def __init__(self, comm: Communicator, group: Callable[[], dist.ProcessGroup | None]) -> None:
         self.comm = comm
         self._group = group
-        self._pending: _Save | None = None
         self._stager = CachedStager()
-        # Made at the first asynchronous save: its DCP writes, and its puts to a store.
-        self._writes: ThreadPoolExecutor | None = None
-        self._puts: ThreadPoolExecutor | None = None
 
-    def close(self) -> None:
-        """Stop the writer's threads, if any (after ``wait``). Every rank may call it."""
-        for pool in (self._writes, self._puts):
-            if pool is not None:  # not waited for: after a failure a write may still hang
-                pool.shutdown(wait=False)
-        self._writes = self._puts = None
-
-    @property
-    def pending(self) -> Path | None:
-        """The folder of the asynchronous save not yet committed (None: none)."""
-        return None if self._pending is None else self._pending.target
-
-    @property
-    def writing(self) -> bool:
-        """Whether an asynchronous save's files are still being written."""
-        written = None if self._pending is None else self._pending.written
-        return written is not None and not written.done()
-
-    def save(
+    def begin(
         self,
-        rest: Mapping[str, Any] | None,
-        shards: dict[str, Any],
-        target: str | Path,
-        store: FolderStore,
-        *,
-        asynchronous: bool = False,
-        then: Callable[[Path], None] | None = None,
-    ) -> Path:
-        """Write the folder ``target`` for ``store`` to commit: ``rest`` (used on rank 0) as
-        its REST file and every rank's ``shards`` through DCP; ``then(target)`` runs on rank
-        0 once it is committed (a failure in it fails the save). Every rank must call this;
-        all raise the same CheckpointError if any failed. Asynchronous: returns once this
-        rank's state is copied, with no collective; a failure is raised by the ``wait`` that
-        would commit it."""
-        self.wait()
-        target = Path(target)
-        staging = store.staging(target, folder=True)
-        error = _prepare(staging, rest, store, target) if self.comm.rank == 0 else None
-        group = self._group()
-        options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
-        save = _Save(staging, target, store, _writer(staging), _run_of(rest), then)
-        if asynchronous:
-            staged = shards
+        staging: Path,
+        where: str,
+        contents: Any,
+        refusal: str | None,
+        budget_s: float | None,
+        background: bool,
+    ) -> Callable[[], Written]:
+        """Rank 0's REST file and (``background``) this rank's copy now; the DCP write after.
+        A refusal (this rank's, or a failure here) is raised in DCP's planning, which reports
+        it to every rank before any of them writes."""
+        rest, shards = contents
+        if self.comm.rank == 0 and refusal is None:
+            refusal = _prepare(staging, rest, where)
+        writer = _writer(staging)
+        staged = shards
+        if background:
             try:
                 staged = self._stager.stage(shards)
-            except Exception as caught:  # (shared memory full, say)
-                error = error or f"copying this rank's state: {type(caught).__name__}: {caught}"
-            # No collective of the loop's here: a failure so far is raised in DCP's planning,
-            # which reports it to every rank before any writes or puts, and fails the wait.
-            save.writer.refusal = error
-            if self._writes is None:
-                self._writes = ThreadPoolExecutor(1, "nn_handler-checkpoint")
-            save.written = self._writes.submit(dcp_save, staged, save.writer, options)
-            save.shards = shards
-            if store.uploads:
-                if self._puts is None:
-                    self._puts = ThreadPoolExecutor(1, "nn_handler-upload")
-                save.put = self._puts.submit(self._put, save)
-            self._pending = save
-            return target
-        agree_on(self.comm, error, f"writing checkpoint {target}")  # before any rank writes
-        try:
-            dcp_save(shards, save.writer, options)
-        except dcp_errors() as caught:
-            error = save_failure(caught, target, shards)
-        self._finish(save, error, f"writing checkpoint {target}")
-        return target
+            except Exception as caught:  # (memory full, say)
+                failure = f"copying this rank's state: {type(caught).__name__}: {caught}"
+                refusal = refusal or failure
+        writer.refusal = refusal
+        group = self._group()
+        options: dict[str, Any] = {"process_group": group, "no_dist": group is None}
 
-    def _put(self, save: _Save) -> dict[str, Entry]:
-        """This rank's files of the folder, put in its store (after they are written)."""
-        if save.written is not None:
-            save.written.result()
-        names = list(getattr(save.writer, "written", [])) + ([REST] if self.comm.rank == 0 else [])
-        known = getattr(save.writer, "entries", {})  # checksummed as they were written
-        files = [save.staging / name for name in names]
-        return save.store.put(save.staging, files, save.target.name, known)
-
-    def _finish(self, save: _Save, error: str | None, what: str) -> None:
-        """Every rank: put its files (unless done in the background) and agree on the writes
-        and puts; then rank 0 has the store commit the folder, with every rank's entries,
-        and runs ``then``."""
-        store, target = save.store, save.target
-        objects: dict[str, Entry] = {}
-        if store.uploads:
+        def write() -> Written:
             try:
-                if error is None:
-                    objects = save.put.result() if save.put is not None else self._put(save)
-            except Exception as caught:  # never skip the agreement below: the others wait in it
-                error = error or f"{type(caught).__name__}: {caught}"
-            with self.comm.patient():  # ranks upload at their own pace
-                agree_on(self.comm, error, f"uploading checkpoint {target} to {store.where}")
-        every = [objects]
-        if store.uploads and self.comm.world_size > 1:
-            every = self.comm.gather_object(objects, dst=0) or []
-        if error is None and self.comm.rank == 0:
-            merged = {key: entry for part in every for key, entry in part.items()}
-            for name, entry in getattr(save.writer, "files", {}).items():
-                key = f"{target.name}/{name}"
-                merged[key] = {**merged.get(key, {}), **entry}  # type: ignore[typeddict-item]
-            try:
-                store.commit(target, save.staging, save.run, merged)
-                if save.then is not None:
-                    save.then(target)
-            except Exception as caught:
-                error = f"{type(caught).__name__}: {caught}"
-        agree_on(self.comm, error, what)
-        if store.uploads and self.comm.rank != 0:
-            _drop_own(save.staging, objects)
+                dcp_save(staged, writer, options)
+            except dcp_errors() as caught:
+                return Written(error=save_failure(caught, where, staging, shards))
+            names = list(getattr(writer, "written", []))
+            names += [REST] if self.comm.rank == 0 else []
+            files = [staging / name for name in names]
+            known, every = getattr(writer, "entries", {}), getattr(writer, "files", {})
+            return Written(files, dict(known), dict(every))
 
-    def wait(self) -> Path | None:
-        """Wait for the asynchronous save in flight, if any, and commit it; returns its folder.
-        Every rank must call this; all raise the same CheckpointError if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        error: str | None = None
-        try:
-            if pending.written is not None:
-                pending.written.result()
-        except dcp_errors() as caught:
-            error = save_failure(caught, pending.target, pending.shards)
-        self._finish(pending, error, f"writing checkpoint {pending.target} (in the background)")
-        return pending.target
-
-
-def _drop_own(staging: Path, objects: Mapping[str, Any]) -> None:
-    """A rank on another machine than rank 0's: its uploaded files' local copies (and the
-    staging folder once empty). Only its own files: on rank 0's machine the folder is already
-    committed, and a later save may be staging under the same name."""
-    for key in objects:
-        with contextlib.suppress(FileNotFoundError):
-            (staging / key.split("/", 1)[1]).unlink()
-    with contextlib.suppress(OSError):
-        staging.rmdir()
-
-
-def _run_of(rest: Mapping[str, Any] | None) -> str | None:
-    run = rest.get(RUN) if isinstance(rest, Mapping) else None
-    found = run.get("id") if isinstance(run, Mapping) else None
-    return found if isinstance(found, str) else None
+        return write
 
 
 def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> None:
@@ -345,19 +197,15 @@ def _writer(staging: Path) -> Any:
     return ChecksummingWriter(str(staging), sync_files=True)
 
 
-def _prepare(
-    staging: Path, rest: Mapping[str, Any] | None, store: FolderStore, target: Path
-) -> str | None:
-    """Rank 0: an empty staging folder holding the REST file; no commit of ``target`` left
-    to vouch for it (FolderStore.prepare)."""
+def _prepare(staging: Path, rest: Mapping[str, Any] | None, where: str) -> str | None:
+    """Rank 0: an empty staging folder holding the REST file."""
     if rest is None:
         return "no checkpoint contents were given on rank 0"
     try:
-        store.prepare(target.name)
         if staging.exists():  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True, exist_ok=True)  # (another rank's DCP may have made it)
-        write_file({**rest, CHECKSUMS: MANIFEST}, staging / REST, name=target / REST)
+        write_file({**rest, CHECKSUMS: MANIFEST}, staging / REST, name=f"{where}/{REST}")
     except Exception as caught:
         return f"{type(caught).__name__}: {caught}"
     return None

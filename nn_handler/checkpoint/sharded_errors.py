@@ -39,15 +39,16 @@ def failure_text(error: BaseException) -> str:
     return "; ".join(lines)
 
 
-def save_failure(error: BaseException, target: Path, shards: Any) -> str:
-    """What went wrong in DCP's save of ``target``: a full disk (torch reports it as
-    'unexpected pos N vs M') is named as such with the space needed and free."""
+def save_failure(error: BaseException, target: str, staging: Path, shards: Any) -> str:
+    """What went wrong in DCP's save of the checkpoint ``target`` into ``staging``: a full
+    disk (torch reports it as 'unexpected pos N vs M') is named as such with the space needed
+    and free."""
     text = failure_text(error)
     causes = [error, *causes_of(error)]
     full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
     if full or "unexpected pos" in text or "No space left" in text:
         local = _local_tensors(shards)
-        described = write_failure(target, OSError(errno.ENOSPC, "no space"), local)
+        described = write_failure(target, staging, OSError(errno.ENOSPC, "no space"), local)
         if "no space left" in described:
             return described.replace("the checkpoint needs", "this rank's shards need")
     return text

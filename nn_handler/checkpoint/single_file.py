@@ -1,6 +1,6 @@
-"""Writing one checkpoint file: rank 0 writes it into its staging path (within a budget, when
-given), its store commits it, and every rank learns the outcome, so no rank trains on
-believing a checkpoint exists. The writer knows nothing of where the file goes after."""
+"""FileWriter: a checkpoint as one file, written by rank 0 into its staging path (within a
+budget, when given); the save route (checkpoint/saving.py) has its store commit it. The writer
+knows nothing of where the file goes after."""
 
 from __future__ import annotations
 
@@ -11,40 +11,47 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.io import unsafe_entries, write_file
+from nn_handler.checkpoint.writing import Written
 from nn_handler.distributed.communicator import Communicator
 
 #: Seconds a cancelled save gets to stop and remove its temporary file.
 CANCEL_GRACE_S = 10.0
 
 
-def write_together(
-    comm: Communicator,
-    checkpoint: Mapping[str, Any] | None,
-    target: Path,
-    staging: Path,
-    commit: Callable[[], None],
-    budget_s: float | None = None,
-) -> Path:
-    """Rank 0 writes ``checkpoint`` into ``staging``, then ``commit()`` makes it the checkpoint
-    ``target`` (its store's commit); every rank must call this and returns once it is
-    committed, or raises the same CheckpointError."""
-    error = None
-    if comm.rank == 0:
-        error = _write_on_main(checkpoint, target, staging, budget_s)
-        if error is None:
-            try:
-                commit()
-            except Exception as caught:  # never skip the agreement: the others wait in it
-                error = f"{type(caught).__name__}: {caught}"
-    with comm.patient():  # the others wait while rank 0 writes (minutes for a large model)
-        agree_on(comm, error, f"writing checkpoint {target}")
-    return target
+class FileWriter:
+    """Rank 0 writes the whole checkpoint (``contents``, used on rank 0 only) as one file;
+    the other ranks write nothing."""
+
+    folder = False
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def begin(
+        self,
+        staging: Path,
+        where: str,
+        contents: Any,
+        refusal: str | None,
+        budget_s: float | None,
+        background: bool,
+    ) -> Callable[[], Written]:
+        """The write, run at once by the route (rank 0's live state is written: never in
+        the background). ``budget_s`` bounds it: past it the save is cancelled (the file
+        does not appear)."""
+
+        def write() -> Written:
+            if self.comm.rank != 0:
+                return Written()
+            error = refusal or _write_on_main(contents, where, staging, budget_s)
+            return Written([staging], error=error)
+
+        return write
 
 
 def _write_on_main(
-    checkpoint: Mapping[str, Any] | None, target: Path, staging: Path, budget_s: float | None
+    checkpoint: Mapping[str, Any] | None, target: str, staging: Path, budget_s: float | None
 ) -> str | None:
     if checkpoint is None:
         return "no checkpoint contents were given on rank 0"
@@ -95,4 +102,4 @@ def _write_on_main(
     return outcome[0] if outcome else "the save thread ended without a result"
 
 
-__all__ = ["CANCEL_GRACE_S", "write_together"]
+__all__ = ["CANCEL_GRACE_S", "FileWriter"]

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from nn_handler.checkpoint.format import META, SHARDED
 from nn_handler.checkpoint.naming import order
-from nn_handler.checkpoint.run_identity import field_differences
+from nn_handler.checkpoint.run_identity import RUN, field_differences
 from nn_handler.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -43,6 +44,38 @@ def plain_config(config: BaseModel) -> dict[str, Any]:
     except Exception:  # pydantic's serialisation error for values it cannot convert
         dumped = config.model_dump()
         return json.loads(json.dumps(dumped, default=repr))  # type: ignore[no-any-return]
+
+
+def assemble(
+    shared: Mapping[str, Any],
+    ranks: list[Any],
+    world_size: int,
+    run_config: Any,
+    run: tuple[str, dict[str, Any]],
+    sharded: list[str],
+) -> dict[str, Any]:
+    """A training checkpoint's top level: the ``shared`` parts, every rank's parts, the run
+    (its id and fingerprint) and, for a sharded checkpoint, the parts in its shards."""
+    checkpoint = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": world_size,
+        **shared,
+        "config": run_config,
+        "ranks": ranks,
+        RUN: {"id": run[0], "fingerprint": run[1]},
+    }
+    if sharded:
+        checkpoint[SHARDED] = list(sharded)
+    return checkpoint
+
+
+def parts_of(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any], list[str]]:
+    """(the shared parts, every rank's parts, the parts in the shards) of a checked training
+    checkpoint (``check_checkpoint``)."""
+    shared = {k: v for k, v in checkpoint.items() if k not in META}
+    ranks = [rank_parts(r) for r in checkpoint["ranks"]]
+    return shared, ranks, [str(name) for name in checkpoint.get(SHARDED) or []]
 
 
 def check_checkpoint(checkpoint: Any, source: str) -> dict[str, Any]:
@@ -157,6 +190,8 @@ def world_change_note(
 __all__ = [
     "FORMAT",
     "VERSION",
+    "assemble",
+    "parts_of",
     "check_checkpoint",
     "check_reproducible",
     "check_world_change",

@@ -182,7 +182,7 @@ class CheckpointHook(Hook):
         landed = manager.mark_preempted("interrupted" if interrupted else "preempted")
         saved = manager.folder.location(path) if path else None
         note = ""
-        if path is not None and not landed and manager.folder.uploads:
+        if path is not None and not landed and saved != str(path):  # elsewhere: not there
             saved, note = str(path), f": a local copy only, its upload to {manager.where} failed"
         stop = (
             TrainingInterrupted(saved, step)

@@ -15,32 +15,24 @@ import torch
 from loguru import logger
 from torch.distributed import ProcessGroup
 
-from nn_handler.checkpoint.format import META, SHARDED
-from nn_handler.checkpoint.manager import CheckpointManager, restart_count
+from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.opening import open_on_every_rank
-from nn_handler.checkpoint.registry import (
-    Part,
-    Stateful,
-    StateRegistry,
-    restore_shards,
-    tracked_part,
-)
-from nn_handler.checkpoint.run_identity import RUN, new_run_id, run_to_continue
-from nn_handler.checkpoint.sharded import ShardedWriter, load_shards, verify_sharded
-from nn_handler.checkpoint.single_file import write_together
-from nn_handler.checkpoint.store import CheckpointStore, LocalStore
-from nn_handler.checkpoint.store.urls import store_of
-from nn_handler.config.checkpoint import CheckpointConfig, is_url
+from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry
+from nn_handler.checkpoint.run_identity import new_run_id, run_to_continue
+from nn_handler.checkpoint.saving import save_to, writer_for
+from nn_handler.checkpoint.sharded import verify_sharded
+from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.checkpoint_events import CheckpointEvents
 from nn_handler.training.checkpoint_format import (
     FORMAT,
     VERSION,
+    assemble,
     check_checkpoint,
     check_reproducible,
+    parts_of,
     plain_config,
-    rank_parts,
     refuse_a_shorter_latest,
     world_change_note,
 )
@@ -64,9 +56,10 @@ class TrainerCheckpoints:
         manager: the CheckpointManager of ``config.dir`` (None without a folder, or in a
             fast_dev_run, which neither writes nor resumes checkpoints).
         run_config: the run's configuration as plain values, stored in every checkpoint.
-        writer: the ShardedWriter when checkpoints are sharded (None: single files). Either
-            way a sharded checkpoint can be loaded; ``group`` gives the process group of its
-            collectives (the strategy's ``checkpoint_group``).
+        writer: the checkpoints' writer, chosen once: a ShardedWriter when checkpoints are
+            sharded folders, a FileWriter for single files (either way a sharded checkpoint
+            can be loaded); ``group`` gives the process group of the shards' collectives
+            (the strategy's ``checkpoint_group``).
         hook: the CheckpointHook of the policy (set by the Trainer when there is a folder).
         events: the hooks told of committed checkpoints and asked where to resume
             (training/checkpoint_events.py).
@@ -95,7 +88,7 @@ class TrainerCheckpoints:
         self.manager = (
             CheckpointManager(config, comm, sharded=sharded) if enabled and config.dir else None
         )
-        self.writer = ShardedWriter(comm, group) if sharded else None
+        self.writer = writer_for(sharded, comm, group)
         self.hook: Any = None
         self.events = CheckpointEvents()
         self.log = logger.bind(rank=comm.rank)
@@ -131,13 +124,12 @@ class TrainerCheckpoints:
     def track(self, name: str, obj: Stateful) -> None:
         """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict(state)``) in
         every checkpoint under ``name``, each rank's own state (see ``Trainer.track``)."""
-        part = tracked_part(name, obj)
         known = self._tracked.get(name)
         if known is obj:
             return
         if known is not None:
             raise ConfigError(f"track: the name {name!r} is already tracked for another object.")
-        self.registry.add(part)
+        self.registry.track(name, obj)
         self._tracked[name] = obj
 
     @property
@@ -156,8 +148,6 @@ class TrainerCheckpoints:
 
     def close(self) -> None:
         """Give up the checkpoint folder's lock (rank 0). Every rank may call it."""
-        if self.writer is not None:
-            self.writer.close()
         if self.manager is not None:
             self.manager.release()
 
@@ -173,18 +163,8 @@ class TrainerCheckpoints:
         if collected is None:
             return None
         shared, ranks = collected
-        checkpoint = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": self.comm.world_size,
-            **shared,
-            "config": self.run_config,
-            "ranks": ranks,
-            RUN: {"id": self.own_run(), "fingerprint": self.fingerprint()},
-        }
-        if skip:
-            checkpoint[SHARDED] = list(skip)
-        return checkpoint
+        run = (self.own_run(), self.fingerprint())
+        return assemble(shared, ranks, self.comm.world_size, self.run_config, run, skip)
 
     def load(
         self,
@@ -225,9 +205,7 @@ class TrainerCheckpoints:
             if not for_inference:
                 self.log.warning(self._world_note)
                 self._world_note = None
-        shared = {k: v for k, v in ckpt.items() if k not in META}
-        ranks = [rank_parts(r) for r in ckpt["ranks"]]
-        sharded = [str(name) for name in ckpt.get(SHARDED) or []]
+        shared, ranks, sharded = parts_of(ckpt)
         if sharded and folder is None:
             raise CheckpointError(
                 f"{source} holds the unsharded parts of a sharded checkpoint only; resume "
@@ -247,12 +225,7 @@ class TrainerCheckpoints:
 
     def _load_shards(self, folder: Path, names: list[str], source: str) -> None:
         """Every sharded part of this run that ``folder`` holds, resharded to this run."""
-        parts = [p for p in self.registry.sharded() if p.name in names]
-        template = {p.name: p.shards() for p in parts if p.shards is not None}
-        load_shards(folder, template, self._group())  # raises alike on every rank
-        for part in parts:
-            restore_shards(part, template[part.name], source)
-        for name in sorted(set(self.registry.names()) & set(names) - set(template)):
+        for name in self.registry.load_shards(folder, names, self._group(), source):
             self.log.info(
                 "{}: its {} shards are not used (this run has no such part)", source, name
             )
@@ -269,48 +242,24 @@ class TrainerCheckpoints:
     def save(self, path: str | Path, budget_s: float | None = None) -> Path:
         """Write the checkpoint to ``path`` (a folder when sharded; a URL: a single file,
         uploaded and committed there). Every rank must call this."""
-        if is_url(path):
-            return self._save_to_store(str(path), budget_s)
         self._wait_writer()
-        target = Path(path)
-        # Into the run's own folder (best/, top-k): committed by its store (on its object
-        # store too); elsewhere: by a local folder's.
-        own = self.manager is not None and target.parent == self.manager.dir
-        store = self.manager.folder if own and self.manager is not None else None
-        return self._save_into(store or LocalStore(target.parent), target, budget_s)
+        target, manager = Path(path), self.manager
+        if manager is not None and target.parent == manager.dir:  # best/, top-k: the run's
+            return manager.save(target, self.writer, self._contents(), budget_s=budget_s)
+        config = self.config
+        return save_to(
+            self.comm, path, self.writer, self._contents(), run=self.run_id, budget_s=budget_s,
+            storage_options=config.storage_options, timeout_s=config.store_timeout_s,
+        )  # fmt: skip
 
-    def _save_to_store(self, url: str, budget_s: float | None) -> Path:
-        if self.writer is not None:
-            raise ConfigError(
-                f"save({url!r}): a sharded checkpoint reaches an object store as a periodic "
-                f"one (checkpoint.dir={url.rpartition('/')[0]!r}); save(url) writes single "
-                f"files. Or save to a local folder."
-            )
-        store, target = store_of(url, self.config.storage_options, self.config.store_timeout_s)
-        try:
-            return self._save_into(store, target, budget_s)
-        finally:
-            store.release()
-
-    def _save_into(
-        self,
-        store: CheckpointStore,
-        target: Path,
-        budget_s: float | None = None,
-        *,
-        asynchronous: bool = False,
-        then: Callable[[Path], None] | None = None,
-    ) -> Path:
-        """The checkpoint ``target``, written for ``store`` to commit: a single file, or a
-        sharded folder by the ShardedWriter."""
-        if self.writer is None:
-            staging = store.staging(target)
-            commit = lambda: store.commit(target, staging, self.run_id)  # noqa: E731
-            return write_together(self.comm, self.state_dict(), target, staging, commit, budget_s)
+    def _contents(self) -> Any:
+        """What the writer saves: the whole checkpoint on rank 0 (a file), or (a folder) the
+        parts' shards and the rest."""
+        if not self.writer.folder:
+            return self.state_dict()
         shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
         shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
-        rest = self._collect(list(shards))
-        return self.writer.save(rest, shards, target, store, asynchronous=asynchronous, then=then)
+        return self._collect(list(shards)), shards
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a
@@ -319,23 +268,10 @@ class TrainerCheckpoints:
         state = self.position.state
         epoch, step = state.epoch, state.global_step
         self._wait_for_the_previous(manager, step)
-        if self.writer is None:
-            path = manager.save_periodic(self.state_dict(), epoch, step, budget_s)
-            self.events.committed(path, epoch, step)
-            return path
-        path = manager.periodic_path(epoch, step)
-        asynchronous = self.config.async_save and not final
-        self._save_into(
-            manager.folder,
-            path,
-            asynchronous=asynchronous,
-            then=lambda done: manager.publish(done, epoch, step),
-        )
-        manager.remember(path, epoch, step)
-        if asynchronous:
-            self.events.writing(path, epoch, step)
-        else:
-            self.events.committed(path, epoch, step)
+        background = self.config.async_save and not final and self.writer.folder
+        contents = self._contents()
+        path = manager.save_periodic(self.writer, contents, epoch, step, budget_s, background)
+        (self.events.writing if background else self.events.committed)(path, epoch, step)
         return path
 
     def finish(self, uploads: bool = True) -> None:
@@ -350,7 +286,7 @@ class TrainerCheckpoints:
         """One save in the background at most: the next one waits for the previous write (it
         is committed and told first) and upload; a wait of ``NOTED_WAIT_S`` or more is said
         in one line (rank 0): saves that overlap cost the loop that time."""
-        writing = self.writer.pending if self.writer is not None else None
+        writing = manager.route.pending
         uploading = manager.folder.busy
         started = time.perf_counter()
         manager.flush()
@@ -366,8 +302,8 @@ class TrainerCheckpoints:
             )
 
     def _wait_writer(self) -> None:
-        if self.writer is not None:
-            self.events.waited(self.writer.wait())
+        if self.manager is not None:
+            self.events.waited(self.manager.route.wait())
 
     # ----------------------------------------------------------------- resuming
     def begin_fit(self, train_loader: Iterable[Any]) -> None:
@@ -423,7 +359,7 @@ class TrainerCheckpoints:
         if self.manager is None:
             return
         if policy in ("auto", "force") or (
-            policy == "on_restart" and restart_count(os.environ) > 0
+            policy == "on_restart" and self.manager.restarted(os.environ)
         ):
             found = self.resume("latest", allow_world_size_change=None, missing_ok=True)
             if found is None:
@@ -446,4 +382,4 @@ class TrainerCheckpoints:
             )
 
 
-__all__ = ["FORMAT", "META", "VERSION", "TrainerCheckpoints", "check_checkpoint", "plain_config"]
+__all__ = ["FORMAT", "VERSION", "TrainerCheckpoints", "check_checkpoint", "plain_config"]

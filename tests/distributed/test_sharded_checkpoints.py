@@ -74,7 +74,7 @@ class SeesPending(Hook):
         self.seen: list[str | None] = []
 
     def before_epoch(self) -> None:
-        pending = self.trainer.checkpointing.writer.pending
+        pending = self.trainer.checkpointing.manager.route.pending
         self.seen.append(None if pending is None else pending.name)
 
 
@@ -145,7 +145,7 @@ def _two_ranks(rank: int, world: int, base: str, one_process: str) -> dict[str, 
         h.train(DATA, VAL, epochs=3)
         out["pending_at_epoch_start"] = sees.seen
         out["async"] = _whole(h)
-        out["async_pending"] = h.trainer.checkpointing.writer.pending  # type: ignore[union-attr]
+        out["async_pending"] = h.trainer.checkpointing.manager.route.pending  # type: ignore[union-attr]
     out["async_names"] = sorted(p.name for p in (folder / "async").iterdir())
     with NNHandler(mlp(seed=5), _adam, nn.CrossEntropyLoss(), config=_config(2, None)) as h:
         h.trainer.resume(folder / "async" / "ckpt-e0001-s00000003")
@@ -223,32 +223,36 @@ def _a_copy_that_fails_on_rank_1(rank: int, folder: Path) -> dict[str, Any]:
     first, which both ranks' wait raises alike, committing nothing; the next one commits."""
     import torch.distributed as dist
 
+    from nn_handler.checkpoint.saving import SaveRoute
     from nn_handler.checkpoint.sharded import ShardedWriter
     from nn_handler.checkpoint.store import LocalStore
     from nn_handler.distributed.communicator import TorchCommunicator
 
     group = dist.new_group(backend="gloo")
     comm = _Recording(TorchCommunicator())
-    writer, store = ShardedWriter(comm, lambda: group), LocalStore(folder)  # type: ignore[arg-type]
+    writer = ShardedWriter(comm, lambda: group)  # type: ignore[arg-type]
+    route = SaveRoute(comm, LocalStore(folder))  # type: ignore[arg-type]
     shards = {"model": {"w": torch.full((4,), float(rank))}}
     rest = {"format": "x"} if rank == 0 else None
     stage = writer._stager.stage
     if rank == 1:
         writer._stager.stage = _no_memory_left  # type: ignore[method-assign]
     failed, committed = folder / "ckpt-e0001-s00000001", folder / "ckpt-e0002-s00000002"
-    writer.save(rest, shards, failed, store, asynchronous=True)
+    route.save(failed, writer, (rest, shards), background=True)
     out: dict[str, Any] = {"calls_in_save": list(comm.calls)}
     writer._stager.stage = stage  # type: ignore[method-assign]
+    comm.calls.clear()
     try:
-        writer.wait()
+        route.wait()
     except Exception as error:
         out["error"] = f"{type(error).__name__}: {error}"
+    out["calls_in_wait"] = list(comm.calls)
     out["failed_committed"] = failed.exists()
     comm.calls.clear()
-    writer.save(rest, shards, committed, store, asynchronous=True)
+    route.save(committed, writer, (rest, shards), background=True)
     out["calls_in_next_save"] = list(comm.calls)
-    out["next"] = writer.wait() == committed and is_sharded(committed)
-    writer.close()
+    out["next"] = route.wait() == committed and is_sharded(committed)
+    route.close()
     return out
 
 
@@ -302,6 +306,9 @@ def test_an_async_save_blocks_for_no_collective_and_a_failed_copy_fails_every_ra
     for seen in runs["ranks"]:
         found = seen["copy_failure"]
         assert found["calls_in_save"] == [] and found["calls_in_next_save"] == []
+        # The wait: one gather of every rank's outcome to rank 0, one agreement on the commit.
+        collectives = [c for c in found["calls_in_wait"] if c not in ("patient",)]
+        assert collectives == ["gather_object", "raise_if_any_failed"], found["calls_in_wait"]
         error = found["error"]
         assert error.startswith("CheckpointError: writing checkpoint"), found
         said = "(in the background) failed: rank 1: copying this rank's state: RuntimeError: no"

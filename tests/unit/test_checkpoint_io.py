@@ -34,6 +34,7 @@ from nn_handler.checkpoint import (
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import periodic_name
 from nn_handler.checkpoint.opening import Opened, open_checkpoint
+from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.lease import LOCK
 from nn_handler.checkpoint.verify import verify_records
@@ -330,7 +331,7 @@ def newest(folder: Path) -> Opened:
 
 
 def _periodic(manager: CheckpointManager, epoch: int, step: int) -> Path:
-    return manager.save_periodic({"step": step}, epoch, step, None)
+    return manager.save_periodic(FileWriter(manager.comm), {"step": step}, epoch, step)
 
 
 def test_manager_keeps_the_last_n_and_points_at_the_newest(tmp_path: Path) -> None:

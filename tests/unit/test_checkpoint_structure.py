@@ -276,3 +276,46 @@ def test_the_handler_knows_no_checkpoint_internals() -> None:
     assert len(imported) > 10  # the scan sees the handler's imports
     inside = {m for m in imported if m.startswith("nn_handler.checkpoint")}
     assert inside | ({"nn_handler.training.checkpoint_format"} & imported) == set()
+
+
+def test_one_route_saves_every_checkpoint() -> None:
+    """A file or a folder, to a folder or an object store, now or in the background: one
+    route (checkpoint/saving.py) hands the writer's files to the store and has it commit;
+    nobody else calls a store's ``put``, ``prepare`` or ``commit``, and nobody outside the
+    format, the opener and the stores asks whether a store uploads or a writer exists."""
+    committing = {"put", "prepare", "commit"}  # (names other parts use for other things)
+    readers = [PACKAGE / name for name in ("handler.py", "cli.py", "ray_train.py")]
+    outside = {
+        f"{path.relative_to(PACKAGE)}:{function}"
+        for path in [*CHECKPOINT_CODE, *readers, PACKAGE / "training" / "saved_run.py"]
+        if not str(path.relative_to(PACKAGE)).startswith("checkpoint/store/")
+        for function, name in _calls(path)
+        if name in committing
+    }
+    assert outside == {"checkpoint/saving.py:save", "checkpoint/saving.py:_write_and_put",
+                       "checkpoint/saving.py:_finish"}, outside  # fmt: skip
+    allowed = ("checkpoint/store/", "checkpoint/format.py", "checkpoint/opening.py")
+    asking = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in [*CHECKPOINT_CODE, *readers]
+        if not str(path.relative_to(PACKAGE)).startswith(allowed)
+        and (".uploads" in path.read_text() or "writer is None" in path.read_text())
+    )
+    assert asking == []
+
+
+def test_the_trainers_checkpointing_stays_a_thin_layer() -> None:
+    """The Trainer's checkpointing part asks the checkpoint layer through few names (the
+    manager, the opener, the registry, the run's identity, the save route's two entries, the
+    shards' check), and stays small, as the Trainer does."""
+    path = PACKAGE / "training" / "checkpointing.py"
+    names = [
+        alias.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("nn_handler.checkpoint")
+        for alias in node.names
+    ]
+    assert 5 <= len(names) <= 12, names
+    assert len(path.read_text().splitlines()) <= 420
+    assert len((PACKAGE / "training" / "trainer.py").read_text().splitlines()) <= 450

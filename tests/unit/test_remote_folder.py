@@ -20,6 +20,7 @@ from nn_handler.cli import main
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError, ConfigError
+from tests.training_helpers import save_folder
 
 
 def _commit_file(store: ObjectStore, name: str, value: torch.Tensor, run: str) -> None:
@@ -243,16 +244,13 @@ def test_a_checkpoint_written_again_loses_its_old_manifest_before_its_objects(
 def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nn_handler.checkpoint.sharded import ShardedWriter
-
     store = _object_store(tmp_path)
-    writer = ShardedWriter(NullCommunicator(), lambda: None)
     target = store.dir / "ckpt-e0000-s00000008"
-    writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store)
+    save_folder(store, target, {"format": "x"}, {"model": {"w": torch.ones(2)}})
     assert _names(store) == [target.name]
     monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
     with pytest.raises(CheckpointError, match="killed between"):
-        writer.save({"format": "x"}, {"model": {"w": torch.zeros(2)}}, target, store)
+        save_folder(store, target, {"format": "x"}, {"model": {"w": torch.zeros(2)}})
     assert _names(store) == []  # never trusted with the new shards under the old manifest
     store.release()
 
@@ -263,13 +261,10 @@ def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
     """Only objects that no manifest names at all are an interrupted upload; a folder whose
     manifest cannot be read (or a replaced folder's leftover beside a readable one) is told
     apart."""
-    from nn_handler.checkpoint.sharded import ShardedWriter
-
     store = _object_store(tmp_path)
-    writer = ShardedWriter(NullCommunicator(), lambda: None)
     for step in (8, 16):
         target = store.dir / f"ckpt-e0000-s{step:08d}"
-        writer.save({"format": "x"}, {"model": {"w": torch.ones(2)}}, target, store)
+        save_folder(store, target, {"format": "x"}, {"model": {"w": torch.ones(2)}})
     store.store.write("ckpt-e0000-s00000008/leftover", b"not in its readable manifest")
     store.store.write("ckpt-e0000-s00000024/__0_0.distcp", b"no manifest names it")
     damaged = f"ckpt-e0000-s00000016{SUFFIX}"

@@ -120,8 +120,8 @@ def test_an_asynchronous_save_is_complete_when_fit_returns(
         h.train(DATA, VAL, epochs=3)
         notices = [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]
         assert not notices, [str(w.message) for w in notices]
-        assert h.trainer.checkpointing.writer is not None
-        assert h.trainer.checkpointing.writer.pending is None
+        assert h.trainer.checkpointing.manager is not None
+        assert h.trainer.checkpointing.manager.route.pending is None
         assert max_difference(state_of(h.model), straight["model"]) == 0.0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in straight["folder"].iterdir()
@@ -292,35 +292,37 @@ def test_an_asynchronous_save_that_fails_before_writing_is_told_when_waited_for(
     """An asynchronous save returns once the state is copied, with no collective before it
     does: a failure before the background write (rank 0's preparation, this rank's copy) is
     raised by the wait, as a failed write is, and nothing is committed; the next save works."""
+    from nn_handler.checkpoint.saving import SaveRoute
     from nn_handler.checkpoint.sharded import ShardedWriter
     from nn_handler.checkpoint.store import LocalStore
     from nn_handler.distributed.communicator import NullCommunicator
 
-    writer, store = ShardedWriter(NullCommunicator(), lambda: None), LocalStore(tmp_path)
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    route = SaveRoute(NullCommunicator(), LocalStore(tmp_path))
     shards = {"model": {"w": torch.ones(2)}}
     first = tmp_path / "ckpt-e0001-s00000001"
-    assert writer.save(None, shards, first, store, asynchronous=True) == first
-    assert writer.pending == first
+    assert route.save(first, writer, (None, shards), background=True) == first
+    assert route.pending == first
     with pytest.raises(CheckpointError, match=r"no checkpoint contents were given on rank 0"):
-        writer.wait()
-    assert writer.pending is None and not first.exists()
+        route.wait()
+    assert route.pending is None and not first.exists()
 
     def full(state: Any) -> Any:
         raise RuntimeError("no shared memory left")
 
     stage, writer._stager.stage = writer._stager.stage, full  # type: ignore[method-assign]
     second = tmp_path / "ckpt-e0002-s00000002"
-    writer.save({"format": "x"}, shards, second, store, asynchronous=True)
+    route.save(second, writer, ({"format": "x"}, shards), background=True)
     with pytest.raises(
         CheckpointError,
         match=r"\(in the background\).*copying this rank's state: RuntimeError: no shared",
     ):
-        writer.wait()
+        route.wait()
     assert not second.exists()
     writer._stager.stage = stage  # type: ignore[method-assign]
     third = tmp_path / "ckpt-e0003-s00000003"
-    writer.save({"format": "x"}, shards, third, store, asynchronous=True)
-    assert writer.wait() == third and is_sharded(third)
+    route.save(third, writer, ({"format": "x"}, shards), background=True)
+    assert route.wait() == third and is_sharded(third)
 
 
 def test_sharded_checkpoints_of_several_ranks_need_a_process_group() -> None:
@@ -340,28 +342,29 @@ def test_sharded_checkpoints_of_several_ranks_need_a_process_group() -> None:
 def test_a_failed_sharded_save_is_a_checkpoint_error_and_leaves_no_folder(tmp_path: Path) -> None:
     from concurrent.futures import Future
 
-    from nn_handler.checkpoint.sharded import ShardedWriter, _Save
+    from nn_handler.checkpoint.saving import SaveRoute, _Pending
+    from nn_handler.checkpoint.sharded import ShardedWriter
     from nn_handler.checkpoint.store import LocalStore
     from nn_handler.distributed.communicator import NullCommunicator
 
-    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    comm = NullCommunicator()
+    writer, shards = ShardedWriter(comm, lambda: None), {"model": {"w": torch.ones(2)}}
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(CheckpointError, match=r"writing checkpoint .*ckpt"):
-        writer.save(
-            {"format": "x"}, {"model": {"w": torch.ones(2)}}, blocker / "ckpt", LocalStore(blocker)
-        )
+        SaveRoute(comm, LocalStore(blocker)).save(blocker / "ckpt", writer, ({"x": 1}, shards))
     store = LocalStore(tmp_path)
+    route = SaveRoute(comm, store)
     with pytest.raises(CheckpointError, match="no checkpoint contents were given on rank 0"):
-        writer.save(None, {"model": {"w": torch.ones(2)}}, tmp_path / "ckpt", store)
+        route.save(tmp_path / "ckpt", writer, (None, shards))
     failed: Future[Any] = Future()
     failed.set_exception(OSError("disk gone"))
     target = tmp_path / "late"
     staging = store.staging(target, folder=True)
-    writer._pending = _Save(staging, target, store, None, None, None, written=failed)
+    route._pending = _Pending(target, staging, writer, None, None, future=failed)
     with pytest.raises(CheckpointError, match=r"\(in the background\).*OSError: disk gone"):
-        writer.wait()
-    assert writer.pending is None and not target.exists()
+        route.wait()
+    assert route.pending is None and not target.exists()
 
 
 def test_a_mid_epoch_world_change_needs_the_distributed_loader(tmp_path: Path) -> None:

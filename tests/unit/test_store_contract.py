@@ -20,12 +20,14 @@ from nn_handler.checkpoint.manifest import MANIFEST, Manifest, manifest_name, re
 from nn_handler.checkpoint.naming import is_checkpoint_name
 from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import RUN
+from nn_handler.checkpoint.saving import SaveRoute
 from nn_handler.checkpoint.sharded import ShardedWriter
 from nn_handler.checkpoint.store import CheckpointStore, LocalStore
 from nn_handler.checkpoint.store.object_store import ObjectStore
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError
+from tests.training_helpers import save_folder
 
 FILE, FOLDER = "ckpt-e0001-s00000005.pt", "ckpt-e0002-s00000010"
 WEIGHTS = torch.arange(4096, dtype=torch.float32)
@@ -71,10 +73,8 @@ def _write_file(store: CheckpointStore, name: str = FILE, commit: bool = True) -
 
 
 def _write_folder(store: CheckpointStore) -> Path:
-    writer = ShardedWriter(NullCommunicator(), lambda: None)
-    target = store.dir / FOLDER
     rest = {"format": "x", "n": 1, RUN: {"id": "run-1"}}  # the run the manifest names
-    return writer.save(rest, {"model": {"w": WEIGHTS}}, target, store)
+    return save_folder(store, store.dir / FOLDER, rest, {"model": {"w": WEIGHTS}})
 
 
 def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore) -> None:
@@ -295,15 +295,16 @@ def test_an_async_save_that_cannot_begin_uploads_nothing(
 
         monkeypatch.setattr(store, "prepare", refused)
         writer = ShardedWriter(NullCommunicator(), lambda: None)
-        shards = {"model": {"w": WEIGHTS}}
-        writer.save({"format": "x"}, shards, store.dir / FOLDER, store, asynchronous=True)
+        route = SaveRoute(NullCommunicator(), store)
+        contents = ({"format": "x"}, {"model": {"w": WEIGHTS}})
+        route.save(store.dir / FOLDER, writer, contents, background=True)
         said = "failed on rank(s) [0]: rank 0: CheckpointError: the store kept the old commit of"
         with pytest.raises(CheckpointError, match=re.escape(said)):
-            writer.wait()
+            route.wait()
         assert [key for key in store.store.listing() if key.startswith("ckpt")] == []
         monkeypatch.undo()
-        writer.save({"format": "x"}, shards, store.dir / FOLDER, store, asynchronous=True)
-        assert writer.wait() == store.dir / FOLDER
+        route.save(store.dir / FOLDER, writer, contents, background=True)
+        assert route.wait() == store.dir / FOLDER
         store.flush()
         assert store.exists(store.dir / FOLDER)
     finally:

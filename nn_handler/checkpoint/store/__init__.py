@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.format import is_checkpoint
 from nn_handler.checkpoint.store.local import LATEST, LocalStore
 from nn_handler.config.checkpoint import CheckpointConfig, is_url
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from nn_handler.checkpoint.manifest import Entry
+    from nn_handler.distributed.communicator import Communicator
     from nn_handler.errors import CheckpointError
 
 
@@ -111,6 +113,20 @@ class CheckpointStore(Protocol):
         known (the writer's, the puts'), the others are computed."""
 
 
+def flush_together(store: CheckpointStore, comm: Communicator) -> None:
+    """Wait for ``store``'s changes running in the background (rank 0's uploads); every rank
+    raises the same CheckpointError if one failed. Every rank must call this."""
+    if not store.uploads:
+        return
+    error: str | None = None
+    try:
+        store.flush()
+    except Exception as caught:  # a background failure of any kind; agreed below
+        error = f"{type(caught).__name__}: {caught}"
+    with comm.patient():
+        agree_on(comm, error, f"uploading checkpoints to {store.where}")
+
+
 def open_store(config: CheckpointConfig) -> CheckpointStore:
     """The store of ``config.dir``: an ObjectStore for a URL, a LocalStore otherwise."""
     if is_url(config.dir):
@@ -120,4 +136,11 @@ def open_store(config: CheckpointConfig) -> CheckpointStore:
     return LocalStore(Path(str(config.dir)))
 
 
-__all__ = ["LATEST", "CheckpointStore", "LocalStore", "is_checkpoint", "open_store"]
+__all__ = [
+    "LATEST",
+    "CheckpointStore",
+    "LocalStore",
+    "flush_together",
+    "is_checkpoint",
+    "open_store",
+]

@@ -221,7 +221,10 @@ class ObjectStore(LocalStore):
     ) -> dict[str, Entry]:
         """Upload this rank's ``files`` of the folder being written in ``staging`` as the
         checkpoint ``name``'s objects now, several at once; their entries (``known``'s, by
-        file name, where the writer checksummed them)."""
+        file name, where the writer checksummed them). A single file is uploaded by its
+        commit (in the background with ``async_save``)."""
+        if not staging.is_dir():
+            return {}
         objects = {f"{name}/{path.name}": path for path in files}
         entries = {f"{name}/{file}": entry for file, entry in (known or {}).items()}
         return protocol.upload(self.store, objects, self.workers, entries)
@@ -230,16 +233,17 @@ class ObjectStore(LocalStore):
         self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
     ) -> None:
         """Committed in the working copy (LocalStore.commit), then on the store: a single file
-        uploaded (``objects`` None), then the manifest, after the changes before it (in the
-        background with ``async_save``)."""
+        uploaded, then the manifest (a folder's ``objects`` were put already), after the
+        changes before it (in the background with ``async_save``)."""
+        single = not staging.is_dir()
         super().commit(target, staging, run, objects)
         name = target.name
         self._known[name] = Manifest(name, {}, run)
-        uploaded = objects
+        uploaded = objects or {}
 
         def task() -> None:
             found = uploaded
-            if found is None:
+            if single:
                 self.store.remove(manifest_name(name))  # see ``prepare``
                 found = protocol.upload(self.store, {name: target}, self.workers)
             manifest = Manifest(name, found, run)
