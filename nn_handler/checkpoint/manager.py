@@ -45,8 +45,6 @@ from nn_handler.checkpoint.naming import (
     periodic_name,
     restart_count,
 )
-from nn_handler.checkpoint.opening import read
-from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.saving import CheckpointWriter, SaveRoute
 from nn_handler.checkpoint.store import CheckpointStore, flush_together, is_checkpoint, open_store
 from nn_handler.checkpoint.top_k import TopK, top_name
@@ -104,17 +102,10 @@ class CheckpointManager:
         self.last_saved_epoch: int | None = None
         #: The run whose checkpoints rotation may delete (None: every periodic checkpoint).
         self.run_id: str | None = None
-        self._owners: dict[Path, str | None] = {}
         if not clean:
             return
-        error: CheckpointError | None = None
-        if self.comm.rank == 0:
-            error = self.folder.start(is_checkpoint_name)
-        else:  # what the store holds: every rank names checkpoints alike
-            try:
-                self.folder.refresh()
-            except CheckpointError as caught:
-                error = caught
+        # Rank 0 takes the folder; the others learn what it holds (every rank names alike).
+        error = self.folder.start(is_checkpoint_name, lead=self.comm.rank == 0)
         if self.comm.world_size > 1:
             agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:
@@ -189,7 +180,7 @@ class CheckpointManager:
         the name with this run's id (``ckpt-e0002-s00000010-r<id>.pt``), so it is never
         replaced."""
         plain = self.dir / periodic_name(epoch, step, self.sharded)
-        owner = self._owner(plain) if self.folder.exists(plain) else None
+        owner = self.folder.checkpoints().get(plain)
         if owner is None or self.run_id is None or owner == self.run_id:
             return plain
         return plain.with_name(plain.name.replace(f"-s{step:08d}", f"-s{step:08d}-r{self.run_id}"))
@@ -204,7 +195,6 @@ class CheckpointManager:
         """Remember the periodic checkpoint every rank has just written (or started to)."""
         self.last_saved_step, self.last_saved_path = step, path
         self.last_saved_epoch = epoch
-        self._owners[path] = self.run_id
 
     def mark_preempted(self, reason: str = "preempted") -> bool:
         """Record in latest.json that the run stopped on a preemption (``"reason":
@@ -304,31 +294,16 @@ class CheckpointManager:
     def _prune(self, keep: Path) -> None:
         """Delete this run's periodic checkpoints beyond ``keep_last`` (never another run's:
         two runs sharing a folder by mistake lose nothing to each other)."""
-        self._owners[keep] = self.run_id
-        periodic = sorted(self.periodic(), key=order, reverse=True)
+        runs = self.folder.checkpoints()  # the run that wrote each, as the store knows it
+        periodic = sorted((p for p in runs if PERIODIC.match(p.name)), key=order, reverse=True)
         if self.run_id is not None:
-            periodic = [p for p in periodic if self._owner(p) == self.run_id]
+            periodic = [p for p in periodic if runs[p] == self.run_id]
         for old in periodic[self.config.keep_last :]:
             if old != keep:
                 self.folder.remove(old)
-                self._owners.pop(old, None)
 
-    def _owner(self, path: Path) -> str | None:
-        """The run id stored in the checkpoint at ``path`` (read once, memory-mapped; on a
-        store, its manifest's)."""
-        known, owner = self.folder.owner(path)
-        if known:
-            return owner
-        if path not in self._owners:
-            try:
-                self._owners[path] = run_of(read(path, glance=True).contents)[0]
-            except CheckpointError:
-                self._owners[path] = None  # unreadable: not known to be ours, so kept
-        return self._owners[path]
-
-    # ----------------------------------------------------------------- finding
     def periodic(self) -> list[Path]:
-        return [path for path in self.folder.entries() if PERIODIC.match(path.name)]
+        return [path for path in self.folder.checkpoints() if PERIODIC.match(path.name)]
 
 
 __all__ = [

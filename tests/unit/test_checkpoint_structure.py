@@ -319,3 +319,23 @@ def test_the_trainers_checkpointing_stays_a_thin_layer() -> None:
     assert 5 <= len(names) <= 12, names
     assert len(path.read_text().splitlines()) <= 420
     assert len((PACKAGE / "training" / "trainer.py").read_text().splitlines()) <= 450
+
+
+def test_the_store_seam_does_not_grow() -> None:
+    """The CheckpointStore Protocol's members (21 at 5e6e8ea; the checkpoint-routes issue aims
+    at 10): a ratchet, so that a new member is a decision, not a drift."""
+    from nn_handler.checkpoint.store import CheckpointStore
+
+    tree = ast.parse((PACKAGE / "checkpoint" / "store" / "__init__.py").read_text())
+    protocol = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.name == CheckpointStore.__name__
+    )
+    members = [
+        node.name if isinstance(node, ast.FunctionDef) else ast.unparse(node.target)
+        for node in protocol.body
+        if isinstance(node, (ast.FunctionDef, ast.AnnAssign))
+    ]
+    assert "checkpoints" in members and "fetch" in members  # the scan sees the Protocol
+    assert len(members) <= 17, members

@@ -33,8 +33,10 @@ def _commit_file(store: ObjectStore, name: str, value: torch.Tensor, run: str) -
 
 
 def _names(store: ObjectStore) -> list[str]:
-    store.refresh()
-    return [path.name for path in store.entries()]
+    """What a reader of the store finds committed."""
+    store.flush()
+    assert store.start(lambda name: True, lead=False) is None
+    return [path.name for path in store.checkpoints()]
 
 
 @pytest.fixture
@@ -46,7 +48,7 @@ def folder(tmp_path: Path) -> ObjectStore:
 
 
 def test_a_committed_checkpoint_is_listed_with_its_run_and_fetched(folder: ObjectStore) -> None:
-    assert _names(folder) == ["ckpt.pt"] and folder.owner(folder.dir / "ckpt.pt") == (True, "r1")
+    assert _names(folder) == ["ckpt.pt"] and folder.checkpoints()[folder.dir / "ckpt.pt"] == "r1"
     assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.ones(3))
 
 
@@ -108,7 +110,7 @@ def test_a_manifest_of_another_checkpoint_deletes_nothing_at_the_next_start(
         assert any(
             "odd.pt.manifest.json names 'ckpt.pt', which is not its" in line for line in lines
         )
-        assert [path.name for path in again.entries()] == ["newer.pt"]
+        assert [path.name for path in again.checkpoints()] == ["newer.pt"]
         with pytest.raises(CheckpointError, match=r"describes 'newer\.pt', not 'ckpt\.pt'"):
             again.fetch("ckpt.pt")
     finally:

@@ -66,7 +66,7 @@ def _write_file(store: CheckpointStore, name: str = FILE, commit: bool = True) -
     target = store.dir / name
     staging = store.staging(target)
     staging.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"w": WEIGHTS}, staging)
+    torch.save({"w": WEIGHTS, RUN: {"id": "run-1"}}, staging)  # the run the store records
     if commit:
         store.commit(target, staging, "run-1")
     return target
@@ -80,9 +80,9 @@ def _write_folder(store: CheckpointStore) -> Path:
 def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore) -> None:
     file, folder = _write_file(store), _write_folder(store)
     store.flush()
-    store.refresh()
-    assert [p.name for p in store.entries()] == [FILE, FOLDER]
-    assert store.exists(file) and store.exists(folder)
+    assert store.start(is_checkpoint_name, lead=False) is None  # as a reader finds it
+    assert [p.name for p in store.checkpoints()] == [FILE, FOLDER]
+    assert store.checkpoints() == {file: "run-1", folder: "run-1"}  # the run that wrote each
     assert torch.equal(read(file, store=store).contents["w"], WEIGHTS)
     opened = read(folder, store=store)
     assert opened.folder is not None and opened.contents["n"] == 1
@@ -110,7 +110,7 @@ def test_a_kill_between_the_puts_and_the_commit_leaves_nothing_trusted(
     monkeypatch.undo()
     fresh = _restart(kind, tmp_path, store, "copy-2")
     try:
-        assert fresh.entries() == [] and not fresh.exists(fresh.dir / FOLDER)
+        assert fresh.checkpoints() == {}
         left = sorted(p.name for p in fresh.dir.iterdir() if p.name.startswith("."))
         assert left == [".nn_handler.lock"]  # the staging file and folder are gone
         if isinstance(fresh, ObjectStore):
@@ -156,7 +156,7 @@ def test_an_unreadable_manifest_gets_nothing_deleted(
     fresh = _restart(kind, tmp_path, store, "copy-2")
     try:
         if isinstance(fresh, ObjectStore):
-            assert before <= set(fresh.store.listing()) and fresh.entries() == []
+            assert before <= set(fresh.store.listing()) and fresh.checkpoints() == {}
         else:
             assert {p.name for p in folder.iterdir()} == before
             with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable"):
@@ -272,10 +272,10 @@ def test_a_name_written_again_loses_its_old_manifest_first_and_a_new_one_costs_n
         monkeypatch.setattr(store.store, "remove", lambda key: (removed.append(key), remove(key)))
         folder = _write_folder(store)
         store.flush()
-        assert removed == [] and store.exists(folder)
+        assert removed == [] and folder in store.checkpoints()
         store.prepare(FOLDER)
         assert removed == [manifest_name(FOLDER)]
-        assert store.store.read(manifest_name(FOLDER)) is None and not store.exists(folder)
+        assert store.store.read(manifest_name(FOLDER)) is None and folder not in store.checkpoints()
     finally:
         store.release()
 
@@ -306,6 +306,6 @@ def test_an_async_save_that_cannot_begin_uploads_nothing(
         route.save(store.dir / FOLDER, writer, contents, background=True)
         assert route.wait() == store.dir / FOLDER
         store.flush()
-        assert store.exists(store.dir / FOLDER)
+        assert store.dir / FOLDER in store.checkpoints()
     finally:
         store.release()

@@ -44,26 +44,22 @@ class CheckpointStore(Protocol):
     def location(self, path: Path) -> str:
         """Where the checkpoint ``path`` lives, as the user names it."""
 
-    def start(self, is_checkpoint_name: Callable[[str], bool]) -> CheckpointError | None:
-        """Rank 0, once: create, lock, clean what killed saves left. Returns the error."""
-
-    def refresh(self) -> None:
-        """Read again what the store holds (every rank but 0, at the start)."""
+    def start(
+        self, is_checkpoint_name: Callable[[str], bool], lead: bool = True
+    ) -> CheckpointError | None:
+        """Once, before use: the ``lead`` (rank 0 of the run writing here) creates, locks and
+        cleans what killed saves left; a reader learns what the store holds. Returns the
+        error."""
 
     def release(self) -> None:
         """Wait for changes still running and give up the lock (any rank)."""
 
-    def exists(self, path: Path) -> bool:
-        """Whether ``path`` is a complete (committed) checkpoint."""
-
-    def entries(self) -> list[Path]:
-        """Every complete checkpoint."""
+    def checkpoints(self) -> dict[Path, str | None]:
+        """Every complete (committed) checkpoint, with the run its store records beside it
+        (None: none recorded; the checkpoint itself may say)."""
 
     def latest(self) -> Path | None:
         """The complete checkpoint latest.json names (None: none, or unreadable)."""
-
-    def owner(self, path: Path) -> tuple[bool, str | None]:
-        """(known, the run id) of ``path`` where the store records it."""
 
     def fetch(self, name: str) -> Path:
         """The committed checkpoint ``name`` on this machine (an object store's downloaded
@@ -74,10 +70,6 @@ class CheckpointStore(Protocol):
 
     def flush(self) -> None:
         """Wait for changes running in the background; raise the first failure (any rank)."""
-
-    @property
-    def busy(self) -> bool:
-        """Whether changes are still running in the background."""
 
     def remove(self, path: Path) -> None:
         """Delete a checkpoint."""

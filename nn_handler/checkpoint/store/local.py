@@ -13,9 +13,11 @@ from typing import Any
 
 from loguru import logger
 
-from nn_handler.checkpoint.format import is_checkpoint
+from nn_handler.checkpoint.format import is_checkpoint, top_file
+from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest
 from nn_handler.checkpoint.naming import is_checkpoint_name
+from nn_handler.checkpoint.run_identity import run_of
 from nn_handler.checkpoint.store.files import (
     atomic_link,
     atomic_write_bytes,
@@ -39,17 +41,13 @@ class LocalStore:
 
     uploads = False
 
-    @property
-    def busy(self) -> bool:
-        """Nothing runs in the background."""
-        return False
-
     def __init__(self, dir: Path) -> None:
         self.dir = dir
         self._lease = Lease(FileLock(dir), str(dir))
         #: latest.json as this process last read or wrote it (rank 0): another job moving it
         #: since is told from this.
         self._seen_latest: Any = None
+        self._runs: dict[tuple[Path, int], str | None] = {}
 
     @property
     def where(self) -> str:
@@ -58,9 +56,14 @@ class LocalStore:
     def location(self, path: Path) -> str:
         return str(path)
 
-    def start(self, is_checkpoint_name: Callable[[str], bool]) -> CheckpointError | None:
-        """Rank 0, once: create the folder, take its lock, remove what killed saves left.
-        Returns the error."""
+    def start(
+        self, is_checkpoint_name: Callable[[str], bool], lead: bool = True
+    ) -> CheckpointError | None:
+        """Once, before use: the ``lead`` (rank 0 of the run that writes here) creates the
+        folder, takes its lock and removes what killed saves left; any other reads what the
+        store holds. Returns the error."""
+        if not lead:
+            return self._read_store()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._lease.acquire(os.environ)
@@ -80,21 +83,33 @@ class LocalStore:
     def _start_store(self, is_checkpoint_name: Callable[[str], bool]) -> None:
         """What a store behind the folder checks at the start (nothing for a folder)."""
 
-    def refresh(self) -> None:
-        """A plain folder is always read afresh."""
+    def _read_store(self) -> CheckpointError | None:
+        """What a reader learns of the store at its start (a plain folder: nothing, it is
+        always read afresh)."""
+        return None
 
     def release(self) -> None:
         self._lease.release()
 
     # ----------------------------------------------------------------- what is there
-    def exists(self, path: Path) -> bool:
-        return is_checkpoint(path)
-
-    def entries(self) -> list[Path]:
+    def checkpoints(self) -> dict[Path, str | None]:
+        """Every committed checkpoint with the run that wrote it (read from the checkpoint
+        itself, memory-mapped, once per version of it; None: not known, so never this run's
+        to delete)."""
         if not self.dir.is_dir():
-            return []
+            return {}
         found = [p for p in self.dir.iterdir() if is_checkpoint_name(p.name) and is_checkpoint(p)]
-        return sorted(found)
+        return {path: self._run_of(path) for path in sorted(found)}
+
+    def _run_of(self, path: Path) -> str | None:
+        top = top_file(path)
+        try:
+            key = (top, top.stat().st_mtime_ns)
+            if key not in self._runs:
+                self._runs[key] = run_of(load_file(top, mmap=True, verify=False))[0]
+        except (CheckpointError, OSError):
+            return None  # unreadable: not known to be this run's, so kept
+        return self._runs[key]
 
     def latest(self) -> Path | None:
         """The complete checkpoint latest.json names (None: none; an unreadable latest.json is
@@ -106,7 +121,7 @@ class LocalStore:
             logger.warning("ignoring unreadable {}/{}: {}", self.where, LATEST, error)
             return None
         target = None if name is None else self.dir / str(name)
-        return target if target is not None and self.exists(target) else None
+        return target if target is not None and target in self.checkpoints() else None
 
     def _read_pointer(self) -> Any:
         """latest.json's contents (None: there is none); raises OSError or ValueError when it
@@ -115,10 +130,6 @@ class LocalStore:
             return json.loads((self.dir / LATEST).read_text())
         except FileNotFoundError:
             return None
-
-    def owner(self, path: Path) -> tuple[bool, str | None]:
-        """A folder records no owner beside a checkpoint: read it from the checkpoint."""
-        return False, None
 
     def fetch(self, name: str) -> Path:
         """The checkpoint ``name`` on this machine: where it is."""

@@ -77,10 +77,13 @@ class ObjectStore(LocalStore):
                 "removed {} (an upload interrupted before its commit)", self.store.url_of(stale)
             )
 
-    def refresh(self) -> None:
-        """Read the committed checkpoints from the store (after pending changes land)."""
-        self.flush()
-        self._known, _ = protocol.read_manifests(self.store, _warn)
+    def _read_store(self) -> CheckpointError | None:
+        """A reader's start: the committed checkpoints, from their manifests."""
+        try:
+            self._known, _ = protocol.read_manifests(self.store, _warn)
+        except CheckpointError as caught:
+            return caught
+        return None
 
     def release(self) -> None:
         """Wait for the background changes (a failure is logged), then give up the lease."""
@@ -94,12 +97,9 @@ class ObjectStore(LocalStore):
         super().release()
 
     # ----------------------------------------------------------------- what is there
-    def exists(self, path: Path) -> bool:
-        """Committed on the store."""
-        return path.name in self._known
-
-    def entries(self) -> list[Path]:
-        return [self.dir / name for name in sorted(self._known)]
+    def checkpoints(self) -> dict[Path, str | None]:
+        """Every checkpoint committed on the store, with the run its manifest records."""
+        return {self.dir / name: self._known[name].run for name in sorted(self._known)}
 
     def _read_pointer(self) -> Any:
         """The contents of ``latest.json`` on the store (None: none); ValueError when it
@@ -107,11 +107,6 @@ class ObjectStore(LocalStore):
         self.flush()
         data = self.store.read(LATEST)
         return None if data is None else json.loads(data)
-
-    def owner(self, path: Path) -> tuple[bool, str | None]:
-        """The run id its manifest records."""
-        known = self._known.get(path.name)
-        return (False, None) if known is None else (True, known.run)
 
     def fetch(self, name: str) -> Path:
         """The committed checkpoint ``name`` in the working copy, downloaded where missing or
@@ -165,10 +160,6 @@ class ObjectStore(LocalStore):
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
-
-    @property
-    def busy(self) -> bool:
-        return any(not future.done() for future in self._pending)
 
     def remove(self, path: Path) -> None:
         """The working copy's, then the store's (its manifest first)."""
