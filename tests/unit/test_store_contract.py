@@ -309,3 +309,26 @@ def test_an_async_save_that_cannot_begin_uploads_nothing(
         assert store.dir / FOLDER in store.checkpoints()
     finally:
         store.release()
+
+
+def test_a_folders_listing_reads_only_what_it_is_asked_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rotation and naming ask a folder which run wrote its checkpoints at every save: a
+    listing reads no checkpoint, the run of one this process committed is known without a
+    read, and another process (a rank that did not commit) reads each version once."""
+    from nn_handler.checkpoint.store import local
+
+    store = _open_store("local", tmp_path)
+    assert store.start(is_checkpoint_name) is None
+    file = _write_file(store)
+    reads: list[Any] = []
+    load = local.load_file
+    monkeypatch.setattr(local, "load_file", lambda *a, **k: (reads.append(a), load(*a, **k))[1])
+    listing = store.checkpoints()
+    assert list(listing) == [file] and reads == []
+    assert listing[file] == "run-1" and reads == []  # committed here: known, not read back
+    other = _open_store("local", tmp_path)  # another rank's process
+    assert other.checkpoints()[file] == "run-1" and len(reads) == 1
+    assert other.checkpoints()[file] == "run-1" and len(reads) == 1  # once per version
+    store.release()

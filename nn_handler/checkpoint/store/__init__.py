@@ -54,7 +54,7 @@ class CheckpointStore(Protocol):
     def release(self) -> None:
         """Wait for changes still running and give up the lock (any rank)."""
 
-    def checkpoints(self) -> dict[Path, str | None]:
+    def checkpoints(self) -> Mapping[Path, str | None]:
         """Every complete (committed) checkpoint, with the run its store records beside it
         (None: none recorded; the checkpoint itself may say)."""
 

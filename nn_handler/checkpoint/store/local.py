@@ -5,9 +5,10 @@ with torch's own zip directory (every record's size and CRC-32, written last by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +93,14 @@ class LocalStore:
         self._lease.release()
 
     # ----------------------------------------------------------------- what is there
-    def checkpoints(self) -> dict[Path, str | None]:
-        """Every committed checkpoint with the run that wrote it (read from the checkpoint
-        itself, memory-mapped, once per version of it; None: not known, so never this run's
-        to delete)."""
+    def checkpoints(self) -> Mapping[Path, str | None]:
+        """Every committed checkpoint with the run that wrote it (the one this process
+        committed it for, else read from the checkpoint itself, memory-mapped, once per
+        version of it, when asked; None: not known, so never this run's to delete)."""
         if not self.dir.is_dir():
             return {}
         found = [p for p in self.dir.iterdir() if is_checkpoint_name(p.name) and is_checkpoint(p)]
-        return {path: self._run_of(path) for path in sorted(found)}
+        return _Runs(sorted(found), self._run_of)
 
     def _run_of(self, path: Path) -> str | None:
         top = top_file(path)
@@ -211,10 +212,32 @@ class LocalStore:
         checksummed here)."""
         if not staging.is_dir():
             commit_file(staging, target)
-            return
-        manifest = folder_manifest(staging, target.name, run, objects or {})
-        atomic_write_bytes(manifest.to_bytes(), staging / MANIFEST)
-        commit_folder(staging, target)
+        else:
+            manifest = folder_manifest(staging, target.name, run, objects or {})
+            atomic_write_bytes(manifest.to_bytes(), staging / MANIFEST)
+            commit_folder(staging, target)
+        with contextlib.suppress(OSError):  # the run that wrote it: known, never read back
+            top = top_file(target)
+            self._runs[(top, top.stat().st_mtime_ns)] = run
+
+
+class _Runs(Mapping[Path, "str | None"]):
+    """Committed checkpoints, listed when made, and the run that wrote each, read when asked
+    (a listing costs no read of the checkpoints it does not ask about)."""
+
+    def __init__(self, paths: list[Path], run_of: Callable[[Path], str | None]) -> None:
+        self._paths, self._known, self._run_of = paths, set(paths), run_of
+
+    def __getitem__(self, path: Path) -> str | None:
+        if path not in self._known:
+            raise KeyError(path)
+        return self._run_of(path)
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
 
 
 def folder_manifest(folder: Path, name: str, run: str | None, known: dict[str, Entry]) -> Manifest:

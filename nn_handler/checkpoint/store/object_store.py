@@ -97,7 +97,7 @@ class ObjectStore(LocalStore):
         super().release()
 
     # ----------------------------------------------------------------- what is there
-    def checkpoints(self) -> dict[Path, str | None]:
+    def checkpoints(self) -> Mapping[Path, str | None]:
         """Every checkpoint committed on the store, with the run its manifest records."""
         return {self.dir / name: self._known[name].run for name in sorted(self._known)}
 
