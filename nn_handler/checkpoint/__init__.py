@@ -11,16 +11,19 @@ from nn_handler.checkpoint.model_state import (
     model_state_dict,
     strip_wrapper_prefixes,
 )
+from nn_handler.checkpoint.opening import Opened, open_checkpoint
 from nn_handler.checkpoint.rng import capture_rng, restore_rng
 from nn_handler.checkpoint.store.files import atomic_save, remove_orphans
 
 __all__ = [
     "CheckpointManager",
+    "Opened",
     "atomic_save",
     "capture_rng",
     "load_file",
     "load_model_state",
     "model_state_dict",
+    "open_checkpoint",
     "remove_orphans",
     "restart_count",
     "restore_rng",

@@ -22,10 +22,12 @@ from torch import nn
 from nn_handler import CheckpointConfig, CheckpointError, ConfigError, HandlerConfig
 from nn_handler.checkpoint import (
     CheckpointManager,
+    Opened,
     atomic_save,
     capture_rng,
     load_file,
     load_model_state,
+    open_checkpoint,
     remove_orphans,
     restart_count,
     restore_rng,
@@ -33,7 +35,6 @@ from nn_handler.checkpoint import (
 )
 from nn_handler.checkpoint.io import unsafe_entries
 from nn_handler.checkpoint.manager import periodic_name
-from nn_handler.checkpoint.opening import Opened, open_checkpoint
 from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.lease import LOCK
