@@ -106,7 +106,7 @@ def open_checkpoint(
         if local
         else folder_store(url, storage_options, staging_dir, timeout_s)
     )
-    with _reading(store):
+    with _released(store):
         found = _newest(store, NullCommunicator(), map_location, missing_ok=True)
     if found is None and local:
         raise CheckpointError(f"no complete checkpoint in {store.where}.")
@@ -151,7 +151,7 @@ def open_on_every_rank(
         return opened, False
     if kind == "latest":
         return _newest(run_store(), comm, device, missing_ok), True
-    with _reading(_folder(str(path), config)) as store:
+    with _released(_folder(str(path), config)) as store:
         return _newest(store, comm, device, missing_ok), True
 
 
@@ -168,6 +168,9 @@ def _newest(
         problem: BaseException | None = None
         if comm.rank == 0:
             try:
+                started = store.start(is_checkpoint_name, lead=False)  # what it holds now
+                if started is not None:
+                    raise started
                 periodic = [p for p in store.checkpoints() if PERIODIC.match(p.name)]
                 pointed = store.latest()
                 ordered = sorted(periodic, key=order, reverse=True)
@@ -238,16 +241,6 @@ def _released(store: CheckpointStore) -> Iterator[CheckpointStore]:
         yield store
     finally:
         store.release()
-
-
-@contextlib.contextmanager
-def _reading(store: CheckpointStore) -> Iterator[CheckpointStore]:
-    """``store`` started as a reader (what it holds, learned once), released after."""
-    with _released(store):
-        error = store.start(is_checkpoint_name, lead=False)
-        if error is not None:
-            raise error
-        yield store
 
 
 __all__ = ["Opened", "open_checkpoint", "open_on_every_rank", "read"]

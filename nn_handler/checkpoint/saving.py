@@ -96,7 +96,11 @@ class SaveRoute:
             pending.future = self._thread.submit(self._write_and_put, pending, write)
             self._pending = pending
             return target
-        self._finish(pending, *self._write_and_put(pending, write))
+        try:
+            written, objects = self._write_and_put(pending, write)
+        except Exception as caught:  # never skip the gather and agreement: the others wait
+            written, objects = Written(error=f"{type(caught).__name__}: {caught}"), {}
+        self._finish(pending, written, objects)
         return target
 
     def wait(self) -> Path | None:

@@ -332,3 +332,41 @@ def test_a_folders_listing_reads_only_what_it_is_asked_about(
     assert other.checkpoints()[file] == "run-1" and len(reads) == 1
     assert other.checkpoints()[file] == "run-1" and len(reads) == 1  # once per version
     store.release()
+
+
+def test_a_pointer_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    """latest.json is the store's: a failed write says which file, as a CheckpointError."""
+    store = _open_store("local", tmp_path)
+    assert store.start(is_checkpoint_name) is None
+    (store.dir / "latest.json").mkdir()  # a folder where the pointer goes: the rename fails
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot write .*run/latest\.json"):
+            store.write_latest({"checkpoint": FILE, "global_step": 5})
+    finally:
+        store.release()
+
+
+def test_a_writer_that_raises_is_a_checkpoint_error_not_a_hang(tmp_path: Path) -> None:
+    """Whatever a writer raises, the route still reaches its agreement (every other rank waits
+    there) and raises a CheckpointError naming the checkpoint; nothing is committed."""
+    store = _open_store("local", tmp_path)
+    assert store.start(is_checkpoint_name) is None
+
+    class Broken:
+        folder = False
+
+        def begin(self, *args: Any) -> Any:
+            def write() -> Any:
+                raise RuntimeError("the writer broke")
+
+            return write
+
+    target = store.dir / FILE
+    try:
+        with pytest.raises(
+            CheckpointError, match=rf"writing checkpoint .*{FILE}.*the writer broke"
+        ):
+            SaveRoute(NullCommunicator(), store).save(target, Broken(), None)  # type: ignore[arg-type]
+        assert target not in store.checkpoints()
+    finally:
+        store.release()

@@ -78,8 +78,10 @@ class ObjectStore(LocalStore):
             )
 
     def _read_store(self) -> CheckpointError | None:
-        """A reader's start: the committed checkpoints, from their manifests."""
+        """A reader's start: the committed checkpoints, from their manifests (once this
+        process's own changes have landed)."""
         try:
+            self.flush()
             self._known, _ = protocol.read_manifests(self.store, _warn)
         except CheckpointError as caught:
             return caught
