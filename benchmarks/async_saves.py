@@ -89,7 +89,7 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
         if url is not None:
             times[S3] = []
             store = ObjectStore(CheckpointConfig(dir=url, staging_dir=str(base / "copy")))
-            remote = SaveRoute(comm, store)
+            remote = SaveRoute(comm, store, store.where)
             if comm.rank == 0:
                 store.store.check()
         rest = {"format": "bench"} if comm.rank == 0 else None
@@ -127,8 +127,6 @@ def measure(comm: Any, group: Any, width: int, repeats: int, url: str | None) ->
             if index:  # round 0 warms the page cache, the allocator and the staging buffers
                 for name, seconds in spent.items():
                     times[name].append(seconds)
-        if remote is not None:
-            remote.store.release()
         local.close()
         comm.barrier()
     return {"times": times, "bytes": nbytes(state)}

@@ -53,4 +53,5 @@ def save_folder(store: Any, target: Path, rest: Any, shards: dict[str, Any]) -> 
 
     writer = ShardedWriter(NullCommunicator(), lambda: None)
     run = rest.get("run", {}).get("id") if isinstance(rest, dict) else None
-    return SaveRoute(NullCommunicator(), store).save(target, writer, (rest, shards), run=run)
+    route = SaveRoute(NullCommunicator(), store, getattr(store, "where", None))
+    return route.save(target, writer, (rest, shards), run=run)

@@ -26,6 +26,7 @@ believing a checkpoint exists.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -40,13 +41,19 @@ from nn_handler.checkpoint.naming import (
     BEST,
     BEST_SHARDED,
     PERIODIC,
-    is_checkpoint_name,
     order,
     periodic_name,
     restart_count,
 )
 from nn_handler.checkpoint.saving import CheckpointWriter, SaveRoute
-from nn_handler.checkpoint.store import CheckpointStore, flush_together, is_checkpoint, open_store
+from nn_handler.checkpoint.store import (
+    CheckpointStore,
+    flush_together,
+    is_checkpoint,
+    location,
+    open_store,
+    where_of,
+)
 from nn_handler.checkpoint.top_k import TopK, top_name
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.distributed.communicator import Communicator
@@ -91,8 +98,11 @@ class CheckpointManager:
         #: local working copy).
         self.folder: CheckpointStore = open_store(config)
         self.dir = self.folder.dir
+        #: The folder as the user named it (a URL for an object store).
+        self.where = where_of(config)
         #: The one way this run's checkpoints are saved into the folder.
-        self.route = SaveRoute(communicator, self.folder)
+        self.route = SaveRoute(communicator, self.folder, self.where)
+        self._session = contextlib.ExitStack()
         self.sharded = sharded
         self.best_value: float | None = None
         #: The save_top_k best checkpoints kept as top-*.pt (unused when save_top_k is 1).
@@ -105,16 +115,15 @@ class CheckpointManager:
         if not clean:
             return
         # Rank 0 takes the folder; the others learn what it holds (every rank names alike).
-        error = self.folder.start(is_checkpoint_name, lead=self.comm.rank == 0)
+        error: CheckpointError | None = None
+        try:
+            self._session.enter_context(self.folder.session(lead=self.comm.rank == 0))
+        except CheckpointError as caught:
+            error = caught
         if self.comm.world_size > 1:
             agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:
             raise error
-
-    @property
-    def where(self) -> str:
-        """The folder as the user named it (a URL for an object store)."""
-        return self.folder.where
 
     @staticmethod
     def restarted(env: Mapping[str, str]) -> bool:
@@ -125,7 +134,7 @@ class CheckpointManager:
         """Give up the folder's lock (rank 0; the handler's close does) and wait for uploads
         still running. Idempotent."""
         self.route.close()
-        self.folder.release()
+        self._session.close()
 
     # ----------------------------------------------------------------- writing
     def save(
@@ -150,7 +159,7 @@ class CheckpointManager:
         """Wait for the store's changes running in the background (an object store's
         uploads); every rank raises the same CheckpointError if one failed. Every rank must
         call this."""
-        flush_together(self.folder, self.comm)
+        flush_together(self.folder, self.comm, self.where)
 
     def save_periodic(
         self,
@@ -171,8 +180,12 @@ class CheckpointManager:
         return target
 
     def _agree(self, error: str | None, target: Path) -> Path:
-        agree_on(self.comm, error, f"writing checkpoint {self.folder.location(target)}")
+        agree_on(self.comm, error, f"writing checkpoint {self.location(target)}")
         return target
+
+    def location(self, target: Path) -> str:
+        """Where the checkpoint ``target`` lives, as the user names it."""
+        return location(self.where, target)
 
     def periodic_path(self, epoch: int, step: int) -> Path:
         """Where the periodic checkpoint after ``epoch`` epochs and ``step`` steps goes: its
@@ -205,7 +218,7 @@ class CheckpointManager:
         landed."""
         if self.comm.rank != 0:
             return True
-        path = self.last_saved_path or self.folder.latest()
+        path = self.last_saved_path or self.folder.checkpoints().latest
         epoch, step = self.last_saved_epoch, self.last_saved_step
         if path is not None and (epoch is None or step is None):
             match = PERIODIC.match(path.name)
@@ -258,30 +271,19 @@ class CheckpointManager:
             if source is None:
                 source = write(self.best_path)
             else:
-                self._link(source, self.best_path)
+                self.route.copy(source, self.best_path, self.run_id)
         if ranking.top is None:
             return
         target = self.dir / ranking.top
         if source is None:
             write(target)
         else:
-            self._link(source, target)
+            self.route.copy(source, target, self.run_id)
         error: str | None = None
         if self.comm.rank == 0:
             try:
                 for name in ranking.dropped:
                     self.folder.remove(self.dir / name)
-            except (OSError, CheckpointError) as caught:
-                error = f"{type(caught).__name__}: {caught}"
-        self._agree(error, target)
-
-    def _link(self, source: Path, target: Path) -> None:
-        """``target`` becomes hard links to the checkpoint ``source`` (rank 0; every rank
-        agrees on the outcome)."""
-        error: str | None = None
-        if self.comm.rank == 0:
-            try:
-                self.folder.link(source, target)
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
         self._agree(error, target)

@@ -11,8 +11,7 @@ downloaded, every object checked against its manifest as it arrives. The stores
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,16 +22,18 @@ from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.format import is_sharded, kind_of, top_file
 from nn_handler.checkpoint.io import load_file
 from nn_handler.checkpoint.manifest import SUFFIX
-from nn_handler.checkpoint.naming import PERIODIC, is_checkpoint_name, order
+from nn_handler.checkpoint.naming import PERIODIC, order
 from nn_handler.checkpoint.sharded import verify_sharded
-from nn_handler.checkpoint.store import CheckpointStore, LocalStore
+from nn_handler.checkpoint.store import CheckpointStore, LocalStore, location
 from nn_handler.checkpoint.store.remote_store import DEFAULT_TIMEOUT_S
 from nn_handler.checkpoint.store.urls import folder_store, is_checkpoint_url, split_url
-from nn_handler.config.checkpoint import CheckpointConfig
+from nn_handler.config.checkpoint import CheckpointConfig, is_url
 from nn_handler.distributed.communicator import Communicator, NullCommunicator
 from nn_handler.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from nn_handler.checkpoint.manager import CheckpointManager
+
     MapLocation = torch.device | str | None
 
 
@@ -62,20 +63,22 @@ def read(
     map_location: MapLocation = None,
     *,
     store: CheckpointStore | None = None,
+    where: str = "",
     glance: bool = False,
 ) -> Opened:
-    """The checkpoint ``path`` (a file, or a committed sharded folder; with ``store``, its
-    checkpoint of that name, fetched: an object store's downloaded and checked as it
-    arrives), its top level read weights-only and its records' CRC-32s checked (not again
-    for a fetched copy). ``glance``: memory-mapped and unchecked, to look at what it says
-    (inspect, a checkpoint's owner). Raises CheckpointError when it cannot be read."""
-    target, where, verified = Path(path), str(path), False
+    """The checkpoint ``path`` (a file, or a committed sharded folder; with ``store``, whose
+    folder is ``where``, its checkpoint of that name, fetched: an object store's downloaded
+    and checked as it arrives), its top level read weights-only and its records'
+    CRC-32s checked (not again for a fetched copy). ``glance``: memory-mapped and
+    unchecked, to look at what it says (inspect, a checkpoint's owner). Raises
+    CheckpointError when it cannot be read."""
+    target, named, verified = Path(path), str(path), False
     if store is not None:
         target = store.fetch(target.name)
-        where, verified = store.location(target), store.uploads
+        named, verified = location(where, target), is_url(where)
     check = not (verified or glance)
     contents = load_file(top_file(target), map_location, mmap=glance, verify=check)
-    return Opened(target, contents, target if is_sharded(target) else None, where, verified)
+    return Opened(target, contents, target if is_sharded(target) else None, named, verified)
 
 
 def open_checkpoint(
@@ -98,18 +101,18 @@ def open_checkpoint(
     url = str(path).rstrip("/")
     if kind == "url" and is_checkpoint_url(url, storage_options, timeout_s):
         parent, name = split_url(url)
-        with _released(folder_store(parent, storage_options, staging_dir, timeout_s)) as store:
-            return read(name, map_location, store=store, glance=glance)
+        one = folder_store(parent, storage_options, staging_dir, timeout_s)
+        return read(name, map_location, store=one, where=parent, glance=glance)
     local = kind == "checkpoints"
-    store = (
+    store: CheckpointStore = (
         LocalStore(Path(path))
         if local
         else folder_store(url, storage_options, staging_dir, timeout_s)
     )
-    with _released(store):
-        found = _newest(store, NullCommunicator(), map_location, missing_ok=True)
+    where = str(Path(path)) if local else url
+    found = _newest(store, where, NullCommunicator(), map_location, missing_ok=True)
     if found is None and local:
-        raise CheckpointError(f"no complete checkpoint in {store.where}.")
+        raise CheckpointError(f"no complete checkpoint in {where}.")
     if found is None:
         raise CheckpointError(
             f"no committed checkpoint at {url} (neither <name>{SUFFIX} beside it nor a "
@@ -124,10 +127,10 @@ def open_on_every_rank(
     comm: Communicator,
     device: torch.device,
     config: CheckpointConfig,
-    run_store: Callable[[], CheckpointStore],
+    run_folder: Callable[[], CheckpointManager],
 ) -> tuple[Opened | None, bool]:
-    """What a resume of ``path`` opens, on every rank: 'latest' (``run_store()``, the run's
-    own folder) or a folder of checkpoints (local or a URL) give the newest verified
+    """What a resume of ``path`` opens, on every rank: 'latest' (``run_folder()``, the run's
+    own checkpoints) or a folder of checkpoints (local or a URL) give the newest verified
     checkpoint there, chosen automatically (True; None when there is none and
     ``missing_ok``); anything else is the one checkpoint it names (False). Every rank must
     call this; all raise the same CheckpointError."""
@@ -141,8 +144,7 @@ def open_on_every_rank(
         try:
             if kind == "url":
                 parent, name = split_url(url)
-                with _released(_folder(parent, config)) as store:
-                    opened = read(name, device, store=store)
+                opened = read(name, device, store=_folder(parent, config), where=parent)
             else:
                 opened = read(path, device)
         except Exception as error:
@@ -150,13 +152,14 @@ def open_on_every_rank(
         agree_on(comm, problem, f"loading checkpoint {path}")
         return opened, False
     if kind == "latest":
-        return _newest(run_store(), comm, device, missing_ok), True
-    with _released(_folder(str(path), config)) as store:
-        return _newest(store, comm, device, missing_ok), True
+        manager = run_folder()
+        return _newest(manager.folder, manager.where, comm, device, missing_ok), True
+    where = url if kind == "url" else str(Path(path))
+    return _newest(_folder(where, config), where, comm, device, missing_ok), True
 
 
 def _newest(
-    store: CheckpointStore, comm: Communicator, device: MapLocation, missing_ok: bool
+    store: CheckpointStore, where: str, comm: Communicator, device: MapLocation, missing_ok: bool
 ) -> Opened | None:
     """The newest complete, verified checkpoint in ``store``, read on every rank: rank 0 picks
     the newest readable one (latest.json's first, then the periodic ones newest first); a
@@ -168,17 +171,15 @@ def _newest(
         problem: BaseException | None = None
         if comm.rank == 0:
             try:
-                started = store.start(is_checkpoint_name, lead=False)  # what it holds now
-                if started is not None:
-                    raise started
-                periodic = [p for p in store.checkpoints() if PERIODIC.match(p.name)]
-                pointed = store.latest()
+                listing = store.checkpoints()  # what it holds now
+                periodic = [p for p in listing if PERIODIC.match(p.name)]
+                pointed = listing.latest
                 ordered = sorted(periodic, key=order, reverse=True)
                 if pointed is not None:
                     ordered = [pointed] + [p for p in ordered if p != pointed]
                 for candidate in (p for p in ordered if p not in skipped):
                     try:
-                        opened = read(candidate, device, store=store)
+                        opened = read(candidate, device, store=store, where=where)
                         break
                     except CheckpointError as error:
                         logger.warning("{}; trying the previous checkpoint", error)
@@ -189,14 +190,14 @@ def _newest(
             name = comm.broadcast_object(None if opened is None else opened.path.name)
             if name is not None and comm.rank != 0:
                 try:
-                    opened = read(name, device, store=store)
+                    opened = read(name, device, store=store, where=where)
                 except Exception as error:
                     problem = error
-        agree_on(comm, problem, f"loading the latest checkpoint in {store.where}")
+        agree_on(comm, problem, f"loading the latest checkpoint in {where}")
         if opened is None:
             if missing_ok:
                 return None
-            raise CheckpointError(f"no complete checkpoint in {store.where} to resume from.")
+            raise CheckpointError(f"no complete checkpoint in {where} to resume from.")
         if opened.folder is None or opened.verified:
             return opened
         try:
@@ -233,14 +234,6 @@ def _on_rank_0(comm: Communicator, what: str, answer: Callable[[], Any]) -> Any:
             problem = error
     agree_on(comm, problem, what)
     return comm.broadcast_object(found) if comm.world_size > 1 else found
-
-
-@contextlib.contextmanager
-def _released(store: CheckpointStore) -> Iterator[CheckpointStore]:
-    try:
-        yield store
-    finally:
-        store.release()
 
 
 __all__ = ["Opened", "open_checkpoint", "open_on_every_rank", "read"]

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manifest import Entry
+from nn_handler.checkpoint.store import location
+from nn_handler.checkpoint.store.files import staging_path
 from nn_handler.checkpoint.writing import CheckpointWriter, Written
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
@@ -46,9 +48,13 @@ class _Pending:
 class SaveRoute:
     """Saves checkpoints into ``store`` (every rank calls every method at the same point)."""
 
-    def __init__(self, comm: Communicator, store: CheckpointStore) -> None:
+    def __init__(
+        self, comm: Communicator, store: CheckpointStore, where: str | None = None
+    ) -> None:
         self.comm = comm
         self.store = store
+        #: The store as the user names it (None: its local folder).
+        self.where = str(store.dir) if where is None else where
         self._pending: _Pending | None = None
         self._thread: ThreadPoolExecutor | None = None
 
@@ -80,14 +86,13 @@ class SaveRoute:
         needs, the rest waited for by the next save or ``wait``. Every rank must call this;
         all raise the same CheckpointError, naming the checkpoint where the user finds it."""
         self.wait()
-        staging = self.store.staging(target, folder=writer.folder)
         refusal = None
-        if writer.folder and self.comm.rank == 0:
-            try:  # no earlier commit of this name may vouch for what is written now
-                self.store.prepare(target.name)
-            except Exception as caught:
-                refusal = f"{type(caught).__name__}: {caught}"
-        where = self.store.location(target)
+        try:  # the lead's: no earlier commit of this name may vouch for what is written now
+            staging = self.store.staging(target, folder=writer.folder)
+        except Exception as caught:  # refused in the writer: every rank still reaches it
+            staging = staging_path(target, writer.folder)
+            refusal = f"{type(caught).__name__}: {caught}"
+        where = location(self.where, target)
         write = writer.begin(staging, where, contents, refusal, budget_s, background)
         pending = _Pending(target, staging, writer, run, then)
         if background:
@@ -115,6 +120,19 @@ class SaveRoute:
             written, objects = Written(error=f"{type(caught).__name__}: {caught}"), {}
         self._finish(pending, written, objects, " (in the background)")
         return pending.target
+
+    def copy(self, source: Path, target: Path, run: str | None) -> Path:
+        """``target`` becomes a copy of the committed checkpoint ``source`` (hard links; a copy
+        made by an object store), committed by the store on rank 0. Every rank must call
+        this; all raise the same CheckpointError if it failed."""
+        error: str | None = None
+        if self.comm.rank == 0:
+            try:
+                self.store.commit(target, source.name, run)
+            except Exception as caught:
+                error = f"{type(caught).__name__}: {caught}"
+        agree_on(self.comm, error, f"writing checkpoint {location(self.where, target)}")
+        return target
 
     def close(self) -> None:
         """Stop the route's thread (after ``wait``; not waited for: after a failure a write
@@ -159,7 +177,7 @@ class SaveRoute:
             except Exception as caught:
                 error = f"{type(caught).__name__}: {caught}"
         with comm.patient():  # the others wait while rank 0 writes a file or commits
-            agree_on(comm, error, f"writing checkpoint {self.store.location(target)}{when}")
+            agree_on(comm, error, f"writing checkpoint {location(self.where, target)}{when}")
         if comm.rank != 0 and objects:
             _drop_own(pending.staging, objects)
 
@@ -205,7 +223,7 @@ def save_to(
     from nn_handler.config.checkpoint import is_url
 
     store: CheckpointStore = LocalStore(Path(path).parent)
-    target = Path(path)
+    target, where = Path(path), str(Path(path).parent)
     if is_url(path):
         if writer.folder:
             raise ConfigError(
@@ -214,12 +232,12 @@ def save_to(
                 f"single files. Or save to a local folder."
             )
         store, target = store_of(str(path), storage_options, timeout_s)
-    route = SaveRoute(comm, store)
+        where = str(path).rstrip("/").rpartition("/")[0]
+    route = SaveRoute(comm, store, where)
     try:
         return route.save(target, writer, contents, run=run, budget_s=budget_s)
     finally:
         route.close()
-        store.release()
 
 
 __all__ = ["CheckpointWriter", "SaveRoute", "Written", "save_to", "writer_for"]

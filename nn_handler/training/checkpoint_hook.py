@@ -180,7 +180,7 @@ class CheckpointHook(Hook):
                 log.error("no emergency checkpoint: {}", error)
         interrupted = self.watch is not None and self.watch.agreed_interrupt
         landed = manager.mark_preempted("interrupted" if interrupted else "preempted")
-        saved = manager.folder.location(path) if path else None
+        saved = manager.location(path) if path else None
         note = ""
         if path is not None and not landed and saved != str(path):  # elsewhere: not there
             saved, note = str(path), f": a local copy only, its upload to {manager.where} failed"

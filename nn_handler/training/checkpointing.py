@@ -330,7 +330,7 @@ class TrainerCheckpoints:
             self.comm,
             self.device,
             self.config,
-            lambda: self.require_manager("resume('latest')").folder,
+            lambda: self.require_manager("resume('latest')"),
         )
         if opened is None:
             return None
@@ -364,7 +364,7 @@ class TrainerCheckpoints:
             if found is None:
                 self.log.info("resume={!r}: no checkpoint yet, starting afresh", policy)
             else:
-                where = self.manager.folder.location(found)
+                where = self.manager.location(found)
                 self.log.info("resume={!r}: resumed from {}", policy, where)
             return
         existing = self.manager.periodic()

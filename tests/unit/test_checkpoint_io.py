@@ -100,8 +100,10 @@ def test_sigkill_during_saves_leaves_a_complete_checkpoint(tmp_path: Path) -> No
     loaded = load_file(target)
     assert loaded["version"] >= 3
     assert torch.all(loaded["w"] == float(loaded["version"]))
-    _manager(tmp_path)  # a new run's manager cleans up whatever the killed save left
+    manager = _manager(tmp_path)  # a new run's manager cleans up whatever the killed save left
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "ckpt.pt"]  # and holds it
+    manager.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 
 def test_remove_orphans_removes_only_temporary_files(tmp_path: Path) -> None:

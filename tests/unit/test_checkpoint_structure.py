@@ -281,9 +281,9 @@ def test_the_handler_knows_no_checkpoint_internals() -> None:
 def test_one_route_saves_every_checkpoint() -> None:
     """A file or a folder, to a folder or an object store, now or in the background: one
     route (checkpoint/saving.py) hands the writer's files to the store and has it commit;
-    nobody else calls a store's ``put``, ``prepare`` or ``commit``, and nobody outside the
+    nobody else calls a store's ``staging``, ``put`` or ``commit``, and nobody outside the
     format, the opener and the stores asks whether a store uploads or a writer exists."""
-    committing = {"put", "prepare", "commit"}  # (names other parts use for other things)
+    committing = {"staging", "put", "commit"}  # (names other parts use for other things)
     readers = [PACKAGE / name for name in ("handler.py", "cli.py", "ray_train.py")]
     outside = {
         f"{path.relative_to(PACKAGE)}:{function}"
@@ -292,8 +292,8 @@ def test_one_route_saves_every_checkpoint() -> None:
         for function, name in _calls(path)
         if name in committing
     }
-    assert outside == {"checkpoint/saving.py:save", "checkpoint/saving.py:_write_and_put",
-                       "checkpoint/saving.py:_finish"}, outside  # fmt: skip
+    route = {"save", "_write_and_put", "_finish", "copy"}
+    assert outside == {f"checkpoint/saving.py:{name}" for name in route}, outside
     allowed = ("checkpoint/store/", "checkpoint/format.py", "checkpoint/opening.py")
     asking = sorted(
         str(path.relative_to(PACKAGE))
@@ -321,9 +321,10 @@ def test_the_trainers_checkpointing_stays_a_thin_layer() -> None:
     assert len((PACKAGE / "training" / "trainer.py").read_text().splitlines()) <= 450
 
 
-def test_the_store_seam_does_not_grow() -> None:
-    """The CheckpointStore Protocol's members (21 at 5e6e8ea; the checkpoint-routes issue aims
-    at 10): a ratchet, so that a new member is a decision, not a drift."""
+def test_the_store_seam_has_ten_members() -> None:
+    """The CheckpointStore Protocol's members (21 at 5e6e8ea): at most 10, so that a fake fits
+    in 40 lines (tests/fake_store.py, run by the store contract) and a new member is a
+    decision, not a drift."""
     from nn_handler.checkpoint.store import CheckpointStore
 
     tree = ast.parse((PACKAGE / "checkpoint" / "store" / "__init__.py").read_text())
@@ -338,4 +339,4 @@ def test_the_store_seam_does_not_grow() -> None:
         if isinstance(node, (ast.FunctionDef, ast.AnnAssign))
     ]
     assert "checkpoints" in members and "fetch" in members  # the scan sees the Protocol
-    assert len(members) <= 17, members
+    assert len(members) <= 10, members

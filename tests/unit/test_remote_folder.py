@@ -35,21 +35,24 @@ def _commit_file(store: ObjectStore, name: str, value: torch.Tensor, run: str) -
 def _names(store: ObjectStore) -> list[str]:
     """What a reader of the store finds committed."""
     store.flush()
-    assert store.start(lambda name: True, lead=False) is None
-    return [path.name for path in store.checkpoints()]
+    reader = ObjectStore(CheckpointConfig(dir=store.where, staging_dir=f"{store.dir}-reader"))
+    return [path.name for path in reader.checkpoints()]  # outside a session: read afresh
 
 
 @pytest.fixture
 def folder(tmp_path: Path) -> ObjectStore:
-    """A folder on the in-memory store holding one committed checkpoint, ckpt.pt."""
+    """A folder on the in-memory store holding one committed checkpoint, top-ckpt.pt."""
     store = _object_store(tmp_path)
-    _commit_file(store, "ckpt.pt", torch.ones(3), run="r1")
+    _commit_file(store, "top-ckpt.pt", torch.ones(3), run="r1")
     return store
 
 
 def test_a_committed_checkpoint_is_listed_with_its_run_and_fetched(folder: ObjectStore) -> None:
-    assert _names(folder) == ["ckpt.pt"] and folder.checkpoints()[folder.dir / "ckpt.pt"] == "r1"
-    assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.ones(3))
+    assert (
+        _names(folder) == ["top-ckpt.pt"]
+        and folder.checkpoints()[folder.dir / "top-ckpt.pt"] == "r1"
+    )
+    assert torch.equal(torch.load(folder.fetch("top-ckpt.pt"))["w"], torch.ones(3))
 
 
 def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: ObjectStore) -> None:
@@ -61,23 +64,23 @@ def test_an_unreadable_or_foreign_manifest_is_not_trusted(folder: ObjectStore) -
     try:
         folder.store.write(f"torn.pt{SUFFIX}", b'{"format": "nn_handler.man')
         folder.store.write(f"other.pt{SUFFIX}", b'{"format": "something else", "objects": {}}')
-        newer = Manifest("newer.pt", {"newer.pt": {"size": 1, "crc32": 0}}).to_bytes()
-        folder.store.write(f"newer.pt{SUFFIX}", newer.replace(b'"version": 2', b'"version": 9'))
-        assert _names(folder) == ["ckpt.pt"]
+        newer = Manifest("top-newer.pt", {"top-newer.pt": {"size": 1, "crc32": 0}}).to_bytes()
+        folder.store.write(f"top-newer.pt{SUFFIX}", newer.replace(b'"version": 2', b'"version": 9'))
+        assert _names(folder) == ["top-ckpt.pt"]
     finally:
         logger.remove(sink)
         logger.disable("nn_handler")
     text = "".join(messages)
     assert "torn.pt.manifest.json is not a readable checkpoint manifest" in text
     assert "other.pt.manifest.json is not an nn_handler checkpoint manifest" in text
-    assert "newer.pt.manifest.json has a newer format; upgrade nn_handler" in text
+    assert "top-newer.pt.manifest.json has a newer format; upgrade nn_handler" in text
 
 
 def test_a_manifest_that_describes_another_checkpoint_is_refused(folder: ObjectStore) -> None:
-    data = folder.store.read(f"ckpt.pt{SUFFIX}")
+    data = folder.store.read(f"top-ckpt.pt{SUFFIX}")
     assert data is not None
     folder.store.write(f"copy.pt{SUFFIX}", data)
-    with pytest.raises(CheckpointError, match=r"describes 'ckpt\.pt', not 'copy\.pt'"):
+    with pytest.raises(CheckpointError, match=r"describes 'top-ckpt\.pt', not 'copy\.pt'"):
         folder.fetch("copy.pt")
 
 
@@ -89,40 +92,40 @@ def test_a_manifest_of_another_checkpoint_deletes_nothing_at_the_next_start(
     start delete the older checkpoint's data as "an upload interrupted before its commit".
     Now that manifest is not trusted, the next start deletes none of its objects and says so
     in one line; a manifest listing objects outside its own checkpoint is refused alike."""
-    _commit_file(folder, "newer.pt", torch.zeros(3), run="r1")
-    newer = folder.store.read(f"newer.pt{SUFFIX}")
+    _commit_file(folder, "top-newer.pt", torch.zeros(3), run="r1")
+    newer = folder.store.read(f"top-newer.pt{SUFFIX}")
     assert newer is not None
-    folder.store.write(f"ckpt.pt{SUFFIX}", newer)  # ckpt.pt's manifest now describes newer.pt
+    folder.store.write(
+        f"top-ckpt.pt{SUFFIX}", newer
+    )  # top-ckpt.pt's manifest now describes top-newer.pt
     outside = Manifest(
-        "odd.pt", {"odd.pt": {"size": 1, "crc32": 0}, "ckpt.pt": {"size": 1, "crc32": 0}}
+        "top-odd.pt",
+        {"top-odd.pt": {"size": 1, "crc32": 0}, "top-ckpt.pt": {"size": 1, "crc32": 0}},
     )
-    folder.store.write("odd.pt", b"x")
-    folder.store.write(f"odd.pt{SUFFIX}", outside.to_bytes())
-    folder.release()
+    folder.store.write("top-odd.pt", b"x")
+    folder.store.write(f"top-odd.pt{SUFFIX}", outside.to_bytes())
     again = ObjectStore(CheckpointConfig(dir=folder.where, staging_dir=str(tmp_path / "again")))
-    assert again.start(lambda name: name.endswith(".pt")) is None
-    try:
+    with again.session(lead=True):
         listing = again.store.listing()
-        assert "ckpt.pt" in listing and "odd.pt" in listing, listing  # nothing deleted
+        assert "top-ckpt.pt" in listing and "top-odd.pt" in listing, listing  # nothing deleted
         assert not [line for line in lines if "interrupted before its commit" in line], lines
-        assert any("ckpt.pt.manifest.json describes 'newer.pt', not 'ckpt.pt'" in line
+        assert any("top-ckpt.pt.manifest.json describes 'top-newer.pt', not 'top-ckpt.pt'" in line
                    and "its objects are kept" in line for line in lines), lines  # fmt: skip
         assert any(
-            "odd.pt.manifest.json names 'ckpt.pt', which is not its" in line for line in lines
+            "top-odd.pt.manifest.json names 'top-ckpt.pt', which is not its" in line
+            for line in lines
         )
-        assert [path.name for path in again.checkpoints()] == ["newer.pt"]
-        with pytest.raises(CheckpointError, match=r"describes 'newer\.pt', not 'ckpt\.pt'"):
-            again.fetch("ckpt.pt")
-    finally:
-        again.release()
+        assert [path.name for path in again.checkpoints()] == ["top-newer.pt"]
+        with pytest.raises(CheckpointError, match=r"describes 'top-newer\.pt', not 'top-ckpt\.pt'"):
+            again.fetch("top-ckpt.pt")
 
 
 def test_an_uncommitted_checkpoint_is_not_fetched(folder: ObjectStore) -> None:
-    folder.store.write("half.pt", b"bytes of an upload killed before its manifest")
-    with pytest.raises(CheckpointError, match=r"half\.pt is not committed"):
-        folder.fetch("half.pt")
+    folder.store.write("top-half.pt", b"bytes of an upload killed before its manifest")
+    with pytest.raises(CheckpointError, match=r"top-half\.pt is not committed"):
+        folder.fetch("top-half.pt")
     known, listing = protocol.read_manifests(folder.store)
-    assert protocol.incomplete(listing, known, lambda n: n.endswith(".pt")) == ["half.pt"]
+    assert protocol.incomplete(listing, known, lambda n: n.endswith(".pt")) == ["top-half.pt"]
 
 
 def test_urls_that_name_no_checkpoint_are_clear_errors(folder: ObjectStore) -> None:
@@ -130,7 +133,7 @@ def test_urls_that_name_no_checkpoint_are_clear_errors(folder: ObjectStore) -> N
         open_checkpoint(f"{folder.where}/missing.pt")
     with pytest.raises(CheckpointError, match="names no checkpoint inside a folder"):
         store_of("memory://")
-    assert main(["checkpoint", "consolidate", f"{folder.where}/ckpt.pt", "s3://b/x.pt"]) == 1
+    assert main(["checkpoint", "consolidate", f"{folder.where}/top-ckpt.pt", "s3://b/x.pt"]) == 1
 
 
 def test_a_scheme_without_its_filesystem_is_a_config_error() -> None:
@@ -142,10 +145,10 @@ def test_a_deleted_checkpoint_loses_its_manifest_first(folder: ObjectStore) -> N
     order: list[str] = []
     real = folder.store.remove
     folder.store.remove = lambda name: (order.append(name), real(name))[1]  # type: ignore[method-assign]
-    folder.remove(folder.dir / "ckpt.pt")
-    assert order == [f"ckpt.pt{SUFFIX}", "ckpt.pt"]
+    folder.remove(folder.dir / "top-ckpt.pt")
+    assert order == [f"top-ckpt.pt{SUFFIX}", "top-ckpt.pt"]
     assert folder.store.listing() == {}
-    assert not (folder.dir / "ckpt.pt").exists()
+    assert not (folder.dir / "top-ckpt.pt").exists()
 
 
 def test_the_default_working_copy_stays_inside_the_cache() -> None:
@@ -162,9 +165,9 @@ def test_the_default_working_copy_stays_inside_the_cache() -> None:
 
 def test_a_copy_of_an_uncommitted_checkpoint_is_an_error(folder: ObjectStore) -> None:
     with pytest.raises(CheckpointError, match=r"cannot copy memory://\w+/run/missing\.pt"):
-        folder.link(folder.dir / "missing.pt", folder.dir / "best.pt")
-    folder.link(folder.dir / "ckpt.pt", folder.dir / "best.pt")  # it goes on after a failure
-    assert _names(folder) == ["best.pt", "ckpt.pt"]
+        folder.commit(folder.dir / "best.pt", "missing.pt", None)
+    folder.commit(folder.dir / "best.pt", "top-ckpt.pt", "r1")  # it goes on after a failure
+    assert _names(folder) == ["best.pt", "top-ckpt.pt"]
 
 
 class NoCredentialsError(Exception):
@@ -235,12 +238,12 @@ def test_a_checkpoint_written_again_loses_its_old_manifest_before_its_objects(
     not vouch for the new object (the upload-kill campaign found one that did)."""
     monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
     with pytest.raises(CheckpointError, match="killed between"):
-        _commit_file(folder, "ckpt.pt", torch.zeros(3), run="r1")
-    with pytest.raises(CheckpointError, match=r"ckpt\.pt is not committed"):
-        folder.fetch("ckpt.pt")
+        _commit_file(folder, "top-ckpt.pt", torch.zeros(3), run="r1")
+    with pytest.raises(CheckpointError, match=r"top-ckpt\.pt is not committed"):
+        folder.fetch("top-ckpt.pt")
     monkeypatch.undo()
-    _commit_file(folder, "ckpt.pt", torch.zeros(3), run="r1")  # the next save commits it
-    assert torch.equal(torch.load(folder.fetch("ckpt.pt"))["w"], torch.zeros(3))
+    _commit_file(folder, "top-ckpt.pt", torch.zeros(3), run="r1")  # the next save commits it
+    assert torch.equal(torch.load(folder.fetch("top-ckpt.pt"))["w"], torch.zeros(3))
 
 
 def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
@@ -248,13 +251,14 @@ def test_a_sharded_checkpoint_written_again_loses_its_old_manifest_first(
 ) -> None:
     store = _object_store(tmp_path)
     target = store.dir / "ckpt-e0000-s00000008"
-    save_folder(store, target, {"format": "x"}, {"model": {"w": torch.ones(2)}})
-    assert _names(store) == [target.name]
-    monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
-    with pytest.raises(CheckpointError, match="killed between"):
-        save_folder(store, target, {"format": "x"}, {"model": {"w": torch.zeros(2)}})
-    assert _names(store) == []  # never trusted with the new shards under the old manifest
-    store.release()
+    with store.session(lead=True):  # the lead drops an old commit before writing anew
+        save_folder(store, target, {"format": "x"}, {"model": {"w": torch.ones(2)}})
+        assert _names(store) == [target.name]
+        monkeypatch.setattr(protocol, "commit", _killed_before_the_commit)
+        with pytest.raises(CheckpointError, match="killed between"):
+            save_folder(store, target, {"format": "x"}, {"model": {"w": torch.zeros(2)}})
+        assert _names(store) == []  # never trusted with the new shards under the old manifest
+        assert target not in store.checkpoints()  # nor by the lead
 
 
 def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
@@ -274,9 +278,8 @@ def test_a_sharded_checkpoint_with_an_unreadable_manifest_keeps_every_object(
     assert data is not None
     store.store.write(damaged, data[:-3])  # torn: not JSON any more
     before = set(store.store.listing())
-    assert store.start(lambda name: name.startswith("ckpt-")) is None
-    removed = before - set(store.store.listing())
-    assert removed == {"ckpt-e0000-s00000008/leftover", "ckpt-e0000-s00000024/__0_0.distcp"}
-    assert set(store.store.listing()) == (before | {".nn_handler.lock"}) - removed
-    assert any(k.startswith("ckpt-e0000-s00000016/") for k in store.store.listing())
-    store.release()
+    with store.session(lead=True):
+        removed = before - set(store.store.listing())
+        assert removed == {"ckpt-e0000-s00000008/leftover", "ckpt-e0000-s00000024/__0_0.distcp"}
+        assert set(store.store.listing()) == (before | {".nn_handler.lock"}) - removed
+        assert any(k.startswith("ckpt-e0000-s00000016/") for k in store.store.listing())

@@ -1,11 +1,13 @@
-"""The commit protocol's contract, run against both CheckpointStore implementations (a local
-folder and an object store, fsspec's in-memory one): a checkpoint written into the staging
-place is trusted only once committed, with one manifest format; a kill between the puts and
-the commit leaves nothing trusted and nothing behind; a changed byte is named when the
-checkpoint is opened; a manifest that cannot be read gets nothing deleted."""
+"""The store contract, run against every CheckpointStore (a local folder, an object store on
+fsspec's in-memory one, and tests/fake_store.py's fake in 40 lines): a checkpoint written
+into the staging place is trusted only once committed; a copy, the pointer and a removal
+are seen by every reader; a kill between the puts and the commit leaves nothing trusted and
+nothing behind; a changed byte is named when the checkpoint is opened. The stores that write
+manifests: one format, and a manifest that cannot be read gets nothing deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 import zlib
@@ -17,7 +19,6 @@ import pytest
 import torch
 
 from nn_handler.checkpoint.manifest import MANIFEST, Manifest, manifest_name, read_manifest
-from nn_handler.checkpoint.naming import is_checkpoint_name
 from nn_handler.checkpoint.opening import read
 from nn_handler.checkpoint.run_identity import RUN
 from nn_handler.checkpoint.saving import SaveRoute
@@ -27,6 +28,8 @@ from nn_handler.checkpoint.store.object_store import ObjectStore
 from nn_handler.config import CheckpointConfig
 from nn_handler.distributed.communicator import NullCommunicator
 from nn_handler.errors import CheckpointError
+from tests import fake_store
+from tests.fake_store import FakeStore
 from tests.training_helpers import save_folder
 
 FILE, FOLDER = "ckpt-e0001-s00000005.pt", "ckpt-e0002-s00000010"
@@ -36,30 +39,53 @@ WEIGHTS = torch.arange(4096, dtype=torch.float32)
 def _open_store(kind: str, tmp_path: Path, copy: str = "copy") -> CheckpointStore:
     if kind == "local":
         return LocalStore(tmp_path / "run")
+    if kind == "fake":
+        return FakeStore(tmp_path / "run")
     url = f"memory://{tmp_path.name}-{uuid.uuid5(uuid.NAMESPACE_URL, str(tmp_path)).hex}/run"
     return ObjectStore(CheckpointConfig(dir=url, staging_dir=str(tmp_path / copy)))
 
 
-@pytest.fixture(params=["local", "object store"])
+def _where(store: CheckpointStore) -> str:
+    """The store as its user names it (what opened it knows)."""
+    return store.where if isinstance(store, (LocalStore, ObjectStore)) else str(store.dir)
+
+
+def _read(path: str | Path, store: CheckpointStore) -> Any:
+    return read(path, store=store, where=_where(store))
+
+
+@pytest.fixture(params=["local", "object store", "fake"])
 def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["local", "object store"])
+def real_kind(request: pytest.FixtureRequest) -> str:
+    """The stores that write manifests."""
     return str(request.param)
 
 
 @pytest.fixture
 def store(kind: str, tmp_path: Path) -> Iterator[CheckpointStore]:
     opened = _open_store(kind, tmp_path)
-    assert opened.start(is_checkpoint_name) is None
-    yield opened
-    opened.release()
+    with opened.session(lead=True):
+        yield opened
 
 
-def _restart(kind: str, tmp_path: Path, old: CheckpointStore, copy: str) -> CheckpointStore:
+@pytest.fixture
+def sessions() -> Iterator[contextlib.ExitStack]:
+    """Stores' sessions, left at the end of the test."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def _restarted(kind: str, tmp_path: Path, copy: str) -> Iterator[CheckpointStore]:
     """The store as the next job's rank 0 finds it (a fresh working copy for an object
     store: another machine)."""
-    old.release()
     fresh = _open_store(kind, tmp_path, copy)
-    assert fresh.start(is_checkpoint_name) is None
-    return fresh
+    with fresh.session(lead=True):
+        yield fresh
 
 
 def _write_file(store: CheckpointStore, name: str = FILE, commit: bool = True) -> Path:
@@ -77,15 +103,24 @@ def _write_folder(store: CheckpointStore) -> Path:
     return save_folder(store, store.dir / FOLDER, rest, {"model": {"w": WEIGHTS}})
 
 
-def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore) -> None:
+def test_the_fake_store_fits_in_40_lines() -> None:
+    source = Path(fake_store.__file__).read_text()
+    assert len(source[source.index("class FakeStore") :].splitlines()) <= 40
+
+
+def test_a_committed_file_and_folder_are_trusted_and_open(
+    kind: str, store: CheckpointStore, tmp_path: Path
+) -> None:
     file, folder = _write_file(store), _write_folder(store)
     store.flush()
-    assert store.start(is_checkpoint_name, lead=False) is None  # as a reader finds it
-    assert [p.name for p in store.checkpoints()] == [FILE, FOLDER]
     assert store.checkpoints() == {file: "run-1", folder: "run-1"}  # the run that wrote each
-    assert torch.equal(read(file, store=store).contents["w"], WEIGHTS)
-    opened = read(folder, store=store)
+    reader = _open_store(kind, tmp_path, "copy-r")  # another machine, outside a session
+    assert [p.name for p in reader.checkpoints()] == [FILE, FOLDER]
+    assert torch.equal(_read(file, reader).contents["w"], WEIGHTS)
+    opened = _read(folder, reader)
     assert opened.folder is not None and opened.contents["n"] == 1
+    if kind == "fake":
+        return
     local = read_manifest(folder)  # one format, inside a local folder...
     assert local is not None and local.run == "run-1"
     assert set(local.files()) == {"__0_0.distcp", ".metadata", "trainer.pt"}
@@ -95,9 +130,30 @@ def test_a_committed_file_and_folder_are_trusted_and_open(store: CheckpointStore
             assert data is not None and Manifest.from_bytes(data, name).name == name
         remote = Manifest.from_bytes(store.store.read(manifest_name(FOLDER)) or b"", FOLDER)
         assert remote.objects == local.objects  # the same manifest in both places
+        assert f"{FOLDER}/{MANIFEST}" not in store.store.listing()  # and only one there
         shard = remote.objects[f"{FOLDER}/__0_0.distcp"]
         assert shard["segments"][0][3] == "model.w"  # checked by item as it downloads
         assert opened.where.startswith("memory://") and opened.verified
+
+
+def test_a_copy_the_pointer_and_a_removal(
+    kind: str, store: CheckpointStore, tmp_path: Path
+) -> None:
+    """A copy of a committed checkpoint is committed under its own name; latest.json names
+    a committed checkpoint or none; a removed one is gone for every reader."""
+    file, best = _write_file(store), store.dir / "best.pt"
+    store.commit(best, FILE, "run-1")
+    store.write_latest({"checkpoint": FILE, "global_step": 5})
+    store.flush()
+    listing = store.checkpoints()
+    assert list(listing) == [best, file] and listing.latest == file and listing[best] == "run-1"
+    assert torch.equal(_read(best, store).contents["w"], WEIGHTS)
+    store.remove(file)
+    store.flush()
+    assert list(store.checkpoints()) == [best] and store.checkpoints().latest is None
+    reader = _open_store(kind, tmp_path, "copy-r")
+    assert [p.name for p in reader.checkpoints()] == ["best.pt"]
+    assert torch.equal(_read(best, reader).contents["w"], WEIGHTS)
 
 
 def test_a_kill_between_the_puts_and_the_commit_leaves_nothing_trusted(
@@ -108,15 +164,12 @@ def test_a_kill_between_the_puts_and_the_commit_leaves_nothing_trusted(
     with pytest.raises(CheckpointError, match="killed before the commit"):
         _write_folder(store)  # every rank's files put, then killed
     monkeypatch.undo()
-    fresh = _restart(kind, tmp_path, store, "copy-2")
-    try:
+    with _restarted(kind, tmp_path, "copy-2") as fresh:
         assert fresh.checkpoints() == {}
         left = sorted(p.name for p in fresh.dir.iterdir() if p.name.startswith("."))
-        assert left == [".nn_handler.lock"]  # the staging file and folder are gone
+        assert left == ([] if kind == "fake" else [".nn_handler.lock"])  # no staging left
         if isinstance(fresh, ObjectStore):
             assert [k for k in fresh.store.listing() if k.startswith("ckpt")] == []
-    finally:
-        fresh.release()
 
 
 def _killed(*args: object, **kwargs: object) -> None:
@@ -132,20 +185,17 @@ def test_a_changed_byte_is_named_when_the_checkpoint_is_opened(
     data[len(data) // 2] ^= 0x01
     if isinstance(store, ObjectStore):
         store.store.write(FILE, bytes(data))  # rot on the store; a fresh machine opens it
-        store = _restart(kind, tmp_path, store, "copy-2")
     else:
         target.write_bytes(bytes(data))
-    try:
-        with pytest.raises(CheckpointError, match=rf"{FILE}.* is corrupt|corrupt: .*{FILE}"):
-            read(store.dir / FILE, store=store)
-    finally:
-        store.release()
+    reader = _open_store(kind, tmp_path, "copy-2")
+    with pytest.raises(CheckpointError, match=rf"{FILE}.* is corrupt|corrupt: .*{FILE}"):
+        _read(reader.dir / FILE, reader)
 
 
-def test_an_unreadable_manifest_gets_nothing_deleted(
-    kind: str, store: CheckpointStore, tmp_path: Path
-) -> None:
-    folder = _write_folder(store)
+def test_an_unreadable_manifest_gets_nothing_deleted(real_kind: str, tmp_path: Path) -> None:
+    kind, store = real_kind, _open_store(real_kind, tmp_path)
+    with store.session(lead=True):
+        folder = _write_folder(store)
     store.flush()
     if isinstance(store, ObjectStore):
         before = set(store.store.listing())
@@ -153,20 +203,17 @@ def test_an_unreadable_manifest_gets_nothing_deleted(
     else:
         before = {p.name for p in folder.iterdir()}
         (folder / MANIFEST).write_bytes(b'{"format": "nn_handler.manifest", "ver')
-    fresh = _restart(kind, tmp_path, store, "copy-2")
-    try:
+    with _restarted(kind, tmp_path, "copy-2") as fresh:
         if isinstance(fresh, ObjectStore):
             assert before <= set(fresh.store.listing()) and fresh.checkpoints() == {}
         else:
             assert {p.name for p in folder.iterdir()} == before
             with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable"):
                 read_manifest(folder)
-    finally:
-        fresh.release()
 
 
 def test_each_byte_of_a_folder_save_is_checksummed_once(
-    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+    real_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shards' items as they pass to their files, the other files once at the commit:
     nothing is read back to be checksummed (every CRC-32 goes through checksum._crc32)."""
@@ -180,8 +227,9 @@ def test_each_byte_of_a_folder_save_is_checksummed_once(
         return real(data, value)
 
     monkeypatch.setattr(checksum, "_crc32", counting)
-    folder = _write_folder(store)
-    store.flush()
+    store = _open_store(real_kind, tmp_path)
+    with store.session(lead=True):
+        folder = _write_folder(store)
     written = sum(p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST)
     assert counted[0] == written
 
@@ -209,17 +257,14 @@ def test_a_damaged_shard_on_the_store_is_named_as_it_arrives(
     """A shard's manifest entry holds its items' CRC-32s (never read back when written): a
     download is checked item by item as it arrives, the item (or the short size) named."""
     store = _open_store("object store", tmp_path)
-    assert store.start(is_checkpoint_name) is None
-    _write_folder(store)
+    with store.session(lead=True):
+        _write_folder(store)
     assert isinstance(store, ObjectStore)
     key = f"{FOLDER}/__0_0.distcp"
     store.store.write(key, damage(store.store.read(key) or b""))
-    fresh = _restart("object store", tmp_path, store, "copy-2")
-    try:
-        with pytest.raises(CheckpointError, match=named):
-            read(FOLDER, store=fresh)
-    finally:
-        fresh.release()
+    fresh = _open_store("object store", tmp_path, "copy-2")  # another machine reads it
+    with pytest.raises(CheckpointError, match=named):
+        _read(FOLDER, fresh)
 
 
 def test_an_item_the_stream_did_not_see_is_read_back(tmp_path: Path) -> None:
@@ -258,61 +303,61 @@ def test_an_item_the_stream_did_not_see_is_read_back(tmp_path: Path) -> None:
 
 
 def test_a_name_written_again_loses_its_old_manifest_first_and_a_new_one_costs_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sessions: contextlib.ExitStack
 ) -> None:
     """Before a checkpoint is written under a name the store has committed (a run resumed
     before a checkpoint that its killed predecessor committed), that name's manifest is
     deleted, so that it never vouches for new objects; a name never committed (every
-    periodic one) costs no request to the store."""
+    periodic one) costs no request to the store. Only the lead's staging does it."""
     store = _open_store("object store", tmp_path)
-    assert isinstance(store, ObjectStore) and store.start(is_checkpoint_name) is None
-    try:
-        removed: list[str] = []
-        remove = store.store.remove
-        monkeypatch.setattr(store.store, "remove", lambda key: (removed.append(key), remove(key)))
-        folder = _write_folder(store)
-        store.flush()
-        assert removed == [] and folder in store.checkpoints()
-        store.prepare(FOLDER)
-        assert removed == [manifest_name(FOLDER)]
-        assert store.store.read(manifest_name(FOLDER)) is None and folder not in store.checkpoints()
-    finally:
-        store.release()
+    assert isinstance(store, ObjectStore)
+    sessions.enter_context(store.session(lead=True))
+    removed: list[str] = []
+    remove = store.store.remove
+    monkeypatch.setattr(store.store, "remove", lambda key: (removed.append(key), remove(key)))
+    folder = _write_folder(store)
+    store.flush()
+    assert removed == [] and folder in store.checkpoints()
+    other = _open_store("object store", tmp_path, "copy-2")  # another rank's
+    with other.session(lead=False):
+        other.staging(folder, folder=True)
+    assert removed == []
+    store.staging(folder, folder=True)
+    assert removed == [manifest_name(FOLDER)]
+    assert store.store.read(manifest_name(FOLDER)) is None and folder not in store.checkpoints()
 
 
 def test_an_async_save_that_cannot_begin_uploads_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sessions: contextlib.ExitStack
 ) -> None:
     """Rank 0's preparation of an asynchronous save failed (the store refused to drop an old
     commit, say): DCP's planning refuses the save, so no object is uploaded, the wait raises
     the cause, and the next save commits."""
     store = _open_store("object store", tmp_path)
-    assert isinstance(store, ObjectStore) and store.start(is_checkpoint_name) is None
-    try:
+    assert isinstance(store, ObjectStore)
+    sessions.enter_context(store.session(lead=True))
 
-        def refused(name: str) -> None:
-            raise CheckpointError(f"the store kept the old commit of {name}")
+    def refused(target: Path, folder: bool = False) -> Path:
+        raise CheckpointError(f"the store kept the old commit of {target.name}")
 
-        monkeypatch.setattr(store, "prepare", refused)
-        writer = ShardedWriter(NullCommunicator(), lambda: None)
-        route = SaveRoute(NullCommunicator(), store)
-        contents = ({"format": "x"}, {"model": {"w": WEIGHTS}})
-        route.save(store.dir / FOLDER, writer, contents, background=True)
-        said = "failed on rank(s) [0]: rank 0: CheckpointError: the store kept the old commit of"
-        with pytest.raises(CheckpointError, match=re.escape(said)):
-            route.wait()
-        assert [key for key in store.store.listing() if key.startswith("ckpt")] == []
-        monkeypatch.undo()
-        route.save(store.dir / FOLDER, writer, contents, background=True)
-        assert route.wait() == store.dir / FOLDER
-        store.flush()
-        assert store.dir / FOLDER in store.checkpoints()
-    finally:
-        store.release()
+    monkeypatch.setattr(store, "staging", refused)
+    writer = ShardedWriter(NullCommunicator(), lambda: None)
+    route = SaveRoute(NullCommunicator(), store, store.where)
+    contents = ({"format": "x"}, {"model": {"w": WEIGHTS}})
+    route.save(store.dir / FOLDER, writer, contents, background=True)
+    said = "failed on rank(s) [0]: rank 0: CheckpointError: the store kept the old commit of"
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        route.wait()
+    assert [key for key in store.store.listing() if key.startswith("ckpt")] == []
+    monkeypatch.undo()
+    route.save(store.dir / FOLDER, writer, contents, background=True)
+    assert route.wait() == store.dir / FOLDER
+    store.flush()
+    assert store.dir / FOLDER in store.checkpoints()
 
 
 def test_a_folders_listing_reads_only_what_it_is_asked_about(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sessions: contextlib.ExitStack
 ) -> None:
     """Rotation and naming ask a folder which run wrote its checkpoints at every save: a
     listing reads no checkpoint, the run of one this process committed is known without a
@@ -320,7 +365,7 @@ def test_a_folders_listing_reads_only_what_it_is_asked_about(
     from nn_handler.checkpoint.store import local
 
     store = _open_store("local", tmp_path)
-    assert store.start(is_checkpoint_name) is None
+    sessions.enter_context(store.session(lead=True))
     file = _write_file(store)
     reads: list[Any] = []
     load = local.load_file
@@ -331,26 +376,26 @@ def test_a_folders_listing_reads_only_what_it_is_asked_about(
     other = _open_store("local", tmp_path)  # another rank's process
     assert other.checkpoints()[file] == "run-1" and len(reads) == 1
     assert other.checkpoints()[file] == "run-1" and len(reads) == 1  # once per version
-    store.release()
 
 
-def test_a_pointer_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+def test_a_pointer_that_cannot_be_written_is_named(
+    tmp_path: Path, sessions: contextlib.ExitStack
+) -> None:
     """latest.json is the store's: a failed write says which file, as a CheckpointError."""
     store = _open_store("local", tmp_path)
-    assert store.start(is_checkpoint_name) is None
+    sessions.enter_context(store.session(lead=True))
     (store.dir / "latest.json").mkdir()  # a folder where the pointer goes: the rename fails
-    try:
-        with pytest.raises(CheckpointError, match=r"cannot write .*run/latest\.json"):
-            store.write_latest({"checkpoint": FILE, "global_step": 5})
-    finally:
-        store.release()
+    with pytest.raises(CheckpointError, match=r"cannot write .*run/latest\.json"):
+        store.write_latest({"checkpoint": FILE, "global_step": 5})
 
 
-def test_a_writer_that_raises_is_a_checkpoint_error_not_a_hang(tmp_path: Path) -> None:
+def test_a_writer_that_raises_is_a_checkpoint_error_not_a_hang(
+    tmp_path: Path, sessions: contextlib.ExitStack
+) -> None:
     """Whatever a writer raises, the route still reaches its agreement (every other rank waits
     there) and raises a CheckpointError naming the checkpoint; nothing is committed."""
     store = _open_store("local", tmp_path)
-    assert store.start(is_checkpoint_name) is None
+    sessions.enter_context(store.session(lead=True))
 
     class Broken:
         folder = False
@@ -362,11 +407,6 @@ def test_a_writer_that_raises_is_a_checkpoint_error_not_a_hang(tmp_path: Path) -
             return write
 
     target = store.dir / FILE
-    try:
-        with pytest.raises(
-            CheckpointError, match=rf"writing checkpoint .*{FILE}.*the writer broke"
-        ):
-            SaveRoute(NullCommunicator(), store).save(target, Broken(), None)  # type: ignore[arg-type]
-        assert target not in store.checkpoints()
-    finally:
-        store.release()
+    with pytest.raises(CheckpointError, match=rf"writing checkpoint .*{FILE}.*the writer broke"):
+        SaveRoute(NullCommunicator(), store).save(target, Broken(), None)  # type: ignore[arg-type]
+    assert target not in store.checkpoints()

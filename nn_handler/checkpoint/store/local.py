@@ -37,70 +37,118 @@ from nn_handler.errors import CheckpointError
 LATEST = "latest.json"
 
 
+class Listing(Mapping[Path, "str | None"]):
+    """What a store holds: its committed checkpoints, each with the run that wrote it (read
+    when asked: a listing costs no read of the checkpoints it is not asked about; None: not
+    known, so never this run's to delete), and ``latest``, the one latest.json names."""
+
+    def __init__(
+        self,
+        paths: list[Path],
+        run_of: Callable[[Path], str | None],
+        pointer: Callable[[], Any],
+        where: str,
+    ) -> None:
+        self._paths, self._known, self._run_of = paths, set(paths), run_of
+        self._pointer, self._where = pointer, where
+
+    def __getitem__(self, path: Path) -> str | None:
+        if path not in self._known:
+            raise KeyError(path)
+        return self._run_of(path)
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    @property
+    def latest(self) -> Path | None:
+        """The committed checkpoint latest.json names (None: none; an unreadable latest.json
+        is said in a warning and names none)."""
+        try:
+            data = self._pointer()
+            name = None if data is None else data["checkpoint"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("ignoring unreadable {}/{}: {}", self._where, LATEST, error)
+            return None
+        found = [path for path in self._paths if path.name == name]
+        return found[0] if found else None
+
+
+class PointerGuard:
+    """Keeps latest.json from moving backwards over another job's: ``seen`` is latest.json
+    as this process last read or wrote it (the lead)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.seen: Any = None
+
+    def forward(self, current: Any, pointer: Mapping[str, Any]) -> None:
+        """Raise when ``current`` (latest.json now) was written by another job since this
+        process last saw it and names a later step than ``pointer``; else remember
+        ``pointer``. The pointer moving back by this process's own choice (a resume past a
+        damaged checkpoint, ``resume: never`` over an older run) is allowed: it was seen."""
+        seen, self.seen = self.seen, dict(pointer)
+        if not isinstance(current, dict) or current == seen:
+            return
+        theirs, ours = current.get("global_step"), pointer.get("global_step")
+        if isinstance(theirs, int) and isinstance(ours, int) and theirs > ours:
+            self.seen = seen
+            raise CheckpointError(
+                f"{self.where}/{LATEST} names {current.get('checkpoint')} (step {theirs}), "
+                f"written by another job since this one started; this run's step {ours} would "
+                f"move it backwards. Two jobs are writing into {self.where}: stop one "
+                f"(a checkpoint folder is one job's)."
+            )
+
+
 class LocalStore:
     """The folder ``dir`` of one run's checkpoints (see CheckpointStore)."""
 
-    uploads = False
-
     def __init__(self, dir: Path) -> None:
         self.dir = dir
+        self.where = str(dir)
         self._lease = Lease(FileLock(dir), str(dir))
-        #: latest.json as this process last read or wrote it (rank 0): another job moving it
-        #: since is told from this.
-        self._seen_latest: Any = None
+        self._pointer = PointerGuard(self.where)
         self._runs: dict[tuple[Path, int], str | None] = {}
 
-    @property
-    def where(self) -> str:
-        return str(self.dir)
-
-    def location(self, path: Path) -> str:
-        return str(path)
-
-    def start(
-        self, is_checkpoint_name: Callable[[str], bool], lead: bool = True
-    ) -> CheckpointError | None:
-        """Once, before use: the ``lead`` (rank 0 of the run that writes here) creates the
-        folder, takes its lock and removes what killed saves left; any other reads what the
-        store holds. Returns the error."""
+    @contextlib.contextmanager
+    def session(self, lead: bool) -> Iterator[None]:
+        """The ``lead`` (rank 0 of the run that writes here) creates the folder, takes its
+        lock and removes what killed saves left; the lock is given up on leaving. A folder
+        is always read afresh: nothing else to learn."""
         if not lead:
-            return self._read_store()
+            yield
+            return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._lease.acquire(os.environ)
+        except OSError as caught:
+            raise CheckpointError(
+                f"cannot use the checkpoint folder {self.dir}: {caught.strerror or caught}."
+            ) from None
+        try:
             # Only once the folder is ours: another job's save may be in flight.
             for orphan in remove_orphans(self.dir):
                 logger.bind(rank=0).warning("removed {} (left by an interrupted save)", orphan)
-            self._start_store(is_checkpoint_name)
-            self._seen_latest = self._stored_latest()
-        except CheckpointError as caught:
-            return caught
-        except OSError as caught:
-            return CheckpointError(
-                f"cannot use the checkpoint folder {self.dir}: {caught.strerror or caught}."
-            )
-        return None
+            self._pointer.seen = self._stored_latest()
+            yield
+        finally:
+            self._lease.release()
 
-    def _start_store(self, is_checkpoint_name: Callable[[str], bool]) -> None:
-        """What a store behind the folder checks at the start (nothing for a folder)."""
-
-    def _read_store(self) -> CheckpointError | None:
-        """What a reader learns of the store at its start (a plain folder: nothing, it is
-        always read afresh)."""
-        return None
-
-    def release(self) -> None:
-        self._lease.release()
+    def flush(self) -> None:
+        """Nothing runs in the background."""
 
     # ----------------------------------------------------------------- what is there
-    def checkpoints(self) -> Mapping[Path, str | None]:
+    def checkpoints(self) -> Listing:
         """Every committed checkpoint with the run that wrote it (the one this process
         committed it for, else read from the checkpoint itself, memory-mapped, once per
-        version of it, when asked; None: not known, so never this run's to delete)."""
-        if not self.dir.is_dir():
-            return {}
-        found = [p for p in self.dir.iterdir() if is_checkpoint_name(p.name) and is_checkpoint(p)]
-        return _Runs(sorted(found), self._run_of)
+        version of it, when asked), and the one latest.json names."""
+        found = sorted(self.dir.iterdir()) if self.dir.is_dir() else []
+        found = [p for p in found if is_checkpoint_name(p.name) and is_checkpoint(p)]
+        return Listing(found, self._run_of, self._read_pointer, self.where)
 
     def _run_of(self, path: Path) -> str | None:
         top = top_file(path)
@@ -111,18 +159,6 @@ class LocalStore:
         except (CheckpointError, OSError):
             return None  # unreadable: not known to be this run's, so kept
         return self._runs[key]
-
-    def latest(self) -> Path | None:
-        """The complete checkpoint latest.json names (None: none; an unreadable latest.json is
-        said in a warning and names none)."""
-        try:
-            data = self._read_pointer()
-            name = None if data is None else data["checkpoint"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            logger.warning("ignoring unreadable {}/{}: {}", self.where, LATEST, error)
-            return None
-        target = None if name is None else self.dir / str(name)
-        return target if target is not None and target in self.checkpoints() else None
 
     def _read_pointer(self) -> Any:
         """latest.json's contents (None: there is none); raises OSError or ValueError when it
@@ -138,14 +174,10 @@ class LocalStore:
 
     # ----------------------------------------------------------------- changing it
     def write_latest(self, pointer: Mapping[str, Any]) -> None:
-        """Point latest.json at ``pointer`` (rank 0), never backwards over another job's: a
+        """Point latest.json at ``pointer`` (the lead), never backwards over another job's: a
         pointer that another writer moved since this process last saw it, to a later step
         than ``pointer``'s, is a CheckpointError, as a failed write is."""
-        self._forward(self._stored_latest(), pointer)
-        self._write_pointer(pointer)
-
-    def _write_pointer(self, pointer: Mapping[str, Any]) -> None:
-        """latest.json in the folder (the working copy's, for an object store)."""
+        self._pointer.forward(self._stored_latest(), pointer)
         try:
             atomic_write_json(dict(pointer), self.dir / LATEST)
         except OSError as error:
@@ -158,45 +190,15 @@ class LocalStore:
         except (OSError, ValueError):
             return None
 
-    def _forward(self, current: Any, pointer: Mapping[str, Any]) -> None:
-        """Raise when ``current`` (latest.json now) was written by another job since this
-        process last saw it and names a later step than ``pointer``; else remember
-        ``pointer``. The pointer moving back by this process's own choice (a resume past a
-        damaged checkpoint, ``resume: never`` over an older run) is allowed: it was seen."""
-        seen, self._seen_latest = self._seen_latest, dict(pointer)
-        if not isinstance(current, dict) or current == seen:
-            return
-        theirs, ours = current.get("global_step"), pointer.get("global_step")
-        if isinstance(theirs, int) and isinstance(ours, int) and theirs > ours:
-            self._seen_latest = seen
-            raise CheckpointError(
-                f"{self.where}/{LATEST} names {current.get('checkpoint')} (step {theirs}), "
-                f"written by another job since this one started; this run's step {ours} would "
-                f"move it backwards. Two jobs are writing into {self.where}: stop one "
-                f"(a checkpoint folder is one job's)."
-            )
-
-    def flush(self) -> None:
-        """Nothing runs in the background."""
-
     def remove(self, path: Path) -> None:
         remove_tree(path)
-
-    def link(self, source: Path, target: Path) -> None:
-        """Hard links (copies where links are not supported)."""
-        if source.is_dir():
-            link_tree(source, target)
-        else:
-            atomic_link(source, target)
 
     # ----------------------------------------------------------------- committing
     def staging(self, target: Path, folder: bool = False) -> Path:
         """Where the checkpoint ``target`` (a file, or a ``folder`` every rank writes into)
-        is written before its commit."""
+        is written before its commit (a local commit is a rename: nothing vouches for
+        ``target`` before it)."""
         return staging_path(target, folder)
-
-    def prepare(self, name: str) -> None:
-        """A local commit is a rename: nothing vouches for ``name`` before it."""
 
     def put(
         self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
@@ -205,39 +207,28 @@ class LocalStore:
         return {}
 
     def commit(
-        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
+        self,
+        target: Path,
+        source: Path | str,
+        run: str | None,
+        objects: dict[str, Entry] | None = None,
     ) -> None:
-        """Rank 0: ``staging`` becomes the checkpoint ``target`` by one rename; a folder gets
-        its manifest first (``objects``: entries the writer or the uploads know, the rest
-        checksummed here)."""
-        if not staging.is_dir():
-            commit_file(staging, target)
+        """The lead: the staging path ``source`` becomes the checkpoint ``target`` by one
+        rename (a folder gets its manifest first: ``objects``, entries the writer knows, the
+        rest checksummed here); or ``target`` becomes the committed checkpoint named
+        ``source`` too (hard links; copies where links are not supported)."""
+        if isinstance(source, str):
+            copy = link_tree if (self.dir / source).is_dir() else atomic_link
+            copy(self.dir / source, target)
+        elif not source.is_dir():
+            commit_file(source, target)
         else:
-            manifest = folder_manifest(staging, target.name, run, objects or {})
-            atomic_write_bytes(manifest.to_bytes(), staging / MANIFEST)
-            commit_folder(staging, target)
+            manifest = folder_manifest(source, target.name, run, objects or {})
+            atomic_write_bytes(manifest.to_bytes(), source / MANIFEST)
+            commit_folder(source, target)
         with contextlib.suppress(OSError):  # the run that wrote it: known, never read back
             top = top_file(target)
             self._runs[(top, top.stat().st_mtime_ns)] = run
-
-
-class _Runs(Mapping[Path, "str | None"]):
-    """Committed checkpoints, listed when made, and the run that wrote each, read when asked
-    (a listing costs no read of the checkpoints it does not ask about)."""
-
-    def __init__(self, paths: list[Path], run_of: Callable[[Path], str | None]) -> None:
-        self._paths, self._known, self._run_of = paths, set(paths), run_of
-
-    def __getitem__(self, path: Path) -> str | None:
-        if path not in self._known:
-            raise KeyError(path)
-        return self._run_of(path)
-
-    def __iter__(self) -> Iterator[Path]:
-        return iter(self._paths)
-
-    def __len__(self) -> int:
-        return len(self._paths)
 
 
 def folder_manifest(folder: Path, name: str, run: str | None, known: dict[str, Entry]) -> Manifest:
@@ -251,4 +242,4 @@ def folder_manifest(folder: Path, name: str, run: str | None, known: dict[str, E
     return Manifest(name, {key: objects[key] for key in sorted(objects)}, run)
 
 
-__all__ = ["LATEST", "LocalStore", "folder_manifest", "is_checkpoint"]
+__all__ = ["LATEST", "Listing", "LocalStore", "PointerGuard", "folder_manifest", "is_checkpoint"]

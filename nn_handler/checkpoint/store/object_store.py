@@ -1,6 +1,6 @@
 """ObjectStore: a run's checkpoints on an object store (``checkpoint.dir`` a URL), written into
-a local working copy exactly as into a folder (LocalStore, which it extends: the same staging
-and rename there) and committed on the store by checkpoint/store/remote_protocol.py: every
+a local working copy exactly as into a folder (a LocalStore it holds: the same staging and
+rename there) and committed on the store by checkpoint/store/remote_protocol.py: every
 object uploaded, then the manifest ``<name>.manifest.json``; ``latest.json`` follows. What the
 store has committed is what is trusted, and what a user is told (its URL, never the working
 copy's path). The changes to the store (commits, the pointer, deletions, copies) run in order
@@ -9,10 +9,11 @@ them and raises the first failure."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,24 +21,19 @@ from typing import Any
 from loguru import logger
 
 from nn_handler.checkpoint.manifest import MANIFEST, Entry, Manifest, manifest_name
+from nn_handler.checkpoint.naming import is_checkpoint_name
 from nn_handler.checkpoint.store import remote_protocol as protocol
-from nn_handler.checkpoint.store.files import (
-    atomic_link,
-    atomic_write_bytes,
-    link_tree,
-    remove_tree,
-)
+from nn_handler.checkpoint.store.files import atomic_write_bytes
 from nn_handler.checkpoint.store.lease import DEFAULT_LEASE_S, Lease, ObjectLock
-from nn_handler.checkpoint.store.local import LATEST, LocalStore
+from nn_handler.checkpoint.store.local import LATEST, Listing, LocalStore, PointerGuard
 from nn_handler.checkpoint.store.remote_store import RemoteStore
 from nn_handler.config.checkpoint import CheckpointConfig
 from nn_handler.errors import CheckpointError
 
 
-class ObjectStore(LocalStore):
-    """The object store's folder ``config.dir`` through its working copy ``dir``."""
-
-    uploads = True
+class ObjectStore:
+    """The object store's folder ``config.dir`` through its local working copy ``dir`` (a
+    LocalStore: the same staging and rename there, then the commit on the store)."""
 
     def __init__(self, config: CheckpointConfig) -> None:
         url = str(config.dir)
@@ -45,63 +41,76 @@ class ObjectStore(LocalStore):
             url, config.storage_options, first_wait_s=config.store_retry_wait_s,
             timeout_s=config.store_timeout_s,
         )  # fmt: skip
-        super().__init__(working_copy(self.store.url, config.staging_dir))
+        self.where = self.store.url
+        self.copy = LocalStore(working_copy(self.store.url, config.staging_dir))
+        self.dir = self.copy.dir
         self.workers = config.upload_workers
         self.background = config.async_save
-        # The committed checkpoints as this process knows them. Only this thread adds or
-        # removes names; the store's thread replaces the entry of a name already there (so
-        # ``entries`` never sees the dict change size while it iterates).
-        self._known: dict[str, Manifest] = {}
-        self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
+        # The committed checkpoints as this process knows them in a session (None: outside
+        # one, read afresh at every listing). Only this thread adds or removes names; the
+        # store's thread replaces the entry of a name already there.
+        self._known: dict[str, Manifest] | None = None
+        self._lead = False
+        self._pointer = PointerGuard(self.where)
+        self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
-        self._store_lease = Lease(ObjectLock(self.store), self.store.url, DEFAULT_LEASE_S)
+        self._lease = Lease(ObjectLock(self.store), self.store.url, DEFAULT_LEASE_S)
 
-    @property
-    def where(self) -> str:
-        return self.store.url
+    @contextlib.contextmanager
+    def session(self, lead: bool) -> Iterator[None]:
+        """The ``lead``: the working copy's session, then a check that the store can be
+        written (a clear error now, before training, for a missing bucket or refused
+        credentials), its lease (one live job per folder), its committed checkpoints read and
+        the objects of incomplete ones deleted. Any other: the committed checkpoints as they
+        are now. On leaving, the changes still running are waited for (a failure is logged)
+        and the lease given up."""
+        with self.copy.session(lead):
+            try:
+                if lead:
+                    self.store.check()
+                    self._lease.acquire(os.environ)  # before deleting: no other job uploads
+                known, listing = protocol.read_manifests(self.store, _warn)
+                stale_ones = protocol.incomplete(listing, known, is_checkpoint_name)
+                for stale in stale_ones if lead else []:
+                    self.store.remove(stale)
+                    logger.bind(rank=0).warning(
+                        "removed {} (an upload interrupted before its commit)",
+                        self.store.url_of(stale),
+                    )
+                self._known, self._lead = known, lead
+                self._pointer.seen = self._stored_latest() if lead else None
+                yield
+            finally:
+                try:
+                    self.flush()
+                except Exception as error:
+                    logger.error("the last checkpoint upload to {} failed: {}", self.where, error)
+                finally:
+                    if self._thread is not None:
+                        self._thread.shutdown(wait=True)
+                    self._thread, self._known, self._lead = None, None, False
+                    self._lease.release()
 
-    def location(self, path: Path) -> str:
-        return self.store.url_of(path.name)
-
-    def _start_store(self, is_checkpoint_name: Callable[[str], bool]) -> None:
-        """Check that the store can be written (a clear error now, before training, for a
-        missing bucket or refused credentials), take its lease (one live job per folder),
-        read its committed checkpoints and delete the objects of incomplete ones."""
-        self.store.check()
-        self._store_lease.acquire(os.environ)  # before deleting: no other job uploads here
-        self._known, listing = protocol.read_manifests(self.store, _warn)
-        for stale in protocol.incomplete(listing, self._known, is_checkpoint_name):
-            self.store.remove(stale)
-            logger.bind(rank=0).warning(
-                "removed {} (an upload interrupted before its commit)", self.store.url_of(stale)
-            )
-
-    def _read_store(self) -> CheckpointError | None:
-        """A reader's start: the committed checkpoints, from their manifests (once this
-        process's own changes have landed)."""
-        try:
-            self.flush()
-            self._known, _ = protocol.read_manifests(self.store, _warn)
-        except CheckpointError as caught:
-            return caught
-        return None
-
-    def release(self) -> None:
-        """Wait for the background changes (a failure is logged), then give up the lease."""
-        try:
-            self.flush()
-        except Exception as error:
-            logger.error("the last checkpoint upload to {} failed: {}", self.where, error)
-        finally:
-            self._thread.shutdown(wait=True)
-            self._store_lease.release()
-        super().release()
+    def flush(self) -> None:
+        """Wait for the changes still running in the background; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.exception()  # waits
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     # ----------------------------------------------------------------- what is there
-    def checkpoints(self) -> Mapping[Path, str | None]:
-        """Every checkpoint committed on the store, with the run its manifest records."""
-        return {self.dir / name: self._known[name].run for name in sorted(self._known)}
+    def checkpoints(self) -> Listing:
+        """Every checkpoint committed on the store, with the run its manifest records, and the
+        one the store's latest.json names."""
+        known = self._known
+        if known is None:  # outside a session: what the store holds now
+            self.flush()
+            known = protocol.read_manifests(self.store, _warn)[0]
+        runs = {self.dir / name: known[name].run for name in sorted(known)}
+        return Listing(list(runs), runs.__getitem__, self._read_pointer, self.where)
 
     def _read_pointer(self) -> Any:
         """The contents of ``latest.json`` on the store (None: none); ValueError when it
@@ -109,6 +118,14 @@ class ObjectStore(LocalStore):
         self.flush()
         data = self.store.read(LATEST)
         return None if data is None else json.loads(data)
+
+    def _stored_latest(self) -> Any:
+        """latest.json as the store holds it now (None: none or unreadable)."""
+        data = self.store.read(LATEST)
+        try:
+            return None if data is None else json.loads(data)
+        except ValueError:
+            return None
 
     def fetch(self, name: str) -> Path:
         """The committed checkpoint ``name`` in the working copy, downloaded where missing or
@@ -137,37 +154,21 @@ class ObjectStore(LocalStore):
         """The working copy's latest.json, then the store's once the changes before it have
         landed (never backwards over another job's: checked then, raised at the next
         flush)."""
-        self._write_pointer(pointer)
+        self.copy.write_latest(pointer)
         body = (json.dumps(dict(pointer), indent=1) + "\n").encode()
 
         def task() -> None:
-            self._forward(self._stored_latest(), pointer)
+            self._pointer.forward(self._stored_latest(), pointer)
             self.store.write(LATEST, body)
 
         self._submit(task)
 
-    def _stored_latest(self) -> Any:
-        """latest.json as the store holds it now (None: none or unreadable)."""
-        data = self.store.read(LATEST)
-        try:
-            return None if data is None else json.loads(data)
-        except ValueError:
-            return None
-
-    def flush(self) -> None:
-        """Wait for the changes still running in the background; raise the first failure."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.exception()  # waits
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
     def remove(self, path: Path) -> None:
         """The working copy's, then the store's (its manifest first)."""
-        remove_tree(path)
+        self.copy.remove(path)
         name = path.name
-        self._known.pop(name, None)
+        if self._known is not None:
+            self._known.pop(name, None)
 
         def task() -> None:
             data = self.store.read(manifest_name(name))
@@ -177,37 +178,20 @@ class ObjectStore(LocalStore):
 
         self._submit(task)
 
-    def link(self, source: Path, target: Path) -> None:
-        """In the working copy where ``source`` is there; on the store, a server-side copy
-        committed by its own manifest."""
-        if source.is_dir():
-            link_tree(source, target)
-        elif source.exists():
-            atomic_link(source, target)
-        known = self._known.get(source.name)
-        self._known[target.name] = Manifest(target.name, {}, None if known is None else known.run)
-
-        def task() -> None:
-            data = self.store.read(manifest_name(source.name))
-            if data is None:
-                raise CheckpointError(f"cannot copy {self.location(source)}: not committed.")
-            original = Manifest.from_bytes(data, self.store.url_of(manifest_name(source.name)))
-            self._learned(protocol.copy(self.store, original, target.name))
-
-        self._submit(task)
-
     # ----------------------------------------------------------------- committing
-    def prepare(self, name: str) -> None:
-        """Before the checkpoint ``name`` is uploaded again (a run resumed before a
-        checkpoint that its killed predecessor committed writes that name anew): its
-        manifest goes first, once the changes before it have landed, so that an old
-        manifest never describes new objects. Waits; raises the first failure. A name not
-        committed (every periodic one) costs no request: a manifest that the start could not
-        read vouches for nothing, and the commit replaces it."""
-        committed = self._known.pop(name, None) is not None
-        self.flush()
-        if committed:
-            self.store.remove(manifest_name(name))
+    def staging(self, target: Path, folder: bool = False) -> Path:
+        """The working copy's staging path. The lead, before a folder is written under a
+        name the store has committed (a run resumed before a checkpoint that its killed
+        predecessor committed): its manifest goes first, once the changes before it have
+        landed, so that an old manifest never describes new objects (waits; raises the
+        first failure). A name not committed (every periodic one) costs no request."""
+        path = self.copy.staging(target, folder)
+        if folder and self._lead and self._known is not None:
+            committed = self._known.pop(target.name, None) is not None
+            self.flush()
+            if committed:
+                self.store.remove(manifest_name(target.name))
+        return path
 
     def put(
         self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
@@ -223,54 +207,86 @@ class ObjectStore(LocalStore):
         return protocol.upload(self.store, objects, self.workers, entries)
 
     def commit(
-        self, target: Path, staging: Path, run: str | None, objects: dict[str, Entry] | None = None
+        self,
+        target: Path,
+        source: Path | str,
+        run: str | None,
+        objects: dict[str, Entry] | None = None,
     ) -> None:
-        """Committed in the working copy (LocalStore.commit), then on the store: a single file
-        uploaded, then the manifest (a folder's ``objects`` were put already), after the
-        changes before it (in the background with ``async_save``)."""
-        single = not staging.is_dir()
-        super().commit(target, staging, run, objects)
+        """Committed in the working copy, then on the store after the changes before it (in
+        the background with ``async_save``): a single file uploaded, then the manifest (a
+        folder's ``objects`` were put already); a copy of the committed checkpoint named
+        ``source`` is made by the store and committed by its own manifest."""
         name = target.name
-        self._known[name] = Manifest(name, {}, run)
-        uploaded = objects or {}
+        if isinstance(source, str):
+            if (self.dir / source).exists():
+                self.copy.commit(target, source, run)
+            task = self._copy_task(source, name)
+        else:
+            single = not source.is_dir()
+            self.copy.commit(target, source, run, objects)
+            task = self._commit_task(target, single, run, objects or {})
+        known = self._known if self._known is not None else {}
+        known[name] = Manifest(name, {}, run)
+        try:
+            self._submit(task)
+        except BaseException:
+            known.pop(name, None)  # not committed on the store
+            raise
+
+    def _commit_task(
+        self, target: Path, single: bool, run: str | None, uploaded: dict[str, Entry]
+    ) -> Callable[[], None]:
+        name = target.name
 
         def task() -> None:
             found = uploaded
             if single:
-                self.store.remove(manifest_name(name))  # see ``prepare``
+                self.store.remove(manifest_name(name))  # see ``staging``
                 found = protocol.upload(self.store, {name: target}, self.workers)
             manifest = Manifest(name, found, run)
             protocol.commit(self.store, manifest)
             self._learned(manifest)
 
-        self._submit(task)
+        return task
+
+    def _copy_task(self, source: str, name: str) -> Callable[[], None]:
+        def task() -> None:
+            data = self.store.read(manifest_name(source))
+            if data is None:
+                raise CheckpointError(f"cannot copy {self.store.url_of(source)}: not committed.")
+            original = Manifest.from_bytes(data, self.store.url_of(manifest_name(source)))
+            self._learned(protocol.copy(self.store, original, name))
+
+        return task
 
     def _learned(self, manifest: Manifest) -> None:
-        if manifest.name in self._known:  # (see __init__: never adds a name)
-            self._known[manifest.name] = manifest
+        known = self._known
+        if known is not None and manifest.name in known:  # (see __init__: never adds a name)
+            known[manifest.name] = manifest
 
     def _submit(self, task: Callable[[], None]) -> None:
-        """Run ``task`` after the changes before it; once one failed, the later ones are
-        dropped until ``flush`` reports it (``latest.json`` never names a failed upload)."""
+        """Run ``task`` now, or (``async_save``) after the changes before it in the store's
+        thread; once one failed, the later ones are dropped until ``flush`` reports it
+        (``latest.json`` never names a failed upload)."""
 
         def guarded() -> None:
             if self._failure is not None:
                 return
             try:
-                self._store_lease.check_held()  # another job took the folder: write nothing
+                self._lease.check_held()  # another job took the folder: write nothing
                 task()
             except BaseException as error:
                 self._failure = error
                 raise
 
-        future = self._thread.submit(guarded)
-        if self.background:
-            self._pending.append(future)
+        if not self.background:
+            self._lease.check_held()
+            task()
             return
-        try:
-            future.result()
-        finally:
-            self._failure = None  # raised here, to the caller: nothing left to report
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, "nn_handler-remote")
+        self._pending.append(self._thread.submit(guarded))
 
 
 def default_working_copy(url: str, env: Mapping[str, str]) -> Path:
