@@ -410,3 +410,24 @@ def test_a_writer_that_raises_is_a_checkpoint_error_not_a_hang(
     with pytest.raises(CheckpointError, match=rf"writing checkpoint .*{FILE}.*the writer broke"):
         SaveRoute(NullCommunicator(), store).save(target, Broken(), None)  # type: ignore[arg-type]
     assert target not in store.checkpoints()
+
+
+def test_a_session_left_late_gives_up_only_its_own_lock(real_kind: str, tmp_path: Path) -> None:
+    """Two stores of one folder in one process (a handler built again in a notebook, the first
+    never closed): the first one's session, left late (its manager collected), leaves the
+    lock the second one holds now."""
+    from nn_handler.checkpoint.store.lease import LOCK
+
+    first, second = _open_store(real_kind, tmp_path), _open_store(real_kind, tmp_path, "copy-2")
+
+    def locked() -> bool:
+        if isinstance(second, ObjectStore):
+            return second.store.read(LOCK) is not None
+        return (second.dir / LOCK).exists()
+
+    with contextlib.ExitStack() as old:
+        old.enter_context(first.session(lead=True))
+        with second.session(lead=True):  # takes the lock over: it is this process's
+            old.close()
+            assert locked()
+    assert not locked()

@@ -1,15 +1,16 @@
-"""Where a run's checkpoints live, behind one small interface: ``CheckpointStore``, the only
-code that commits a checkpoint (renames it into place or writes its manifest).
+"""Where a run's checkpoints live, behind one small interface: ``CheckpointStore`` (ten
+members), the only code that commits a checkpoint (renames it into place or writes its
+manifest).
 
 The protocol, for every checkpoint: a writer writes into ``staging(target)``; each rank hands
 its files to ``put``; rank 0 ``commit``-s once every rank's put is agreed; ``fetch`` gives a
-committed one on this machine (checkpoint/opening.py reads it). Two implementations:
-``LocalStore``, a folder (the commit is one rename, a folder's manifest written into it
-first: checkpoint/store/files.py), and
-``ObjectStore``, a folder of an object store seen through a local working copy (committed
-there as locally, then on the store: every object uploaded, then its manifest; what the store
-has committed is what is trusted). ``open_store`` picks one from ``checkpoint.dir``. The
-CheckpointManager's policy (which to write, keep and resume) uses either alike.
+committed one on this machine (checkpoint/opening.py reads it). Two implementations, each
+with one manifest per checkpoint and one validity rule: ``LocalStore``, a folder (the commit
+is one rename, a folder's manifest written into it first: checkpoint/store/files.py), and
+``ObjectStore``, a folder of an object store that holds a LocalStore as its working copy
+(committed there, then on the store: every object uploaded, then its manifest beside it; what
+the store has committed is what is trusted). ``open_store`` picks one from ``checkpoint.dir``;
+whoever opens a store knows where it is (``where_of``, ``location``), the store need not say.
 """
 
 from __future__ import annotations

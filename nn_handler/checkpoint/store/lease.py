@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -153,7 +154,8 @@ class Lease:
     def acquire(self, env: Mapping[str, str]) -> None:
         """Take the lock (taking over a stale one with a warning), or raise CheckpointError
         naming the live holder."""
-        self._me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_of(env)}
+        self._me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_of(env),
+                    "lease": secrets.token_hex(8)}  # fmt: skip
         for _ in range(3):  # another starter may take or drop it between our looks
             try:
                 created = self.place.create(self._body())
@@ -188,7 +190,8 @@ class Lease:
         )
 
     def release(self) -> None:
-        """Stop renewing and delete the lock if it is still this process's (best effort)."""
+        """Stop renewing and delete the lock if it is still this lease's (best effort: not
+        one this process took again since, say a second store of the same folder)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
@@ -198,7 +201,7 @@ class Lease:
         place = self.place.once()  # a lease runs out by itself: one try each, no retries
         try:
             holder = self._read(place)
-            if holder and (holder.get("host"), holder.get("pid")) == self._mine():
+            if holder and holder.get("lease") == self._me["lease"]:
                 place.remove()
         except CheckpointError as error:
             logger.warning("could not release the lock of {}: {}", self.folder, error)
