@@ -294,14 +294,18 @@ class CheckpointManager:
         return value < self.best_value if self.config.mode == "min" else value > self.best_value
 
     def _prune(self, keep: Path) -> None:
-        """Delete this run's periodic checkpoints beyond ``keep_last`` (never another run's:
-        two runs sharing a folder by mistake lose nothing to each other)."""
+        """Delete this run's periodic checkpoints beyond ``keep_last``, and the one of
+        ``keep``'s step saved before its epoch ended (a step save at the epoch's last step:
+        ``keep`` holds that step and the epoch's end); never another run's (two runs sharing
+        a folder by mistake lose nothing to each other)."""
         runs = self.folder.checkpoints()  # the run that wrote each, as the store knows it
         periodic = sorted((p for p in runs if PERIODIC.match(p.name)), key=order, reverse=True)
         if self.run_id is not None:
             periodic = [p for p in periodic if runs[p] == self.run_id]
-        for old in periodic[self.config.keep_last :]:
-            if old != keep:
+        step, epoch = order(keep)
+        for index, old in enumerate(periodic):
+            superseded = order(old)[0] == step and order(old)[1] < epoch
+            if old != keep and (index >= self.config.keep_last or superseded):
                 self.folder.remove(old)
 
     def periodic(self) -> list[Path]:

@@ -25,7 +25,7 @@ ADVICE = {
     ),
     "checkpoint": (
         "writing checkpoints",
-        "save less often (every_n_steps) or use sharded checkpoints with async_save",
+        "save less often (every_n_steps){background}",
     ),
     "comm": (
         "in gradient reduction not overlapped with backward",
@@ -60,16 +60,24 @@ class StepTimes:
         return {part: min(max(getattr(self, part) / self.wall, 0.0), 1.0) for part in PARTS}
 
 
-def advice(part: str, cuda: bool) -> str:
-    """What to do about ``part``; pinned memory is advised only where it helps (CUDA)."""
-    return ADVICE[part][1].format(pin_memory=", pin_memory" if cuda else "")
+def advice(part: str, cuda: bool, background_saves: bool = False) -> str:
+    """What to do about ``part``; pinned memory is advised only where it helps (CUDA), and
+    background saves only to a run that does not make them already."""
+    faster = ", or a faster disk (or store) for checkpoint.dir"
+    background = faster if background_saves else " or use sharded checkpoints with async_save"
+    return ADVICE[part][1].format(pin_memory=", pin_memory" if cuda else "", background=background)
 
 
-def verdict(shares_by_rank: Sequence[Mapping[str, float]], cuda: bool = False) -> str | None:
+def verdict(
+    shares_by_rank: Sequence[Mapping[str, float]],
+    cuda: bool = False,
+    background_saves: bool = False,
+) -> str | None:
     """One line when a part other than compute takes at least ``DOMINANT`` of the step on
     some rank: the first such part in ``ADVICE``'s order, on the rank where its share is
     largest (named when there are several ranks); None when compute dominates or nothing
-    does. ``cuda``: the run trains on CUDA devices."""
+    does. ``cuda``: the run trains on CUDA devices; ``background_saves``: it saves sharded
+    checkpoints in the background already."""
     for part, (what, _fix) in ADVICE.items():
         share, rank = max(
             ((shares.get(part, 0.0), -rank) for rank, shares in enumerate(shares_by_rank)),
@@ -78,7 +86,8 @@ def verdict(shares_by_rank: Sequence[Mapping[str, float]], cuda: bool = False) -
         if share >= DOMINANT:
             where = f" on rank {-rank}" if len(shares_by_rank) > 1 else ""
             bound = "communication" if part == "comm" else part
-            return f"{bound}-bound: {share:.0%} of the step {what}{where}; {advice(part, cuda)}"
+            fix = advice(part, cuda, background_saves)
+            return f"{bound}-bound: {share:.0%} of the step {what}{where}; {fix}"
     return None
 
 

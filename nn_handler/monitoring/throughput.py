@@ -181,7 +181,9 @@ class ThroughputMonitor(Hook):
         record = self._record(trainer)
         ranks = self._gather(trainer)
         shares = [rank.shares() for rank, _samples, _tokens in ranks]
-        self.last_verdict = verdict(shares, cuda=trainer.device.type == "cuda")
+        saving = trainer.checkpointing
+        background = bool(saving.config.async_save and saving.writer.folder)
+        self.last_verdict = verdict(shares, trainer.device.type == "cuda", background)
         if self.count_tokens is not None:  # every rank's tokens over the slowest rank's time
             wall = max(rank.wall for rank, _samples, _tokens in ranks)
             tokens = sum(tokens for _rank, _samples, tokens in ranks)

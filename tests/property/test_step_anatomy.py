@@ -56,6 +56,16 @@ def test_the_verdict_names_the_first_dominant_cause_on_its_worst_rank(
     assert (f" on rank {rank};" in line) == (len(ranks) > 1)
 
 
+def test_checkpoint_advice_is_what_the_run_does_not_do_already() -> None:
+    ranks = [{"data": 0.0, "compute": 0.3, "comm": 0.0, "checkpoint": 0.6}]
+    plain, background = verdict(ranks), verdict(ranks, background_saves=True)
+    assert plain is not None and plain.endswith("use sharded checkpoints with async_save")
+    assert background is not None and "async_save" not in background
+    assert background.endswith(
+        "save less often (every_n_steps), or a faster disk (or store) for checkpoint.dir"
+    )
+
+
 def test_a_straggler_waiting_for_data_is_named_before_the_ranks_waiting_for_it() -> None:
     # Rank 1 waits for its batches; rank 0 waits for rank 1 in the gradient reduction.
     ranks = [
