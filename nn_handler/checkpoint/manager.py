@@ -303,9 +303,10 @@ class CheckpointManager:
         if self.run_id is not None:
             periodic = [p for p in periodic if runs[p] == self.run_id]
         step, epoch = order(keep)
-        for index, old in enumerate(periodic):
-            superseded = order(old)[0] == step and order(old)[1] < epoch
-            if old != keep and (index >= self.config.keep_last or superseded):
+        superseded = [p for p in periodic if order(p)[0] == step and order(p)[1] < epoch]
+        rest = [p for p in periodic if p not in superseded]
+        for old in superseded + rest[self.config.keep_last :]:
+            if old != keep:
                 self.folder.remove(old)
 
     def periodic(self) -> list[Path]:

@@ -352,14 +352,14 @@ def test_a_step_save_at_the_epochs_end_gives_way_to_the_epochs(tmp_path: Path) -
     """Saves every 4 steps of an 8-step epoch and at every epoch's end: the step save at step
     8 (mid-epoch 1) is deleted once the epoch's checkpoint of that same step is committed (it
     holds that step and the epoch's end), so a step has one checkpoint; the others stay."""
-    manager = _manager(tmp_path, keep_last=10)
+    manager = _manager(tmp_path, keep_last=2)
     _periodic(manager, 0, 4)
     _periodic(manager, 0, 8)  # the epoch's last step, before its end
-    assert sorted(p.name for p in manager.periodic())[-1] == periodic_name(0, 8)
-    _periodic(manager, 1, 8)  # the epoch's end
+    assert sorted(p.name for p in manager.periodic()) == [periodic_name(0, 4), periodic_name(0, 8)]
+    _periodic(manager, 1, 8)  # the epoch's end: the two newest distinct steps are kept
+    assert sorted(p.name for p in manager.periodic()) == [periodic_name(0, 4), periodic_name(1, 8)]
     _periodic(manager, 1, 12)
-    names = sorted(p.name for p in manager.periodic())
-    assert names == [periodic_name(0, 4), periodic_name(1, 8), periodic_name(1, 12)]
+    assert sorted(p.name for p in manager.periodic()) == [periodic_name(1, 8), periodic_name(1, 12)]
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:

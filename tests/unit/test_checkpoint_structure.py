@@ -204,13 +204,25 @@ def _calls(path: Path) -> list[tuple[str, str]]:
 
 def test_one_module_decides_what_a_path_holds() -> None:
     """File or folder, checkpoint or folder of checkpoints: format.py decides (``is_sharded``,
-    ``kind_of``); the opener and the stores ask it, nobody else names ``is_sharded``."""
+    ``kind_of``); the opener and the stores ask it, nobody else names ``is_sharded``, and no
+    other checkpoint code (nor a reader: the handler, the CLI, Ray, the saved run) asks a
+    path ``is_dir()``."""
     naming = sorted(
         str(path.relative_to(PACKAGE))
         for path in _outside("checkpoint/store/")
         if "is_sharded" in path.read_text()
     )
     assert naming == ["checkpoint/format.py", "checkpoint/opening.py"]
+    allowed = ("checkpoint/store/", "checkpoint/format.py", "checkpoint/opening.py")
+    readers = [PACKAGE / name for name in ("handler.py", "cli.py", "ray_train.py")]
+    asking = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in [*CHECKPOINT_CODE, *readers, PACKAGE / "training" / "saved_run.py"]
+        if not str(path.relative_to(PACKAGE)).startswith(allowed)
+        and ".is_dir()" in path.read_text()
+    )
+    assert asking == []
+    assert ".is_dir()" in (PACKAGE / "checkpoint" / "format.py").read_text()  # the scan sees it
 
 
 def test_checkpoints_are_opened_in_one_module_by_at_most_four_functions() -> None:

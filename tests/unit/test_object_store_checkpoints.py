@@ -238,7 +238,7 @@ def test_a_corrupted_object_is_named_and_resume_falls_back(
     with pytest.raises(CheckpointError, match=r"the object ckpt-e0002-s00000010\.pt has"):
         NNHandler.load(f"{url}/ckpt-e0002-s00000010.pt", rh.model())
     resumed = run(url, machine(tmp_path, "second"), rh.EPOCHS, resume="auto", keep_last=2)
-    assert rh.same(resumed, uninterrupted)  # from epoch 1's checkpoint, the same end
+    assert rh.same(resumed, uninterrupted)  # from step 8's checkpoint, the same end
 
 
 def test_a_missing_object_or_manifest_is_never_trusted(s3: Bucket, tmp_path: Path) -> None:
@@ -249,7 +249,7 @@ def test_a_missing_object_or_manifest_is_never_trusted(s3: Bucket, tmp_path: Pat
     with pytest.raises(CheckpointError, match=r"incomplete: the object ckpt-e0002-s00000010\.pt"):
         NNHandler.load(f"{url}/ckpt-e0002-s00000010.pt", rh.model())
     earlier = [k[: -len(SUFFIX)] for k in objects(s3) if k.endswith(SUFFIX) and "e0002" not in k]
-    assert earlier == ["ckpt-e0001-s00000010.pt"]
+    assert earlier == ["ckpt-e0001-s00000008.pt"]  # (step 10's save gave way to epoch 2's)
     fs.rm(f"{s3.name}/run/{earlier[0]}{SUFFIX}")  # as if its upload was killed before the commit
     with NNHandler(
         rh.model(), rh.adam, nn.CrossEntropyLoss(),
@@ -472,7 +472,7 @@ def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     if damage == "newer format":
         data = data.replace(b'"version": 2', b'"version": 3')
     elif damage == "another checkpoint's":
-        data = fs.cat(f"{s3.name}/run/ckpt-e0001-s00000010.pt{SUFFIX}")
+        data = fs.cat(f"{s3.name}/run/ckpt-e0001-s00000008.pt{SUFFIX}")
     else:
         data = data.replace(b'"objects"', b'"objectz"', 1)
     fs.pipe(key, data)
@@ -487,7 +487,7 @@ def test_a_manifest_that_cannot_be_read_never_gets_its_objects_deleted(
     assert "ckpt-e0002-s00000010.pt" in after  # the data of the unreadable one is kept
     assert "ckpt-e0003-s00000015.pt" not in after  # the object no manifest names is gone
     assert set(before) - set(after) == {"ckpt-e0003-s00000015.pt"}
-    assert resumed is not None and resumed.name == "ckpt-e0001-s00000010.pt"
+    assert resumed is not None and resumed.name == "ckpt-e0001-s00000008.pt"
     kept = [line for line in lines if "ckpt-e0002-s00000010.pt" + SUFFIX in line]
     assert kept and "its objects are kept" in kept[0]
 
