@@ -219,7 +219,8 @@ def _folder(where: str, config: CheckpointConfig) -> CheckpointStore:
     through its own working copy."""
     if kind_of(where) != "url":
         return LocalStore(Path(where))
-    staging = config.staging_dir if where == config.dir else None
+    own = where.rstrip("/") == str(config.dir).rstrip("/")
+    staging = config.staging_dir if own else None
     return folder_store(where, config.storage_options, staging, config.store_timeout_s)
 
 

@@ -198,7 +198,14 @@ def test_different_shapes_abort_in_gloo_and_the_survivor_names_the_rank(
     aborted = [rank for rank in (0, 1) if outcome.codes[rank] < 0]
     assert len(aborted) == 1, outcome.output
     survivor = outcome.raised(1 - aborted[0])
-    assert survivor is not None and survivor["type"] == "RankFailedError", outcome.output
+    assert survivor is not None, outcome.output
+    if survivor["type"] == "CollectiveMismatchError":  # the watchdog compared the calls first
+        # (a race the library resolves either way: a loaded machine lets the comparison of
+        # the two calls land before the peer's abort is seen); it names both ranks' calls.
+        assert "ranks disagree on the collective call" in survivor["message"]
+        assert "float32[4]" in survivor["message"] and "float32[6]" in survivor["message"]
+        return
+    assert survivor["type"] == "RankFailedError", outcome.output
     assert f"failed on rank(s) [{aborted[0]}]" in survivor["message"]
     assert "gloo aborts a rank whose collective receives more bytes" in survivor["message"]
 

@@ -87,10 +87,12 @@ class ObjectStore:
                 except Exception as error:
                     logger.error("the last checkpoint upload to {} failed: {}", self.where, error)
                 finally:
-                    if self._thread is not None:
-                        self._thread.shutdown(wait=True)
-                    self._thread, self._known, self._lead = None, None, False
-                    self._lease.release()
+                    thread, self._thread, self._known, self._lead = self._thread, None, None, False
+                    try:
+                        if thread is not None:
+                            thread.shutdown(wait=True)
+                    finally:
+                        self._lease.release()
 
     def flush(self) -> None:
         """Wait for the changes still running in the background; raise the first failure."""
