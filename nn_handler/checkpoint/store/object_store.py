@@ -3,9 +3,9 @@ a local working copy exactly as into a folder (a LocalStore it holds: the same s
 rename there) and committed on the store by checkpoint/store/remote_protocol.py: every
 object uploaded, then the manifest ``<name>.manifest.json``; ``latest.json`` follows. What the
 store has committed is what is trusted, and what a user is told (its URL, never the working
-copy's path). The changes to the store (commits, the pointer, deletions, copies) run in order
-on one thread: at once, or in the background with ``async_save``, where ``flush`` waits for
-them and raises the first failure."""
+copy's path). The changes to the store (commits, the pointer, deletions, copies) run at once,
+in the caller, or with ``async_save`` in order on one thread of the store's, where ``flush``
+waits for them and raises the first failure."""
 
 from __future__ import annotations
 
