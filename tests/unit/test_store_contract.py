@@ -321,7 +321,7 @@ def test_a_name_written_again_loses_its_old_manifest_first_and_a_new_one_costs_n
     other = _open_store("object store", tmp_path, "copy-2")  # another rank's
     with other.session(lead=False):
         other.staging(folder, folder=True)
-    assert removed == []
+    assert store.store.read(manifest_name(FOLDER)) is not None  # another rank drops nothing
     store.staging(folder, folder=True)
     assert removed == [manifest_name(FOLDER)]
     assert store.store.read(manifest_name(FOLDER)) is None and folder not in store.checkpoints()
@@ -431,3 +431,20 @@ def test_a_session_left_late_gives_up_only_its_own_lock(real_kind: str, tmp_path
             old.close()
             assert locked()
     assert not locked()
+
+
+def test_a_copy_that_fails_is_a_checkpoint_error_on_every_rank(
+    tmp_path: Path, sessions: contextlib.ExitStack
+) -> None:
+    """best/top-k copies go through the route: a copy of a checkpoint that is not there is a
+    CheckpointError naming the copy, raised through the agreement (no rank skips it), and
+    nothing is committed under the copy's name."""
+    store = _open_store("local", tmp_path)
+    sessions.enter_context(store.session(lead=True))
+    route = SaveRoute(NullCommunicator(), store)
+    best = store.dir / "best.pt"
+    with pytest.raises(CheckpointError, match=r"writing checkpoint .*best\.pt failed"):
+        route.copy(store.dir / FILE, best, "run-1")
+    assert best not in store.checkpoints()
+    assert route.copy(_write_file(store), best, "run-1") == best
+    assert torch.equal(_read(best, store).contents["w"], WEIGHTS)
