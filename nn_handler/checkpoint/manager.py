@@ -120,6 +120,11 @@ class CheckpointManager:
             self._session.enter_context(self.folder.session(lead=self.comm.rank == 0))
         except CheckpointError as caught:
             error = caught
+        except Exception as caught:  # any failure still reaches the agreement: no rank waits
+            name = type(caught).__name__
+            error = CheckpointError(
+                f"cannot use the checkpoint folder {self.where}: {name}: {caught}"
+            )
         if self.comm.world_size > 1:
             agree_on(self.comm, error, f"starting checkpoints in {self.where}")
         elif error is not None:

@@ -470,3 +470,37 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint(
         found = h.trainer.resume("latest")
         assert found is not None and found.name == "ckpt-e0001-s00000003"
         assert is_sharded(found) and h.trainer.state.epoch == 1
+
+
+def _a_store_that_fails_to_start_on_rank_0(rank: int, world: int, base: str) -> str:
+    """Rank 0's store cannot start with an error of any kind: every rank raises the same
+    CheckpointError from the manager's agreement (none waits in it)."""
+    import contextlib as _contextlib
+    from collections.abc import Iterator
+
+    from nn_handler.checkpoint import manager as manager_module
+    from nn_handler.checkpoint.manager import CheckpointManager
+    from nn_handler.checkpoint.store import LocalStore
+    from nn_handler.config import CheckpointConfig
+    from nn_handler.distributed.communicator import TorchCommunicator
+    from nn_handler.errors import CheckpointError
+
+    class Broken(LocalStore):
+        @_contextlib.contextmanager
+        def session(self, lead: bool) -> Iterator[None]:
+            if lead:
+                raise RuntimeError("the folder's disk went away")
+            yield
+
+    manager_module.open_store = lambda config: Broken(Path(str(config.dir)))  # type: ignore[assignment]
+    try:
+        CheckpointManager(CheckpointConfig(dir=base), TorchCommunicator())
+    except CheckpointError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_store_that_cannot_start_on_rank_0_fails_every_rank(tmp_path: Path) -> None:
+    said = run_group(_a_store_that_fails_to_start_on_rank_0, 2, args=(str(tmp_path),), timeout=60)
+    for text in said:
+        assert "starting checkpoints in" in text and "the folder's disk went away" in text, said
