@@ -1,15 +1,7 @@
-"""One place knows what a checkpoint is on disk: the format's names, and its two decisions.
-
-- **Saving**: a checkpoint is one file (rank 0 writes it: torch.save's zip, whose directory
-  holds every record's size and CRC-32) or a folder every rank writes (``sharded_checkpoints``:
-  the model, optimizers and EMA in DCP shards, the rest in ``REST``, a file in the single-file
-  format whose ``SHARDED`` entry names the parts in the shards).
-- **Opening**: what a path holds (``kind_of``): a checkpoint file, a checkpoint folder, a folder
-  of checkpoints (its newest verified one is meant), or a URL (an object store decides, by its
-  manifests, whether it names one checkpoint or a folder of them).
-
-Nothing else decides file-or-folder for a checkpoint (a structure test pins it): the opener
-(checkpoint/opening.py) and the stores (checkpoint/store/) ask here.
+"""One place knows what a checkpoint is on disk: the format's names and its two decisions:
+saving one file or a folder of shards (``sharded_checkpoints``), and what a path holds
+(``kind_of``: a file, a folder, a folder of checkpoints, a URL). Nothing else decides
+file-or-folder (a structure test pins it).
 """
 
 from __future__ import annotations

@@ -131,15 +131,9 @@ def load_file(
     mmap: bool = False,
     verify: bool = True,
 ) -> Any:
-    """``torch.load(path, weights_only=True)`` with errors that name the path, size and cause.
-
-    ``map_location`` defaults to CPU, so a checkpoint written on a GPU loads anywhere.
-    ``trusted`` lists extra classes to allow (``torch.serialization.safe_globals``); an
-    object of any other class is refused with a CheckpointError that names it. With
-    ``verify`` (the default) every record's CRC-32, which torch.save stores, is checked while
-    the file loads: a file whose bytes changed on disk raises CheckpointError naming the
-    first bad entry instead of loading silently wrong values.
-    """
+    """``torch.load(path, weights_only=True)`` (on CPU unless ``map_location``; ``trusted``:
+    extra classes to allow), its records' CRC-32s checked unless not ``verify``. Raises
+    CheckpointError naming the path, the cause, or the first bad entry."""
     source = Path(path)
     if not source.is_file():
         raise CheckpointError(f"no checkpoint file at {source}.")

@@ -1,27 +1,8 @@
-"""CheckpointManager: where checkpoints go, which to keep, and which one is the latest.
+"""CheckpointManager: where a run's checkpoints go, which to keep, and which is the latest.
 
-Layout of ``config.dir``::
-
-    ckpt-e0003-s00000120.pt   periodic checkpoints (epochs completed, optimizer steps), newest
-                              ``keep_last`` kept; a sharded run's are folders without the
-                              ``.pt`` (checkpoint/sharded.py)
-    best.pt                   the best one by ``config.monitor`` (a hard link, no extra write;
-                              ``best/``, a folder of hard links, for sharded checkpoints)
-    top-e0003-s00000120-val_loss=0.231.pt
-                              with ``save_top_k`` > 1, the k best by ``config.monitor``
-                              (hard links too; the one that falls out of the k is deleted)
-    latest.json               names the newest complete checkpoint; written after it, atomically;
-                              its "reason" is "preempted" once a run stopped on SIGTERM
-
-With a URL ``config.dir`` (an object store) this is the layout of the local working copy, and
-every change is mirrored to the store (checkpoint/store/, ObjectStore): a checkpoint is
-uploaded and committed by its manifest, then latest.json moves; the committed checkpoints and
-latest.json on the store are the ones trusted. Every checkpoint is committed by the store
-(CheckpointStore.commit); the manager decides what to write, keep and resume.
-
-Rank 0 writes single files (every rank writes its shards of a sharded one); every rank calls
-``write`` and raises the same CheckpointError if the write failed, so no rank trains on
-believing a checkpoint exists.
+The folder's layout (``ckpt-e0003-s00000120.pt``, ``best.pt``, ``top-...``, ``latest.json``)
+is in docs/checkpoints.md; the store (a folder or an object store) commits every change.
+Every rank calls the writing methods and raises the same CheckpointError when a write failed.
 """
 
 from __future__ import annotations
@@ -62,8 +43,7 @@ from nn_handler.errors import CheckpointError, ConfigError
 
 @dataclass(frozen=True)
 class Ranking:
-    """What one monitored value changed: best.pt, and the top-k checkpoint kept (its name)
-    with the names that fell out of the k."""
+    """What one monitored value changed: best.pt, the top-k name kept, the names dropped."""
 
     best: bool
     top: str | None
@@ -71,11 +51,8 @@ class Ranking:
 
 
 class CheckpointManager:
-    """Writes, rotates and finds the checkpoints of one run in ``config.dir``.
-
-    Construct it on every rank; rank 0 creates the folder and removes temporary files that a
-    killed save left behind.
-    """
+    """Writes, rotates and finds the checkpoints of one run in ``config.dir``. Every rank
+    constructs it; rank 0 takes the folder (its lock, and the cleanup of killed saves)."""
 
     def __init__(
         self,
@@ -94,8 +71,7 @@ class CheckpointManager:
             )
         self.config = config
         self.comm = communicator
-        #: Where the checkpoints live (a folder, or an object store through ``dir``, its
-        #: local working copy).
+        #: Where the checkpoints live (a folder, or an object store).
         self.folder: CheckpointStore = open_store(config)
         self.dir = self.folder.dir
         #: The folder as the user named it (a URL for an object store).
@@ -152,18 +128,16 @@ class CheckpointManager:
         background: bool = False,
         then: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Save ``contents`` through ``writer`` as the checkpoint ``target`` of this run,
-        committed by the folder's store (checkpoint/saving.py: the one save route); every rank
-        must call this. See SaveRoute.save."""
+        """Save ``contents`` as the checkpoint ``target`` through the one save route
+        (SaveRoute.save). Every rank must call this."""
         return self.route.save(
             target, writer, contents, run=self.run_id, budget_s=budget_s,
             background=background, then=then,
         )  # fmt: skip
 
     def flush(self) -> None:
-        """Wait for the store's changes running in the background (an object store's
-        uploads); every rank raises the same CheckpointError if one failed. Every rank must
-        call this."""
+        """Wait for the store's background changes; every rank raises the same CheckpointError
+        if one failed. Every rank must call this."""
         flush_together(self.folder, self.comm, self.where)
 
     def save_periodic(
@@ -175,9 +149,8 @@ class CheckpointManager:
         budget_s: float | None = None,
         background: bool = False,
     ) -> Path:
-        """Save the checkpoint after ``epoch`` epochs and ``step`` optimizer steps, point
-        latest.json at it and delete periodic ones beyond ``keep_last`` once it is committed.
-        Every rank must call this."""
+        """Save the checkpoint after ``epoch`` epochs and ``step`` steps, then point latest.json
+        at it and rotate. Every rank must call this."""
         target = self.periodic_path(epoch, step)
         publish = lambda done: self.publish(done, epoch, step)  # noqa: E731
         self.save(target, writer, contents, budget_s=budget_s, background=background, then=publish)
@@ -193,10 +166,8 @@ class CheckpointManager:
         return location(self.where, target)
 
     def periodic_path(self, epoch: int, step: int) -> Path:
-        """Where the periodic checkpoint after ``epoch`` epochs and ``step`` steps goes: its
-        plain name, or, when another run's checkpoint has that name (two runs in one folder),
-        the name with this run's id (``ckpt-e0002-s00000010-r<id>.pt``), so it is never
-        replaced."""
+        """The periodic checkpoint's path: its plain name, or with this run's id
+        (``ckpt-e0002-s00000010-r<id>.pt``) when another run's checkpoint has that name."""
         plain = self.dir / periodic_name(epoch, step, self.sharded)
         owner = self.folder.checkpoints().get(plain)
         if owner is None or self.run_id is None or owner == self.run_id:
@@ -215,12 +186,9 @@ class CheckpointManager:
         self.last_saved_epoch = epoch
 
     def mark_preempted(self, reason: str = "preempted") -> bool:
-        """Record in latest.json that the run stopped on a preemption (``"reason":
-        "preempted"``, or ``"interrupted"`` for a Ctrl-C), still naming the newest complete
-        checkpoint, so a job script can tell a preemption from a failure whatever exit status
-        its launcher reports. Rank 0 writes; best effort (a failure is logged). Every rank may
-        call this; rank 0 returns whether it (and, on a store, every upload before it)
-        landed."""
+        """Record ``reason`` ("preempted", "interrupted") in latest.json, still naming the
+        newest complete checkpoint. Rank 0 writes, best effort, and returns whether it landed;
+        any rank may call this."""
         if self.comm.rank != 0:
             return True
         path = self.last_saved_path or self.folder.checkpoints().latest
@@ -256,9 +224,8 @@ class CheckpointManager:
         return self.dir / (BEST_SHARDED if self.sharded else BEST)
 
     def rank(self, value: float, epoch: int, step: int) -> Ranking:
-        """Rank the monitored ``value`` of the checkpoint after ``epoch`` epochs and ``step``
-        steps: the best value and the top-k move now (in memory, so the checkpoint written
-        next holds its own ranking); ``keep`` then makes the files. Every rank alike."""
+        """Rank the monitored ``value`` in memory (the checkpoint written next holds its own
+        ranking); ``keep`` then makes the files. Every rank alike."""
         best = not math.isnan(value) and self.improves(value)
         if best:
             self.best_value = value
@@ -269,9 +236,8 @@ class CheckpointManager:
         return Ranking(best, top, dropped)
 
     def keep(self, ranking: Ranking, source: Path | None, write: Callable[[Path], Path]) -> None:
-        """The files of ``ranking``: best.pt (``best/``) and the top-k checkpoint as hard links
-        to the complete checkpoint ``source``, or ``write(path)`` once where there is none;
-        the checkpoint that fell out of the top k is deleted. Every rank must call this."""
+        """Make ``ranking``'s files: copies of ``source`` (or ``write(path)`` without one),
+        and delete what fell out of the top k. Every rank must call this."""
         if ranking.best:
             if source is None:
                 source = write(self.best_path)
@@ -299,10 +265,8 @@ class CheckpointManager:
         return value < self.best_value if self.config.mode == "min" else value > self.best_value
 
     def _prune(self, keep: Path) -> None:
-        """Delete this run's periodic checkpoints beyond ``keep_last``, and the one of
-        ``keep``'s step saved before its epoch ended (a step save at the epoch's last step:
-        ``keep`` holds that step and the epoch's end); never another run's (two runs sharing
-        a folder by mistake lose nothing to each other)."""
+        """Delete this run's periodic checkpoints beyond ``keep_last`` and a step save that
+        ``keep`` (its epoch's checkpoint) supersedes; never another run's."""
         runs = self.folder.checkpoints()  # the run that wrote each, as the store knows it
         periodic = sorted((p for p in runs if PERIODIC.match(p.name)), key=order, reverse=True)
         if self.run_id is not None:

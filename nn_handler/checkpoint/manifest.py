@@ -1,19 +1,6 @@
-"""The manifest of a checkpoint: each of its objects' size and checksums, written last.
-
-A checkpoint is trusted when its manifest exists and its objects match it (checkpoint/verify.py
-checks them). One type, ``Manifest``, with each object's ``Entry``: its size, the CRC-32 of the
-whole object, and/or of its segments (offset, length, CRC-32, what they hold: the items of a DCP
-shard, so that a damaged byte is named by the tensor it belongs to). Object keys are relative to
-the folder that holds the checkpoint: ``ckpt-e0003-s00000120.pt`` for a single file,
-``ckpt-e0003-s00000120/__0_0.distcp`` for a file of a sharded folder.
-
-One format is written (``nn_handler.manifest`` v2: the checkpoint's name, the run, and its
-``objects``), by the store that commits the checkpoint, in one of two places: ``manifest.json``
-inside a folder on a local file system (the folder's rename commits it with its manifest), and
-``<name>.manifest.json`` beside the checkpoint on an object store (written last: nothing there
-renames). Two earlier formats still load as the same Manifest: ``nn_handler.manifest`` v1
-(``manifest.json`` inside a sharded folder, ``files`` by name inside it) and
-``nn_handler.remote-manifest`` v1 (an object store's, before segments were kept there).
+"""The manifest of a checkpoint: each object's size and CRC-32 (of the whole, and/or of its
+segments: a DCP shard's items), keyed relative to the checkpoint's folder, written last by the
+store that commits it. Formats and places: docs/checkpoints.md, "Integrity of both formats".
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Opening a checkpoint: the one way in for every reader (``NNHandler.load``, a resume,
-``nn-handler checkpoint inspect``, consolidate, ``init_weights``, rotation's ownership check).
-
-What a path holds is decided once (checkpoint/format.py ``kind_of``): a checkpoint file or
-folder is read as it is; a folder of checkpoints, local or on an object store, gives its
-newest complete, verified checkpoint (latest.json's first, then the others newest first; a
-damaged one is skipped with a warning saying why); a URL naming one committed checkpoint is
-downloaded, every object checked against its manifest as it arrives. The stores
-(checkpoint/store/) know where a checkpoint's bytes are; this module reads them.
+"""Opening a checkpoint: the one way in for every reader. What a path holds is decided once
+(format.py ``kind_of``); a folder of checkpoints, local or on an object store, gives its newest
+complete, verified one (a damaged one is skipped with a warning); a URL's checkpoint is
+downloaded and checked as it arrives.
 """
 
 from __future__ import annotations
@@ -38,18 +33,10 @@ if TYPE_CHECKING:
 
 
 class Opened(NamedTuple):
-    """A checkpoint read from disk.
-
-    Attributes:
-        path: where it is (on this machine: an object store's working copy).
-        contents: a single file's whole checkpoint, or a sharded folder's unsharded parts
-            (``trainer.pt``), read ``weights_only``.
-        folder: the sharded folder whose DCP shards hold the other parts; None for a file.
-        where: where it lives, as the user names it (an object store's URL, not the local
-            copy ``path``): what logs and errors say.
-        verified: every byte was checked against its manifest as it was fetched (an object
-            store's): nothing checksums it again.
-    """
+    """A checkpoint read from disk: its local ``path``, its ``contents`` (a file's whole
+    checkpoint or a folder's ``trainer.pt``), the sharded ``folder`` (None for a file), where
+    the user names it (``where``: a URL for an object store) and whether every byte was
+    ``verified`` as it was fetched."""
 
     path: Path
     contents: Any
@@ -66,12 +53,8 @@ def read(
     where: str = "",
     glance: bool = False,
 ) -> Opened:
-    """The checkpoint ``path`` (a file, or a committed sharded folder; with ``store``, whose
-    folder is ``where``, its checkpoint of that name, fetched: an object store's downloaded
-    and checked as it arrives), its top level read weights-only and its records'
-    CRC-32s checked (not again for a fetched copy). ``glance``: memory-mapped and
-    unchecked, to look at what it says (inspect, a checkpoint's owner). Raises
-    CheckpointError when it cannot be read."""
+    """The checkpoint ``path`` (with ``store``: fetched from it), read weights-only and checked
+    (``glance``: memory-mapped and unchecked, to look at it). Raises CheckpointError."""
     target, named, verified = Path(path), str(path), False
     if store is not None:
         target = store.fetch(target.name)
@@ -90,11 +73,8 @@ def open_checkpoint(
     staging_dir: str | None = None,
     glance: bool = False,
 ) -> Opened:
-    """The checkpoint ``path`` names, read in this process alone: a file or a checkpoint
-    folder as it is, a folder of checkpoints (local or a URL) its newest complete, verified
-    one, as a resume chooses it, a URL of one committed checkpoint downloaded and checked
-    (``NNHandler.load``, ``nn-handler checkpoint inspect``). ``staging_dir``: the local
-    working copy a URL's checkpoint is downloaded into (None: the default cache)."""
+    """The checkpoint ``path`` names (a file, a folder, a folder of checkpoints' newest, a
+    URL), read in this process alone; ``staging_dir``: where a URL's is downloaded."""
     kind = kind_of(path)
     if kind in ("file", "folder"):
         return read(path, map_location, glance=glance)
@@ -129,11 +109,9 @@ def open_on_every_rank(
     config: CheckpointConfig,
     run_folder: Callable[[], CheckpointManager],
 ) -> tuple[Opened | None, bool]:
-    """What a resume of ``path`` opens, on every rank: 'latest' (``run_folder()``, the run's
-    own checkpoints) or a folder of checkpoints (local or a URL) give the newest verified
-    checkpoint there, chosen automatically (True; None when there is none and
-    ``missing_ok``); anything else is the one checkpoint it names (False). Every rank must
-    call this; all raise the same CheckpointError."""
+    """What a resume of ``path`` opens, and whether it was chosen automatically: 'latest'
+    (``run_folder()``'s) or a folder's newest verified checkpoint (None: none, ``missing_ok``),
+    else the one named. Every rank must call this; all raise the same CheckpointError."""
     kind = "latest" if str(path) == "latest" else kind_of(path)
     url = str(path).rstrip("/")
     one = kind in ("file", "folder")
@@ -161,10 +139,8 @@ def open_on_every_rank(
 def _newest(
     store: CheckpointStore, where: str, comm: Communicator, device: MapLocation, missing_ok: bool
 ) -> Opened | None:
-    """The newest complete, verified checkpoint in ``store``, read on every rank: rank 0 picks
-    the newest readable one (latest.json's first, then the periodic ones newest first); a
-    sharded one's files are checked, each rank its share; a damaged one is skipped with a
-    warning saying why. Every rank must call this."""
+    """The newest complete, verified checkpoint in ``store`` (latest.json's first; a damaged
+    one is skipped with a warning), read on every rank. Every rank must call this."""
     skipped: set[Path] = set()
     while True:
         opened: Opened | None = None

@@ -1,11 +1,5 @@
 """StateRegistry: the named stateful parts a checkpoint holds, collected and restored without
-knowing whose they are.
-
-A part is shared (one state for the run, taken from rank 0) or per rank (every rank's own
-state: RNG streams, partial sums, a user's per-rank counters). ``collect`` gathers them into
-``({name: state}, [per rank {name: state}])``; ``restore`` gives each part its state back and
-says what was not used. The Trainer's checkpoint format (training/checkpointing.py) is built
-on it; a strategy contributes its model's parts (strategies/base.py).
+knowing whose they are: shared (one state, rank 0's) or per rank (RNG streams, partial sums).
 """
 
 from __future__ import annotations
@@ -43,22 +37,14 @@ class Part:
 
     Attributes:
         name: its key in the checkpoint.
-        save: returns its state (plain values and tensors).
-        load: takes a saved state back: ``load(state, source)``, source naming the checkpoint
-            for error messages.
+        save: returns its state; ``load(state, source)`` takes it back (source: for errors).
         per_rank: every rank saves and restores its own state.
-        missing: when a checkpoint has no state for it: warn and start fresh, raise, or say
-            nothing (state that may legitimately be absent).
-        on_resize: a per-rank part restored with another number of ranks: every rank takes
-            rank 0's state ("rank0") or keeps its own ("keep").
-        collective: ``save`` must run on every rank (a sharded model's full state); shared
-            parts otherwise run on rank 0 only.
-        shards: in a sharded checkpoint (checkpoint/sharded.py) the part is written by every
-            rank through torch.distributed.checkpoint: ``shards()`` is its state as DCP saves
-            it (DTensors keep their sharding), called on every rank, and also the template
-            DCP fills when loading. None: the part goes with the unsharded ones.
-        load_shards: takes back a state of the form ``shards()`` returns, once DCP filled it:
-            ``load_shards(state, source)``.
+        missing: a checkpoint without it: warn and start fresh, raise, or say nothing.
+        on_resize: a per-rank part on another number of ranks: take rank 0's or keep its own.
+        collective: ``save`` runs on every rank (else a shared part's runs on rank 0 only).
+        shards: in a sharded checkpoint, its state as DCP saves it (every rank; also the
+            template DCP fills when loading), given back to ``load_shards(state, source)``.
+            None: the part goes with the unsharded ones.
     """
 
     name: str

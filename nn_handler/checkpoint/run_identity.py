@@ -1,13 +1,5 @@
-"""Which run a checkpoint belongs to: an id per run and a fingerprint of what defines it.
-
-A run gets a new id when it starts afresh and keeps the id of the checkpoint it resumes. The
-fingerprint is the subset of ``Trainer.hyperparameters()`` that a resume may not change
-without becoming another experiment (the optimizer and its initial learning rate, precision,
-the EMA, the data order, accumulation, clipping...); what a resume may change (epochs, the
-checkpoint and logging settings, the world size and strategy, loader workers) is left out.
-Rotation deletes only the checkpoints of its own run, and an automatic resume refuses a
-checkpoint whose fingerprint differs from this run's (checkpoint/manager.py,
-training/checkpointing.py).
+"""Which run a checkpoint belongs to: an id per run (kept on resume) and a fingerprint of what a
+resume may not change (docs/checkpoints.md, "Checkpoints belong to a run").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Reading DCP folders without running code from them.
-
-torch.distributed.checkpoint reads its index (``.metadata``) with a plain ``pickle.load`` and
-every non-tensor value of a shard (an optimizer's ``param_groups``, a count) with
-an unrestricted ``torch.load``: a crafted folder runs code on whoever loads it. Here the
-index is read by an unpickler that only builds DCP's metadata classes and the plain types they
-hold, the byte values with ``weights_only=True``, and every file the index names must be a
-plain file name inside the folder. Anything else is a CheckpointError naming the file and what
-it asked for; nothing in the folder is ever called.
+"""Reading DCP folders without running code from them: the index by an unpickler that builds only
+DCP's metadata classes and plain types, values with ``weights_only=True``, and only plain file
+names inside the folder (DCP's own reader unpickles both unrestricted).
 """
 
 from __future__ import annotations

@@ -6,10 +6,8 @@ local folder or an object store, now or in the background::
     entries, or its refusal -> store.commit(target) -> then(target) (the policy: latest.json,
     rotation) -> every rank agrees on the outcome
 
-A writer (checkpoint/single_file.py, checkpoint/sharded.py) writes files into the staging
-place and knows nothing of stores; only the store commits. One save is in flight at most: a
-background save's write and put run in a thread of the route, and the next save (or
-``wait``) gathers and commits it.
+Writers know nothing of stores; one save is in flight at most (a background one's write and
+put run in the route's thread; the next save, or ``wait``, commits it).
 """
 
 from __future__ import annotations
@@ -80,11 +78,9 @@ class SaveRoute:
         background: bool = False,
         then: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Save ``contents`` as the checkpoint ``target`` of the run ``run`` through
-        ``writer``; ``then(target)`` on rank 0 once it is committed (a failure in it fails the
-        save). Returns once it is committed, or (``background``) once the writer has what it
-        needs, the rest waited for by the next save or ``wait``. Every rank must call this;
-        all raise the same CheckpointError, naming the checkpoint where the user finds it."""
+        """Save ``contents`` through ``writer`` as ``target``; ``then(target)`` on rank 0 once
+        committed. Returns then, or (``background``) once the writer has copied what it needs.
+        Every rank must call this; all raise the same CheckpointError."""
         self.wait()
         refusal = None
         try:  # the lead's: no earlier commit of this name may vouch for what is written now

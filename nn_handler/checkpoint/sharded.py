@@ -1,26 +1,8 @@
-"""Sharded checkpoints: a folder every rank writes in parallel through
-torch.distributed.checkpoint (DCP), and that any number of ranks can load.
+"""Sharded checkpoints: a folder every rank writes through torch.distributed.checkpoint (DCP)
+and any number of ranks loads (layout: docs/checkpoints.md, "Sharded checkpoints").
 
-Layout::
-
-    ckpt-e0003-s00000120/
-        trainer.pt      every part that is not sharded (loop position, history, schedulers,
-                        every rank's RNG, ...): the single-file format without the sharded
-                        parts, which its "sharded" entry names; rank 0 writes it
-        __0_0.distcp    each rank's shards of the sharded parts (model, optimizers, EMA)
-        .metadata       DCP's index of the shards, once every rank has written
-        manifest.json   the size and CRC-32 checksums of every file and every item in the
-                        shards (checkpoint/manifest.py), written by the store's commit
-
-Every rank writes into the store's staging folder (``.ckpt-e0003-s00000120.tmp-sharded``); the
-save route (checkpoint/saving.py) hands each rank's files to the store and has it commit the
-folder once every rank has (a local one by its manifest and one rename, an object store by its
-manifest beside it), so a kill at any moment leaves the previous checkpoint the newest
-complete one. The writer knows nothing of stores.
-DCP reshards on load: a folder written by W ranks loads on W' ranks, under FSDP2, DDP or in
-one process. Loading reads the index and the shards' values without running code
-(checkpoint/safe_dcp.py) and only after every file was checked against the manifest
-(``verify_sharded``: each rank a share of the files).
+The writer writes into the store's staging folder and knows nothing of stores; loading reads
+nothing that can run code (checkpoint/safe_dcp.py), after ``verify_sharded`` checked the files.
 """
 
 from __future__ import annotations
@@ -51,12 +33,9 @@ from nn_handler.errors import CheckpointError
 
 
 class ShardedWriter:
-    """A sharded checkpoint's folder (``contents``: ``(rest, shards)``, ``rest`` used on rank 0):
-    rank 0 writes ``rest`` as its REST file, every rank its ``shards`` through DCP, every item
-    checksummed as it passes. ``group`` returns the process group DCP's collectives use (the
-    strategy's ``checkpoint_group``: a gloo group of their own; None in one process). A
-    background save first copies this rank's state into CPU buffers kept between saves, and
-    runs no collective before the route's thread writes."""
+    """Writes ``contents`` = ``(rest, shards)``: rank 0 ``rest`` as the REST file, every rank
+    its ``shards`` through DCP on ``group()`` (None in one process), checksummed as they pass.
+    A background save first copies this rank's shards into CPU buffers kept between saves."""
 
     folder = True
 
@@ -75,8 +54,7 @@ class ShardedWriter:
         background: bool,
     ) -> Callable[[], Written]:
         """Rank 0's REST file and (``background``) this rank's copy now; the DCP write after.
-        A refusal (this rank's, or a failure here) is raised in DCP's planning, which reports
-        it to every rank before any of them writes."""
+        A refusal is raised in DCP's planning, so every rank learns it before any writes."""
         rest, shards = contents
         if self.comm.rank == 0 and refusal is None:
             refusal = _prepare(staging, rest, where)
@@ -107,10 +85,9 @@ class ShardedWriter:
 
 
 def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> None:
-    """Check the folder's files against its manifest, each rank a share of them (``comm``
-    None: every file, in this process); ``rest`` is its REST contents (a folder written with
-    checksums must still have them). Every rank must call this; all raise the same
-    CheckpointError naming the file, the bytes and the tensor when any rank found one bad."""
+    """Check the folder's files against its manifest, each rank a share (``comm`` None: all,
+    here); ``rest``: its REST contents. Every rank must call this; all raise the same
+    CheckpointError when any rank found a bad file."""
     path = Path(folder)
     required = isinstance(rest, Mapping) and rest.get(CHECKSUMS) == MANIFEST
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
@@ -130,9 +107,8 @@ def verify_sharded(folder: str | Path, comm: Communicator | None, rest: Any) -> 
 def load_shards(
     path: str | Path, template: dict[str, Any], group: dist.ProcessGroup | None
 ) -> None:
-    """Fill ``template`` (the parts' ``shards()``, on every rank) in place from the folder at
-    ``path``, resharded to this run's ranks, reading nothing that can run code (verify the
-    folder first: ``verify_sharded``). Every rank must call this; a failure on any rank is a
+    """Fill ``template`` (the parts' ``shards()``) in place from the verified folder ``path``,
+    resharded to this run's ranks. Every rank must call this; a failure on any rank is a
     CheckpointError on every rank."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -160,8 +136,7 @@ def load_shards(
         ) from error
 
 
-#: DCP's notice that it runs in one process (torch.distributed.checkpoint's save and load
-#: say it on every call with no process group): what a one-process sharded save asks for.
+#: DCP's notice, at every save and load without a process group, that it runs in one process.
 ONE_PROCESS_NOTICE = (
     r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
     r"(save|load) in a single process"
@@ -169,11 +144,8 @@ ONE_PROCESS_NOTICE = (
 
 
 def quiet_one_process_notice() -> None:
-    """Ignore DCP's one-process notice, from torch.distributed.checkpoint only, for the rest
-    of the process (documented in docs/checkpoints.md). One filter, added once: a
-    ``catch_warnings`` around each save is not thread-safe (an asynchronous save runs in a
-    thread) and, on leaving, resets every "once" registry, so the notice came back at every
-    save."""
+    """Ignore DCP's one-process notice for the rest of the process: one filter, added once
+    (``catch_warnings`` is not thread-safe, and resets every "once" registry on leaving)."""
     for action, message, *_ in warnings.filters:
         if action == "ignore" and message is not None and message.pattern == ONE_PROCESS_NOTICE:
             return

@@ -1,17 +1,7 @@
-"""The one verifier: the only code that computes a checkpoint's checksums (with the helpers of
-checkpoint/checksum.py) and compares them with the ones recorded.
-
-``entry_of`` records a file for a manifest (its size and CRC-32, once, when it is committed or
-uploaded); the DCP writer's items are checksummed as they pass to the file (``Passing``), or
-read back where a span was not seen (``item_entries``).
-``check_object`` checks a local file against its manifest entry (its size, then the CRC-32 of
-the whole and of each segment, memory-mapped); an ``Arrival`` checks an object's bytes as they
-are downloaded (never read back). ``verify_files`` checks a sharded folder, each rank a share
-of its files; a folder without a manifest (written before checksums) gets structural checks
-only: its index reads safely and every file it names is there and long enough. A single file
-is checked against the CRC-32s torch.save stored in its zip directory (``verify_records``,
-beside torch.load). Every failure is a CheckpointError naming the checkpoint, the object, the
-bytes and what they hold.
+"""The one verifier: the only code that computes a checkpoint's checksums (with checksum.py's
+helpers) and compares them with the ones recorded: a local file (``check_object``), a download
+as it arrives (``Arrival``), a sharded folder (``verify_files``, each rank a share), a single
+file's zip records (``verify_records``). Failures are CheckpointErrors naming the object.
 """
 
 from __future__ import annotations
@@ -98,10 +88,8 @@ def item_entries(path: Path, items: list[tuple[int, int, str]]) -> tuple[int, li
 
 
 class Passing(io.RawIOBase):
-    """A write stream that checksums the bytes passing to ``raw``, span by span: a span ends
-    wherever its writer asks ``tell()`` (DCP's writer does before and after each item), so
-    an item's CRC-32 is known without reading the file back. ``spans``: (offset, length) ->
-    CRC-32."""
+    """A write stream checksumming what passes to ``raw`` span by span (a span ends at each
+    ``tell()``: DCP's writer asks around each item); ``spans``: (offset, length) -> CRC-32."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
@@ -235,11 +223,9 @@ def share(names: Iterable[str], rank: int, world: int) -> list[str]:
 
 
 def verify_files(folder: Path, rank: int = 0, world: int = 1, required: bool = False) -> None:
-    """Check this rank's share of ``folder``'s files against its manifest (every file with
-    ``world == 1``; the index, also read without running code, on rank 0); raises
-    CheckpointError naming the file, the bytes and what they hold.
-    A folder without a manifest is an error when ``required`` (it was written with one), and
-    gets structural checks otherwise (see the module docstring)."""
+    """Check this rank's share of ``folder``'s files against its manifest (rank 0 also reads
+    the index safely). Without a manifest: a CheckpointError when ``required``, else
+    structural checks only (a folder written before checksums)."""
     from nn_handler.checkpoint.safe_dcp import INDEX, read_index  # imports DCP
 
     manifest = read_manifest(folder)

@@ -1,17 +1,7 @@
-"""What a hook may learn from, or give to, the Trainer's checkpointing: the two optional methods
-that ``TrainerCheckpoints.adopt`` looks for on the hooks it is handed.
-
-- ``checkpoint_committed(path, epoch, step)``: called on every rank, in the same order, once a
-  periodic checkpoint is complete and committed (a single file renamed into place, a sharded
-  folder's manifest written; for an asynchronous save, when the next save or the end of the
-  fit has waited for it). Never for a checkpoint that failed or is still being written. On an
-  object store with ``async_save``, a single file is told once complete locally, while its
-  upload may still run. A hook may run a collective there (every rank is in it). The Ray
-  Train integration reports checkpoints to Ray from it.
-- ``checkpoint_to_resume()``: asked once, on every rank, when the first fit begins, before
-  the ``resume`` policy; a path (the same on every rank) is resumed from as with
-  ``trainer.resume(path)``, None leaves the decision to the policy. Ray's restarts resume
-  through it.
+"""The two optional hook methods of the Trainer's checkpointing (docs/training.md):
+``checkpoint_committed(path, epoch, step)``, on every rank in the same order once a periodic
+checkpoint is committed (never for a failed one), and ``checkpoint_to_resume()``, asked once
+on every rank before the ``resume`` policy (a path to resume from, or None).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The Trainer's checkpoint format: a StateRegistry's parts in one ``torch.save`` file of plain
-values (it loads with ``weights_only=True``).
-
-Top level: ``format``, ``version``, ``world_size``, ``config`` and every shared part by name
-(the strategy's ``model``; ``optimizer``, ``scheduler``, ``optimizers``, ``schedulers``,
-``precision``, ``ema``, ``early_stopping``, ``history``; the loop's ``trainer`` and ``data``;
-``best`` with a checkpoint folder); ``ranks``: for every rank its per-rank parts (``rng``,
-``epoch_rng``, ``running``, the strategy's ``buffers``, the user's ``tracked.<name>``).
-
-A sharded checkpoint (``CheckpointConfig.format``, checkpoint/sharded.py) is a folder: the
-parts with a sharded view (model, optimizers, EMA) in every rank's DCP shards, the rest in
-``trainer.pt`` in the format above, whose ``sharded`` entry names the parts in the shards.
-
-Here: the marker and version, the run configuration as plain values, the check that a loaded
-object is a training checkpoint, a rank's saved parts, and the rules on a world-size change.
+"""The Trainer's checkpoint format (docs/checkpoints.md, "What a checkpoint holds"): the marker
+and version, the run configuration as plain values, the check that a loaded object is a
+training checkpoint, a rank's saved parts, and the rules on a world-size change.
 """
 
 from __future__ import annotations
@@ -125,11 +113,9 @@ def _reproducible_of(run_config: Any) -> dict[str, Any] | None:
 
 
 def check_reproducible(saved_config: Any, run_config: Any, source: str) -> None:
-    """The reproducible mode resumes only a checkpoint written with the same settings: another
-    global or micro batch size re-cuts the steps (samples of the epoch skipped or trained
-    twice), another seed changes every step's randomness, and a checkpoint written with the
-    mode off (or read with it off) has another data order. A ConfigError naming the fields
-    otherwise (also with resume: force: nothing can continue it exactly)."""
+    """A ConfigError naming the fields unless the checkpoint was written in the reproducible
+    mode with the same batch sizes and seed (even with resume: force: nothing else continues
+    it exactly)."""
     saved, now = _reproducible_of(saved_config), _reproducible_of(run_config)
     if saved_config is None or saved == now:
         return
@@ -149,11 +135,9 @@ def check_reproducible(saved_config: Any, run_config: Any, source: str) -> None:
 
 
 def refuse_a_shorter_latest(comm: Communicator, existing: list[Path], folder: str) -> None:
-    """``resume: on_restart`` on a fresh start (a new machine, a relaunch by hand) over a
-    folder that holds committed checkpoints (``existing``): starting afresh would make this
-    shorter run the one ``latest.json`` names, and a later ``resume: auto`` would continue it
-    instead of the long one. A ConfigError on every rank (rank 0's listing decides). Every
-    rank must call this."""
+    """A ConfigError on every rank when a fresh ``resume: on_restart`` start meets committed
+    checkpoints (``existing``, rank 0's listing): this shorter run would become the latest.
+    Every rank must call this."""
     newest = max(existing, key=order).name if existing else None
     if comm.world_size > 1:
         newest = comm.broadcast_object(newest)

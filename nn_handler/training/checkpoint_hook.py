@@ -1,11 +1,5 @@
-"""CheckpointHook: periodic and best checkpoints and preemption, at the loop's hook points.
-
-``before_train``: the SIGTERM / Ctrl-C watch starts; ``after_optimizer_step``: a step
-checkpoint every ``every_n_steps`` and the agreed preemption check; ``after_epoch``: an epoch
-checkpoint, best.pt, a forced preemption check and, at the fit's last epoch, the last
-position (save_last); ``after_train``: the watch ends. An ordinary hook of the Trainer's
-HookList, ``collective``: it runs last at each point, after the other hooks' error agreement
-(everything it does is collective, and its errors are agreed on every rank).
+"""CheckpointHook: periodic and best checkpoints and preemption at the loop's hook points; a
+``collective`` hook, run last at each point after the other hooks' error agreement.
 """
 
 from __future__ import annotations
@@ -28,12 +22,8 @@ from nn_handler.training.hooks import Hook
 
 
 class CheckpointHook(Hook):
-    """The checkpoint policy of ``CheckpointConfig`` for one fit (needs a checkpoint folder).
-
-    Attributes:
-        watch: the SIGTERM / Ctrl-C watch during a fit (None otherwise, and when
-            ``handle_sigterm`` is off).
-    """
+    """The checkpoint policy of ``CheckpointConfig`` for one fit (needs a checkpoint folder);
+    ``watch``: the SIGTERM / Ctrl-C watch during a fit."""
 
     collective = True
     order = 1000  # after every other hook: a checkpoint holds what they did at this point

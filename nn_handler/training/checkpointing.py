@@ -1,6 +1,5 @@
-"""The Trainer's checkpointing part (TrainerCheckpoints): the registry of its stateful parts,
-writing and reading the format of training/checkpoint_format.py, and putting a run back where
-it stopped. It takes the parts, the communicator and the loop position, never the Trainer.
+"""The Trainer's checkpointing part: its state's registry, saving, loading and resuming. It takes
+the parts, the communicator and the loop position, never the Trainer.
 """
 
 from __future__ import annotations
@@ -43,27 +42,10 @@ NOTED_WAIT_S = 0.5
 
 
 class TrainerCheckpoints:
-    """The Trainer's checkpointing part: the registry of every stateful part, the user's
-    ``track``-ed state, and writing, loading and resuming checkpoints.
-
-    The registry is built from the parts the Trainer hands over (``adopt``: the strategy's,
-    the optimization's, the history, the loop position); ``track`` may be called before that
-    (e.g. in ``configure_optimizers``) and until the fit starts.
-
-    Attributes:
-        registry: the checkpoint's parts.
-        config: the CheckpointConfig.
-        manager: the CheckpointManager of ``config.dir`` (None without a folder, or in a
-            fast_dev_run, which neither writes nor resumes checkpoints).
-        run_config: the run's configuration as plain values, stored in every checkpoint.
-        writer: the checkpoints' writer, chosen once: a ShardedWriter when checkpoints are
-            sharded folders, a FileWriter for single files (either way a sharded checkpoint
-            can be loaded); ``group`` gives the process group of the shards' collectives
-            (the strategy's ``checkpoint_group``).
-        hook: the CheckpointHook of the policy (set by the Trainer when there is a folder).
-        events: the hooks told of committed checkpoints and asked where to resume
-            (training/checkpoint_events.py).
-    """
+    """The registry of the parts the Trainer hands over (``adopt``) and of the user's
+    ``track``-ed state (until the fit starts), and the saving, loading and resuming of them.
+    ``manager`` is None without a folder or in a fast_dev_run; ``writer`` (a ShardedWriter or
+    a FileWriter) is chosen once; ``hook`` is the policy's CheckpointHook."""
 
     def __init__(
         self,
@@ -101,9 +83,7 @@ class TrainerCheckpoints:
         self.fingerprint = fingerprint  # what defines this run (checkpoint/run_identity.py)
         self._tracked: dict[str, Stateful] = {}
         self._world_note: str | None = None  # a world-size change said at the next fit
-        #: This run's id (checkpoint/run_identity.py): adopted from the checkpoint it resumes,
-        #: new when it starts afresh.
-        self.run_id: str | None = None
+        self.run_id: str | None = None  # the resumed checkpoint's, or new when afresh
 
     def adopt(self, parts: Iterable[Part], hooks: Sequence[Any] = ()) -> None:
         """Add the parts that hold the run's state; hooks with ``state_dict`` and
@@ -177,14 +157,10 @@ class TrainerCheckpoints:
         automatic: bool = False,
         for_inference: bool = False,
     ) -> None:
-        """Give every part its state from ``checkpoint`` (a sharded checkpoint's unsharded
-        parts, with its ``folder``, whose files are checked against their checksums first
-        unless ``verified``); the next fit continues where it was written, as the same run.
-        A checkpoint of a run configured otherwise (checkpoint/run_identity.py) is refused
-        when chosen ``automatic``-ally (resume 'latest', 'auto', 'on_restart'; not with
-        'force'), and loaded with a warning otherwise. ``for_inference`` (NNHandler.load):
-        a change of world size is said at the next fit, where the data's order matters, not
-        now. Every rank must call this with the same checkpoint."""
+        """Give every part its state from ``checkpoint`` (with a sharded one's ``folder``,
+        verified first unless ``verified``); the next fit continues it as the same run. Another
+        run configuration's checkpoint is refused when chosen ``automatic``-ally, else loaded
+        with a warning. Every rank must call this with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
@@ -283,9 +259,8 @@ class TrainerCheckpoints:
             self.manager.flush()
 
     def _wait_for_the_previous(self, manager: CheckpointManager, step: int) -> None:
-        """One save in the background at most: the next one waits for the previous write (it
-        is committed and told first) and upload; a wait of ``NOTED_WAIT_S`` or more is said
-        in one line (rank 0): saves that overlap cost the loop that time."""
+        """One background save at most: wait for the previous one's commit and upload, and
+        say a wait of ``NOTED_WAIT_S`` or more (rank 0)."""
         writing = manager.route.pending
         started = time.perf_counter()
         manager.flush()

@@ -1,16 +1,8 @@
-"""Where a run's checkpoints live, behind one small interface: ``CheckpointStore`` (ten
-members), the only code that commits a checkpoint (renames it into place or writes its
-manifest).
-
-The protocol, for every checkpoint: a writer writes into ``staging(target)``; each rank hands
-its files to ``put``; rank 0 ``commit``-s once every rank's put is agreed; ``fetch`` gives a
-committed one on this machine (checkpoint/opening.py reads it). Two implementations, each
-with one manifest per checkpoint and one validity rule: ``LocalStore``, a folder (the commit
-is one rename, a folder's manifest written into it first: checkpoint/store/files.py), and
-``ObjectStore``, a folder of an object store that holds a LocalStore as its working copy
-(committed there, then on the store: every object uploaded, then its manifest beside it; what
-the store has committed is what is trusted). ``open_store`` picks one from ``checkpoint.dir``;
-whoever opens a store knows where it is (``where_of``, ``location``), the store need not say.
+"""Where a run's checkpoints live, behind ``CheckpointStore`` (ten members): the only code that
+commits a checkpoint. A writer writes into ``staging(target)``; each rank hands its files to
+``put``; rank 0 ``commit``-s once every put is agreed; ``fetch`` gives a committed one on this
+machine. ``LocalStore`` commits by a rename, ``ObjectStore`` (a LocalStore as working copy) by
+a manifest on the store; ``open_store`` picks one from ``checkpoint.dir``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""One live job per checkpoint folder, in either store: ``.nn_handler.lock`` in the folder,
-taken by rank 0 at the start and released at close.
-
-The lock names its holder (host, pid, the launcher's job id, when it was taken or renewed).
-Taking it is one create-if-absent: a local ``O_EXCL`` open, or on an object store a conditional
-write (S3's ``If-None-Match: *``, fsspec's ``mode="create"``). A lock found there is stale, and
-taken over with a warning, when its process is gone from this host, when it was taken on
-another host by an earlier start of this same job (a torchrun restart or a SLURM requeue, which
-keep the job's id), or, on an object store (which cannot tell whether a process on another
-machine lives), when its lease ran out: the holder renews it every ``lease_s / 4`` seconds from
-a thread. A live process on this host always holds it (two srun steps of one allocation share
-SLURM_JOB_ID); any other holder makes the start fail, naming it. A store without conditional
-writes gets no lock, said once at the start.
+"""One live job per checkpoint folder: ``.nn_handler.lock``, taken by rank 0 with one
+create-if-absent (``O_EXCL``, or an object store's conditional write) and released at close.
+A stale lock (its process gone from this host, an earlier start of this job, or an object
+store's lease run out) is taken over with a warning; a live holder fails the start, named.
 """
 
 from __future__ import annotations

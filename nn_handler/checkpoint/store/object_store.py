@@ -1,11 +1,8 @@
-"""ObjectStore: a run's checkpoints on an object store (``checkpoint.dir`` a URL), written into
-a local working copy exactly as into a folder (a LocalStore it holds: the same staging and
-rename there) and committed on the store by checkpoint/store/remote_protocol.py: every
-object uploaded, then the manifest ``<name>.manifest.json``; ``latest.json`` follows. What the
-store has committed is what is trusted, and what a user is told (its URL, never the working
-copy's path). The changes to the store (commits, the pointer, deletions, copies) run at once,
-in the caller, or with ``async_save`` in order on one thread of the store's, where ``flush``
-waits for them and raises the first failure."""
+"""ObjectStore: checkpoints on an object store, written into a local working copy (a LocalStore)
+and committed on the store by remote_protocol.py; what the store committed is trusted and
+named by its URL. Changes run in the caller, or with ``async_save`` in order on the store's
+thread, where ``flush`` waits for them and raises the first failure.
+"""
 
 from __future__ import annotations
 
@@ -59,12 +56,9 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def session(self, lead: bool) -> Iterator[None]:
-        """The ``lead``: the working copy's session, then a check that the store can be
-        written (a clear error now, before training, for a missing bucket or refused
-        credentials), its lease (one live job per folder), its committed checkpoints read and
-        the objects of incomplete ones deleted. Any other: the committed checkpoints as they
-        are now. On leaving, the changes still running are waited for (a failure is logged)
-        and the lease given up."""
+        """The ``lead`` probes the store, takes its lease and deletes incomplete checkpoints;
+        any other reads the committed ones. Leaving waits for running changes (a failure is
+        logged) and gives the lease up."""
         with self.copy.session(lead):
             try:
                 if lead:
@@ -182,11 +176,8 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- committing
     def staging(self, target: Path, folder: bool = False) -> Path:
-        """The working copy's staging path. The lead, before a folder is written under a
-        name the store has committed (a run resumed before a checkpoint that its killed
-        predecessor committed): its manifest goes first, once the changes before it have
-        landed, so that an old manifest never describes new objects (waits; raises the
-        first failure). A name not committed (every periodic one) costs no request."""
+        """The working copy's staging path; on the lead, a committed folder of that name loses
+        its manifest first, so an old manifest never describes new objects."""
         path = self.copy.staging(target, folder)
         if folder and self._lead and self._known is not None:
             committed = self._known.pop(target.name, None) is not None
@@ -198,10 +189,8 @@ class ObjectStore:
     def put(
         self, staging: Path, files: list[Path], name: str, known: dict[str, Entry] | None = None
     ) -> dict[str, Entry]:
-        """Upload this rank's ``files`` of the folder being written in ``staging`` as the
-        checkpoint ``name``'s objects now, several at once; their entries (``known``'s, by
-        file name, where the writer checksummed them). A single file is uploaded by its
-        commit (in the background with ``async_save``)."""
+        """Upload this rank's ``files`` of a folder now; their entries (``known``'s where the
+        writer checksummed them). A single file is uploaded by its commit."""
         if not staging.is_dir():
             return {}
         objects = {f"{name}/{path.name}": path for path in files}
@@ -215,10 +204,8 @@ class ObjectStore:
         run: str | None,
         objects: dict[str, Entry] | None = None,
     ) -> None:
-        """Committed in the working copy, then on the store after the changes before it (in
-        the background with ``async_save``): a single file uploaded, then the manifest (a
-        folder's ``objects`` were put already); a copy of the committed checkpoint named
-        ``source`` is made by the store and committed by its own manifest."""
+        """Commit in the working copy, then on the store after the changes before it: a single
+        file's upload, then the manifest; a copy is made by the store with its own manifest."""
         name = target.name
         if isinstance(source, str):
             if (self.dir / source).exists():

@@ -1,22 +1,7 @@
-"""The commit protocol of checkpoints on an object store (ObjectStore's), where nothing renames
-atomically.
-
-A checkpoint is the object ``ckpt-e0003-s00000120.pt`` (a single file) or the objects under
-``ckpt-e0003-s00000120/`` (a sharded folder), and it is trusted only when its manifest
-``<name>.manifest.json`` exists and every object it lists has the size and CRC-32 recorded
-there:
-
-1. every object is uploaded (each rank its own shards, several at once);
-2. then, once every rank's uploads finished, rank 0 writes the manifest: one PUT, so it is
-   there whole or not at all;
-3. then the ``latest.json`` pointer.
-
-A kill at any moment leaves no manifest (the objects are an incomplete checkpoint: never
-trusted, and deleted at the next start) or a complete checkpoint. A checkpoint written again
-under a committed name (a run resumed before a checkpoint its killed predecessor committed)
-loses its old manifest before any object is replaced. Deleting removes the manifest
-first, so a half-deleted checkpoint is never trusted either. Downloads are checked against the
-manifest: a changed or missing object is a CheckpointError naming it.
+"""The commit protocol of checkpoints on an object store, where nothing renames atomically: every
+object is uploaded, then rank 0 writes the manifest ``<name>.manifest.json`` (one PUT: the
+commit), then latest.json. A checkpoint without a readable manifest is never trusted; deleting
+removes the manifest first; downloads are checked against it (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -86,11 +71,8 @@ def read_manifests(
 
 
 def vouches_for(manifest: Manifest, name: str, where: str) -> None:
-    """Refuse (CheckpointError) a readable manifest that is not ``name``'s own: one that
-    names another checkpoint (copied or renamed by hand; its keys are checked to lie inside
-    its own checkpoint when it is read). Only a checkpoint's own manifest may decide which of
-    its objects are leftovers to delete: trusting another's deleted a whole older
-    checkpoint's data."""
+    """Refuse (CheckpointError) a manifest that names another checkpoint (copied or renamed
+    by hand): only a checkpoint's own manifest may decide which objects are leftovers."""
     if manifest.name != name:
         raise CheckpointError(f"{where} describes {manifest.name!r}, not {name!r}")
 
@@ -100,11 +82,8 @@ def incomplete(
     committed: Mapping[str, Manifest],
     is_checkpoint: Callable[[str], bool],
 ) -> list[str]:
-    """Objects of checkpoints that have no manifest at all (an upload killed before its
-    commit), or that their checkpoint's readable manifest does not list (a replaced folder's
-    leftovers). A checkpoint whose manifest exists but is not in ``committed`` (unreadable: a
-    newer format, damaged bytes, deleted since the listing) keeps every object: nothing is
-    deleted on the strength of a manifest that could not be read."""
+    """Objects of checkpoints with no manifest (a killed upload), or that their readable
+    manifest does not list; a manifest that exists but could not be read keeps every object."""
     listed = {key for manifest in committed.values() for key in manifest.objects}
     manifested = {key[: -len(SUFFIX)] for key in listing if "/" not in key and key.endswith(SUFFIX)}
     unread = manifested - committed.keys()

@@ -1,15 +1,7 @@
-"""RemoteStore: one folder of an object store (an fsspec URL: ``s3://``, ``gs://``, ``az://``,
-``memory://``, ``file://``) with the few operations checkpoints need.
-
-Every request has connect and read timeouts (the filesystem library's own settings:
-botocore's for ``s3://``), and every operation is retried on transient errors (connection
-resets, timeouts, throttling) with exponential backoff and jitter by tenacity, the one retry
-layer (the library's own retries are turned off, so that a silent endpoint costs ``attempts``
-timeouts, not their product); each retry logs one warning naming the object and the attempt.
-Errors that retrying cannot fix (a missing bucket, refused credentials, a missing object) fail
-at once as a CheckpointError naming the object and the fix. Credentials come only from where
-the filesystem library looks (environment variables, its config files, the instance's role) or
-``storage_options``; neither is ever logged.
+"""RemoteStore: one folder of an object store (an fsspec URL) with the few operations checkpoints
+need. Every request has a timeout; tenacity is the one retry layer (transient errors, backoff
+with jitter, one warning per retry); what retrying cannot fix is a CheckpointError naming the
+object and the fix at once. Credentials are never logged.
 """
 
 from __future__ import annotations
@@ -69,12 +61,9 @@ class RemoteStore:
         url: the folder's URL.
         storage_options: passed to the fsspec filesystem (an endpoint, a profile...).
         attempts: tries per operation before a transient error is final.
-        first_wait_s: the backoff after the first failed try; each next one doubles (with up
-            to half of it more, at random), up to 16 times it: with 1 s and 5 tries a
-            store's outage of about 15 s is ridden out.
-        timeout_s: the connect and read timeout of every request (``s3://``: botocore's
-            ``connect_timeout`` and ``read_timeout``, unless ``storage_options``'
-            ``config_kwargs`` set them).
+        first_wait_s: the first backoff; each next doubles (plus up to half, at random), up
+            to 16 times it.
+        timeout_s: the connect and read timeout of every request.
     """
 
     def __init__(
@@ -296,11 +285,8 @@ class RemoteStore:
         return self._call("list", "", walk)
 
     def check(self) -> None:
-        """Fail now, with the cause and the fix, when the folder cannot be written (a missing
-        bucket, refused credentials, an endpoint that never answers): a small object is
-        written and deleted, in ``PROBE_ATTEMPTS`` tries of at most ``PROBE_TIMEOUT_S`` each
-        (not the training's bound: 5 tries of 120 s made a silent store's start wait for 10
-        minutes)."""
+        """Write and delete a probe object in ``PROBE_ATTEMPTS`` tries of at most
+        ``PROBE_TIMEOUT_S``: a CheckpointError with the cause and the fix when it cannot."""
         timeout_s = min(self.timeout_s, PROBE_TIMEOUT_S)
         probing = RemoteStore(
             self.url, self.storage_options, min(self.attempts, PROBE_ATTEMPTS),
@@ -326,10 +312,8 @@ def with_timeouts(url: str, options: Mapping[str, Any], timeout_s: float) -> dic
 
 
 def _bound_every_s3_wait(fs: Any) -> None:
-    """Make botocore's read timeout bound every wait of s3fs's client: s3fs's own retry loop
-    off (tenacity is the only one), and no ``Expect: 100-continue`` on uploads (aiohttp waits
-    for the interim answer with no timeout at all, so a silent endpoint held a PutObject
-    forever; botocore/botocore#3613, #3755). The client is made now (no request is sent)."""
+    """Bound every wait of s3fs's client by botocore's timeout: s3fs's retries off, and no
+    ``Expect: 100-continue`` (aiohttp waits for it without a timeout; botocore#3613)."""
     from botocore.handlers import add_expect_header
 
     fs.retries = 1
