@@ -208,13 +208,6 @@ def _load_failure(source: Path, error: BaseException) -> str:
     )
 
 
-def _first_line(text: str, needle: str) -> str:
-    for line in text.splitlines():
-        if needle in line:
-            return line.strip()
-    return text.splitlines()[0].strip() if text else "unknown object"
-
-
 def _unreadable(source: Path, error: BaseException) -> str:
     size = _describe_size(source)
     hint = "it is empty" if size == "0 bytes" else "it is truncated, corrupt or not a torch file"

@@ -30,7 +30,6 @@ from nn_handler.checkpoint.saving import CheckpointWriter, SaveRoute
 from nn_handler.checkpoint.store import (
     CheckpointStore,
     flush_together,
-    is_checkpoint,
     location,
     open_store,
     where_of,
@@ -157,10 +156,6 @@ class CheckpointManager:
         self.remember(target, epoch, step)
         return target
 
-    def _agree(self, error: str | None, target: Path) -> Path:
-        agree_on(self.comm, error, f"writing checkpoint {self.location(target)}")
-        return target
-
     def location(self, target: Path) -> str:
         """Where the checkpoint ``target`` lives, as the user names it."""
         return location(self.where, target)
@@ -257,7 +252,7 @@ class CheckpointManager:
                     self.folder.remove(self.dir / name)
             except (OSError, CheckpointError) as caught:
                 error = f"{type(caught).__name__}: {caught}"
-        self._agree(error, target)
+        agree_on(self.comm, error, f"writing checkpoint {self.location(target)}")
 
     def improves(self, value: float) -> bool:
         if self.best_value is None:
@@ -282,12 +277,4 @@ class CheckpointManager:
         return [path for path in self.folder.checkpoints() if PERIODIC.match(path.name)]
 
 
-__all__ = [
-    "BEST",
-    "BEST_SHARDED",
-    "is_checkpoint",
-    "agree_on",
-    "CheckpointManager",
-    "periodic_name",
-    "restart_count",
-]
+__all__ = ["CheckpointManager", "Ranking"]

@@ -34,7 +34,7 @@ from nn_handler.checkpoint import (
     strip_wrapper_prefixes,
 )
 from nn_handler.checkpoint.io import unsafe_entries
-from nn_handler.checkpoint.manager import periodic_name
+from nn_handler.checkpoint.naming import periodic_name
 from nn_handler.checkpoint.single_file import FileWriter
 from nn_handler.checkpoint.store import LATEST
 from nn_handler.checkpoint.store.lease import LOCK

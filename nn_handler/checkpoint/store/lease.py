@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from loguru import logger
 
@@ -39,31 +39,10 @@ def job_of(env: Mapping[str, str]) -> str | None:
     return None
 
 
-class LockPlace(Protocol):
-    """Where a folder's lock lives: its four operations."""
-
-    where: str
-
-    def create(self, data: bytes) -> bool:
-        """Write ``data`` only where there is no lock; whether it did (NotImplementedError:
-        this place cannot)."""
-
-    def read(self) -> bytes | None: ...
-
-    def write(self, data: bytes) -> None: ...
-
-    def remove(self) -> None: ...
-
-    def age(self) -> float | None:
-        """Seconds since the lock was last written, by the clock of the place that holds it
-        (None: unknown)."""
-
-    def once(self) -> LockPlace:
-        """The same place, with no retries (for a release at exit)."""
-
-
 class FileLock:
-    """The lock of a local folder."""
+    """The lock of a local folder. A lock place: ``create`` writes only where there is none
+    (whether it did; NotImplementedError: it cannot), ``age`` by the place's own clock,
+    ``once`` the same place without retries."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / LOCK
@@ -125,6 +104,10 @@ class ObjectLock:
 
     def once(self) -> ObjectLock:
         return ObjectLock(self.store.once())
+
+
+#: Where a folder's lock lives.
+LockPlace = FileLock | ObjectLock
 
 
 class Lease:
