@@ -23,7 +23,7 @@ from nn_handler.checkpoint.agreement import agree_on
 from nn_handler.checkpoint.manifest import Entry
 from nn_handler.checkpoint.store import location
 from nn_handler.checkpoint.store.files import staging_path
-from nn_handler.checkpoint.writing import CheckpointWriter, Written
+from nn_handler.checkpoint.writing import CheckpointWriter, WriteJob, Written
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import ConfigError
 
@@ -89,7 +89,7 @@ class SaveRoute:
             staging = staging_path(target, writer.folder)
             refusal = f"{type(caught).__name__}: {caught}"
         where = location(self.where, target)
-        write = writer.begin(staging, where, contents, refusal, budget_s, background)
+        write = writer.begin(WriteJob(staging, where, contents, refusal, budget_s, background))
         pending = _Pending(target, staging, writer, run, then)
         if background:
             if self._thread is None:

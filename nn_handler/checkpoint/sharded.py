@@ -27,7 +27,7 @@ from nn_handler.checkpoint.sharded_errors import (
     save_failure,
 )
 from nn_handler.checkpoint.verify import verify_files
-from nn_handler.checkpoint.writing import Written
+from nn_handler.checkpoint.writing import WriteJob, Written
 from nn_handler.distributed.communicator import Communicator
 from nn_handler.errors import CheckpointError
 
@@ -44,23 +44,15 @@ class ShardedWriter:
         self._group = group
         self._stager = CachedStager()
 
-    def begin(
-        self,
-        staging: Path,
-        where: str,
-        contents: Any,
-        refusal: str | None,
-        budget_s: float | None,
-        background: bool,
-    ) -> Callable[[], Written]:
+    def begin(self, job: WriteJob) -> Callable[[], Written]:
         """Rank 0's REST file and (``background``) this rank's copy now; the DCP write after.
         A refusal is raised in DCP's planning, so every rank learns it before any writes."""
-        rest, shards = contents
+        (rest, shards), staging, where, refusal = job.contents, job.staging, job.where, job.refusal
         if self.comm.rank == 0 and refusal is None:
             refusal = _prepare(staging, rest, where)
         writer = _writer(staging)
         staged = shards
-        if background:
+        if job.background:
             try:
                 staged = self._stager.stage(shards)
             except Exception as caught:  # (memory full, say)

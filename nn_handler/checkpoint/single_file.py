@@ -12,7 +12,7 @@ from typing import Any
 from loguru import logger
 
 from nn_handler.checkpoint.io import unsafe_entries, write_file
-from nn_handler.checkpoint.writing import Written
+from nn_handler.checkpoint.writing import WriteJob, Written
 from nn_handler.distributed.communicator import Communicator
 
 #: Seconds a cancelled save gets to stop and remove its temporary file.
@@ -28,24 +28,17 @@ class FileWriter:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def begin(
-        self,
-        staging: Path,
-        where: str,
-        contents: Any,
-        refusal: str | None,
-        budget_s: float | None,
-        background: bool,
-    ) -> Callable[[], Written]:
+    def begin(self, job: WriteJob) -> Callable[[], Written]:
         """The write, run at once by the route (rank 0's live state is written: never in
-        the background). ``budget_s`` bounds it: past it the save is cancelled (the file
-        does not appear)."""
+        the background); past ``job.budget_s`` it is cancelled (the file does not appear)."""
 
         def write() -> Written:
             if self.comm.rank != 0:
                 return Written()
-            error = refusal or _write_on_main(contents, where, staging, budget_s)
-            return Written([staging], error=error)
+            error = job.refusal or _write_on_main(
+                job.contents, job.where, job.staging, job.budget_s
+            )
+            return Written([job.staging], error=error)
 
         return write
 

@@ -26,6 +26,24 @@ class Written:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class WriteJob:
+    """One checkpoint for a writer to write."""
+
+    #: The store's staging place: a file, or a folder every rank writes into.
+    staging: Path
+    #: The checkpoint as the user names it (errors say it).
+    where: str
+    #: What to write (a writer's own form; rank 0's where only rank 0 writes).
+    contents: Any
+    #: Why this rank's part must not go on (every rank is told before any writes).
+    refusal: str | None = None
+    #: The longest the write may take (None: no bound).
+    budget_s: float | None = None
+    #: Whether the write runs in a thread while training goes on.
+    background: bool = False
+
+
 class CheckpointWriter(Protocol):
     """Writes one checkpoint's files into its staging place (checkpoint/single_file.py,
     checkpoint/sharded.py). Every rank calls ``begin`` at the same point."""
@@ -33,19 +51,9 @@ class CheckpointWriter(Protocol):
     #: Whether every rank writes into a folder (else rank 0 writes one file).
     folder: bool
 
-    def begin(
-        self,
-        staging: Path,
-        where: str,
-        contents: Any,
-        refusal: str | None,
-        budget_s: float | None,
-        background: bool,
-    ) -> Callable[[], Written]:
+    def begin(self, job: WriteJob) -> Callable[[], Written]:
         """What must happen now (rank 0's preparation; a background save's copy of this
-        rank's state), and the write to run now or in a thread. ``where``: the checkpoint as
-        the user names it (errors say it); ``refusal``: this rank's part must not go on
-        (every rank is told before any writes)."""
+        rank's state), and the write to run now or in a thread."""
 
 
-__all__ = ["CheckpointWriter", "Written"]
+__all__ = ["CheckpointWriter", "WriteJob", "Written"]
