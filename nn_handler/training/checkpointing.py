@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from nn_handler.checkpoint.manager import CheckpointManager
 from nn_handler.checkpoint.opening import open_on_every_rank
-from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry
+from nn_handler.checkpoint.registry import Part, Stateful, StateRegistry, restore_shards
 from nn_handler.checkpoint.run_identity import new_run_id, run_to_continue
 from nn_handler.checkpoint.saving import save_to, writer_for
 from nn_handler.checkpoint.sharded import verify_sharded
@@ -35,10 +35,13 @@ from nn_handler.training.checkpoint_format import (
     refuse_a_shorter_latest,
     world_change_note,
 )
+from nn_handler.training.fault_tolerance.shards import local_state, take_local_state
 from nn_handler.training.position import LoopPosition, check_data
 
 #: A wait for the previous background save at least this long is logged.
 NOTED_WAIT_S = 0.5
+#: A member's state's keys (``member_state``): its shards, and the unsharded rest.
+SHARDS, REST_OF_MEMBER = "shards", "rest"
 
 
 class TrainerCheckpoints:
@@ -156,11 +159,13 @@ class TrainerCheckpoints:
         verified: bool = False,
         automatic: bool = False,
         for_inference: bool = False,
+        shards: Mapping[str, Any] | None = None,
     ) -> None:
         """Give every part its state from ``checkpoint`` (with a sharded one's ``folder``,
-        verified first unless ``verified``); the next fit continues it as the same run. Another
-        run configuration's checkpoint is refused when chosen ``automatic``-ally, else loaded
-        with a warning. Every rank must call this with the same checkpoint."""
+        verified first unless ``verified``, or its ``shards`` in memory: a member's); the next
+        fit continues it as the same run. Another run configuration's checkpoint is refused
+        when chosen ``automatic``-ally, else loaded with a warning. Every rank must call this
+        with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
@@ -182,7 +187,7 @@ class TrainerCheckpoints:
                 self.log.warning(self._world_note)
                 self._world_note = None
         shared, ranks, sharded = parts_of(ckpt)
-        if sharded and folder is None:
+        if sharded and folder is None and shards is None:
             raise CheckpointError(
                 f"{source} holds the unsharded parts of a sharded checkpoint only; resume "
                 f"from its folder (trainer.resume(folder)) to load the shards too."
@@ -194,6 +199,9 @@ class TrainerCheckpoints:
         )
         if folder is not None and sharded:
             self._load_shards(folder, sharded, source)
+        for part in self.registry.sharded():
+            if shards is not None and part.name in shards:
+                restore_shards(part, shards[part.name], source)
         if saved_world != world and self.position.resume is not None:
             self.position.resume.saved_world = saved_world
         self.own_run(saved_run)
@@ -233,9 +241,28 @@ class TrainerCheckpoints:
         parts' shards and the rest."""
         if not self.writer.folder:
             return self.state_dict()
-        shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
-        shards = {name: state for name, state in shards.items() if state}  # "optimizers": {}
+        shards = self._shards()
         return self._collect(list(shards)), shards
+
+    def _shards(self) -> dict[str, Any]:
+        shards = {p.name: p.shards() for p in self.registry.sharded() if p.shards is not None}
+        return {name: state for name, state in shards.items() if state}  # "optimizers": {}
+
+    def member_state(self) -> dict[str, Any]:
+        """This rank's part of its member's state, for the same rank of a member that joins
+        (fault tolerance): its shards, local, with their layout, and the unsharded rest. Every
+        rank of the member must call this."""
+        shards = self._shards()
+        rest = self.comm.broadcast_object(self._collect(list(shards)), src=0)
+        return {**local_state({SHARDS: shards}), REST_OF_MEMBER: rest}
+
+    def take_member_state(self, payload: Mapping[str, Any], source: str) -> None:
+        """Load ``member_state``'s ``payload`` from the same rank of a live member: a member
+        sharded otherwise is a ConfigError, a payload that does not fit a CheckpointError,
+        before anything changes. Every rank of the member must call this."""
+        filled = take_local_state({SHARDS: self._shards()}, payload, source)
+        rest = payload.get(REST_OF_MEMBER)
+        self.load(rest or {}, source, allow_world_size_change=True, shards=filled[SHARDS])
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a

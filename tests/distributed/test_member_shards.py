@@ -1,9 +1,10 @@
-"""A sharded member's state sent rank by rank (training/fault_tolerance/shards.py) in a real
-4-rank gloo group: two members of 2 ranks, each FSDP2 over its own ranks (a 2 x 2 mesh, the
-member the outer dimension). Rank i of the live member sends its shards to rank i of the
-joining one through VerifiedTransport; the joiner then trains on to the live member's bits.
-A member sharded over another number of ranks is refused with the fix. One spawned group runs
-every check.
+"""A sharded member's state sent rank by rank (training/fault_tolerance/shards.py), in real gloo
+groups. Four ranks: two members of 2 ranks, each FSDP2 over its own ranks (a 2 x 2 mesh, the
+member the outer dimension); rank i of the live member sends its shards to rank i of the
+joining one through VerifiedTransport, and the joiner trains on to the live member's bits; a
+member sharded over another number of ranks is refused with the fix. Two ranks: the Trainer's
+member state (TrainerCheckpoints.member_state) makes a fresh sharded Trainer go on with the
+same bits.
 """
 
 from __future__ import annotations
@@ -118,3 +119,42 @@ def test_a_joining_member_takes_the_shards_rank_by_rank_and_ends_with_the_same_b
         assert "torchrun --nproc-per-node" in r["resized"] and r["untouched"]
         assert "b is float64 of shape (4, 4) there and float32" in r["dtype"]
         assert r["none_copied"]
+
+
+def _trainer_checks(rank: int, world_size: int) -> dict[str, Any]:
+    import io
+
+    from nn_handler import DistributedContext
+    from tests.reproducible_helpers import full_digest, handler, sharded, train
+
+    context = DistributedContext().setup()
+    out: dict[str, Any] = {}
+    live = handler("cnn", context, **sharded("cnn", {}))
+    train(live, "cnn", epochs=1)
+    # What rank r of the live member sends, as the transport carries it (weights-only bytes).
+    sent = io.BytesIO()
+    torch.save(live.trainer.checkpointing.member_state(), sent)
+    received = torch.load(io.BytesIO(sent.getvalue()), weights_only=True)
+    joiner = handler("cnn", context, **sharded("cnn", {}))  # fresh: a member that joins
+    out["apart"] = full_digest(joiner) != full_digest(live)
+    for group in joiner.trainer.optimizer.param_groups:  # type: ignore[union-attr]
+        group["lr"] = 1.0  # taken from the live member's optimizer state too
+    joiner.trainer.checkpointing.take_member_state(received, f"the state of rank {rank}")
+    out["joined"] = full_digest(joiner) == full_digest(live)
+    out["step"] = (joiner.trainer.state.global_step, live.trainer.state.global_step)
+    train(live, "cnn", epochs=2)  # both go on with the second epoch: dropout, BN, Adam
+    train(joiner, "cnn", epochs=2)
+    out["same_end"] = full_digest(joiner) == full_digest(live)
+    live.close()
+    joiner.close()
+    return out
+
+
+def test_a_sharded_trainers_member_state_makes_a_fresh_one_go_on_with_the_same_bits() -> None:
+    """The Trainer's state of a member of 2 FSDP2 ranks (the reproducible CNN: BatchNorm,
+    dropout, Adam), rank by rank: a fresh member that takes it is at the same step with the
+    same bits, and ends the next epoch with the same SHA-256 as the member it came from."""
+    results = run_group(_trainer_checks, 2, timeout=180)
+    for r in results:
+        assert r["apart"] and r["joined"] and r["same_end"], r
+        assert r["step"][0] == r["step"][1] > 0
