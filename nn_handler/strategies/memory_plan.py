@@ -37,6 +37,12 @@ FAULT_TOLERANCE_NOTE = (
     "an int64 copy of each step's sum, kept for a redo without a lost member (twice that "
     "during a redo)"
 )
+#: The plan's item for a member's state in flight when a member joins (transport.py).
+JOIN = "a member's join"
+JOIN_NOTE = (
+    "this rank's state (parameters, buffers, optimizer state) twice while it is sent to a "
+    "member that joins, or received: its bytes, and the tensors made of them"
+)
 #: How many blocks FSDP2 holds gathered at once (the one computing and the one prefetched),
 #: for their parameters in forward and again for their unsharded gradients in backward.
 BLOCKS_IN_FLIGHT = 2
@@ -142,16 +148,18 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """The peak: training's or validation's, the larger. Training's is every item but
-        validation, with the gradients and the activations counted as the larger of the two
-        (backward frees a block's activations as it makes its gradients; both peak at
-        different moments); validation's is every item but the activations, plus the
-        evaluation pass's (the gradients are still held then)."""
+        """The peak: training's, validation's or a join's, the largest. Training's is every
+        item but validation and a join, with the gradients and the activations counted as the
+        larger of the two (backward frees a block's activations as it makes its gradients;
+        both peak at different moments); validation's is every item but the activations, plus
+        the evaluation pass's (the gradients are still held then); a join's, between two
+        steps, every item but the gradients and activations, plus the state in flight."""
         sizes = {name: size for name, size, _ in self.items}
-        validation = sizes.pop(VALIDATION, 0)
-        overlap = min(sizes.get("gradients", 0), sizes.get("activations", 0))
-        training = sum(sizes.values()) - overlap
-        return max(training, sum(sizes.values()) - sizes.get("activations", 0) + validation)
+        validation, join = sizes.pop(VALIDATION, 0), sizes.pop(JOIN, 0)
+        gradients, activations = sizes.get("gradients", 0), sizes.get("activations", 0)
+        training = sum(sizes.values()) - min(gradients, activations)
+        joining = sum(sizes.values()) - gradients - activations + join
+        return max(training, sum(sizes.values()) - activations + validation, joining)
 
     def heading(self) -> str:
         """The line above the items."""
@@ -202,12 +210,14 @@ def plan_memory(
     state elements per parameter element; activations left out when not yet estimated, the
     validation pass when the run does not validate."""
     shard = layout.shard
+    held = sizes.parameters // shard + sizes.buffers
+    optimizer_state = int(slots * sizes.trainable) // shard
     items: list[tuple[str, int, str]] = [
-        ("parameters", sizes.parameters // shard + sizes.buffers, _split(shard) + ", buffers"),
+        ("parameters", held, _split(shard) + ", buffers"),
         ("gradients", sizes.trainable // shard, _split(shard)),
         (
             "optimizer state",
-            int(slots * sizes.trainable) // shard,
+            optimizer_state,
             f"{optimizer}, {slots:g} per parameter, {_split(shard)}",
         ),
     ]
@@ -232,6 +242,7 @@ def plan_memory(
             items.append((MICRO_GRADIENTS, sizes.trainable, MICRO_GRADIENTS_NOTE))
         if layout.fault_tolerant:  # ExactStep.unsent: the int64 sum, whole (2T)
             items.append(("fault tolerance", 2 * sizes.trainable, FAULT_TOLERANCE_NOTE))
+            items.append((JOIN, 2 * (held + optimizer_state), JOIN_NOTE))
     if activations is not None:
         kept = activations.under(layout.activation_checkpointing)
         how = f"one micro-batch, {layout.activation_checkpointing} checkpointing"
@@ -323,6 +334,7 @@ def check_budget(plan: MemoryPlan, budget: int, suggestion: str, source: str) ->
 
 
 __all__ = [
+    "JOIN",
     "MICRO_GRADIENTS",
     "VALIDATION",
     "Activations",

@@ -929,3 +929,26 @@ def test_a_preemption_after_the_vote_waits_for_the_next_step_that_says_it_leaves
     assert _preempted(checkpoints) is True  # the next vote says it leaves
     assert watch.agreed(8) is True
     assert _preempted(SimpleNamespace(hook=None)) is False  # no folder: no watch
+
+
+def test_a_state_in_flight_is_held_once_as_bytes_on_each_side() -> None:
+    """What the memory plan counts for a join (its item "a member's join"): the sender holds
+    the state's bytes once (the payload is a view of them), the receiver reads them where they
+    arrived (only torch's own tensors: the payload and the state it loads)."""
+    import tracemalloc
+
+    transport, _ = _transport()
+    state = {"w": torch.arange(2**21, dtype=torch.float32)}  # 8 MiB
+    size = 4 * 2**21
+    tracemalloc.start()
+    try:
+        transport.send_checkpoint([1], 2, state, timedelta(seconds=1))
+        sent = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        received = transport.recv_checkpoint(0, "", 2, timedelta(seconds=1))
+        read = tracemalloc.get_traced_memory()[1] - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(received["w"], state["w"])
+    assert size <= sent < 1.5 * size, sent
+    assert read < 0.25 * size, read

@@ -227,6 +227,23 @@ def test_a_fault_tolerant_member_plans_the_copy_of_each_sum_it_keeps() -> None:
     assert items["fault tolerance"] == 2 * 110 * 4  # int64 of 110 float32 parameters
     assert items["reproducible mode"] == 4 * 110 * 4 and items["micro-batch gradients"] == 440
     assert plan.collectives is None
+    # A join between two steps: the state in flight twice (bytes and tensors), no gradients.
+    state = items["parameters"] + items["optimizer state"]
+    assert items["a member's join"] == 2 * state > 0
+    skipped = ("gradients", "activations", "validation")
+    assert plan.memory.total >= sum(v for k, v in items.items() if k not in skipped)
+
+
+def test_a_join_between_two_steps_is_a_peak_of_its_own() -> None:
+    """The state in flight at a join coexists with the parameters and the optimizer state,
+    never with a step's gradients or activations: the plan's peak is the larger."""
+    from nn_handler.strategies.memory_plan import JOIN, Layout, MemoryPlan
+
+    items = (("parameters", 10, ""), ("gradients", 5, ""), ("optimizer state", 20, ""),
+             ("activations", 8, ""))  # fmt: skip
+    assert MemoryPlan(Layout("single"), items).total == 10 + 8 + 20  # backward's peak
+    assert MemoryPlan(Layout("single"), (*items, (JOIN, 60, ""))).total == 10 + 20 + 60
+    assert MemoryPlan(Layout("single"), (*items, (JOIN, 2, ""))).total == 10 + 8 + 20
 
 
 def test_a_factory_that_fails_on_meta_is_one_line_naming_the_fix() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import re
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -38,10 +38,10 @@ class VerifiedTransport(CheckpointTransport):  # type: ignore[misc]
     ) -> None:
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
-        data = buffer.getbuffer()
+        data = buffer.getbuffer()  # the bytes once: the payload is a view of them
         entry = entry_of_bytes(data)
         header = torch.tensor([entry["size"], entry["crc32"], step], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payload = torch.frombuffer(data, dtype=torch.uint8)
         works = []
         for rank in dst_ranks:
             works.append(self._group.send([header], rank, tag=_HEADER))
@@ -58,7 +58,7 @@ class VerifiedTransport(CheckpointTransport):  # type: ignore[misc]
             raise CheckpointError(f"{where}: it is of step {sent_step}; it was refused.")
         payload = torch.empty(size, dtype=torch.uint8)
         self._group.recv([payload], src_rank, tag=_BYTES).wait(timeout)
-        data = payload.numpy().tobytes()
+        data = payload.numpy().data  # read where they arrived: no copy
         got = entry_of_bytes(data)
         if got["crc32"] != crc:
             raise CheckpointError(
@@ -66,13 +66,43 @@ class VerifiedTransport(CheckpointTransport):  # type: ignore[misc]
                 f"{crc:08x} was sent; it was refused (it is sent again at the next step)."
             )
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            reader = cast("IO[bytes]", _Reader(data))
+            return torch.load(reader, map_location="cpu", weights_only=True)
         except Exception as error:  # a refused global, a foreign stream
             named = _GLOBAL.search(str(error))
             why = f"it names {named[1]}" if named else f"{type(error).__name__}"
             raise CheckpointError(
                 f"{where} cannot be loaded weights-only ({why}); it was refused."
             ) from error
+
+
+class _Reader(io.RawIOBase):
+    """A seekable reader of bytes already in memory, without a copy of them (BytesIO copies
+    any but a ``bytes`` object)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data, self._at = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), len(self._data) - self._at)
+        memoryview(buffer).cast("B")[:size] = self._data[self._at : self._at + size]
+        self._at += size
+        return size
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 __all__ = ["VerifiedTransport"]
