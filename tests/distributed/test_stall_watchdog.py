@@ -102,15 +102,16 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     return found
 
 
-def _both_raise(outcome: Outcome, error: str) -> list[str]:
-    """Both ranks' reports (a stall's whole ``report``, which its message points to)."""
+def _both_raise(outcome: Outcome, error: str, raisers: int = 2) -> list[str]:
+    """Both ranks' reports (a stall's whole ``report``, which its message points to);
+    ``raisers``: the ranks whose error the output shows."""
     messages = []
     for rank in (0, 1):
         raised = outcome.raised(rank)
         assert raised is not None and raised["type"] == error, (rank, raised, outcome.output)
         messages.append(raised["report"] or raised["message"])
         if error == "CollectiveStallError":
-            _printed_once(outcome, raised)
+            _printed_once(outcome, raised, raisers)
     assert messages[0] == messages[1], "both ranks raise the same report"
     return messages
 
@@ -257,7 +258,11 @@ def test_under_torchrun_the_job_fails_with_the_report(
         if error == "CollectiveStallError":
             _printed_once(outcome, first, raisers=1)
         return
-    _both_raise(outcome, error)
+    # Both raised; torchrun may still stop the second between its record of the error and
+    # its traceback (seen on a loaded machine): then only the first one's is printed.
+    shown = sum(f"[rank{rank}]: Traceback" in outcome.output for rank in (0, 1))
+    assert shown == 2 or "closing signal SIGTERM" in outcome.output, outcome.output
+    _both_raise(outcome, error, shown)
 
 
 @pytest.mark.parametrize(

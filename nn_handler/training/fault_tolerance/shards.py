@@ -11,11 +11,11 @@ naming the first tensor and the fix; nothing is resharded.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from nn_handler.checkpoint.registry import describe_tensor
 from nn_handler.errors import CheckpointError, ConfigError
@@ -31,7 +31,7 @@ def local_state(state: Any) -> dict[str, Any]:
     layout: dict[str, list[Any]] = {}
 
     def plain(value: Any, path: str) -> Any:
-        if isinstance(value, DTensor):
+        if _is_dtensor(value):
             layout[path] = _layout_of(value)
             return value.to_local().detach().clone()
         if isinstance(value, Mapping):
@@ -54,14 +54,14 @@ def take_local_state(template: Any, received: Mapping[str, Any], where: str) -> 
     if not isinstance(layout, Mapping):
         raise CheckpointError(f"{where}: it has no shard layout; it was refused.")
     pairs = list(_pairs(template, state, "", where))
-    mine = {path: _layout_of(ours) for path, ours, _ in pairs if isinstance(ours, DTensor)}
+    mine = {path: _layout_of(ours) for path, ours, _ in pairs if _is_dtensor(ours)}
     for path in sorted(set(mine) | set(layout)):
         theirs = layout.get(path)
         if theirs is None or path not in mine or list(theirs) != mine[path]:
             raise ConfigError(_mismatch(where, path.lstrip("."), mine.get(path), theirs))
     for path, ours, value in pairs:
-        local = ours.to_local() if isinstance(ours, DTensor) else ours
-        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        local = ours.to_local() if _is_dtensor(ours) else ours
+        if not isinstance(value, torch.Tensor) or _is_dtensor(value):
             raise CheckpointError(f"{where}: {path.lstrip('.')} is not a plain tensor; refused.")
         if value.shape != local.shape or value.dtype != local.dtype:
             raise CheckpointError(
@@ -69,11 +69,18 @@ def take_local_state(template: Any, received: Mapping[str, Any], where: str) -> 
                 f"{describe_tensor(local)} here; it was refused."
             )
     for _, ours, value in pairs:
-        (ours.to_local() if isinstance(ours, DTensor) else ours).copy_(value)
+        (ours.to_local() if _is_dtensor(ours) else ours).copy_(value)
     return _filled(template, state)
 
 
-def _layout_of(tensor: DTensor) -> list[Any]:
+def _is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (none exists before torch.distributed.tensor is
+    imported, which importing nn_handler does not: it costs every process 0.4 s)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _layout_of(tensor: Any) -> list[Any]:
     mesh = tensor.device_mesh
     return [
         list(tensor.shape),
