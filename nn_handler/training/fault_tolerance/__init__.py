@@ -5,7 +5,9 @@ Built on torchft (the ``ft`` extra): its Lighthouse decides each step's membersh
 (lighthouse.py, a process no member lives in), its Manager and reconfigurable gloo group carry
 one member's steps (replica.py); collectives go through a Communicator over that group
 (communicator.py), and a member that joins receives the state verified with the checkpoints'
-checksums, never unpickled (transport.py). On one machine, a Supervisor (supervisor.py,
+checksums, never unpickled (transport.py); a sharded member's, rank by rank, as local shards
+with their layout (shards.py: the first parts of members of several ranks, not yet wired into
+the mode, which still refuses FSDP). On one machine, a Supervisor (supervisor.py,
 ``nn-handler supervise``) starts the members and restarts only a dead one."""
 
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
