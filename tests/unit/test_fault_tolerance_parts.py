@@ -952,3 +952,12 @@ def test_a_state_in_flight_is_held_once_as_bytes_on_each_side() -> None:
     assert torch.equal(received["w"], state["w"])
     assert size <= sent < 1.5 * size, sent
     assert read < 0.25 * size, read
+
+
+def test_a_member_of_several_ranks_without_its_stores_port_is_refused_first() -> None:
+    """Its ranks meet at its store, where rank 0 listens: the port must be the same on each,
+    so a free one chosen by rank 0 alone cannot do; said before any connection is made."""
+    from nn_handler.training.fault_tolerance import Replica
+
+    with pytest.raises(ConfigError, match=r"member m0: a member of 2 ranks needs its store's port"):
+        Replica("http://127.0.0.1:1", "m0", dict, print, group_rank=1, group_size=2)

@@ -152,6 +152,29 @@ def test_an_attempt_of_a_gone_member_is_aborted_only_if_it_had_not_voted() -> No
     assert verdicts.answer("abort_missing", ["6/1/0", "b"]) is False  # committed
 
 
+def test_a_member_of_two_ranks_gone_aborts_unless_both_of_its_ranks_voted_done() -> None:
+    """Members of 2 ranks vote per rank (``member/rank``), 4 votes commit a step of two; a
+    member gone is missing from the attempt unless every one of its ranks voted done."""
+    verdicts = Verdicts()
+
+    def vote(attempt: str, voter: str, wait_s: float = 30.0) -> threading.Thread:
+        thread = threading.Thread(target=lambda: verdicts.answer(
+            "vote", [attempt, 4, True, "p", wait_s, False, voter]), daemon=True)  # fmt: skip
+        thread.start()
+        _until(lambda: f"{attempt}/done/{voter}" in verdicts.values)
+        return thread
+
+    waiting = [vote("7/1/0", voter) for voter in ("a/0", "a/1", "b/0")]
+    assert "7/1/0/verdict" not in verdicts.values  # three of four: no verdict yet
+    assert verdicts.answer("abort_missing", ["7/1/0", "b", 2]) is True  # b/1 never voted
+    assert verdicts.answer("abort_missing", ["7/1/0", "a", 2]) is True  # decided: abort
+    waiting = [vote("8/1/0", voter) for voter in ("a/0", "b/0", "b/1")]
+    assert verdicts.answer("abort_missing", ["8/1/0", "b", 2]) is False  # b's ranks both voted
+    assert verdicts.answer("vote", ["8/1/0", 4, True, "p", 30.0, False, "a/1"])[0] == "commit"
+    for thread in waiting:
+        thread.join(10)
+
+
 class _Collective:
     """A collective in flight that never ends (a member stopped: gloo waits its timeout)."""
 

@@ -25,10 +25,14 @@ class PulseWatch:
     ``close``; a store that is gone is reached again there (a Lighthouse restarted). The
     member says when each attempt starts and ends (``started``, ``ended``) and waits for its
     collectives through ``wait``: a member of the attempt gone in between (that had not voted
-    on it) ends the attempt, in the store for every member, and here the collective's wait."""
+    on it with each of its ``ranks``) ends the attempt, in the store for every member, and
+    here the collective's wait. Each rank of a member pulses under the member's name: one
+    rank's death is the member's."""
 
-    def __init__(self, address: tuple[str, int], member: str, timeout_s: float) -> None:
-        self.member = member
+    def __init__(
+        self, address: tuple[str, int], member: str, timeout_s: float, ranks: int = 1
+    ) -> None:
+        self.member, self.ranks = member, ranks
         self._address, self._timeout_s = address, timeout_s
         self._lock = threading.Lock()
         self._attempt = ""  # the attempt in flight ("": none)
@@ -136,7 +140,8 @@ class PulseWatch:
             if member not in self._members or self._store is None:
                 return
             try:
-                aborted = self._store.abort_missing(self._attempt, member.rsplit(":", 1)[0])
+                gone = member.rsplit(":", 1)[0]
+                aborted = self._store.abort_missing(self._attempt, gone, self.ranks)
             except OSError:  # the store is gone: the collective's own timeout says it
                 return
             if aborted:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from nn_handler.errors import DistributedError, NNHandlerError, RunFinished
+from nn_handler.errors import ConfigError, DistributedError, NNHandlerError, RunFinished
 from nn_handler.training.fault_tolerance import engine, quorum
 from nn_handler.training.fault_tolerance.communicator import ReplicaCommunicator
 from nn_handler.training.fault_tolerance.engine import TCPStore, cause
@@ -58,6 +58,12 @@ class Replica:
             Lighthouse that is gone to answer again at its address (restarted).
         init_sync: the members' first step gives every one the state of one of them (False:
             they start with the same state already).
+        group_rank, group_size: this process's rank in its member, and the member's ranks
+            (a member of several ranks, e.g. one torchrun's FSDP2 group: each rank is a
+            Replica; rank i's collectives and state transfers are with rank i of the other
+            members, and a step commits once every rank of every member voted done).
+        store_port: the port of the member's own store, where its rank 0 listens (0: a free
+            one, for a member of one rank).
     """
 
     #: Whether this attempt's members were agreed (a quorum: the run's first step, after an
@@ -67,6 +73,9 @@ class Replica:
     agreed: bool = True
     #: The key of a verdict this member read that a restarted Lighthouse decided otherwise.
     _diverged: str = ""
+    #: This process's rank in its member, and the member's ranks.
+    group_rank: int = 0
+    group_size: int = 1
 
     def __init__(
         self,
@@ -80,11 +89,20 @@ class Replica:
         timeout_s: float = 5.0,
         quorum_timeout_s: float = 30.0,
         init_sync: bool = True,
+        group_rank: int = 0,
+        group_size: int = 1,
+        store_port: int = 0,
     ) -> None:
         engine.require_torchft()
         from nn_handler.training.fault_tolerance.transport import VerifiedTransport
 
+        if group_size > 1 and not store_port:
+            raise ConfigError(
+                f"member {member_id}: a member of {group_size} ranks needs its store's port "
+                f"(store_port), the same on each of its ranks: its rank 0 listens there."
+            )
         self.member_id = member_id
+        self.group_rank, self.group_size = group_rank, group_size
         self.lighthouse = lighthouse
         self.min_members = min_members
         self.timeout_s = timeout_s
@@ -98,8 +116,12 @@ class Replica:
             quorum_timeout_s,
             self._restored,
         )
-        # The replica group's own store (a group of one process): torchft's Manager needs one.
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # The member's own store, which torchft's Manager needs: its rank 0 listens on it.
+        self._store: Any = None
+        self._store_port = store_port
+        if group_rank == 0:
+            self._store = TCPStore(host, store_port, is_master=True, wait_for_workers=False)
+            self._store_port = int(self._store.port)
         self.group: Any = engine.member_group(timeout, self._group_label)
         try:
             self.manager: Any = engine.member_manager(
@@ -112,9 +134,9 @@ class Replica:
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=quorum_timeout_s),
                 connect_timeout=timeout,
-                rank=0,
-                world_size=1,
-                store_port=self._store.port,
+                rank=group_rank,
+                world_size=group_size,
+                store_port=self._store_port,
                 lighthouse_addr=lighthouse,
                 replica_id=member_id,
                 checkpoint_transport=VerifiedTransport(self.group, timeout),
@@ -131,7 +153,7 @@ class Replica:
         self.failure: BaseException | None = None
         # A member of the attempt gone (its process ended, or silent) ends it now (pulses.py).
         self._pulse = PulseWatch(
-            self._verdicts.address, engine.replica_id(self.manager), timeout_s + 5
+            self._verdicts.address, engine.replica_id(self.manager), timeout_s + 5, group_size
         )
         self._reach = Reachability(  # a member cut off from the others leaves (reachability.py)
             self._verdicts, lighthouse, self._pulse.member, f"{host}:{self.store_port}", timeout_s
@@ -150,9 +172,9 @@ class Replica:
 
     @property
     def store_port(self) -> int:
-        """The port of this member's replica-group store (torch's TCPStore, which listens on
+        """The port of this member's store (torch's TCPStore, which its rank 0 listens on, on
         every interface as torchrun's does)."""
-        return int(self._store.port)
+        return self._store_port
 
     @property
     def step(self) -> int:
@@ -169,6 +191,16 @@ class Replica:
     def members(self) -> int:
         """How many members the current step has."""
         return int(self.manager.num_participants())
+
+    @property
+    def voter(self) -> str:
+        """This rank's name as a voter (a member of one rank: the member's)."""
+        return self.member_id if self.group_size == 1 else f"{self.member_id}/{self.group_rank}"
+
+    @property
+    def voters(self) -> int:
+        """How many votes commit the current step: one per rank of each member."""
+        return self.members * self.group_size
 
     def next_attempt(self) -> None:
         """Start the next attempt of a step: with the members of the attempt before when it
@@ -391,7 +423,7 @@ class Replica:
             committed, self.run_position, again = self._ask(
                 f"the verdict on step {self.step}",
                 lambda: self._verdicts.vote(
-                    key, self.members, done, position, self.timeout_s, leaving, self.member_id
+                    key, self.voters, done, position, self.timeout_s, leaving, self.voter
                 ),
             )
         finally:

@@ -105,7 +105,8 @@ class Verdicts:
             if op == "leave":
                 return self.pulses.leave(str(args[0]))
             if op == "abort_missing":
-                return self._abort_missing(str(args[0]), str(args[1]))
+                ranks = int(args[2]) if len(args) > 2 else 1
+                return self._abort_missing(str(args[0]), str(args[1]), ranks)
             raise KeyError(f"no request {op!r}")
 
     def _restore(self, known: dict[str, str]) -> list[str]:
@@ -180,12 +181,13 @@ class Verdicts:
             return self._decided(attempt)
         return ANSWERED if reply is not None else self._verdict_of(attempt)
 
-    def _abort_missing(self, attempt: str, member: str) -> bool:
+    def _abort_missing(self, attempt: str, member: str, ranks: int = 1) -> bool:
         """``member`` of ``attempt`` is gone: abort it unless it is decided or ``member``
-        voted done on it (its collectives finished); whether its verdict is abort. Called under
-        the lock."""
+        voted done on it with each of its ``ranks`` (its collectives finished); whether its
+        verdict is abort. Called under the lock."""
         values, verdict = self.values, f"{attempt}/verdict"
-        if verdict not in values and f"{attempt}/done/{member}" not in values:
+        voters = [member] if ranks == 1 else [f"{member}/{rank}" for rank in range(ranks)]
+        if verdict not in values and any(f"{attempt}/done/{v}" not in values for v in voters):
             values[verdict] = "abort"
             if f"{attempt}/position" in values:  # its voters waiting are answered
                 self._decided(attempt)
@@ -313,10 +315,10 @@ class VerdictStore:
         """``member`` leaves: the end of its pulse's connection is no death."""
         self._request("leave", member)
 
-    def abort_missing(self, attempt: str, member: str) -> bool:
+    def abort_missing(self, attempt: str, member: str, ranks: int = 1) -> bool:
         """``member`` of ``attempt`` is gone: abort it unless decided or ``member`` voted done
-        on it; whether its verdict is abort."""
-        return self._request("abort_missing", attempt, member) is True
+        on it with each of its ``ranks``; whether its verdict is abort."""
+        return self._request("abort_missing", attempt, member, ranks) is True
 
     def restore(self, known: dict[str, str]) -> list[str]:
         """Tell the store what this member knows of the run (Verdicts._restore); the keys
