@@ -1,24 +1,16 @@
-"""Replica: one member of a fault-tolerant run, over torchft's Manager. Each step:
+"""Replica: one member of a fault-tolerant run (or one rank of it), over torchft's Manager. Each
+step:
 
     replica.next_attempt()    # the step's members: those of the step before, or agreed again
-                              # by the Lighthouse (after an abort, or when a member asked to
-                              # join); a member behind the run first receives the state of one
+                              # (after an abort, or a join); a member behind first receives
     ... collectives through replica.communicator (ranks: replica.rank of replica.members)
     if replica.commit(place): # every member finished the step: it counts, step it
         optimizer.step()
     else:                     # a member was lost: nothing changed; the same step is redone
 
-A step is committed only if its collectives completed on every member of it, so what it summed
-is the whole step's (every micro-batch of it, whoever computed them); the verdict, commit or
-abort, is decided once by the Lighthouse's verdicts' store (verdicts.py) from the members'
-votes and read by every member in the same request as its vote, so none commits a step that
-another abandons, even when a member dies in the middle of a collective that completed on
-some. An abandoned step is redone with the same micro-batches spread over the members left.
-A failure-free step costs one request to the store (the vote) besides its collectives: the
-members agree on who they are (torchft's quorum) only when that may have changed, after an
-abort or a join, and the verdict says when, the same for all. Each member is its own torchft
-replica group of one process (its own launcher), so a member's death is never its launcher's
-reason to kill the others.
+The verdict is decided once by the verdicts' store (verdicts.py) from every rank's vote, so
+none commits a step another abandons; the members agree on who they are (torchft's quorum)
+only when that may have changed (docs/fault-tolerance.md, "What it promises").
 """
 
 from __future__ import annotations
@@ -52,18 +44,13 @@ class Replica:
         load_state_dict: takes that state in a new member.
         min_members: the fewest members a step may commit with.
         host: the address this member listens on and is reached at.
-        timeout_s: the longest wait for a collective or a state transfer (a member silent
-            that long is lost).
+        timeout_s: the longest wait for a collective or a state transfer.
         quorum_timeout_s: the longest wait for a step's members to be agreed, and for a
             Lighthouse that is gone to answer again at its address (restarted).
-        init_sync: the members' first step gives every one the state of one of them (False:
-            they start with the same state already).
-        group_rank, group_size: this process's rank in its member, and the member's ranks
-            (a member of several ranks, e.g. one torchrun's FSDP2 group: each rank is a
-            Replica; rank i's collectives and state transfers are with rank i of the other
-            members, and a step commits once every rank of every member voted done).
-        store_port: the port of the member's own store, where its rank 0 listens (0: a free
-            one, for a member of one rank).
+        init_sync: the first step gives every member the state of one of them.
+        group_rank, group_size: this rank in its member, and the member's ranks (each rank
+            a Replica; rank i sums and heals with rank i of the others).
+        store_port: the member's store's port, where its rank 0 listens (0: a free one).
     """
 
     #: Whether this attempt's members were agreed (a quorum: the run's first step, after an
@@ -203,10 +190,9 @@ class Replica:
         return self.members * self.group_size
 
     def next_attempt(self) -> None:
-        """Start the next attempt of a step: with the members of the attempt before when it
-        was committed and no member asked to join since (the verdict said so, the same for
-        every member), else agreed again (``begin_step``). Every member must call this at the
-        start of each step after its first, redone ones included."""
+        """Start the next attempt of a step: with the last attempt's members when the verdict
+        says so, else agreed again (``begin_step``). Every member must call this at the start
+        of each step after its first, redone ones included."""
         if self._next == "same":
             self._attempt = 0  # a new step: its first attempt, with the same members
             self.agreed = False
@@ -215,19 +201,13 @@ class Replica:
             self.begin_step(ask=self._next == "ask")
 
     def begin_step(self, least: int | None = None, ask: bool = True) -> bool:
-        """Agree on this step's members; a member behind the run (a new one) first receives
-        the state of one that is not, and returns True (it then takes part whatever
-        ``least``). With fewer than ``least`` members (default ``min_members``), wait for more
-        up to ``quorum_timeout_s``, then raise DistributedError; a state transfer that failed
-        (its sender or this member's connection lost) is tried again at the next agreement.
-        A member calls this before its first step, and whenever ``next_attempt`` says to (or
-        at every step: then the members take the quorum every step, all alike). With ``ask``
-        it first asks to be one of the members (``JOINS``): the others, whose steps need no
-        quorum while nothing changes, agree on their members again at their next step but one
-        at the latest, so that a new member, or one left out of a quorum after an abort, is
-        not left waiting (members that agree again because a verdict said so do not ask: the
-        asking would never end); it asks again every second (a tenth of ``quorum_timeout_s`` if
-        less) while it waits."""
+        """Agree on this step's members; a member behind the run first receives the state of
+        one that is not, and returns True. With fewer than ``least`` (default
+        ``min_members``), wait up to ``quorum_timeout_s``, then raise DistributedError; a
+        failed state transfer is tried again at the next agreement. Called before the first
+        step and whenever ``next_attempt`` says to. With ``ask`` it first asks to be a member
+        (``JOINS``, again every second while it waits), so that the others agree again at
+        their next step but one."""
         if not ask:
             return self._agree(least, ask)
         self._ask("the run's members", self._raise_if_finished)
@@ -240,9 +220,8 @@ class Replica:
             asked.set()
 
     def finish(self) -> None:
-        """The run's last step is committed: a member that starts after this learns it at
-        once and leaves (``begin_step`` raises RunFinished). Every member may call this at the
-        end of its run; the first one's step is kept."""
+        """The run's last step is committed: a member that starts later leaves at once
+        (RunFinished). Any member may call this at its run's end; the first one's is kept."""
         self._ask("the run's end", lambda: self._verdicts.compare_set(FINISHED, "", str(self.step)))
 
     def _raise_if_finished(self) -> None:
@@ -253,9 +232,8 @@ class Replica:
 
     def _ask_again(self, asked: threading.Event) -> None:
         """Ask to join again every second (a tenth of ``quorum_timeout_s`` if less) until
-        ``asked`` is set: the others agree once after the first ask, which may be before this
-        member's request for the quorum reaches the Lighthouse (a loaded machine), and would
-        not agree again while no step fails. Each ask costs them at most one agreement."""
+        ``asked``: the first ask may reach the others before this member's quorum request
+        reaches the Lighthouse (a loaded machine). Each costs them one agreement at most."""
         while not asked.wait(min(1.0, self.quorum_timeout_s / 10)):
             with contextlib.suppress(RuntimeError, OSError):  # the quorum's own error says it
                 self._verdicts.add(JOINS, 1)
@@ -355,9 +333,8 @@ class Replica:
         self._pulse.wait(work, self.timeout_s)
 
     def lost(self, error: BaseException) -> None:
-        """A collective of this step failed: the step will not be committed. The group is
-        aborted at once (its connections closed), so that members still waiting in a
-        collective on this one fail now instead of at their timeout."""
+        """A collective of this step failed: it will not be committed. The group is aborted
+        at once, so that the others' collectives waiting on this one fail now."""
         self.failure = error
         self.manager.report_error(error)
         in_flight = self._pulse.left_in_flight()
@@ -372,12 +349,10 @@ class Replica:
         return f"{what} of step {self.step + 1} failed: a member was lost ({cause(error)})"
 
     def commit(self, position: str = "", leaving: bool = False) -> bool:
-        """Whether the step counts: every collective of it completed on every one of its
-        members (at least ``min_members``), all at ``position`` in the data (the first
-        member's to vote: ``run_position`` after this). The same answer on every member; step
-        the optimizer only if it is True. ``leaving``: this member leaves the run after this
-        step (preempted): the others agree on their members before the next, instead of
-        finding it gone in its collective. Every member must call this once per attempt."""
+        """Whether the step counts: its collectives completed on every rank of its members,
+        all at ``position`` in the data; the same answer everywhere (step the optimizer only
+        then). ``leaving``: this member leaves after this step (preempted). Every rank of every
+        member must call this once per attempt."""
         if self.failure is None and self.manager.errored() is not None:
             self.failure = self.manager.errored()  # torchft saw one of ours fail: abort
         step, members = self.step, self.members
@@ -391,9 +366,8 @@ class Replica:
         return False
 
     def _first_undecided(self, quorum: int) -> int:
-        """This step's attempt in ``quorum``: the first without a verdict. Every member of the
-        quorum asked for it after the verdicts of the earlier attempts were written (it read
-        them, or they were written without its vote), so every member finds the same one."""
+        """This step's attempt in ``quorum``: the first without a verdict (every member asks
+        after the earlier attempts' verdicts were written: all find the same one)."""
         key = f"{self.step}/{quorum}"
 
         def decided(attempt: int) -> bool:
@@ -405,19 +379,17 @@ class Replica:
         return attempt
 
     def _group_label(self, quorum: int) -> str:
-        """The store prefix of the group of this step's attempt in ``quorum`` of this
-        Lighthouse's life (two members that read it differently, a Lighthouse restarted
-        between their reads, never form a group: the attempt fails, and is agreed again)."""
+        """The store prefix of this step's attempt's group in ``quorum`` of this Lighthouse's
+        life (members that read it differently never form a group: agreed again)."""
         attempt = self._first_undecided(quorum)
         label = f"{self._ask('the run', lambda: self._verdicts.value(LIFE, ''))}.{attempt}"
         self._reach.group = f"{quorum}/{label}", engine.quorum_members(self.manager)
         return label
 
     def _vote(self, position: str, leaving: bool = False) -> bool:
-        """This member's vote on this attempt of the step (done, or abort after a failure)
-        and the run's verdict, in one request: commit when every member voted done at the
-        same place in the data, abort when one failed or a vote is missing after
-        ``timeout_s`` (the first verdict decided stands)."""
+        """This rank's vote (done, or abort after a failure) and the run's verdict, in one
+        request: commit when every rank of every member voted done at the same place in the
+        data, abort at a failure or a vote missing after ``timeout_s``."""
         key, done = self._key, self.failure is None
         try:
             committed, self.run_position, again = self._ask(
@@ -463,9 +435,8 @@ class Replica:
         return answer
 
     def _restored(self, differing: list[str]) -> None:
-        """A Lighthouse answered again after it was lost (restarted): the next quorum builds
-        a new group whatever its id (the new Lighthouse counts from the start); a verdict it
-        holds that differs from this member's is kept to be said (``_ask``)."""
+        """A restarted Lighthouse answered: the next quorum builds a new group whatever its id;
+        a verdict it holds that differs from this member's is kept to be said (``_ask``)."""
         engine.forget_quorum(self.manager)
         self._diverged = next((key for key in differing if key.endswith("/verdict")), "")
 
