@@ -164,8 +164,9 @@ class TrainerCheckpoints:
         """Give every part its state from ``checkpoint`` (with a sharded one's ``folder``,
         verified first unless ``verified``, or its ``shards`` in memory: a member's); the next
         fit continues it as the same run. Another run configuration's checkpoint is refused
-        when chosen ``automatic``-ally, else loaded with a warning. Every rank must call this
-        with the same checkpoint."""
+        when chosen ``automatic``-ally, else loaded with a warning; ``for_inference``
+        (NNHandler.load): a world-size change is said at the next fit. Every rank must call
+        this with the same checkpoint."""
         if allow_world_size_change is None:
             allow_world_size_change = self.config.allow_world_size_change
         ckpt = check_checkpoint(checkpoint, source)
