@@ -261,9 +261,9 @@ class TrainerCheckpoints:
         """Load ``member_state``'s ``payload`` from the same rank of a live member: a member
         sharded otherwise is a ConfigError, a payload that does not fit a CheckpointError,
         before anything changes. Every rank of the member must call this."""
+        rest = check_checkpoint(payload.get(REST_OF_MEMBER), source)  # before a shard is copied
         filled = take_local_state({SHARDS: self._shards()}, payload, source)
-        rest = payload.get(REST_OF_MEMBER)
-        self.load(rest or {}, source, allow_world_size_change=True, shards=filled[SHARDS])
+        self.load(rest, source, allow_world_size_change=True, shards=filled[SHARDS])
 
     def save_periodic(self, budget_s: float | None = None, *, final: bool = False) -> Path:
         """The periodic checkpoint of the current position; ``final`` (the end of fit, a

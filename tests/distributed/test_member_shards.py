@@ -93,6 +93,12 @@ def _member_checks(rank: int, world_size: int) -> dict[str, Any]:
     except ConfigError as error:
         out["resized"] = str(error)
     out["untouched"] = bool(torch.all(four.to_local() == 0))
+    # Another model: a tensor of another shape, on the same layout.
+    shorter = distribute_tensor(torch.zeros(6, 4), mesh["shard"], [Shard(0)])
+    try:
+        take_local_state({"w": shorter}, local_state({"w": two}), "the shards of member 0")
+    except ConfigError as error:
+        out["reshaped"] = str(error)
     # A shard of another dtype is refused before anything is copied.
     payload = local_state({"a": two, "b": two})
     payload["state"]["b"] = payload["state"]["b"].double()
@@ -117,6 +123,7 @@ def test_a_joining_member_takes_the_shards_rank_by_rank_and_ends_with_the_same_b
     for r in results:
         assert "mesh of [2] ranks" in r["resized"] and "[4]" in r["resized"]
         assert "torchrun --nproc-per-node" in r["resized"] and r["untouched"]
+        assert "w has the shape (8, 4) on the sending member and (6, 4) here" in r["reshaped"]
         assert "b is float64 of shape (4, 4) there and float32" in r["dtype"]
         assert r["none_copied"]
 
@@ -125,6 +132,7 @@ def _trainer_checks(rank: int, world_size: int) -> dict[str, Any]:
     import io
 
     from nn_handler import DistributedContext
+    from nn_handler.errors import CheckpointError
     from tests.reproducible_helpers import full_digest, handler, sharded, train
 
     context = DistributedContext().setup()
@@ -139,6 +147,13 @@ def _trainer_checks(rank: int, world_size: int) -> dict[str, Any]:
     out["apart"] = full_digest(joiner) != full_digest(live)
     for group in joiner.trainer.optimizer.param_groups:  # type: ignore[union-attr]
         group["lr"] = 1.0  # taken from the live member's optimizer state too
+    # Without the member's unsharded rest: refused before any shard of the joiner changes.
+    before = full_digest(joiner)
+    try:
+        joiner.trainer.checkpointing.take_member_state({**received, "rest": None}, "no rest")
+    except CheckpointError as error:
+        out["no_rest"] = str(error)
+    out["unchanged"] = full_digest(joiner) == before
     joiner.trainer.checkpointing.take_member_state(received, f"the state of rank {rank}")
     out["joined"] = full_digest(joiner) == full_digest(live)
     out["step"] = (joiner.trainer.state.global_step, live.trainer.state.global_step)
@@ -157,4 +172,6 @@ def test_a_sharded_trainers_member_state_makes_a_fresh_one_go_on_with_the_same_b
     results = run_group(_trainer_checks, 2, timeout=180)
     for r in results:
         assert r["apart"] and r["joined"] and r["same_end"], r
+        assert "no rest is not an nn_handler training checkpoint" in r["no_rest"]
+        assert r["unchanged"]
         assert r["step"][0] == r["step"][1] > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nn_handler.errors import CheckpointError
+from nn_handler.errors import CheckpointError, ConfigError
 from nn_handler.training.fault_tolerance.shards import LAYOUT, STATE, local_state, take_local_state
 
 
@@ -36,4 +36,22 @@ def test_a_payload_that_does_not_fit_is_refused_and_nothing_changes(
     mine = {"w": torch.zeros(4)}
     with pytest.raises(CheckpointError, match=message):
         take_local_state(mine, payload, "the state of member 0")
+    assert torch.equal(mine["w"], torch.zeros(4))
+
+
+def test_a_list_of_another_length_is_refused() -> None:
+    mine = {"groups": [torch.zeros(2), torch.zeros(2)]}
+    sent = local_state({"groups": [torch.ones(2)]})
+    with pytest.raises(CheckpointError, match="groups differs in length; refused"):
+        take_local_state(mine, sent, "the state of member 0")
+    assert all(torch.equal(t, torch.zeros(2)) for t in mine["groups"])
+
+
+def test_a_tensor_sharded_only_on_the_sender_is_a_config_error_naming_it() -> None:
+    """The sender's layout names a sharded tensor this member holds whole: another model or
+    fsdp settings; the fix is said."""
+    sent = {STATE: {"w": torch.ones(4)}, LAYOUT: {".w": [[8], ["Shard(dim=0)"], [2], [0]]}}
+    mine = {"w": torch.zeros(4)}
+    with pytest.raises(ConfigError, match="w is sharded only on the sending member; every"):
+        take_local_state(mine, sent, "the state of member 0")
     assert torch.equal(mine["w"], torch.zeros(4))
